@@ -1,0 +1,154 @@
+"""Qwen3.5 building blocks: Linear (dense or GPTQ-int8, with optional low-rank row deltas),
+gated full attention, Gated DeltaNet and the SwiGLU MLP. Math goes through qv.kernels only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from qv import kernels as K
+from qv.config import ModelConfig
+from qv.kernels.linear import GPTQWeight
+from qv.model.batch import StepBatch
+from qv.model.cache import GDNState, KVCache
+
+
+@dataclass
+class LowRankDelta:
+    """y[:, out_start:out_end] += (x A^T) B^T * scale for the batch's delta rows only."""
+
+    a: torch.Tensor  # [r, K]
+    b: torch.Tensor  # [out_end - out_start, r]
+    scale: float
+    out_start: int
+    out_end: int
+
+
+class Linear:
+    """y = x W^T (+ b). `weight` is a dense [N, K] tensor or a GPTQWeight; several checkpoint
+    modules may be fused along N (q/k/v, gate/up, ...), `deltas` then address their column ranges."""
+
+    def __init__(self, weight: torch.Tensor | GPTQWeight, bias: torch.Tensor | None = None):
+        self.weight = weight
+        self.bias = bias
+        self.deltas: list[LowRankDelta] = []
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def __call__(self, x: torch.Tensor, delta_rows: torch.Tensor | None = None) -> torch.Tensor:
+        y = K.linear(x, self.weight, self.bias)
+        if self.deltas and delta_rows is not None and delta_rows.numel():
+            for d in self.deltas:
+                y[:, d.out_start:d.out_end] = K.lora_delta(
+                    y[:, d.out_start:d.out_end], x, delta_rows, d.a, d.b, d.scale
+                )
+        return y
+
+
+def fuse_linears(parts: list[Linear]) -> list[Linear]:
+    """Concatenate linears along N when they share a format (dense, or GPTQ with the same groups);
+    otherwise return them unchanged. Fusing saves launches and re-reads of the activations."""
+    if len(parts) == 1:
+        return parts
+    ws = [p.weight for p in parts]
+    if any(p.bias is not None for p in parts) or any(p.deltas for p in parts):
+        return parts
+    if all(isinstance(w, torch.Tensor) for w in ws) and len({w.dtype for w in ws}) == 1:
+        return [Linear(torch.cat(ws, dim=0))]
+    if all(isinstance(w, GPTQWeight) for w in ws):
+        g0 = ws[0].g_idx
+        same_groups = all(torch.equal(w.g_idx, g0) and w.scales.shape[0] == ws[0].scales.shape[0] for w in ws)
+        same_zero_kind = len({w.zeros is None for w in ws}) == 1
+        if same_groups and same_zero_kind:
+            zeros = None if ws[0].zeros is None else torch.cat([w.zeros for w in ws], dim=1)
+            return [Linear(GPTQWeight(torch.cat([w.qweight for w in ws], dim=1), torch.cat([w.scales for w in ws], dim=1),
+                                      zeros, g0, ws[0].group_size))]
+    return parts
+
+
+class FusedLinear:
+    """One or more fused Linears computing the concatenation of `sizes` output columns."""
+
+    def __init__(self, parts: list[Linear], sizes: list[int]):
+        self.sizes = sizes
+        self.parts = fuse_linears(parts)
+
+    def __call__(self, x: torch.Tensor, delta_rows: torch.Tensor | None = None) -> list[torch.Tensor]:
+        if len(self.parts) == 1:
+            return list(self.parts[0](x, delta_rows).split(self.sizes, dim=-1))
+        return [p(x, delta_rows) for p in self.parts]
+
+    def concat(self, x: torch.Tensor, delta_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """All output columns as one [T, sum(sizes)] tensor."""
+        if len(self.parts) == 1:
+            return self.parts[0](x, delta_rows)
+        return torch.cat([p(x, delta_rows) for p in self.parts], dim=-1)
+
+
+class GatedAttention:
+    """Full attention with a sigmoid output gate, per-head q/k RMSNorm, partial (m)RoPE and GQA."""
+
+    def __init__(self, cfg: ModelConfig, qkv: FusedLinear, o_proj: Linear, q_norm: torch.Tensor,
+                 k_norm: torch.Tensor):
+        self.cfg = cfg
+        self.qkv, self.o_proj = qkv, o_proj
+        self.q_norm, self.k_norm = q_norm, k_norm
+        self.scale = cfg.head_dim**-0.5
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, batch: StepBatch, kv: KVCache) -> torch.Tensor:
+        cfg, t = self.cfg, x.shape[0]
+        hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q_gate, k, v = self.qkv(x, batch.delta_rows)
+        q_gate = q_gate.view(t, hq, 2 * d)  # per head [query | gate]
+        q = K.rms_norm(q_gate[..., :d].reshape(t * hq, d), self.q_norm, cfg.rms_norm_eps).view(t, hq, d)
+        gate = q_gate[..., d:].reshape(t, hq * d)
+        k = K.rms_norm(k.reshape(t * hkv, d), self.k_norm, cfg.rms_norm_eps).view(t, hkv, d)
+        v = v.reshape(t, hkv, d)
+        q, k = K.rope(q, k, positions, cfg.rotary_dim, cfg.rope_theta, cfg.mrope_section, cfg.mrope_interleaved)
+        a = batch.attn
+        K.write_kv(k, v, kv.k, kv.v, a.slot_mapping, kv.k_scale, kv.v_scale)
+        o = K.paged_attention(q, kv.k, kv.v, a.block_tables, batch.cu_seqlens_q, a.seq_lens, self.scale,
+                              kv.k_scale, kv.v_scale, batch.max_query_len, a.max_seq_len)
+        return self.o_proj(K.sigmoid_mul(o.view(t, hq * d), gate), batch.delta_rows)
+
+
+class GatedDeltaNet:
+    """Linear attention with the gated delta rule: conv1d over [q|k|v], per-head recurrence,
+    gated RMSNorm with z, output projection."""
+
+    def __init__(self, cfg: ModelConfig, in_proj_qkvz: FusedLinear, in_proj_ba: FusedLinear, out_proj: Linear,
+                 conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor):
+        self.cfg = cfg
+        self.in_proj_qkvz, self.in_proj_ba, self.out_proj = in_proj_qkvz, in_proj_ba, out_proj
+        self.conv_weight, self.A_log, self.dt_bias, self.norm_weight = conv_weight, A_log, dt_bias, norm_weight
+
+    def __call__(self, x: torch.Tensor, batch: StepBatch, st: GDNState, layer: int) -> torch.Tensor:
+        cfg, t = self.cfg, x.shape[0]
+        hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv, kd = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_key_dim
+        mixed, z = self.in_proj_qkvz(x, batch.delta_rows)
+        b, a = self.in_proj_ba(x, batch.delta_rows)
+        g = batch.gdn
+        mixed = K.causal_conv1d(mixed.contiguous(), self.conv_weight, st.conv, batch.cu_seqlens_q, g.state_slots,
+                                g.has_initial_state, True, batch.max_query_len)
+        q = mixed[:, :kd].view(t, hk, dk)
+        k = mixed[:, kd:2 * kd].view(t, hk, dk)
+        v = mixed[:, 2 * kd:].view(t, hv, dv)
+        inter = None if g.intermediate_states is None else g.intermediate_states.get(layer)
+        o = K.gated_delta_rule(q, k, v, a, b, self.A_log, self.dt_bias, st.ssm, batch.cu_seqlens_q, g.state_slots,
+                               g.has_initial_state, None, st.ssm_scale, inter, batch.max_query_len)
+        o = K.gated_rms_norm(o.reshape(t * hv, dv), z.reshape(t * hv, dv), self.norm_weight, cfg.rms_norm_eps)
+        return self.out_proj(o.view(t, hv * dv), batch.delta_rows)
+
+
+class MLP:
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, gate_up: FusedLinear, down: Linear):
+        self.gate_up, self.down = gate_up, down
+
+    def __call__(self, x: torch.Tensor, delta_rows: torch.Tensor | None) -> torch.Tensor:
+        return self.down(K.silu_mul(self.gate_up.concat(x, delta_rows)), delta_rows)

@@ -1,0 +1,155 @@
+"""The Qwen3.5 hybrid text model: embeddings, Gated DeltaNet and gated full-attention decoder
+layers (each followed by a SwiGLU MLP), final norm and lm_head (tied or not).
+
+The forward takes a flat batch of tokens described by a StepBatch, never a padded [B, T]
+tensor, so the engine drives prefill chunks, decodes and speculative rows in one call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qv import kernels as K
+from qv.config import ModelConfig
+from qv.model.batch import StepBatch
+from qv.model.cache import HybridCache
+from qv.model.layers import MLP, FusedLinear, GatedAttention, GatedDeltaNet, Linear
+from qv.model.weights import CheckpointError, CheckpointReader
+
+
+class DecoderLayer:
+    def __init__(self, index: int, kind: str, mixer, mlp: MLP, input_norm: torch.Tensor, post_norm: torch.Tensor,
+                 eps: float):
+        self.index, self.kind = index, kind
+        self.mixer, self.mlp = mixer, mlp
+        self.input_norm, self.post_norm, self.eps = input_norm, post_norm, eps
+
+    def __call__(self, h, residual, positions, batch: StepBatch, cache: HybridCache):
+        if residual is None:
+            x, residual = K.rms_norm(h, self.input_norm, self.eps), h
+        else:
+            x, residual = K.rms_norm(h, self.input_norm, self.eps, residual)
+        if self.kind == "full_attention":
+            h = self.mixer(x, positions, batch, cache.kv[self.index])
+        else:
+            h = self.mixer(x, batch, cache.gdn[self.index], self.index)
+        x, residual = K.rms_norm(h, self.post_norm, self.eps, residual)
+        return self.mlp(x, batch.delta_rows), residual
+
+
+class Qwen3_5TextModel:
+    """Call `forward` for final-norm hidden states and `compute_logits` for the rows that need them."""
+
+    def __init__(self, cfg: ModelConfig, embed_tokens: torch.Tensor, layers: list[DecoderLayer],
+                 norm: torch.Tensor, lm_head: Linear):
+        self.cfg = cfg
+        self.embed_tokens, self.layers, self.norm, self.lm_head = embed_tokens, layers, norm, lm_head
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.dtype
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens[input_ids]
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: StepBatch, cache: HybridCache,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [T]; positions [T] or [3, T] (mRoPE); returns final-norm hidden states [T, H]."""
+        h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        residual = None
+        for layer in self.layers:
+            h, residual = layer(h, residual, positions, batch, cache)
+        out, _ = K.rms_norm(h, self.norm, self.cfg.rms_norm_eps, residual)
+        return out
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [R, H] -> fp32 logits [R, vocab]."""
+        return self.lm_head(hidden).float()
+
+
+# ---------------------------------------------------------------------------------------------
+# building from a checkpoint
+# ---------------------------------------------------------------------------------------------
+
+
+def load_text_model(model_dir: str, cfg: ModelConfig | None = None, dtype: torch.dtype = torch.float32,
+                    device: torch.device | str = "cpu", ignore_prefixes: tuple[str, ...] = ("mtp.", "model.visual.")
+                    ) -> Qwen3_5TextModel:
+    """Build the text model from `model_dir`. Tensors not used by it and not under
+    `ignore_prefixes` are an error (a wrong or mixed-up checkpoint)."""
+    cfg = cfg or ModelConfig.from_dir(model_dir)
+    reader = CheckpointReader(model_dir, cfg)
+    model = build_text_model(cfg, reader, dtype, device)
+    extra = reader.unused(ignore_prefixes)
+    if extra:
+        shown = ", ".join(extra[:8]) + (f" (+{len(extra) - 8} more)" if len(extra) > 8 else "")
+        raise CheckpointError(f"checkpoint has tensors qv does not know: {shown}")
+    return model
+
+
+def build_text_model(cfg: ModelConfig, reader: CheckpointReader, dtype: torch.dtype,
+                     device: torch.device | str) -> Qwen3_5TextModel:
+    p = cfg.weight_prefix
+    h = cfg.hidden_size
+    f32 = torch.float32
+
+    def lin(name: str, n: int, k: int) -> Linear:
+        bias = reader.tensor(f"{name}.bias", dtype, device) if reader.has(f"{name}.bias") and not reader.has(
+            f"{name}.qweight") else None
+        return Linear(reader.linear(name, n, k, dtype, device), bias)
+
+    def vec(name: str, n: int, dt=f32) -> torch.Tensor:
+        return reader.tensor(name, dt, device, shape=(n,))
+
+    embed = reader.tensor(f"{p}embed_tokens.weight", dtype, device, shape=(cfg.vocab_size, h))
+    layers = []
+    for i, kind in enumerate(cfg.layer_types):
+        lp = f"{p}layers.{i}."
+        if kind == "full_attention":
+            mixer = _build_attention(cfg, lp + "self_attn.", lin, vec)
+        else:
+            mixer = _build_gdn(cfg, lp + "linear_attn.", lin, vec, reader, dtype, device)
+        mlp = MLP(
+            FusedLinear([lin(lp + "mlp.gate_proj", cfg.intermediate_size, h),
+                         lin(lp + "mlp.up_proj", cfg.intermediate_size, h)],
+                        [cfg.intermediate_size, cfg.intermediate_size]),
+            lin(lp + "mlp.down_proj", h, cfg.intermediate_size),
+        )
+        layers.append(DecoderLayer(i, kind, mixer, mlp, vec(lp + "input_layernorm.weight", h),
+                                   vec(lp + "post_attention_layernorm.weight", h), cfg.rms_norm_eps))
+    norm = vec(f"{p}norm.weight", h)
+    if cfg.tie_word_embeddings:
+        lm_head = Linear(embed)
+        if reader.has("lm_head.weight"):
+            reader.used.add("lm_head.weight")  # some writers store the tied copy too
+    else:
+        lm_head = lin("lm_head", cfg.vocab_size, h)
+    return Qwen3_5TextModel(cfg, embed, layers, norm, lm_head)
+
+
+def _build_attention(cfg: ModelConfig, ap: str, lin, vec) -> GatedAttention:
+    h, d = cfg.hidden_size, cfg.head_dim
+    if not cfg.attn_output_gate:
+        raise CheckpointError("attn_output_gate=false is not supported: Qwen3.5 attention is gated")
+    q_out, kv_out = cfg.num_attention_heads * d * 2, cfg.num_key_value_heads * d
+    qkv = FusedLinear([lin(ap + "q_proj", q_out, h), lin(ap + "k_proj", kv_out, h), lin(ap + "v_proj", kv_out, h)],
+                      [q_out, kv_out, kv_out])
+    return GatedAttention(cfg, qkv, lin(ap + "o_proj", h, cfg.num_attention_heads * d),
+                          vec(ap + "q_norm.weight", d), vec(ap + "k_norm.weight", d))
+
+
+def _build_gdn(cfg: ModelConfig, gp: str, lin, vec, reader, dtype, device) -> GatedDeltaNet:
+    h, hv = cfg.hidden_size, cfg.linear_num_value_heads
+    conv_dim, vd = cfg.linear_conv_dim, cfg.linear_value_dim
+    qkvz = FusedLinear([lin(gp + "in_proj_qkv", conv_dim, h), lin(gp + "in_proj_z", vd, h)], [conv_dim, vd])
+    ba = FusedLinear([lin(gp + "in_proj_b", hv, h), lin(gp + "in_proj_a", hv, h)], [hv, hv])
+    width = cfg.linear_conv_kernel_dim
+    conv = reader.tensor(gp + "conv1d.weight", dtype, device, shape=(conv_dim, 1, width))[:, 0, :].contiguous()
+    return GatedDeltaNet(cfg, qkvz, ba, lin(gp + "out_proj", h, vd), conv, vec(gp + "A_log", hv),
+                         vec(gp + "dt_bias", hv), vec(gp + "norm.weight", cfg.linear_value_head_dim))

@@ -1,0 +1,48 @@
+"""Shared fixtures. On machines without CUDA, Triton kernels run through the interpreter, so the
+CPU suite exercises the real kernel source at tiny shapes (TRITON_INTERPRET must be set before
+triton is imported, hence here)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+try:
+    import torch
+
+    _HAS_CUDA = torch.cuda.is_available()
+except ImportError:  # pragma: no cover
+    _HAS_CUDA = False
+if not _HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def pytest_collection_modifyitems(config, items):
+    if _HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the device with `pytest -m gpu`)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """Checkpoint folders of every tiny preset, built once per session."""
+    from qv.model.tiny import make_tiny
+
+    root = tmp_path_factory.mktemp("tiny")
+    cache: dict[tuple, Path] = {}
+
+    def get(preset: str = "tiny", seed: int = 0, mtp: bool = False) -> Path:
+        key = (preset, seed, mtp)
+        if key not in cache:
+            cache[key] = make_tiny(root / f"{preset}-{seed}-{int(mtp)}", preset, seed, mtp)
+        return cache[key]
+
+    return get
