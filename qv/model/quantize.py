@@ -1,0 +1,244 @@
+"""`qv quantize`: write a GPTQ-Int8 checkpoint (round-to-nearest) in the standard layout that
+vLLM, transformers/GPTQModel and exllama read: checkpoint_format "gptq" (v1, zero stored minus
+one), qweight int32 [K/4, N], qzeros int32 [K/g, N/4], scales fp16 [K/g, N], g_idx int32 [K].
+
+Which modules are quantized: every 2-D `<module>.weight` whose HF module name (e.g.
+`model.language_model.layers.3.mlp.down_proj`) is not matched (`re.match`) by DEFAULT_EXCLUDE or
+by a user `--exclude` regex. Everything else is copied unchanged: 1-D/3-D tensors (norms,
+conv1d, A_log, dt_bias) are never candidates. Each excluded 2-D module gets a `"-:<regex>"`
+entry in `quantization_config.dynamic` (matching both its HF name and its vLLM name) and is
+listed in `modules_to_not_convert`, so any reader keeps it dense.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from qv.config import ConfigError, ModelConfig
+from qv.model.weights import FUSED, index_checkpoint, vllm_names
+
+# Kept dense by default (re.match against the HF module name), and why:
+DEFAULT_EXCLUDE = (
+    r".*embed_tokens$",  # embeddings are a row gather, not a matmul
+    r"(.*\.)?lm_head$",  # logits stay full precision (vLLM's quantization_config.lm_head=false)
+    r".*\.linear_attn\.in_proj_[ab]$",  # GDN beta/decay gates: [Hv, H], too small to pay, precision-critical
+    r".*\.linear_attn\.conv1d$",  # depthwise conv, not a linear
+    r".*norm$",  # RMSNorm weights (1-D anyway)
+    r"mtp\.",  # the MTP drafter head stays dense, like Qwen's own GPTQ releases
+    r"model\.visual\.",  # the vision tower stays dense, like Qwen's own GPTQ releases
+)
+PACK = 4  # int8 codes per int32
+SHARD_BYTES = 4 << 30
+_SCALE_MIN = 2.0**-24  # smallest fp16 subnormal: a scale that underflows to 0 would divide by zero
+
+
+def quantize_checkpoint(src: str | Path, out: str | Path, bits: int = 8, group_size: int = 128, sym: bool = True,
+                        exclude=(), in_place: bool = False, shard_bytes: int = SHARD_BYTES) -> Path:
+    """Quantize the dense checkpoint folder `src` into `out` (or rewrite `src` when in_place)."""
+    if bits != 8:
+        raise ConfigError(f"--bits {bits} is not supported: qv writes GPTQ-Int8 (bits=8) only")
+    if group_size != -1 and group_size < 1:
+        raise ConfigError(f"--group-size {group_size}: expected -1 (one group per row) or a positive size")
+    src, out = Path(src), Path(out)
+    if (src.resolve() == out.resolve()) != in_place:
+        raise ConfigError("in_place=True rewrites src itself and needs out == src" if in_place else
+                          f"out {out} is the source folder; pass in_place=True to rewrite it")
+    config = json.loads((src / "config.json").read_text()) if (src / "config.json").is_file() else None
+    if config is None:
+        raise ConfigError(f"no config.json in {src}")
+    if "quantization_config" in config:
+        raise ConfigError(f"{src} is already quantized (config.json has quantization_config)")
+    ModelConfig.from_dict(config)  # a Qwen3.5 checkpoint qv can load, or a clear error now
+    if not in_place and out.exists() and (any(out.glob("*.safetensors")) or (out / "config.json").exists()):
+        raise ConfigError(f"{out} already holds a checkpoint; choose an empty folder")
+    patterns = _compile(tuple(DEFAULT_EXCLUDE) + tuple(exclude))
+    files = index_checkpoint(src)
+    plan, excluded = _plan(files, patterns, group_size)
+    out.mkdir(parents=True, exist_ok=True)
+
+    qcfg = {"quant_method": "gptq", "bits": 8, "group_size": group_size, "sym": sym, "desc_act": False,
+            "checkpoint_format": "gptq", "lm_head": False,
+            "dynamic": _dynamic_rules(excluded, config),
+            "modules_to_not_convert": excluded}
+    shards = _write_tensors(files, plan, out, group_size, sym, shard_bytes)
+    if in_place:
+        for old in sorted(set(files.values())):
+            old.unlink()
+        (src / "model.safetensors.index.json").unlink(missing_ok=True)
+    else:
+        _copy_others(src, out)
+    _finish_shards(out, shards)
+    config["quantization_config"] = qcfg
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def _compile(patterns: tuple[str, ...]) -> list[re.Pattern]:
+    compiled = []
+    for p in patterns:
+        try:
+            compiled.append(re.compile(p))
+        except re.error as e:
+            raise ConfigError(f"--exclude {p!r} is not a valid regex: {e}") from None
+    return compiled
+
+
+def _plan(files: dict[str, Path], patterns: list[re.Pattern], group_size: int) -> tuple[dict[str, bool], list[str]]:
+    """name -> quantize?; plus the excluded 2-D modules. Checks every quantized shape first, so
+    a bad group size fails before anything is written."""
+    plan: dict[str, bool] = {}
+    excluded, bad = [], []
+    for name, path in sorted(files.items()):
+        with safe_open(str(path), framework="pt") as f:
+            shape = f.get_slice(name).get_shape()
+        module = name[: -len(".weight")]
+        if not (name.endswith(".weight") and len(shape) == 2):
+            plan[name] = False
+            continue
+        if any(p.match(module) for p in patterns):
+            plan[name] = False
+            excluded.append(module)
+            continue
+        n, k = shape
+        if k % PACK or n % PACK or (group_size != -1 and k % group_size):
+            bad.append(f"{module} [{n}, {k}]")
+        plan[name] = True
+    if bad:
+        raise ConfigError(f"cannot quantize with group_size {group_size} (in/out features must be multiples of 4 "
+                          f"and of the group size): {', '.join(bad[:6])}{' ...' if len(bad) > 6 else ''}; "
+                          f"choose another --group-size or --exclude these modules")
+    return plan, excluded
+
+
+def _dynamic_rules(excluded: list[str], config: dict) -> dict[str, dict]:
+    """One anchored "-:" rule per excluded module, matching its HF and its vLLM name; plus one for
+    a vLLM fused layer (in_proj_ba, ...) when all its members are excluded, so vLLM keeps it dense."""
+    multimodal = (config.get("architectures") or [""])[0] == "Qwen3_5ForConditionalGeneration"
+    rules: dict[str, dict] = {}
+    fused_members: dict[str, set[str]] = {}
+    for module in excluded:
+        vllm, fused = vllm_names(module, multimodal)
+        rules["-:(?:" + "|".join(re.escape(n) for n in dict.fromkeys([module, vllm])) + ")$"] = {}
+        if fused:
+            fused_members.setdefault(fused, set()).add(vllm.rpartition(".")[2])
+    for fused, members in fused_members.items():
+        if members == set(FUSED[fused.rpartition(".")[2]]):
+            rules[f"-:{re.escape(fused)}$"] = {}
+    return rules
+
+
+def rtn_quantize(w: torch.Tensor, group_size: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest int8 of a dense weight w [N, K] -> codes uint8 [K, N], scales fp16 [G, N],
+    true zeros int32 [G, N], with w ~= scales * (codes - zeros) per group of `group_size` inputs.
+    The ranges follow GPTQ's quantizer: sym uses zero 128 and scale 2*amax/255."""
+    n, k = w.shape
+    group = k if group_size == -1 else group_size
+    x = w.float().t().reshape(k // group, group, n)  # [G, g, N]
+    if sym:
+        amax = x.abs().amax(1)
+        scale = torch.where(amax > 0, 2 * amax / 255, torch.ones_like(amax))
+        zero = torch.full_like(scale, 128)
+    else:
+        lo, hi = x.amin(1).clamp_max(0), x.amax(1).clamp_min(0)
+        empty = (lo == 0) & (hi == 0)
+        lo, hi = torch.where(empty, -1.0, lo), torch.where(empty, 1.0, hi)
+        scale = (hi - lo) / 255
+        zero = torch.round(-lo / scale)
+        # v1 stores zero - 1 in a byte, so a zero of 0 cannot be written (it would read back as 256):
+        # such groups use zero 1 with a scale that still spans [lo, hi].
+        low = zero < 1
+        scale, zero = torch.where(low, hi / 254, scale), torch.where(low, torch.ones_like(zero), zero)
+    scale = scale.clamp_min(_SCALE_MIN).half()
+    codes = torch.clamp(torch.round(x / scale.float()[:, None, :]) + zero[:, None, :], 0, 255)
+    return codes.reshape(k, n).to(torch.uint8), scale, zero.to(torch.int32)
+
+
+def pack_gptq(codes: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """codes uint8 [K, N], true zeros [G, N] -> (qweight int32 [K/4, N], qzeros int32 [G, N/4]) in v1."""
+    if sys.byteorder != "little":  # the byte views below are GPTQ's shifts only on little-endian hosts
+        raise RuntimeError("qv writes GPTQ checkpoints on little-endian hosts only")
+    k, n = codes.shape
+    qweight = codes.reshape(k // PACK, PACK, n).permute(0, 2, 1).contiguous().view(torch.int32).reshape(k // PACK, n)
+    stored = zeros - 1  # checkpoint_format "gptq" (v1)
+    if int(stored.min()) < 0 or int(stored.max()) > 255:
+        raise ValueError("GPTQ v1 zeros must lie in 1..256")
+    qzeros = stored.to(torch.uint8).contiguous().view(torch.int32)
+    return qweight, qzeros
+
+
+def _write_tensors(files: dict[str, Path], plan: dict[str, bool], out: Path, group_size: int, sym: bool,
+                   shard_bytes: int) -> list[tuple[Path, list[str]]]:
+    """Write temporary shards (renamed by _finish_shards once all exist); returns (path, names)."""
+    total = sum(p.stat().st_size for p in set(files.values()))
+    shards: list[tuple[Path, list[str]]] = []
+    pending: dict[str, torch.Tensor] = {}
+    size = 0
+
+    def flush():
+        nonlocal pending, size
+        if pending:
+            path = out / f".qv-tmp-{len(shards):05d}.safetensors"
+            save_file(pending, str(path), metadata={"format": "pt"})
+            shards.append((path, sorted(pending)))
+        pending, size = {}, 0
+
+    by_file: dict[Path, list[str]] = {}
+    for name, path in files.items():
+        by_file.setdefault(path, []).append(name)
+    bar = tqdm(total=len(files), desc="quantize", unit="tensor", disable=total < (1 << 30))
+    for path in sorted(by_file):
+        with safe_open(str(path), framework="pt") as f:
+            for name in sorted(by_file[path]):
+                t = f.get_tensor(name)
+                if plan[name]:
+                    module = name[: -len(".weight")]
+                    codes, scales, zeros = rtn_quantize(t, group_size, sym)
+                    qweight, qzeros = pack_gptq(codes, zeros)
+                    g = codes.shape[0] if group_size == -1 else group_size
+                    new = {f"{module}.qweight": qweight, f"{module}.qzeros": qzeros, f"{module}.scales": scales,
+                           f"{module}.g_idx": torch.arange(codes.shape[0], dtype=torch.int32) // g}
+                else:
+                    new = {name: t.contiguous()}
+                for key, value in new.items():
+                    pending[key] = value
+                    size += value.numel() * value.element_size()
+                if size >= shard_bytes:
+                    flush()
+                bar.update(1)
+    flush()
+    bar.close()
+    return shards
+
+
+def _finish_shards(out: Path, shards: list[tuple[Path, list[str]]]) -> None:
+    if len(shards) == 1:
+        shards[0][0].rename(out / "model.safetensors")
+        return
+    weight_map, total = {}, 0
+    for i, (path, names) in enumerate(shards):
+        final = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        total += path.stat().st_size
+        path.rename(out / final)
+        weight_map.update({n: final for n in names})
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _copy_others(src: Path, out: Path) -> None:
+    """Tokenizer, generation/processor configs, chat template, README...: everything but weights."""
+    for p in sorted(src.iterdir()):
+        if p.name.endswith(".safetensors") or p.name in ("model.safetensors.index.json", "config.json"):
+            continue
+        if p.is_dir():
+            shutil.copytree(p, out / p.name, dirs_exist_ok=True)
+        else:
+            shutil.copy2(p, out / p.name)
