@@ -244,22 +244,23 @@ def paged_attention(
     q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
     k_scale=None, v_scale=None, max_query_len=None, max_seq_len=None,
 ):
-    hq, hkv = q.shape[1], k_cache.shape[2]
+    hq, hkv, d = q.shape[1], k_cache.shape[2], q.shape[2]
     rep = hq // hkv
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     for i, (s, e) in enumerate(_seq_bounds(cu_seqlens_q)):
         if e == s:
             continue
-        n = int(seq_lens[i])
-        keys = gather_kv(k_cache, k_scale, block_tables[i], n).repeat_interleave(rep, dim=1)  # [n, Hq, D]
-        vals = gather_kv(v_cache, v_scale, block_tables[i], n).repeat_interleave(rep, dim=1)
-        qf = q[s:e].float()  # [L, Hq, D]
-        scores = torch.einsum("lhd,nhd->hln", qf, keys) * scale
-        qpos = torch.arange(n - (e - s), n, device=q.device)
-        mask = torch.arange(n, device=q.device)[None, :] > qpos[:, None]  # key after query: hidden
-        scores = scores.masked_fill(mask[None], float("-inf"))
-        p = torch.softmax(scores, dim=-1)
-        out[s:e] = torch.einsum("hln,nhd->lhd", p, vals).to(q.dtype)
+        n, L = int(seq_lens[i]), e - s
+        keys = gather_kv(k_cache, k_scale, block_tables[i], n).permute(1, 2, 0)  # [Hkv, D, n]
+        vals = gather_kv(v_cache, v_scale, block_tables[i], n).transpose(0, 1)  # [Hkv, n, D]
+        # query head h reads kv head h // rep: group the rep query heads of each kv head as rows
+        qf = q[s:e].float().view(L, hkv, rep, d).permute(1, 2, 0, 3).reshape(hkv, rep * L, d)
+        scores = (qf @ keys) * scale  # [Hkv, rep*L, n]
+        qpos = torch.arange(n - L, n, device=q.device).repeat(rep)
+        hidden = torch.arange(n, device=q.device)[None, :] > qpos[:, None]  # key after query
+        p = torch.softmax(scores.masked_fill(hidden[None], float("-inf")), dim=-1)
+        o = (p @ vals).view(hkv, rep, L, d).permute(2, 0, 1, 3).reshape(L, hq, d)
+        out[s:e] = o.to(q.dtype)
     return out
 
 

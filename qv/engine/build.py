@@ -1,0 +1,127 @@
+"""Start-up: resolve the model folder, device and dtypes from the levers, load the model and
+tokenizer, and plan memory (KV blocks and GDN slots) once, from a budget."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from qv import kernels
+from qv.config import ConfigError, EngineConfig, ModelConfig
+from qv.model.cache import (KV_DTYPES, STATE_DTYPES, HybridCache, allocate_cache, gdn_bytes_per_slot,
+                            kv_bytes_per_block)
+from qv.model.qwen3_5 import Qwen3_5TextModel, load_text_model
+
+log = logging.getLogger("qv")
+
+CPU_KV_BYTES = 256 << 20
+ACTIVATION_RESERVE = 0.10  # share of the planned GPU budget left for activations and graphs
+
+
+@dataclass
+class EngineParts:
+    model_dir: Path
+    model_config: ModelConfig
+    model: Qwen3_5TextModel
+    tokenizer: object
+    cache: HybridCache
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    generation_defaults: dict
+
+
+def default_model_dir() -> Path:
+    """The embedded tiny model, built deterministically on first use and reused after."""
+    import qv
+    from qv.model.tiny import make_tiny
+
+    path = Path.home() / ".cache" / "qv" / f"tiny-{qv.__version__}"
+    if not (path / "config.json").is_file():
+        log.warning("building the embedded tiny default model in %s (first start only)", path)
+        tmp = path.with_name(path.name + ".partial")
+        make_tiny(tmp, "tiny", seed=0)
+        tmp.rename(path)
+    return path
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={name!r} but no CUDA device is available")
+    return dev
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type != "cuda":
+        return torch.float32
+    major, _ = torch.cuda.get_device_capability(device)
+    return torch.float16 if major < 8 else torch.bfloat16
+
+
+def resolve_kv_dtype(name: str, act: torch.dtype) -> torch.dtype:
+    return act if name == "auto" else KV_DTYPES[name]
+
+
+def read_generation_config(model_dir: Path) -> dict:
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def build_engine_parts(cfg: EngineConfig) -> EngineParts:
+    from transformers import AutoTokenizer
+
+    model_dir = Path(cfg.model) if cfg.model else default_model_dir()
+    if not model_dir.is_dir():
+        raise ConfigError(f"model folder {model_dir} does not exist")
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    kernels.set_backend(cfg.kernels)
+    mcfg = ModelConfig.from_dir(model_dir)
+    log.info("loading %s on %s (%s, kernels=%s)", model_dir, device, dtype, cfg.kernels)
+    model = load_text_model(str(model_dir), mcfg, dtype=dtype, device=device)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    gen = read_generation_config(model_dir)
+    eos = gen.get("eos_token_id", list(mcfg.eos_token_ids))
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else mcfg.eos_token_ids)
+    max_len = cfg.max_model_len or mcfg.max_position_embeddings
+    if max_len > mcfg.max_position_embeddings:
+        raise ConfigError(f"max_model_len={max_len} exceeds the model's max_position_embeddings "
+                          f"{mcfg.max_position_embeddings}")
+    cache = plan_cache(cfg, mcfg, device, dtype)
+    log.info("KV cache: %d blocks of %d tokens (%d tokens), %d GDN slots", cache.num_blocks, cfg.block_size,
+             cache.num_blocks * cfg.block_size, cache.num_slots)
+    defaults = {k: gen[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                                    "presence_penalty", "frequency_penalty") if k in gen}
+    return EngineParts(model_dir, mcfg, model, tokenizer, cache, max_len, eos_ids, defaults)
+
+
+def plan_cache(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> HybridCache:
+    kv_dtype = resolve_kv_dtype(cfg.kv_dtype, dtype)
+    state_dtype = STATE_DTYPES[cfg.gdn_state_dtype]
+    num_slots = cfg.max_gdn_slots or cfg.max_num_seqs
+    per_block = max(1, kv_bytes_per_block(mcfg, cfg.block_size, kv_dtype))
+    slot_bytes = gdn_bytes_per_slot(mcfg, dtype, state_dtype)
+    budget = cfg.kv_cache_bytes
+    if budget == 0:
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            used = total - free
+            budget = int(total * cfg.gpu_memory_utilization * (1 - ACTIVATION_RESERVE)) - used - num_slots * slot_bytes
+        else:
+            budget = CPU_KV_BYTES
+    num_blocks = budget // per_block
+    if num_blocks < 1:
+        raise ConfigError(f"no memory left for the KV cache (budget {budget} bytes, {per_block} bytes per block): "
+                          f"lower max_num_seqs / max_gdn_slots or raise kv_cache_bytes")
+    return allocate_cache(mcfg, int(num_blocks), cfg.block_size, num_slots, kv_dtype, state_dtype, dtype, device)

@@ -1,0 +1,303 @@
+"""The step loop (LLMEngine) and its asyncio front (AsyncLLMEngine) used by the server.
+
+LLMEngine: add_request -> step() repeatedly -> RequestOutputs. AsyncLLMEngine runs the same loop
+on its own thread; each request is an async iterator of cumulative outputs, and leaving the
+iterator early aborts the request and frees its cache at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+
+from qv.config import EngineConfig
+from qv.engine.build import build_engine_parts
+from qv.engine.detokenizer import IncrementalDetokenizer
+from qv.engine.kv_cache import KVBlockPool
+from qv.engine.request import (CompletionOutput, InvalidRequestError, Logprob, RequestMetrics, RequestOutput,
+                               SamplingParams)
+from qv.engine.runner import ModelRunner, SampledToken
+from qv.engine.scheduler import Scheduler
+from qv.engine.sequence import Sequence
+from qv.engine.state_pool import GDNStatePool
+
+log = logging.getLogger("qv")
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prompt_tokens_cached: int = 0
+    finished: dict[str, int] = field(default_factory=dict)  # finish reason -> requests
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+    metrics: RequestMetrics
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig):
+        parts = build_engine_parts(cfg)
+        self.cfg = cfg
+        self.model_config = parts.model_config
+        self.model_dir = parts.model_dir
+        self.model_name = parts.model_dir.name
+        self.tokenizer = parts.tokenizer
+        self.max_model_len = parts.max_model_len
+        self.eos_token_ids = parts.eos_token_ids
+        self.generation_defaults = parts.generation_defaults
+        self.blocks = KVBlockPool(parts.cache.num_blocks, cfg.block_size)
+        self.scheduler = Scheduler(self.blocks, GDNStatePool(parts.cache.num_slots), cfg.max_num_seqs,
+                                   cfg.max_num_batched_tokens)
+        self.runner = ModelRunner(parts.model, parts.cache, cfg.max_num_batched_tokens, cfg.max_num_seqs,
+                                  self.max_model_len)
+        self.requests: dict[str, _Request] = {}
+        self._seq_ids = itertools.count()
+        self._rng = random.Random(cfg.seed)
+        self.stats = EngineStats()
+
+    # -- requests ------------------------------------------------------------------------------
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Validate before queueing; returns the resolved max_tokens. Raises InvalidRequestError."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt "
+                f"contains {n} input tokens, which leaves no room for output. Please reduce the length of the input.")
+        room = self.max_model_len - n
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{params.max_tokens} output tokens and your prompt contains {n} input tokens, for a total of "
+                f"{n + params.max_tokens} tokens ({n} + {params.max_tokens} = {n + params.max_tokens} > "
+                f"{self.max_model_len}). Please reduce the length of the input prompt or the number of requested "
+                f"output tokens.")
+        return room if params.max_tokens is None else params.max_tokens
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None, cache_salt: str | None = None) -> None:
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        max_tokens = self.check_request(prompt_token_ids, params)
+        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
+        seqs = []
+        for i in range(params.n):
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop,
+                                           params.include_stop_str_in_output)
+            seq = Sequence(next(self._seq_ids), request_id, i, list(prompt_token_ids), params, max_tokens,
+                           base_seed + i, detok, arrival_order=next(self._seq_ids),
+                           eos_token_ids=self.eos_token_ids, cache_salt=cache_salt)
+            seqs.append(seq)
+            self.scheduler.add(seq)
+        self.requests[request_id] = _Request(request_id, prompt, list(prompt_token_ids), seqs, RequestMetrics())
+        self.stats.prompt_tokens += len(prompt_token_ids)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        for seq in req.seqs:
+            if not seq.finished:
+                self.scheduler.finish(seq, "abort")
+        return self._output(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        touched: dict[str, _Request] = {}
+        for seq in plan.failed:
+            touched[seq.request_id] = self.requests[seq.request_id]
+        if plan:
+            now = time.time()
+            for seq, _ in plan.scheduled:
+                req = self.requests[seq.request_id]
+                if req.metrics.first_scheduled_time is None:
+                    req.metrics.first_scheduled_time = now
+            sampled = self.runner.execute(plan)
+            for seq, n in plan.scheduled:
+                seq.num_computed_tokens += n
+            for seq, tok in sampled.items():
+                self._append(seq, tok)
+                touched[seq.request_id] = self.requests[seq.request_id]
+        outputs = [self._output(r) for r in touched.values()]
+        self._refresh_stats()
+        return outputs
+
+    def _append(self, seq: Sequence, tok: SampledToken) -> None:
+        seq.output_token_ids.append(tok.token_id)
+        self.stats.generation_tokens += 1
+        if seq.params.logprobs is not None:
+            entry = {tok.token_id: Logprob(tok.logprob, tok.rank, seq.detok.decode_token(tok.token_id))}
+            for rank, (tid, lp) in enumerate(tok.top or [], start=1):
+                entry.setdefault(tid, Logprob(lp, rank, seq.detok.decode_token(tid)))
+            seq.output_logprobs.append(entry)
+        stop_str = seq.detok.add_token(tok.token_id)
+        t, p, n_out = tok.token_id, seq.params, len(seq.output_token_ids)
+        if n_out >= p.min_tokens and not p.ignore_eos and t in self.eos_token_ids:
+            self.scheduler.finish(seq, "stop")
+        elif n_out >= p.min_tokens and t in p.stop_token_ids:
+            self.scheduler.finish(seq, "stop", stop_reason=t)
+        elif stop_str is not None and n_out >= p.min_tokens:
+            self.scheduler.finish(seq, "stop", stop_reason=stop_str)
+        elif n_out >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            self.scheduler.finish(seq, "length")
+
+    def _output(self, req: _Request) -> RequestOutput:
+        outs = []
+        for seq in req.seqs:
+            outs.append(CompletionOutput(
+                index=seq.sample_index, text=seq.detok.visible_text(seq.finished),
+                token_ids=list(seq.output_token_ids),
+                logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+        finished = all(s.finished for s in req.seqs)
+        now = time.time()
+        m = req.metrics
+        if any(s.output_token_ids for s in req.seqs):
+            m.first_token_time = m.first_token_time or now
+            m.last_token_time = now
+        error = next((s.error for s in req.seqs if s.error), None)
+        if finished:
+            m.finished_time = now
+            self.requests.pop(req.request_id, None)
+            for s in req.seqs:
+                self.stats.finished[s.finish_reason] = self.stats.finished.get(s.finish_reason, 0) + 1
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished,
+                             num_cached_tokens=min(s.num_cached_tokens for s in req.seqs), metrics=m, error=error)
+
+    def _refresh_stats(self) -> None:
+        s = self.stats
+        s.num_running = len(self.scheduler.running)
+        s.num_waiting = len(self.scheduler.waiting)
+        s.kv_cache_usage = self.blocks.usage
+        s.num_preemptions = self.scheduler.num_preemptions
+
+
+class AsyncLLMEngine:
+    """LLMEngine on its own thread; requests are async iterators of cumulative RequestOutputs."""
+
+    def __init__(self, cfg: EngineConfig):
+        self.engine = LLMEngine(cfg)
+        e = self.engine
+        self.tokenizer, self.model_config, self.model_name = e.tokenizer, e.model_config, e.model_name
+        self.max_model_len, self.generation_defaults = e.max_model_len, e.generation_defaults
+        self.dead_error: str | None = None
+        self._commands: queue.Queue = queue.Queue()
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="qv-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def healthy(self) -> bool:
+        return self.dead_error is None and self._thread.is_alive()
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.engine.check_request(prompt_token_ids, params)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       prompt: str | None = None, cache_salt: str | None = None):
+        if not self.healthy:
+            raise RuntimeError(f"the engine is not running: {self.dead_error}")
+        self.check_request(prompt_token_ids, params)
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if request_id in self._queues:
+                raise InvalidRequestError(f"request id {request_id!r} is already in use")
+            self._queues[request_id] = (loop, q)
+        self._commands.put(("add", request_id, prompt_token_ids, params, prompt, cache_salt))
+        finished = False
+        try:
+            while not finished:
+                item = await q.get()
+                while not q.empty() and not isinstance(item, BaseException):
+                    item = q.get_nowait()  # outputs are cumulative: a slow reader skips to the latest
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            with self._lock:
+                self._queues.pop(request_id, None)
+            if not finished:
+                self._commands.put(("abort", request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._commands.put(("wake",))
+        self._thread.join(timeout=10)
+
+    # -- engine thread -------------------------------------------------------------------------
+    def _deliver(self, request_id: str, item) -> None:
+        with self._lock:
+            target = self._queues.get(request_id)
+        if target is not None:
+            loop, q = target
+            loop.call_soon_threadsafe(q.put_nowait, item)
+
+    def _apply(self, cmd: tuple) -> None:
+        if cmd[0] == "add":
+            _, rid, ids, params, prompt, salt = cmd
+            try:
+                self.engine.add_request(rid, ids, params, prompt, salt)
+            except InvalidRequestError as exc:
+                self._deliver(rid, exc)
+        elif cmd[0] == "abort":
+            self.engine.abort_request(cmd[1])
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop:
+                block = not self.engine.has_unfinished_requests()
+                try:
+                    cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+                    self._apply(cmd)
+                    while True:
+                        self._apply(self._commands.get_nowait())
+                except queue.Empty:
+                    pass
+                if self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        self._deliver(out.request_id, out)
+        except BaseException as exc:  # the engine is dead: fail every waiting request, keep the reason
+            log.exception("engine loop failed")
+            self.dead_error = f"{type(exc).__name__}: {exc}"
+            with self._lock:
+                pending = list(self._queues)
+            for rid in pending:
+                self._deliver(rid, RuntimeError(f"the engine failed: {self.dead_error}"))

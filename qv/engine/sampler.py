@@ -1,0 +1,131 @@
+"""Token sampling for a batch of rows, each with its own settings: penalties (repetition on prompt
+and output, presence/frequency on output), min_tokens (stop tokens masked), temperature, top-k,
+top-p, min-p; greedy rows take the argmax. Logprobs are of the raw model distribution.
+
+Random rows draw with the exponential race (argmax p / E, E ~ Exp(1)), where each uniform comes
+from a counter-based hash of (row seed, output position, token id): a seeded request samples
+the same tokens whatever else is in the batch, and no host sync is needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def _to_signed(x: int) -> int:
+    return x - (1 << 64) if x >= (1 << 63) else x
+
+
+_C1 = _to_signed(0xBF58476D1CE4E5B9)
+_C2 = _to_signed(0x94D049BB133111EB)
+_G = _to_signed(_GOLDEN)
+
+
+def _mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer on int64 tensors (wrapping multiply; logical shifts emulated)."""
+
+    def srl(v: torch.Tensor, k: int) -> torch.Tensor:  # logical right shift on int64
+        return (v >> k) & ((1 << (64 - k)) - 1)
+
+    x = (x ^ srl(x, 30)) * _C1
+    x = (x ^ srl(x, 27)) * _C2
+    return x ^ srl(x, 31)
+
+
+def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """u[r, t] in (0, 1) as fp64, a pure function of (seeds[r], positions[r], t)."""
+    tok = torch.arange(vocab, dtype=torch.int64, device=seeds.device)
+    key = _mix64(seeds[:, None] * _G + positions[:, None]) + tok[None, :] * _G
+    bits = (_mix64(key) >> 11) & ((1 << 53) - 1)
+    return (bits.double() + 0.5) / float(1 << 53)
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row settings as device tensors (built by the runner with NumPy, copied once)."""
+
+    temperature: torch.Tensor  # [R] fp32; 0 means greedy
+    top_p: torch.Tensor  # [R] fp32
+    top_k: torch.Tensor  # [R] int64; 0 means off
+    min_p: torch.Tensor  # [R] fp32
+    seeds: torch.Tensor  # [R] int64
+    positions: torch.Tensor  # [R] int64: index of the token being sampled among the outputs
+    presence: torch.Tensor | None = None  # [R] fp32 penalties; None when no row uses them
+    frequency: torch.Tensor | None = None
+    repetition: torch.Tensor | None = None
+    output_counts: torch.Tensor | None = None  # [R, V] occurrences in each row's output so far
+    prompt_mask: torch.Tensor | None = None  # [R, V] bool: token occurs in the prompt
+    stop_mask_rows: torch.Tensor | None = None  # [R] bool: rows still under min_tokens
+    stop_token_mask: torch.Tensor | None = None  # [R, V] bool: tokens that would stop each row
+    all_greedy: bool = False
+    max_logprobs: int = -1  # -1: no row wants logprobs; else the largest top-N asked
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [R] int64
+    logprobs: torch.Tensor | None  # [R] fp32: logprob of the sampled token
+    ranks: torch.Tensor | None  # [R] int64: 1 + number of tokens more likely than it
+    top_ids: torch.Tensor | None  # [R, N]
+    top_logprobs: torch.Tensor | None  # [R, N]
+
+
+def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    if b.repetition is not None:
+        seen = b.prompt_mask | (b.output_counts > 0)
+        rep = b.repetition[:, None].expand_as(logits)
+        penalised = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(seen, penalised, logits)
+    if b.frequency is not None:
+        logits = logits - b.frequency[:, None] * b.output_counts
+    if b.presence is not None:
+        logits = logits - b.presence[:, None] * (b.output_counts > 0).float()
+    if b.stop_mask_rows is not None:
+        logits = logits.masked_fill(b.stop_mask_rows[:, None] & b.stop_token_mask, float("-inf"))
+    return logits
+
+
+def filter_probs(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p over fp32 logits; returns probabilities (0 where cut)."""
+    temp = torch.where(b.temperature > 0, b.temperature, torch.ones_like(b.temperature))
+    logits = logits / temp[:, None]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    rank = torch.arange(vocab, device=logits.device)[None, :]
+    k = torch.where(b.top_k > 0, b.top_k, torch.full_like(b.top_k, vocab))
+    cut = rank >= k[:, None]
+    probs_sorted = torch.softmax(sorted_logits.masked_fill(cut, float("-inf")), dim=-1)
+    # top-p: keep the smallest prefix whose mass reaches p (the token that crosses p stays)
+    before = probs_sorted.cumsum(-1) - probs_sorted
+    cut |= before >= b.top_p[:, None]
+    # min-p: drop tokens below min_p times the most likely one
+    cut |= probs_sorted < (b.min_p[:, None] * probs_sorted[:, :1])
+    cut[:, 0] = False
+    probs_sorted = torch.softmax(sorted_logits.masked_fill(cut, float("-inf")), dim=-1)
+    return torch.zeros_like(logits).scatter_(-1, order, probs_sorted)
+
+
+def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
+    """logits [R, V] fp32 (raw model output) -> sampled ids, and logprobs if any row asked."""
+    raw = logits
+    logits = apply_penalties(logits, b)
+    greedy_ids = logits.argmax(dim=-1)
+    if b.all_greedy:
+        ids = greedy_ids
+    else:
+        probs = filter_probs(logits, b)
+        noise = uniform_noise(b.seeds, b.positions, logits.shape[-1])
+        race = probs.double() / (-torch.log(noise))
+        ids = torch.where(b.temperature > 0, race.argmax(dim=-1), greedy_ids)
+    if b.max_logprobs < 0:
+        return SamplerOutput(ids, None, None, None, None)
+    lp = torch.log_softmax(raw, dim=-1)
+    chosen = lp.gather(1, ids[:, None])[:, 0]
+    ranks = (lp > chosen[:, None]).sum(-1) + 1
+    top_lp, top_ids = lp.topk(max(b.max_logprobs, 0), dim=-1) if b.max_logprobs > 0 else (None, None)
+    return SamplerOutput(ids, chosen, ranks, top_ids, top_lp)

@@ -1,0 +1,144 @@
+"""Continuous batching with vLLM's one rule: every sequence's `num_computed_tokens` catches up
+with its tokens under a per-step token budget. Running sequences go first (decodes, then the
+rest of chunked prefills), then waiting ones are admitted while blocks, slots and the sequence
+cap allow. Chunked prefill is always on.
+
+When the KV pool runs out, the newest running sequence is preempted by recompute (its blocks and
+slot are freed, it goes back to the front of the queue). A preempted sequence is readmitted only
+when its whole current length plus one growth block per running sequence fits, so it is not
+admitted just to be preempted again on the next step (the original stack's thrash). A sequence
+that cannot fit even alone fails with a clear error.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from qv.engine.kv_cache import KVBlockPool
+from qv.engine.sequence import Sequence, SeqStatus
+from qv.engine.state_pool import GDNStatePool
+
+
+@dataclass
+class StepPlan:
+    """What one forward computes: (sequence, number of its tokens) in batch order."""
+
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    failed: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, blocks: KVBlockPool, slots: GDNStatePool, max_num_seqs: int, max_num_batched_tokens: int):
+        self.blocks, self.slots = blocks, slots
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # -- queue management ----------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason=None, error: str | None = None) -> None:
+        """Mark finished and give back its blocks and slot (from running or waiting)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._free(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason, seq.stop_reason, seq.error = reason, stop_reason, error
+
+    def _free(self, seq: Sequence) -> None:
+        self.blocks.release(seq.block_ids)
+        self.slots.release(seq.state_slot)
+        seq.state_slot = -1
+
+    # -- the step plan -------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self._schedule_running(plan, self.max_num_batched_tokens)
+        self._admit_waiting(plan, budget)
+        return plan
+
+    def _schedule_running(self, plan: StepPlan, budget: int) -> int:
+        for seq in list(self.running):
+            if seq not in self.running:  # preempted earlier in this loop to make room
+                continue
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n <= 0:
+                continue
+            if not self._make_room(seq, n, plan):
+                continue
+            self.blocks.grow(seq.block_ids, seq.num_computed_tokens + n)
+            plan.scheduled.append((seq, n))
+            budget -= n
+        return budget
+
+    def _make_room(self, seq: Sequence, n: int, plan: StepPlan) -> bool:
+        """Preempt newest-first until `seq` can grow by n tokens; False if `seq` itself gave way."""
+        while not self.blocks.can_grow(len(seq.block_ids), seq.num_computed_tokens + n):
+            victim = self.running[-1]
+            if victim is seq and len(self.running) == 1:
+                self._fail_too_large(seq, plan)
+                return False
+            if victim is seq or any(victim is s for s, _ in plan.scheduled):
+                # never undo work already planned this step: preempt seq itself instead
+                victim = seq
+            self._preempt(victim, plan)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        self.running.remove(seq)
+        self._free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        plan.preempted.append(seq)
+
+    def _fail_too_large(self, seq: Sequence, plan: StepPlan) -> None:
+        cap = self.blocks.num_blocks * self.blocks.block_size
+        self.finish(seq, "error", error=(
+            f"request {seq.request_id} needs {seq.num_tokens + 1} tokens of KV cache but the whole cache holds "
+            f"{cap} tokens ({self.blocks.num_blocks} blocks of {self.blocks.block_size}); raise kv_cache_bytes "
+            f"or lower max_tokens"))
+        plan.failed.append(seq)
+
+    def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and self.slots.num_free:
+            seq = self.waiting[0]
+            total_needed = self.blocks.blocks_for(seq.num_tokens + 1)
+            if total_needed > self.blocks.num_blocks:
+                self.waiting.popleft()
+                self._fail_too_large(seq, plan)
+                continue
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            # Admit only if the whole current sequence (not just this chunk) fits with one block of
+            # growth headroom per running sequence; otherwise it would be preempted again soon.
+            headroom = len(self.running) if self.running else 0
+            if self.blocks.blocks_for(seq.num_tokens) + headroom > self.blocks.num_free:
+                break
+            self.waiting.popleft()
+            seq.state_slot = self.slots.acquire()
+            seq.status = SeqStatus.RUNNING
+            self.blocks.grow(seq.block_ids, seq.num_computed_tokens + n)
+            self.running.append(seq)
+            plan.scheduled.append((seq, n))
+            budget -= n

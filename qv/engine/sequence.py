@@ -1,0 +1,68 @@
+"""The engine's view of one sample being generated: its tokens, how many of them the model has
+computed (vLLM's `num_computed_tokens`), the KV blocks and GDN state slot it holds, and the
+output text decoded so far."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from qv.engine.detokenizer import IncrementalDetokenizer
+from qv.engine.request import Logprob, SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request_id: str
+    sample_index: int  # which of the request's n samples
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved: never lets prompt + output exceed max_model_len
+    rng_seed: int  # per-sample seed: the sampler's noise depends on (seed, output position, token) only
+    detok: IncrementalDetokenizer
+    arrival_order: int
+    eos_token_ids: tuple[int, ...] = ()
+    cache_salt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    state_slot: int = -1
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at the last admission
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_at(self, pos: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[pos] if pos < n else self.output_token_ids[pos - n]
+
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def stop_ids_for_min_tokens(self) -> list[int]:
+        """Tokens masked while fewer than min_tokens were generated."""
+        eos = [] if self.params.ignore_eos else list(self.eos_token_ids)
+        return eos + list(self.params.stop_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status == SeqStatus.FINISHED
