@@ -1,0 +1,139 @@
+"""Sampler: distributions (chi-square), seeded reproducibility across batch compositions, and the
+per-request controls (penalties, min_tokens, stops, logprobs, n)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from qv import LLM, SamplingParams
+from qv.engine.sampler import SamplingBatch, filter_probs, sample
+
+# chi-square critical values at p = 1e-4 for df = 1..10 (a correct sampler fails 1 run in 10,000)
+CHI2_CRIT = {1: 15.14, 2: 18.42, 3: 21.11, 4: 23.51, 5: 25.74, 6: 27.86, 7: 29.88, 8: 31.83, 9: 33.72, 10: 35.56}
+
+
+def _batch(rows: int, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed0=None) -> SamplingBatch:
+    seed0 = random.randrange(1 << 40) if seed0 is None else seed0
+    full = lambda v, dt: torch.full((rows,), v, dtype=dt)  # noqa: E731
+    return SamplingBatch(full(temperature, torch.float32), full(top_p, torch.float32), full(top_k, torch.int64),
+                         full(min_p, torch.float32), torch.arange(rows, dtype=torch.int64) + seed0,
+                         torch.zeros(rows, dtype=torch.int64))
+
+
+def _expected(logits: torch.Tensor, temperature, top_p, top_k, min_p) -> torch.Tensor:
+    """Independent statement of the target distribution (sorted-vocab definition)."""
+    p = torch.softmax(logits.double() / temperature, -1)
+    order = p.argsort(descending=True)
+    keep = torch.zeros_like(p, dtype=torch.bool)
+    mass = 0.0
+    for rank, t in enumerate(order.tolist()):
+        if top_k and rank >= top_k:
+            break
+        if rank > 0 and mass >= top_p:
+            break
+        keep[t] = True
+        mass += float(p[t])
+    if top_k:  # top-p mass is measured on the renormalised top-k distribution
+        pk = torch.where(torch.zeros_like(keep).index_fill_(0, order[:top_k], True), p, 0.0)
+        pk = pk / pk.sum()
+        keep[:] = False
+        mass = 0.0
+        for rank, t in enumerate(order[:top_k].tolist()):
+            if rank > 0 and mass >= top_p:
+                break
+            keep[t] = True
+            mass += float(pk[t])
+        p = pk
+    p = torch.where(keep, p, 0.0)
+    p = torch.where(p >= min_p * p.max(), p, 0.0)
+    return p / p.sum()
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k,min_p", [
+    (1.0, 1.0, 0, 0.0), (0.7, 1.0, 0, 0.0), (1.3, 0.8, 0, 0.0), (1.0, 1.0, 3, 0.0), (1.0, 0.9, 4, 0.0),
+    (1.0, 1.0, 0, 0.2),
+])
+def test_sampler_distribution_chi_square(temperature, top_p, top_k, min_p):
+    vocab, n = 8, 40000
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.7, 0.2, -0.3, -1.0, -2.0])[torch.randperm(vocab)]
+    b = _batch(n, temperature, top_p, top_k, min_p)
+    ids = sample(logits.expand(n, vocab).clone(), b).token_ids
+    counts = torch.bincount(ids, minlength=vocab).double()
+    expect = _expected(logits, temperature, top_p, top_k, min_p) * n
+    assert (counts[expect == 0] == 0).all(), f"sampled a token the filters remove: {counts} vs {expect}"
+    live = expect > 0
+    chi2 = float((((counts - expect) ** 2) / expect.clamp_min(1e-9))[live].sum())
+    df = int(live.sum()) - 1
+    if df > 0:
+        assert chi2 < CHI2_CRIT[df], f"chi2 {chi2:.1f} >= {CHI2_CRIT[df]} (df {df}); counts {counts.tolist()}"
+    # filter_probs itself agrees with the independent statement
+    assert torch.allclose(filter_probs(logits[None], _batch(1, temperature, top_p, top_k, min_p))[0].double(),
+                          expect / n, atol=1e-6)
+
+
+def test_noise_depends_only_on_seed_position_token():
+    b1 = _batch(4, seed0=99)
+    b2 = _batch(4, seed0=99)
+    logits = torch.randn(4, 50)
+    assert torch.equal(sample(logits, b1).token_ids, sample(logits, b2).token_ids)
+    b3 = _batch(4, seed0=100)
+    draws = {tuple(sample(logits, _batch(4, seed0=s)).token_ids.tolist()) for s in range(20)}
+    assert len(draws) > 1 and b3 is not None
+
+
+def test_seeded_requests_reproducible_across_batches(tiny_dirs):
+    llm = LLM(model=str(tiny_dirs("tiny")))
+    target = {"prompt_token_ids": [3, 14, 15, 92, 65]}
+    p = SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=1234, max_tokens=20, ignore_eos=True)
+    alone = llm.generate(target, p)[0].outputs[0].token_ids
+    others = [{"prompt_token_ids": [random.randrange(300) for _ in range(random.randrange(1, 60))]} for _ in range(5)]
+    mixed = llm.generate(others[:2] + [target] + others[2:], [SamplingParams(temperature=1.0, max_tokens=25)] * 2 + [p]
+                         + [SamplingParams(temperature=0.5, max_tokens=7)] * 3)
+    assert mixed[2].outputs[0].token_ids == alone
+    unseeded = {tuple(llm.generate(target, SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True))[0]
+                      .outputs[0].token_ids) for _ in range(3)}
+    assert len(unseeded) > 1, "unseeded sampling repeated itself"
+
+
+def test_controls(tiny_dirs):
+    llm = LLM(model=str(tiny_dirs("tiny")))
+    prompt = {"prompt_token_ids": [10, 20, 30, 40]}
+    greedy = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+    # stop token id inside the greedy run: stops there, reason is the id, token included
+    stop_tok = greedy.token_ids[5]
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_tok]))[0].outputs[0]
+    first = greedy.token_ids.index(stop_tok)
+    assert out.token_ids == greedy.token_ids[:first + 1] and out.stop_reason == stop_tok and out.finish_reason == "stop"
+    # min_tokens masks stop tokens until reached
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, min_tokens=first + 3,
+                                              stop_token_ids=[stop_tok]))[0].outputs[0]
+    assert stop_tok not in out.token_ids[:first + 3]
+    # repetition penalty changes the greedy run; logprobs report top-N with ranks
+    pen = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                              repetition_penalty=5.0, presence_penalty=2.0))[0].outputs[0]
+    assert pen.token_ids != greedy.token_ids
+    lp = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3, logprobs=3))[0].outputs[0]
+    for tok, entry in zip(lp.token_ids, lp.logprobs):
+        assert entry[tok].rank == 1 and len(entry) == 3
+        assert sorted(e.rank for e in entry.values()) == [1, 2, 3]
+    # n samples, each a full completion
+    many = llm.generate(prompt, SamplingParams(n=3, temperature=1.0, max_tokens=5, ignore_eos=True, seed=7))[0]
+    assert [o.index for o in many.outputs] == [0, 1, 2] and all(len(o.token_ids) == 5 for o in many.outputs)
+
+
+def test_stop_string_inside_text(tiny_dirs):
+    llm = LLM(model=str(tiny_dirs("tiny")))
+    prompt = {"prompt_token_ids": [7, 8, 9]}
+    full = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0].outputs[0]
+    text = full.text
+    stop = next((text[i:i + 2] for i in range(3, len(text) - 2) if "\ufffd" not in text[i:i + 2]), None)
+    assert stop, f"greedy text too short to pick a stop string: {text!r}"
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, stop=[stop]))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[:text.index(stop)] and stop not in out.text
+    inc = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, stop=stop,
+                                              include_stop_str_in_output=True))[0].outputs[0]
+    assert inc.text == text[:text.index(stop) + len(stop)]
