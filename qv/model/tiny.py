@@ -214,14 +214,16 @@ def make_tiny(out_dir: str | Path, preset: str = "tiny", seed: int = 0, mtp: boo
 
 
 def _write_processor_configs(out: Path, vc: dict) -> None:
+    """The two processor files in the layout and keys of Qwen3.5's own (Qwen3VLProcessor with
+    Qwen2VLImageProcessor and Qwen3VLVideoProcessor), with pixel budgets shrunk to the tiny tower."""
     common = {"patch_size": vc["patch_size"], "temporal_patch_size": vc["temporal_patch_size"],
               "merge_size": vc["spatial_merge_size"], "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
               "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "do_resize": True,
-              "do_convert_rgb": True}
+              "do_convert_rgb": True, "resample": 3, "processor_class": "Qwen3VLProcessor"}
     image = dict(common, image_processor_type="Qwen2VLImageProcessor",
                  size={"shortest_edge": 64 * 64, "longest_edge": 512 * 512})
     video = dict(common, video_processor_type="Qwen3VLVideoProcessor",
-                 size={"shortest_edge": 64 * 64, "longest_edge": 256 * 256}, fps=2, min_frames=2, max_frames=16,
+                 size={"shortest_edge": 64 * 64, "longest_edge": 256 * 256}, fps=2, min_frames=4, max_frames=16,
                  do_sample_frames=True)
     (out / "preprocessor_config.json").write_text(json.dumps(image, indent=2) + "\n")
     (out / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2) + "\n")
