@@ -9,9 +9,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from qv.errors import InvalidRequestError
 
-class InvalidRequestError(ValueError):
-    """A request the engine cannot run as given; the message names the field and the limit."""
+__all__ = ["CompletionOutput", "FinishReason", "InvalidRequestError", "Logprob", "RequestMetrics", "RequestOutput",
+           "SamplingParams"]
 
 
 @dataclass
