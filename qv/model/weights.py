@@ -293,6 +293,9 @@ def _keys(path: Path) -> list[str]:
         raise CheckpointError(f"cannot read safetensors file {path}: {e}") from None
 
 
+NOT_BACKBONE_FILES = ("joint_head.safetensors",)
+
+
 def index_checkpoint(model_dir: str | Path) -> dict[str, Path]:
     """Tensor name -> safetensors file, from `model.safetensors.index.json` when present (every
     listed shard must exist and hold the tensors the index gives it), else every *.safetensors."""
@@ -316,7 +319,8 @@ def index_checkpoint(model_dir: str | Path) -> dict[str, Path]:
                                       f"{f' (+{len(absent) - 1} more)' if len(absent) > 1 else ''} to shard "
                                       f"{shard}, which does not contain it")
         return {name: model_dir / fname for name, fname in weight_map.items()}
-    files = sorted(model_dir.glob("*.safetensors"))
+    # A Clef release keeps its joint schema head beside the backbone; it is not backbone weights.
+    files = sorted(p for p in model_dir.glob("*.safetensors") if p.name not in NOT_BACKBONE_FILES)
     if not files:
         bins = sorted(p.name for p in model_dir.glob("*.bin"))
         hint = f" (found {', '.join(bins[:3])}: qv reads safetensors only)" if bins else ""

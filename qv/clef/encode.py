@@ -1,0 +1,219 @@
+"""A Clef record -> token ids + question spans + option spans, token for token what Cloudflare's
+`encode_record` (joint_schema_model.py) produces: same template text, same option order (noul
+true/false, choice sorted by id, score by index), same silent truncation of the state.
+
+The template is re-stated here (qv cannot depend on the test-only clef-finetune package); the
+tests compare every field against `encode_record` itself. All template pieces of a record are
+tokenized in one batched tokenizer call, which gives the same ids as one call per piece (each
+piece is tokenized on its own either way) without ~5 Python round trips per option.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+SYSTEM_PROMPT = (
+    "Read the complete state and schema. Decide every field jointly. Each answer "
+    "must be exactly one of that field's allowed options."
+)
+PREFIX = f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\nSTATE:\n"
+SUFFIX = "\n<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nJOINT SCHEMA DECISIONS:"
+SCHEMA_HEADER = "\n\nSCHEMA FIELDS:\n"
+QUESTION_TYPES = {"noul": 0, "choice": 1, "score": 2}
+NOUL_CRITERIA = {
+    "true": "The proposition is true or the answer is yes.",
+    "false": "The proposition is false or the answer is no.",
+}
+DEFAULT_MAX_LENGTH = 16384  # Clef's own default record length
+
+Tokenize = Callable[[list[str]], list[list[int]]]
+
+
+def render(value: Any) -> str:
+    """Strings as they are, anything else as compact sorted JSON (Clef's `render`)."""
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+
+
+def question_options(question: dict[str, Any]) -> list[tuple[str, Any]]:
+    """(option id, description) in the order the record lists them."""
+    kind = str(question["type"])
+    if kind == "noul":
+        criteria = dict(NOUL_CRITERIA)
+        criteria.update(question.get("criteria") or {})
+        return [(key, criteria[key]) for key in ("true", "false")]
+    if kind == "choice":
+        return sorted((str(key), value) for key, value in question["criteria"].items())
+    return [(str(index), value) for index, value in enumerate(question["criteria"])]
+
+
+@dataclass(frozen=True)
+class EncodedQuestion:
+    question_id: str
+    question_type: int  # 0 noul, 1 choice, 2 score
+    question_span: tuple[int, int]  # [start, end) of the instruction tokens in input_ids
+    option_spans: tuple[tuple[int, int], ...]  # [start, end) of each option's JSON tokens
+    option_ids: tuple[str, ...]  # encoded order (choice: sorted)
+    type_name: str = field(default="", compare=False)
+    criteria: Any = field(default=None, compare=False, repr=False)  # as the request gave it (answer order, legend)
+
+
+@dataclass(frozen=True)
+class EncodedRecord:
+    input_ids: tuple[int, ...]
+    questions: tuple[EncodedQuestion, ...]
+    record_id: str = "unknown"
+    state_tokens: int = 0  # state tokens kept
+    state_dropped: int = 0  # state tokens cut by the length limit
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_options(self) -> int:
+        return sum(len(q.option_ids) for q in self.questions)
+
+    @property
+    def checksum(self) -> str:
+        """Identity of the token sequence, so the worker can refuse a record that is not the one
+        the endpoint encoded (length + checksum)."""
+        return hashlib.sha256(json.dumps(self.input_ids).encode()).hexdigest()[:32]
+
+
+class SchemaTooLong(ValueError):
+    """The template and schema alone exceed max_length (carries the counts)."""
+
+    def __init__(self, fixed: int, max_length: int, schema: int):
+        self.fixed, self.max_length, self.schema = fixed, max_length, schema
+        super().__init__(f"schema requires {fixed} tokens before state; maximum is {max_length}")
+
+
+def batch_tokenizer(tokenizer: Any) -> Tokenize:
+    """A list-of-texts -> list-of-ids function for a transformers tokenizer (called like Clef
+    calls it: `add_special_tokens=False`) or a `tokenizers.Tokenizer`."""
+    from tokenizers import Tokenizer
+
+    if isinstance(tokenizer, Tokenizer):
+        return lambda texts: [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
+    return lambda texts: list(tokenizer(texts, add_special_tokens=False).input_ids) if texts else []
+
+
+class _Pieces:
+    """Texts to tokenize in one batch; each `add` returns the index of its ids."""
+
+    def __init__(self):
+        self.texts: list[str] = []
+
+    def add(self, text: str) -> int:
+        self.texts.append(text)
+        return len(self.texts) - 1
+
+
+def _schema_plan(questions: dict[str, Any], pieces: _Pieces) -> list[tuple]:
+    """Lay out the schema as a list of (question id, question, [piece roles]) to tokenize later."""
+    plan = [("header", pieces.add(SCHEMA_HEADER))]
+    for index, (qid, question) in enumerate(questions.items()):
+        head = pieces.add(f"\nFIELD {index + 1}\nID: {qid}\nTYPE: {question['type']}\nINSTRUCTION: ")
+        instructions = question.get("instructions")
+        if instructions is None or instructions == "":
+            instructions = str(qid)
+        body = pieces.add(render(instructions))
+        allowed = pieces.add("\nALLOWED OPTIONS:\n")
+        options = []
+        for option_index, (option_id, description) in enumerate(question_options(question)):
+            semantics = {"option_id": option_id}
+            if description is not None:
+                semantics["description"] = description
+            options.append((option_id, pieces.add(f"OPTION {option_index + 1}: "), pieces.add(render(semantics)),
+                            pieces.add("\n")))
+        plan.append(("question", qid, question, head, body, allowed, options, pieces.add("END FIELD\n")))
+    return plan
+
+
+def _assemble_schema(plan: list[tuple], ids: list[list[int]]) -> tuple[list[int], list[EncodedQuestion]]:
+    schema = list(ids[plan[0][1]])
+    out: list[EncodedQuestion] = []
+    for _, qid, question, head, body, allowed, options, end in plan[1:]:
+        schema += ids[head]
+        q_start = len(schema)
+        schema += ids[body]
+        q_end = len(schema)
+        schema += ids[allowed]
+        spans, option_ids = [], []
+        for option_id, label, sem, newline in options:
+            schema += ids[label]
+            start = len(schema)
+            schema += ids[sem]
+            spans.append((start, len(schema)))
+            option_ids.append(option_id)
+            schema += ids[newline]
+        schema += ids[end]
+        out.append(EncodedQuestion(str(qid), QUESTION_TYPES[str(question["type"])], (q_start, q_end), tuple(spans),
+                                   tuple(option_ids), str(question["type"]), question.get("criteria")))
+    return schema, out
+
+
+def encode_record(tokenizer: Any, record: dict[str, Any], max_length: int = DEFAULT_MAX_LENGTH,
+                  max_state_tokens: int | None = None, tokenize: Tokenize | None = None) -> EncodedRecord:
+    """Encode a record exactly like Clef's `encode_record` (text only: images and videos need the
+    vision encoder and are refused here). No request validation: see qv.clef.request for that.
+
+    Raises SchemaTooLong when the template and schema alone exceed max_length; the state is cut
+    to what fits, silently, as in Clef.
+    """
+    if record.get("images") or record.get("videos"):
+        raise ValueError("records with images or videos are not supported yet (needs the vision encoder)")
+    tokenize = tokenize or batch_tokenizer(tokenizer)
+    pieces = _Pieces()
+    plan = _schema_plan(record["questions"], pieces)
+    prefix, suffix, state = pieces.add(PREFIX), pieces.add(SUFFIX), pieces.add(render(record["state"]))
+    ids = tokenize(pieces.texts)
+    schema_ids, questions = _assemble_schema(plan, ids)
+    prefix_ids, suffix_ids, state_ids = ids[prefix], ids[suffix], list(ids[state])
+    if max_state_tokens is not None:
+        state_ids = state_ids[:max_state_tokens]
+    fixed = len(prefix_ids) + len(schema_ids) + len(suffix_ids)
+    if fixed > max_length:
+        raise SchemaTooLong(fixed, max_length, len(schema_ids))
+    total_state = len(ids[state])
+    state_ids = state_ids[: max_length - fixed]
+    offset = len(prefix_ids) + len(state_ids)
+    shifted = tuple(
+        EncodedQuestion(q.question_id, q.question_type, _shift(q.question_span, offset),
+                        tuple(_shift(s, offset) for s in q.option_spans), q.option_ids, q.type_name, q.criteria)
+        for q in questions
+    )
+    input_ids = tuple(prefix_ids + state_ids + schema_ids + suffix_ids)
+    if not input_ids or not shifted:
+        raise ValueError("record produced no model input or questions")
+    return EncodedRecord(input_ids, shifted, str(record.get("id", "unknown")), len(state_ids),
+                         total_state - len(state_ids))
+
+
+def _shift(span: tuple[int, int], offset: int) -> tuple[int, int]:
+    return (span[0] + offset, span[1] + offset)
+
+
+def all_spans(record: EncodedRecord) -> tuple[list[tuple[int, int]], list[int], list[int]]:
+    """Question spans then option spans (question order, encoded option order), the question of
+    each option, and the number of options per question: the layout the joint head works in."""
+    spans = [q.question_span for q in record.questions]
+    owner: list[int] = []
+    counts: list[int] = []
+    for i, q in enumerate(record.questions):
+        spans.extend(q.option_spans)
+        owner.extend([i] * len(q.option_spans))
+        counts.append(len(q.option_spans))
+    return spans, owner, counts
+
+
+def option_token_ids(record: EncodedRecord) -> Sequence[Sequence[int]]:
+    """The token ids of each option span (encoded order), for the head's lexical vectors."""
+    ids = record.input_ids
+    return [ids[s:e] for q in record.questions for s, e in q.option_spans]
