@@ -93,63 +93,70 @@ def load_text_model(model_dir: str, cfg: ModelConfig | None = None, dtype: torch
     return model
 
 
+class LayerBuilder:
+    """Builds layers from checkpoint tensors by their HF names (shared by the text model and the MTP head)."""
+
+    def __init__(self, cfg: ModelConfig, reader: CheckpointReader, dtype: torch.dtype, device: torch.device | str):
+        self.cfg, self.reader, self.dtype, self.device = cfg, reader, dtype, device
+
+    def lin(self, name: str, n: int, k: int) -> Linear:
+        r = self.reader
+        bias = None
+        if r.has(f"{name}.bias") and not r.has(f"{name}.qweight"):
+            bias = r.tensor(f"{name}.bias", self.dtype, self.device, shape=(n,))
+        return Linear(r.linear(name, n, k, self.dtype, self.device), bias)
+
+    def vec(self, name: str, n: int) -> torch.Tensor:
+        return self.reader.tensor(name, torch.float32, self.device, shape=(n,))
+
+    def attention(self, ap: str) -> GatedAttention:
+        cfg = self.cfg
+        h, d = cfg.hidden_size, cfg.head_dim
+        if not cfg.attn_output_gate:
+            raise CheckpointError("attn_output_gate=false is not supported: Qwen3.5 attention is gated")
+        q_out, kv_out = cfg.num_attention_heads * d * 2, cfg.num_key_value_heads * d
+        qkv = FusedLinear([self.lin(ap + "q_proj", q_out, h), self.lin(ap + "k_proj", kv_out, h),
+                           self.lin(ap + "v_proj", kv_out, h)], [q_out, kv_out, kv_out])
+        return GatedAttention(cfg, qkv, self.lin(ap + "o_proj", h, cfg.num_attention_heads * d),
+                              self.vec(ap + "q_norm.weight", d), self.vec(ap + "k_norm.weight", d))
+
+    def gdn(self, gp: str) -> GatedDeltaNet:
+        cfg = self.cfg
+        h, hv = cfg.hidden_size, cfg.linear_num_value_heads
+        conv_dim, vd = cfg.linear_conv_dim, cfg.linear_value_dim
+        qkvz = FusedLinear([self.lin(gp + "in_proj_qkv", conv_dim, h), self.lin(gp + "in_proj_z", vd, h)],
+                           [conv_dim, vd])
+        ba = FusedLinear([self.lin(gp + "in_proj_b", hv, h), self.lin(gp + "in_proj_a", hv, h)], [hv, hv])
+        width = cfg.linear_conv_kernel_dim
+        conv = self.reader.tensor(gp + "conv1d.weight", self.dtype, self.device, shape=(conv_dim, 1, width))
+        return GatedDeltaNet(cfg, qkvz, ba, self.lin(gp + "out_proj", h, vd), conv[:, 0, :].contiguous(),
+                             self.vec(gp + "A_log", hv), self.vec(gp + "dt_bias", hv),
+                             self.vec(gp + "norm.weight", cfg.linear_value_head_dim))
+
+    def mlp(self, mp: str) -> MLP:
+        h, inter = self.cfg.hidden_size, self.cfg.intermediate_size
+        gate_up = FusedLinear([self.lin(mp + "gate_proj", inter, h), self.lin(mp + "up_proj", inter, h)],
+                              [inter, inter])
+        return MLP(gate_up, self.lin(mp + "down_proj", h, inter))
+
+    def decoder_layer(self, index: int, kind: str, lp: str) -> DecoderLayer:
+        mixer = self.attention(lp + "self_attn.") if kind == "full_attention" else self.gdn(lp + "linear_attn.")
+        h = self.cfg.hidden_size
+        return DecoderLayer(index, kind, mixer, self.mlp(lp + "mlp."), self.vec(lp + "input_layernorm.weight", h),
+                            self.vec(lp + "post_attention_layernorm.weight", h), self.cfg.rms_norm_eps)
+
+
 def build_text_model(cfg: ModelConfig, reader: CheckpointReader, dtype: torch.dtype,
                      device: torch.device | str) -> Qwen3_5TextModel:
-    p = cfg.weight_prefix
-    h = cfg.hidden_size
-    f32 = torch.float32
-
-    def lin(name: str, n: int, k: int) -> Linear:
-        bias = reader.tensor(f"{name}.bias", dtype, device) if reader.has(f"{name}.bias") and not reader.has(
-            f"{name}.qweight") else None
-        return Linear(reader.linear(name, n, k, dtype, device), bias)
-
-    def vec(name: str, n: int, dt=f32) -> torch.Tensor:
-        return reader.tensor(name, dt, device, shape=(n,))
-
+    p, h = cfg.weight_prefix, cfg.hidden_size
+    b = LayerBuilder(cfg, reader, dtype, device)
     embed = reader.tensor(f"{p}embed_tokens.weight", dtype, device, shape=(cfg.vocab_size, h))
-    layers = []
-    for i, kind in enumerate(cfg.layer_types):
-        lp = f"{p}layers.{i}."
-        if kind == "full_attention":
-            mixer = _build_attention(cfg, lp + "self_attn.", lin, vec)
-        else:
-            mixer = _build_gdn(cfg, lp + "linear_attn.", lin, vec, reader, dtype, device)
-        mlp = MLP(
-            FusedLinear([lin(lp + "mlp.gate_proj", cfg.intermediate_size, h),
-                         lin(lp + "mlp.up_proj", cfg.intermediate_size, h)],
-                        [cfg.intermediate_size, cfg.intermediate_size]),
-            lin(lp + "mlp.down_proj", h, cfg.intermediate_size),
-        )
-        layers.append(DecoderLayer(i, kind, mixer, mlp, vec(lp + "input_layernorm.weight", h),
-                                   vec(lp + "post_attention_layernorm.weight", h), cfg.rms_norm_eps))
-    norm = vec(f"{p}norm.weight", h)
+    layers = [b.decoder_layer(i, kind, f"{p}layers.{i}.") for i, kind in enumerate(cfg.layer_types)]
+    norm = b.vec(f"{p}norm.weight", h)
     if cfg.tie_word_embeddings:
         lm_head = Linear(embed)
         if reader.has("lm_head.weight"):
             reader.used.add("lm_head.weight")  # some writers store the tied copy too
     else:
-        lm_head = lin("lm_head", cfg.vocab_size, h)
+        lm_head = b.lin("lm_head", cfg.vocab_size, h)
     return Qwen3_5TextModel(cfg, embed, layers, norm, lm_head)
-
-
-def _build_attention(cfg: ModelConfig, ap: str, lin, vec) -> GatedAttention:
-    h, d = cfg.hidden_size, cfg.head_dim
-    if not cfg.attn_output_gate:
-        raise CheckpointError("attn_output_gate=false is not supported: Qwen3.5 attention is gated")
-    q_out, kv_out = cfg.num_attention_heads * d * 2, cfg.num_key_value_heads * d
-    qkv = FusedLinear([lin(ap + "q_proj", q_out, h), lin(ap + "k_proj", kv_out, h), lin(ap + "v_proj", kv_out, h)],
-                      [q_out, kv_out, kv_out])
-    return GatedAttention(cfg, qkv, lin(ap + "o_proj", h, cfg.num_attention_heads * d),
-                          vec(ap + "q_norm.weight", d), vec(ap + "k_norm.weight", d))
-
-
-def _build_gdn(cfg: ModelConfig, gp: str, lin, vec, reader, dtype, device) -> GatedDeltaNet:
-    h, hv = cfg.hidden_size, cfg.linear_num_value_heads
-    conv_dim, vd = cfg.linear_conv_dim, cfg.linear_value_dim
-    qkvz = FusedLinear([lin(gp + "in_proj_qkv", conv_dim, h), lin(gp + "in_proj_z", vd, h)], [conv_dim, vd])
-    ba = FusedLinear([lin(gp + "in_proj_b", hv, h), lin(gp + "in_proj_a", hv, h)], [hv, hv])
-    width = cfg.linear_conv_kernel_dim
-    conv = reader.tensor(gp + "conv1d.weight", dtype, device, shape=(conv_dim, 1, width))[:, 0, :].contiguous()
-    return GatedDeltaNet(cfg, qkvz, ba, lin(gp + "out_proj", h, vd), conv, vec(gp + "A_log", hv),
-                         vec(gp + "dt_bias", hv), vec(gp + "norm.weight", cfg.linear_value_head_dim))
