@@ -1,0 +1,171 @@
+"""Chat messages -> prompt, through the checkpoint's own chat template (transformers'
+`apply_chat_template`), the way vLLM renders them.
+
+- Content parts: text parts are joined with "\\n" (vLLM's "string" content format, which every
+  template understands); media parts go to `media.check_media_part`.
+- `developer` messages render as `system` (the Qwen3.5 template knows no developer role).
+- Assistant `tool_calls[].function.arguments` arrive as JSON strings and are parsed to dicts,
+  since Qwen3.5 templates iterate `arguments.items()`. Reasoning is accepted as `reasoning` or
+  `reasoning_content` and passed to the template under both names.
+- `chat_template_kwargs` override the server default `enable_thinking` lever;
+  `reasoning_effort: "none"` also turns thinking off.
+- tool_choice `required`/named has no grammar-constrained decoding behind it. Instead the prompt
+  is extended with the start of the call, `<tool_call>\\n<function=NAME>\\n` for a named function
+  (or `required` with one tool), `<tool_call>\\n<function=` for `required` with several, closing an
+  open think block first. The model therefore continues inside a call: a named function is
+  always the one called; with several tools the name the model writes is checked afterwards
+  (openai.py). Parameters are the model's, not checked against the schema.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import jinja2
+
+from qv.server.errors import bad_request
+from qv.server.media import check_media_part
+from qv.server.parsers.qwen3_reasoning import THINK_END, THINK_START
+
+TEXT_PARTS = ("text", "input_text", "output_text")
+RESERVED_KWARGS = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                   "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+                   "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+
+
+@dataclass
+class RenderedPrompt:
+    text: str  # the prompt as rendered (forced call prefix included)
+    token_ids: list[int]
+    thinking: bool  # the output starts inside an open think block
+    forced_prefix: str  # output text the prompt already wrote (prepended before parsing)
+
+
+def content_text(content, where: str) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type")
+        if kind in TEXT_PARTS:
+            if not isinstance(part.get("text"), str):
+                raise bad_request(f"{where}[{j}].text must be a string", f"{where}[{j}].text")
+            texts.append(part["text"])
+        elif kind == "refusal" and isinstance(part.get("refusal"), str):
+            texts.append(part["refusal"])
+        else:
+            check_media_part(part, f"{where}[{j}]")
+            raise bad_request(f"{where}[{j}] has unknown content part type {kind!r}; expected 'text'", f"{where}[{j}].type")
+    return "\n".join(texts)
+
+
+def _tool_call_arguments(args, where: str) -> dict:
+    if isinstance(args, dict):
+        return args
+    try:
+        parsed = json.loads(args) if args.strip() else {}
+    except ValueError as exc:
+        raise bad_request(f"{where} is not valid JSON: {exc}", where) from None
+    if not isinstance(parsed, dict):
+        raise bad_request(f"{where} must be a JSON object, got {type(parsed).__name__}", where)
+    return parsed
+
+
+def build_conversation(messages) -> list[dict]:
+    """Validated ChatMessage models -> the dicts the chat template reads."""
+    conv = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        text = content_text(m.content, f"{where}.content")
+        if text is None and m.role != "assistant":
+            raise bad_request(f"{where}.content is required for role '{m.role}'", f"{where}.content")
+        d: dict = {"role": "system" if m.role == "developer" else m.role, "content": text}
+        if m.name is not None:
+            d["name"] = m.name
+        if m.role == "assistant":
+            reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+            if reasoning is not None:
+                d["reasoning_content"] = d["reasoning"] = reasoning
+            if m.tool_calls:
+                d["tool_calls"] = [
+                    {"id": tc.id, "type": "function", "function": {
+                        "name": tc.function.name,
+                        "arguments": _tool_call_arguments(tc.function.arguments, f"{where}.tool_calls[{k}].function.arguments")}}
+                    for k, tc in enumerate(m.tool_calls)]
+        elif m.tool_calls:
+            raise bad_request(f"{where}.tool_calls is only allowed on assistant messages", f"{where}.tool_calls")
+        if m.role == "tool":
+            d["tool_call_id"] = m.tool_call_id
+        conv.append(d)
+    return conv
+
+
+def template_kwargs(req_kwargs: dict | None, default_thinking: bool, reasoning_effort: str | None) -> dict:
+    kwargs = {"enable_thinking": default_thinking}
+    if reasoning_effort == "none":
+        kwargs["enable_thinking"] = False
+    elif reasoning_effort is not None:
+        kwargs["reasoning_effort"] = reasoning_effort
+    bad = sorted(set(req_kwargs or {}) & RESERVED_KWARGS)
+    if bad:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(bad)}: use the request fields instead",
+                          "chat_template_kwargs")
+    kwargs.update(req_kwargs or {})
+    return kwargs
+
+
+def apply_template(tokenizer, conversation: list[dict], *, tools: list[dict] | None, documents=None,
+                   chat_template: str | None = None, add_generation_prompt: bool = True,
+                   continue_final_message: bool = False, kwargs: dict | None = None) -> str:
+    if continue_final_message and conversation[-1]["role"] != "assistant":
+        raise bad_request("continue_final_message needs the last message to be an assistant message", "messages")
+    try:
+        text = tokenizer.apply_chat_template(
+            conversation, tools=tools, documents=documents, chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            tokenize=False, **(kwargs or {}))
+    except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
+        raise bad_request(f"the chat template could not render these messages: {exc}", "messages") from None
+    if not isinstance(text, str):
+        raise bad_request("the chat template did not render to text", "messages")
+    return text
+
+
+def output_starts_thinking(prompt: str, enable_thinking: bool) -> bool:
+    """Whether generated text begins as reasoning: the prompt leaves a think block open; for
+    templates without think tags, the enable_thinking setting decides (vLLM's default)."""
+    start, end = prompt.rfind(THINK_START), prompt.rfind(THINK_END)
+    if start == -1 and end == -1:
+        return enable_thinking
+    return start > end
+
+
+def forced_call_prefix(tool_choice, tool_names: list[str]) -> str:
+    """Output text that starts the call for tool_choice required/named ('' otherwise)."""
+    if tool_choice is None or isinstance(tool_choice, str) and tool_choice in ("none", "auto"):
+        return ""
+    if not isinstance(tool_choice, str):
+        return f"<tool_call>\n<function={tool_choice.function.name}>\n"
+    if len(tool_names) == 1:
+        return f"<tool_call>\n<function={tool_names[0]}>\n"
+    return "<tool_call>\n<function="
+
+
+def render_chat(tokenizer, req, default_thinking: bool) -> RenderedPrompt:
+    """A ChatCompletionRequest (or anything with its fields) -> the prompt the engine runs."""
+    conversation = build_conversation(req.messages)
+    kwargs = template_kwargs(req.chat_template_kwargs, default_thinking, getattr(req, "reasoning_effort", None))
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    text = apply_template(tokenizer, conversation, tools=tools, documents=getattr(req, "documents", None),
+                          chat_template=req.chat_template, add_generation_prompt=req.add_generation_prompt,
+                          continue_final_message=req.continue_final_message, kwargs=kwargs)
+    thinking = output_starts_thinking(text, bool(kwargs.get("enable_thinking", True)))
+    prefix = forced_call_prefix(getattr(req, "tool_choice", None), [t.function.name for t in req.tools or []])
+    if prefix:
+        text += (THINK_END + "\n\n" if thinking else "") + prefix
+        thinking = False
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if getattr(req, "truncate_prompt_tokens", None):
+        ids = ids[-req.truncate_prompt_tokens:]
+    return RenderedPrompt(text, ids, thinking, prefix)

@@ -1,0 +1,151 @@
+"""POST /v1/completions: string, string-list, token-id and token-id-list prompts; n samples per
+prompt (choice index = prompt index * n + sample index); logprobs; echo; SSE streaming."""
+
+from __future__ import annotations
+
+import time
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from qv.server.errors import APIError, bad_request, sse_error
+from qv.server.logprobs import completion_logprobs
+from qv.server.openai import parse_body, usage
+from qv.server.protocol import CompletionRequest
+from qv.server.state import ServerState, random_id
+from qv.server.streaming import DONE, SSEResponse, last_output, merge, read_json, sse, until_disconnect
+
+
+def _prompts(state: ServerState, req: CompletionRequest) -> list[tuple[str, list[int]]]:
+    """(text, token ids) per prompt; token-id prompts are decoded for echo."""
+    p = req.prompt
+    items = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+    out = []
+    for k, item in enumerate(items):
+        where = "prompt" if len(items) == 1 else f"prompt[{k}]"
+        if isinstance(item, str):
+            ids = state.tokenizer.encode(item, add_special_tokens=req.add_special_tokens)
+            text = item
+        else:
+            vocab = state.engine.model_config.vocab_size
+            bad = [t for t in item if not 0 <= t < vocab]
+            if bad:
+                raise bad_request(f"{where} has token id {bad[0]}, outside the vocabulary [0, {vocab})", where)
+            ids = list(item)
+            text = state.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if not ids:
+            raise bad_request(f"{where} is empty", where)
+        if req.truncate_prompt_tokens:
+            ids = ids[-req.truncate_prompt_tokens:]
+        out.append((text, ids))
+    return out
+
+
+async def create_completion(state: ServerState, request: Request) -> Response:
+    req = parse_body(CompletionRequest, await read_json(request, state.max_body_bytes))
+    state.check_model(req.model)
+    state.check_logprobs(req.logprobs, "logprobs")
+    prompts = _prompts(state, req)
+    params = state.sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs)
+    for k, (_, ids) in enumerate(prompts):
+        state.check_length(len(ids), req.max_tokens, "prompt" if len(prompts) == 1 else f"prompt[{k}]")
+        state.check_request(ids, params)
+    state.check_capacity()
+    rid, created = random_id("cmpl"), int(time.time())
+    gens = [state.generate(f"{rid}-{k}", ids, params, prompt=text, cache_salt=req.cache_salt)
+            for k, (text, ids) in enumerate(prompts)]
+    head = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
+    if req.stream:
+        return SSEResponse(completion_stream(state, req, head, prompts, gens))
+
+    async def run_all():
+        outs: dict[int, object] = {}
+        async for k, out in merge(gens):
+            outs[k] = out
+        return [outs[k] for k in range(len(gens))]
+
+    try:
+        finals = await until_disconnect(request, run_all())
+    finally:
+        for g in gens:
+            await g.aclose()
+    return JSONResponse(completion_response(state, req, head, prompts, finals))
+
+
+def completion_response(state: ServerState, req: CompletionRequest, head: dict, prompts, finals) -> dict:
+    choices, n_prompt, n_out, cached = [], 0, 0, 0
+    for k, out in enumerate(finals):
+        text_prefix = prompts[k][0] if req.echo else ""
+        n_prompt += len(out.prompt_token_ids)
+        cached += out.num_cached_tokens
+        for o in out.outputs:
+            n_out += len(o.token_ids)
+            choice = {"index": k * req.n + o.index, "text": text_prefix + o.text, "logprobs": None,
+                      "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
+            if req.logprobs is not None:
+                choice["logprobs"] = completion_logprobs(o.token_ids, o.logprobs or [], req.logprobs, state.tokenizer,
+                                                         len(text_prefix), req.return_tokens_as_token_ids,
+                                                         state.special_ids if req.skip_special_tokens else frozenset())
+            if req.return_token_ids:
+                choice["prompt_token_ids"] = list(out.prompt_token_ids)
+                choice["token_ids"] = list(o.token_ids)
+            choices.append(choice)
+    return dict(head, choices=choices, usage=usage(n_prompt, n_out, cached))
+
+
+async def completion_stream(state: ServerState, req: CompletionRequest, head: dict, prompts, gens):
+    opts = req.stream_options
+    include_usage = bool(opts and opts.include_usage)
+    continuous = include_usage and bool(opts.continuous_usage_stats)
+    seen_text: dict[int, str] = {}
+    seen_tokens: dict[int, int] = {}
+    done: set[int] = set()
+    prompt_tokens: dict[int, int] = {}
+    cached: dict[int, int] = {}
+    stream = merge(gens)
+
+    def current_usage():
+        return usage(sum(prompt_tokens.values()), sum(seen_tokens.values()), sum(cached.values()))
+
+    try:
+        async for k, out in stream:
+            prompt_tokens[k], cached[k] = len(out.prompt_token_ids), out.num_cached_tokens
+            for o in out.outputs:
+                idx = k * req.n + o.index
+                if idx in done:
+                    continue
+                first = idx not in seen_text
+                prev_text, prev_n = seen_text.get(idx, ""), seen_tokens.get(idx, 0)
+                seen_text[idx], seen_tokens[idx] = o.text, len(o.token_ids)
+                new_text, new_ids = o.text[len(prev_text):], o.token_ids[prev_n:]
+                echo = prompts[k][0] if (first and req.echo) else ""
+                if not (new_text or echo or o.finish_reason or (new_ids and req.logprobs is not None)):
+                    continue
+                choice = {"index": idx, "text": echo + new_text, "logprobs": None, "finish_reason": o.finish_reason,
+                          "stop_reason": o.stop_reason}
+                if req.logprobs is not None and new_ids:
+                    offset = len(prompts[k][0]) * req.echo + len(prev_text)
+                    choice["logprobs"] = completion_logprobs(new_ids, (o.logprobs or [])[prev_n:], req.logprobs,
+                                                             state.tokenizer, offset, req.return_tokens_as_token_ids,
+                                                             state.special_ids if req.skip_special_tokens else frozenset())
+                if req.return_token_ids:
+                    choice["token_ids"] = list(new_ids)
+                    if first:
+                        choice["prompt_token_ids"] = list(out.prompt_token_ids)
+                if o.finish_reason is not None:
+                    done.add(idx)
+                body = dict(head, choices=[choice])
+                if continuous:
+                    body["usage"] = current_usage()
+                yield sse(body)
+        if include_usage:
+            yield sse(dict(head, choices=[], usage=current_usage()))
+    except APIError as exc:
+        yield sse_error(exc)
+    except Exception as exc:  # noqa: BLE001 - a bug must still end the stream with an error event
+        yield sse_error(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+    finally:
+        await stream.aclose()
+        for g in gens:
+            await g.aclose()
+    yield DONE

@@ -1,0 +1,153 @@
+"""Prometheus metrics with vLLM's names (research/serving.md B.9), so vLLM dashboards, `vllm bench`
+and GuideLLM read qv unchanged.
+
+Gauges and engine-wide counters (tokens, preemptions, prefix cache, finished requests) are read
+from `engine.stats()` at scrape time by a collector, so they never drift from the engine. Per-request
+latency histograms are observed by the server as each request's outputs arrive. Each app has its
+own registry, so several servers can live in one process (tests).
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+LABELS = ("model_name", "engine")
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+               80.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                   480.0, 960.0, 1920.0, 7680.0)
+
+
+def buckets_1_2_5(limit: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to limit (vLLM's token-count buckets)."""
+    out, exp = [], 0
+    while True:
+        for m in (1, 2, 5):
+            v = m * 10**exp
+            if v > limit:
+                return out
+            out.append(v)
+        exp += 1
+
+
+class _EngineCollector:
+    def __init__(self, engine, labels: tuple[str, str]):
+        self.engine, self.labels = engine, labels
+
+    def collect(self):
+        s = self.engine.stats()
+        lv = list(self.labels)
+
+        def gauge(name, doc, value):
+            g = GaugeMetricFamily(name, doc, labels=LABELS)
+            g.add_metric(lv, value)
+            return g
+
+        def counter(name, doc, value):
+            c = CounterMetricFamily(name, doc, labels=LABELS)
+            c.add_metric(lv, value)
+            return c
+
+        yield gauge("vllm:num_requests_running", "Sequences in the running batch.", s.num_running)
+        yield gauge("vllm:num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting)
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache block usage (1 = full).", s.kv_cache_usage)
+        yield counter("vllm:num_preemptions", "Preemptions (recompute).", s.num_preemptions)
+        yield counter("vllm:prompt_tokens", "Prefill tokens processed.", s.prompt_tokens)
+        yield counter("vllm:generation_tokens", "Generated tokens.", s.generation_tokens)
+        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries)
+        yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
+        yield counter("vllm:prompt_tokens_cached", "Prompt tokens served from the prefix cache.", s.prompt_tokens_cached)
+        success = CounterMetricFamily("vllm:request_success", "Finished sequences by finish reason.",
+                                      labels=LABELS + ("finished_reason",))
+        for reason, count in sorted((getattr(s, "finished", None) or {}).items()):
+            success.add_metric(lv + [str(reason)], count)
+        yield success
+        for name in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"):
+            if hasattr(s, name.removeprefix("spec_decode_")):
+                yield counter(f"vllm:{name}", name.replace("_", " "), getattr(s, name.removeprefix("spec_decode_")))
+
+
+class ServerMetrics:
+    def __init__(self, engine, model_name: str, max_model_len: int):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.labels = (model_name, "0")
+        self.registry.register(_EngineCollector(engine, self.labels))
+        r, lab = self.registry, LABELS
+
+        def hist(name, doc, buckets):
+            return Histogram(name, doc, lab, buckets=buckets, registry=r).labels(*self.labels)
+
+        tokens = buckets_1_2_5(max_model_len)
+        self.ttft = hist("vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = hist("vllm:inter_token_latency_seconds", "Time between output tokens.", ITL_BUCKETS)
+        self.tpot = hist("vllm:request_time_per_output_token_seconds", "Decode time per output token.", ITL_BUCKETS)
+        self.e2e = hist("vllm:e2e_request_latency_seconds", "Arrival to last output.", LATENCY_BUCKETS)
+        self.queue = hist("vllm:request_queue_time_seconds", "Time waiting before first scheduled.", LATENCY_BUCKETS)
+        self.prefill = hist("vllm:request_prefill_time_seconds", "First scheduled to first token.", LATENCY_BUCKETS)
+        self.decode = hist("vllm:request_decode_time_seconds", "First token to last token.", LATENCY_BUCKETS)
+        self.inference = hist("vllm:request_inference_time_seconds", "First scheduled to finished.", LATENCY_BUCKETS)
+        self.prompt_tokens = hist("vllm:request_prompt_tokens", "Prompt tokens per request.", tokens)
+        self.generation_tokens = hist("vllm:request_generation_tokens", "Generated tokens per request.", tokens)
+        self.params_n = hist("vllm:request_params_n", "The n parameter of requests.", (1, 2, 5, 10, 20))
+        self.params_max_tokens = hist("vllm:request_params_max_tokens", "The max_tokens of requests.", tokens)
+        self.rejections = Counter("vllm:admission_rejections", "Requests refused with 503 (waiting queue full).", lab,
+                                  registry=r).labels(*self.labels)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def tracker(self, n: int, max_tokens: int | None) -> "RequestTracker":
+        return RequestTracker(self, n, max_tokens)
+
+
+class RequestTracker:
+    """Observes one request's latencies from the outputs the server receives."""
+
+    def __init__(self, m: ServerMetrics, n: int, max_tokens: int | None):
+        self.m = m
+        self.start = time.perf_counter()
+        self.first: float | None = None
+        self.last: float | None = None
+        self.tokens = 0
+        m.params_n.observe(n)
+        if max_tokens is not None:
+            m.params_max_tokens.observe(max_tokens)
+
+    def on_output(self, out) -> None:
+        tokens = sum(len(o.token_ids) for o in out.outputs)
+        new = tokens - self.tokens
+        if new <= 0:
+            return
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+            self.m.ttft.observe(now - self.start)
+            new -= 1  # the first token's latency is TTFT, the rest are inter-token gaps
+        if new > 0 and self.last is not None:
+            gap = (now - self.last) / new
+            for _ in range(new):
+                self.m.itl.observe(gap)
+        self.last, self.tokens = now, tokens
+
+    def on_finish(self, out) -> None:
+        now = time.perf_counter()
+        m = self.m
+        m.e2e.observe(now - self.start)
+        m.prompt_tokens.observe(len(out.prompt_token_ids))
+        m.generation_tokens.observe(self.tokens)
+        if self.first is not None and self.tokens > 1:
+            m.tpot.observe((now - self.first) / (self.tokens - 1))
+        em = out.metrics
+        if em is not None and em.first_scheduled_time is not None:
+            m.queue.observe(max(0.0, em.first_scheduled_time - em.arrival_time))
+            if em.first_token_time is not None:
+                m.prefill.observe(max(0.0, em.first_token_time - em.first_scheduled_time))
+                if em.finished_time is not None:
+                    m.decode.observe(max(0.0, em.finished_time - em.first_token_time))
+            if em.finished_time is not None:
+                m.inference.observe(max(0.0, em.finished_time - em.first_scheduled_time))

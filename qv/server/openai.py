@@ -1,0 +1,206 @@
+"""POST /v1/chat/completions: render, validate, run, then answer as one JSON body or as SSE chunks
+in vLLM's order (role chunk with the first output, content/reasoning/tool_calls deltas, a final
+chunk per choice with finish_reason, an optional usage chunk with `choices: []`, `[DONE]`)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from pydantic import ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from qv.server.chat import RenderedPrompt, render_chat
+from qv.server.errors import APIError, sse_error, validation_error
+from qv.server.logprobs import chat_logprobs
+from qv.server.parsers import OutputStream, Qwen3CoderToolParser, parse_output
+from qv.server.protocol import ChatCompletionRequest
+from qv.server.state import ServerState, random_id
+from qv.server.streaming import DONE, SSEResponse, last_output, read_json, sse, until_disconnect
+
+
+def parse_body(model_cls, body: dict):
+    try:
+        return model_cls.model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+@dataclass
+class ChatContext:
+    req: ChatCompletionRequest
+    rendered: RenderedPrompt
+    tools: Qwen3CoderToolParser | None  # None: tool calls are not parsed (no tools, or tool_choice none)
+    tool_names: list[str]
+    request_id: str
+    created: int
+    model: str
+    echo_text: str  # vLLM's chat echo: the final message's text when it continues that role
+
+    def check_call_name(self, name: str) -> None:
+        """tool_choice=required with several tools: the name the model wrote must be one of them."""
+        if self.rendered.forced_prefix and name not in self.tool_names:
+            raise APIError(500, f"tool_choice=required: the model called `{name}`, which is not among the tools "
+                                f"({', '.join(self.tool_names)}); qv has no constrained decoding to prevent this")
+
+    def finish_reason(self, reason: str | None, tools_called: bool) -> str | None:
+        return "tool_calls" if tools_called and reason == "stop" else reason
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+async def create_chat_completion(state: ServerState, request: Request) -> Response:
+    req = parse_body(ChatCompletionRequest, await read_json(request, state.max_body_bytes))
+    state.check_model(req.model)
+    state.check_logprobs(req.top_logprobs, "top_logprobs")
+    rendered = render_chat(state.tokenizer, req, state.enable_thinking)
+    max_tokens = req.max_output_tokens
+    state.check_length(len(rendered.token_ids), max_tokens, "messages")
+    params = state.sampling_params(req, max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+    state.check_request(rendered.token_ids, params)
+    state.check_capacity()
+    tool_dicts = [t.model_dump(exclude_none=True) for t in req.tools or []]
+    parse_tools = bool(req.tools) and req.tool_choice != "none"
+    last = req.messages[-1]
+    echo = (last.content if isinstance(last.content, str) else "") if req.echo and last.role == "assistant" else ""
+    ctx = ChatContext(req, rendered, Qwen3CoderToolParser(tool_dicts) if parse_tools else None,
+                      [t.function.name for t in req.tools or []], random_id("chatcmpl"), int(time.time()),
+                      state.model_name, echo)
+    gen = state.generate(ctx.request_id, rendered.token_ids, params, prompt=rendered.text, cache_salt=req.cache_salt)
+    if req.stream:
+        return SSEResponse(chat_stream(state, ctx, gen))
+    final = await until_disconnect(request, last_output(gen))
+    return JSONResponse(chat_response(state, ctx, final))
+
+
+def chat_response(state: ServerState, ctx: ChatContext, out) -> dict:
+    req, choices = ctx.req, []
+    for o in out.outputs:
+        parsed = parse_output(ctx.rendered.forced_prefix + o.text, ctx.rendered.thinking, ctx.tools)
+        calls = parsed.tool_calls if req.parallel_tool_calls else parsed.tool_calls[:1]
+        for c in calls:
+            ctx.check_call_name(c.name)
+        content = parsed.content
+        if ctx.echo_text:
+            content = ctx.echo_text + (content or "")
+        message = {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}
+        if req.include_reasoning:
+            message["reasoning"] = message["reasoning_content"] = parsed.reasoning
+        choice = {"index": o.index, "message": message, "logprobs": None,
+                  "finish_reason": ctx.finish_reason(o.finish_reason, bool(calls)), "stop_reason": o.stop_reason}
+        if req.logprobs:
+            choice["logprobs"] = chat_logprobs(o.token_ids, o.logprobs or [], req.top_logprobs or 0, state.tokenizer,
+                                               req.return_tokens_as_token_ids)
+        if req.return_token_ids:
+            choice["token_ids"] = list(o.token_ids)
+        choices.append(choice)
+    body = {"id": ctx.request_id, "object": "chat.completion", "created": ctx.created, "model": ctx.model,
+            "choices": choices, "usage": usage(len(out.prompt_token_ids), sum(len(o.token_ids) for o in out.outputs),
+                                               out.num_cached_tokens)}
+    if req.return_token_ids:
+        body["prompt_token_ids"] = list(out.prompt_token_ids)
+    return body
+
+
+class _ChoiceState:
+    def __init__(self, ctx: ChatContext):
+        self.stream = OutputStream(ctx.rendered.thinking, ctx.tools)
+        self.text = ""
+        self.n_tokens = 0
+        self.finished = False
+
+
+def _delta(ctx: ChatContext, pieces) -> dict:
+    delta: dict = {}
+    if pieces.reasoning and ctx.req.include_reasoning:
+        delta["reasoning"] = delta["reasoning_content"] = pieces.reasoning
+    if pieces.content:
+        delta["content"] = pieces.content
+    calls = [c for c in pieces.tool_calls if ctx.req.parallel_tool_calls or c["index"] == 0]
+    for c in calls:
+        if "id" in c:
+            ctx.check_call_name(c["function"]["name"])
+    if calls:
+        delta["tool_calls"] = calls
+    return delta
+
+
+async def chat_stream(state: ServerState, ctx: ChatContext, gen):
+    req = ctx.req
+    opts = req.stream_options
+    include_usage = bool(opts and opts.include_usage)
+    continuous = include_usage and bool(opts.continuous_usage_stats)
+    choices = [_ChoiceState(ctx) for _ in range(req.n)]
+    head = {"id": ctx.request_id, "object": "chat.completion.chunk", "created": ctx.created, "model": ctx.model}
+    prompt_tokens, cached, started = 0, 0, False
+
+    def chunk(choice_list, usage_obj=None):
+        body = dict(head, choices=choice_list)
+        if usage_obj is not None:
+            body["usage"] = usage_obj
+        return sse(body)
+
+    def running_usage():
+        return usage(prompt_tokens, sum(c.n_tokens for c in choices), cached) if continuous else None
+
+    try:
+        async for out in gen:
+            prompt_tokens, cached = len(out.prompt_token_ids), out.num_cached_tokens
+            if not started:  # the role chunk goes out with the first output, not before (TTFT)
+                started = True
+                for i, c in enumerate(choices):
+                    first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}
+                    body = dict(head, choices=[first])
+                    if req.return_token_ids:
+                        body["prompt_token_ids"] = list(out.prompt_token_ids)
+                    yield sse(body)
+                    prefix = _delta(ctx, c.stream.feed(ctx.rendered.forced_prefix)) if ctx.rendered.forced_prefix else {}
+                    if ctx.echo_text:
+                        prefix["content"] = ctx.echo_text + prefix.get("content", "")
+                    if prefix:
+                        yield chunk([{"index": i, "delta": prefix, "logprobs": None, "finish_reason": None}])
+            for o in out.outputs:
+                c = choices[o.index]
+                if c.finished:
+                    continue
+                new_text, c.text = o.text[len(c.text):], o.text
+                new_ids = o.token_ids[c.n_tokens:]
+                new_lps = (o.logprobs or [])[c.n_tokens:]
+                c.n_tokens = len(o.token_ids)
+                pieces = c.stream.feed(new_text)
+                if o.finish_reason is not None:
+                    c.finished = True
+                    tail = c.stream.finish()
+                    pieces.reasoning += tail.reasoning
+                    pieces.content += tail.content
+                    pieces.tool_calls += tail.tool_calls
+                delta = _delta(ctx, pieces)
+                show_tokens = bool(new_ids) and (req.logprobs or req.return_token_ids)
+                if not delta and o.finish_reason is None and not show_tokens:
+                    continue  # text held back (partial character, stop string or tag): nothing to send yet
+                choice = {"index": o.index, "delta": delta, "logprobs": None,
+                          "finish_reason": ctx.finish_reason(o.finish_reason, c.stream.tools_called)}
+                if o.finish_reason is not None:
+                    choice["stop_reason"] = o.stop_reason
+                if req.logprobs and new_ids:
+                    choice["logprobs"] = chat_logprobs(new_ids, new_lps, req.top_logprobs or 0, state.tokenizer,
+                                                       req.return_tokens_as_token_ids)
+                if req.return_token_ids:
+                    choice["token_ids"] = list(new_ids)
+                yield chunk([choice], running_usage())
+            if out.finished:
+                break
+        if include_usage:
+            yield chunk([], usage(prompt_tokens, sum(c.n_tokens for c in choices), cached))
+    except APIError as exc:
+        yield sse_error(exc)
+    except Exception as exc:  # noqa: BLE001 - a bug must still end the stream with an error event
+        yield sse_error(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+    finally:
+        await gen.aclose()
+    yield DONE

@@ -1,0 +1,323 @@
+"""Request bodies (pydantic), with vLLM's field names, ranges and combination rules.
+
+Unknown top-level fields are accepted and ignored with a warning, as vLLM does; fields qv knows
+but cannot honour yet (beam search, logit_bias, structured output, prompt logprobs) are refused
+with a 400 that says so, rather than silently changing what the client asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+log = logging.getLogger("qv.server")
+
+TOOL_NAME = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")  # rendered as `<function=NAME>`: no spaces or `<>`
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="allow", protected_namespaces=(), allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _log_ignored(self):
+        if self.model_extra and type(self).__name__.endswith("Request"):
+            log.warning("%s: ignoring unknown field(s) %s", type(self).__name__, sorted(self.model_extra))
+        return self
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class FunctionDefinition(OpenAIModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not TOOL_NAME.match(v):
+            raise ValueError(f"function name {v!r} must be 1-128 characters of letters, digits, '_', '.', ':' or '-'")
+        return v
+
+    @field_validator("parameters")
+    @classmethod
+    def _parameters(cls, v: dict | None) -> dict | None:
+        if v is None:
+            return v
+        if "type" in v and v["type"] != "object":
+            raise ValueError(f"parameters must be a JSON schema of type 'object', got type {v['type']!r}")
+        if "properties" in v and not isinstance(v["properties"], dict):
+            raise ValueError("parameters.properties must be an object mapping names to schemas")
+        if "required" in v and not (isinstance(v["required"], list) and all(isinstance(x, str) for x in v["required"])):
+            raise ValueError("parameters.required must be a list of property names")
+        return v
+
+
+class ChatTool(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class FunctionCallIn(OpenAIModel):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallIn(OpenAIModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+class ChatMessage(OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+
+
+class SamplingFields(OpenAIModel):
+    """Sampling and output fields shared by chat and completions (vLLM extensions included)."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=128)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
+    cache_salt: str | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=1)
+    user: str | None = None
+    priority: int = 0
+    # known but not supported yet: refused when set to anything but their "off" value
+    logit_bias: dict[str, float] | None = None
+    prompt_logprobs: int | None = None
+    use_beam_search: bool = False
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        if v is not None and any(s == "" for s in ([v] if isinstance(v, str) else v)):
+            raise ValueError("stop cannot contain an empty string")
+        return v
+
+    @model_validator(mode="after")
+    def _common(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("Stream options can only be defined when `stream=True`.")
+        unsupported = {
+            "logit_bias": bool(self.logit_bias), "prompt_logprobs": self.prompt_logprobs is not None,
+            "use_beam_search": self.use_beam_search, "allowed_token_ids": self.allowed_token_ids is not None,
+            "bad_words": bool(self.bad_words), "structured_outputs": self.structured_outputs is not None,
+            "guided_json": self.guided_json is not None, "guided_regex": self.guided_regex is not None,
+            "guided_choice": self.guided_choice is not None, "guided_grammar": self.guided_grammar is not None,
+        }
+        refused = [k for k, on in unsupported.items() if on]
+        if refused:
+            raise ValueError(f"{', '.join(refused)} {'is' if len(refused) == 1 else 'are'} not supported by qv yet")
+        return self
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0)
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    include_reasoning: bool = True
+    response_format: dict[str, Any] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False
+    documents: list[dict[str, Any]] | None = None
+
+    @model_validator(mode="after")
+    def _chat(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("when using `top_logprobs`, `logprobs` must be set to true")
+        if self.tool_choice not in (None, "none") and self.tools is None:
+            raise ValueError("When using `tool_choice`, `tools` must be set.")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools or []]
+            if self.tool_choice.function.name not in names:
+                raise ValueError(f"tool_choice names the function `{self.tool_choice.function.name}`, which is not "
+                                 f"among the tools ({', '.join(names) or 'none'})")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to true.")
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise ValueError(f"response_format type {self.response_format.get('type')!r} (structured output) is "
+                             "not supported by qv yet; only 'text'")
+        return self
+
+    @property
+    def max_output_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+    add_special_tokens: bool = True
+    response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _completion(self):
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ValueError("prompt must not be an empty list")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of={self.best_of} differs from n={self.n}; qv does not rank extra samples")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo together with logprobs needs prompt logprobs, which qv does not compute yet")
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise ValueError("response_format (structured output) is not supported by qv yet")
+        return self
+
+
+class TokenizeRequest(OpenAIModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[ChatTool] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of `prompt` or `messages`")
+        return self
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class ResponsesTool(OpenAIModel):
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _function_only(self):
+        if self.type != "function":
+            raise ValueError(f"tool type {self.type!r} is not supported: qv serves function tools only")
+        if self.name is None:
+            raise ValueError("a function tool needs a name")
+        FunctionDefinition(name=self.name, parameters=self.parameters)  # same name and schema rules as chat
+        return self
+
+
+class ResponsesNamedToolChoice(OpenAIModel):
+    type: Literal["function"]
+    name: str
+
+
+class ResponsesRequest(OpenAIModel):
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    tools: list[ResponsesTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponsesNamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    stream: bool = False
+    reasoning: dict[str, Any] | None = None
+    text: dict[str, Any] | None = None
+    store: bool | None = None
+    previous_response_id: str | None = None
+    background: bool | None = None
+    metadata: dict[str, Any] | None = None
+    include: list[str] | None = None
+    truncation: str | None = None
+    user: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    cache_salt: str | None = None
+
+    @model_validator(mode="after")
+    def _responses(self):
+        if isinstance(self.input, list) and not self.input:
+            raise ValueError("input must not be an empty list")
+        if self.previous_response_id is not None:
+            raise ValueError("previous_response_id is not supported: qv does not store responses; send the "
+                             "whole conversation in `input`")
+        if self.background:
+            raise ValueError("background responses are not supported")
+        fmt = (self.text or {}).get("format") or {}
+        if fmt.get("type", "text") != "text":
+            raise ValueError(f"text.format type {fmt.get('type')!r} (structured output) is not supported by qv yet")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ValueError("When using `tool_choice`, `tools` must be set.")
+        if isinstance(self.tool_choice, ResponsesNamedToolChoice):
+            names = [t.name for t in self.tools or []]
+            if self.tool_choice.name not in names:
+                raise ValueError(f"tool_choice names the function `{self.tool_choice.name}`, which is not among "
+                                 f"the tools ({', '.join(names) or 'none'})")
+        return self

@@ -1,0 +1,287 @@
+"""POST /v1/responses (OpenAI Responses API), stateless: the input items become chat messages,
+the chat path renders and runs them, and the output comes back as reasoning / message /
+function_call items, whole or as the documented event stream (`event:` + `data:` lines,
+response.created ... response.completed; no `[DONE]`)."""
+
+from __future__ import annotations
+
+import time
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from qv.server.chat import content_text, render_chat
+from qv.server.errors import APIError, bad_request
+from qv.server.openai import ChatContext, parse_body
+from qv.server.parsers import OutputStream, Qwen3CoderToolParser, parse_output
+from qv.server.protocol import ChatCompletionRequest, ResponsesRequest
+from qv.server.state import ServerState, random_id
+from qv.server.streaming import SSEResponse, last_output, read_json, sse_event, until_disconnect
+
+ROLES = ("user", "system", "developer", "assistant")
+
+
+def _parts_text(content, where: str) -> str | None:
+    """Responses content parts (input_text/output_text/input_image...) -> text."""
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"{where} must be a string or a list of content parts", where)
+    return content_text([p if isinstance(p, dict) else {"type": None} for p in content], where)
+
+
+def input_messages(req: ResponsesRequest) -> list[dict]:
+    """Input items -> chat messages (function_call items join the assistant turn they follow)."""
+    messages: list[dict] = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+    reasoning = None
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ROLES:
+                raise bad_request(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", f"{where}.role")
+            msg = {"role": role, "content": _parts_text(item.get("content"), f"{where}.content")}
+            if role == "assistant" and reasoning is not None:
+                msg["reasoning"], reasoning = reasoning, None
+            messages.append(msg)
+        elif kind == "function_call":
+            if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments", ""), str):
+                raise bad_request(f"{where} needs a string `name` and string `arguments`", where)
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"}}
+            if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
+                messages[-1]["tool_calls"].append(call)
+            elif messages and messages[-1]["role"] == "assistant":
+                messages[-1]["tool_calls"] = [call]
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call],
+                                 **({"reasoning": reasoning} if reasoning is not None else {})})
+                reasoning = None
+        elif kind == "function_call_output":
+            output = item.get("output")
+            text = output if isinstance(output, str) else _parts_text(output, f"{where}.output")
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text or ""})
+        elif kind == "reasoning":
+            parts = (item.get("content") or []) + (item.get("summary") or [])
+            reasoning = "\n".join(p.get("text", "") for p in parts if isinstance(p, dict))
+        else:
+            raise bad_request(f"{where} has unsupported item type {kind!r}", f"{where}.type")
+    if not messages:
+        raise bad_request("input holds no messages", "input")
+    return messages
+
+
+def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
+    tc = req.tool_choice
+    body = {
+        "messages": input_messages(req), "max_tokens": req.max_output_tokens, "temperature": req.temperature,
+        "top_p": req.top_p, "top_k": req.top_k, "min_p": req.min_p, "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty, "repetition_penalty": req.repetition_penalty, "seed": req.seed,
+        "parallel_tool_calls": req.parallel_tool_calls, "chat_template_kwargs": req.chat_template_kwargs,
+        "cache_salt": req.cache_salt, "reasoning_effort": (req.reasoning or {}).get("effort"),
+        "tools": [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                                    "parameters": t.parameters}} for t in req.tools] if req.tools else None,
+        "tool_choice": tc if isinstance(tc, str) or tc is None else {"type": "function", "function": {"name": tc.name}},
+    }
+    return parse_body(ChatCompletionRequest, {k: v for k, v in body.items() if v is not None})
+
+
+def _usage(state: ServerState, out, reasoning: str | None) -> dict:
+    n_out = sum(len(o.token_ids) for o in out.outputs)
+    n_reason = len(state.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
+    return {"input_tokens": len(out.prompt_token_ids), "input_tokens_details": {"cached_tokens": out.num_cached_tokens},
+            "output_tokens": n_out, "output_tokens_details": {"reasoning_tokens": min(n_reason, n_out)},
+            "total_tokens": len(out.prompt_token_ids) + n_out}
+
+
+def _envelope(ctx: ChatContext, req: ResponsesRequest, status: str, output: list, usage: dict | None,
+              reason: str | None = None) -> dict:
+    return {"id": ctx.request_id, "object": "response", "created_at": ctx.created, "status": status,
+            "model": ctx.model, "output": output, "usage": usage, "error": None,
+            "incomplete_details": {"reason": reason} if reason else None, "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
+            "parallel_tool_calls": req.parallel_tool_calls,
+            "tool_choice": req.tool_choice if isinstance(req.tool_choice, str) or req.tool_choice is None
+            else req.tool_choice.model_dump(), "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
+            "text": {"format": {"type": "text"}}, "reasoning": req.reasoning, "metadata": req.metadata or {},
+            "store": False, "truncation": req.truncation or "disabled", "previous_response_id": None,
+            "user": req.user, "background": False}
+
+
+def _reasoning_item(item_id: str, text: str, status: str = "completed") -> dict:
+    content = [{"type": "reasoning_text", "text": text}] if text or status == "completed" else []
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
+
+
+def _message_item(item_id: str, text: str | None, status: str = "completed") -> dict:
+    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if text is not None else []
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+
+
+def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
+    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
+            "status": status}
+
+
+async def create_response(state: ServerState, request: Request) -> Response:
+    rreq = parse_body(ResponsesRequest, await read_json(request, state.max_body_bytes))
+    state.check_model(rreq.model)
+    req = to_chat_request(rreq)
+    rendered = render_chat(state.tokenizer, req, state.enable_thinking)
+    state.check_length(len(rendered.token_ids), req.max_output_tokens, "input")
+    params = state.sampling_params(req, max_tokens=req.max_output_tokens, logprobs=None)
+    state.check_request(rendered.token_ids, params)
+    state.check_capacity()
+    tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+    ctx = ChatContext(req, rendered, Qwen3CoderToolParser(tools) if req.tools and req.tool_choice != "none" else None,
+                      [t.function.name for t in req.tools or []], random_id("resp", "_"), int(time.time()),
+                      state.model_name, "")
+    gen = state.generate(ctx.request_id, rendered.token_ids, params, prompt=rendered.text, cache_salt=req.cache_salt)
+    if rreq.stream:
+        return SSEResponse(response_events(state, ctx, rreq, gen))
+    out = await until_disconnect(request, last_output(gen))
+    o = out.outputs[0]
+    parsed = parse_output(rendered.forced_prefix + o.text, rendered.thinking, ctx.tools)
+    calls = parsed.tool_calls if req.parallel_tool_calls else parsed.tool_calls[:1]
+    items = []
+    if parsed.reasoning:
+        items.append(_reasoning_item(random_id("rs", "_"), parsed.reasoning))
+    if parsed.content is not None and (parsed.content or not calls):
+        items.append(_message_item(random_id("msg", "_"), parsed.content))
+    for c in calls:
+        ctx.check_call_name(c.name)
+        items.append(_call_item(random_id("fc", "_"), c.id, c.name, c.arguments))
+    incomplete = o.finish_reason == "length"
+    return JSONResponse(_envelope(ctx, rreq, "incomplete" if incomplete else "completed", items,
+                                  _usage(state, out, parsed.reasoning), "max_output_tokens" if incomplete else None))
+
+
+class _EventWriter:
+    """Turns reasoning/content/tool-call deltas into Responses events, opening and closing output
+    items in order (reasoning, then the message, then each function call)."""
+
+    def __init__(self):
+        self.seq = 0
+        self.items: list[dict] = []  # finished items, in output order
+        self.open: dict | None = None  # {"kind", "id", "text", ...}
+
+    def event(self, kind: str, **fields) -> bytes:
+        body = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return sse_event(kind, body)
+
+    def _start(self, kind: str, **extra):
+        out = list(self.close())
+        idx = len(self.items)
+        self.open = {"kind": kind, "index": idx, "text": "", **extra}
+        if kind == "reasoning":
+            self.open["id"] = random_id("rs", "_")
+            out.append(self.event("response.output_item.added", output_index=idx,
+                                  item=_reasoning_item(self.open["id"], "", "in_progress")))
+            out.append(self.event("response.content_part.added", item_id=self.open["id"], output_index=idx,
+                                  content_index=0, part={"type": "reasoning_text", "text": ""}))
+        elif kind == "message":
+            self.open["id"] = random_id("msg", "_")
+            out.append(self.event("response.output_item.added", output_index=idx,
+                                  item=_message_item(self.open["id"], None, "in_progress")))
+            out.append(self.event("response.content_part.added", item_id=self.open["id"], output_index=idx,
+                                  content_index=0, part={"type": "output_text", "text": "", "annotations": [],
+                                                         "logprobs": []}))
+        else:
+            self.open["id"] = random_id("fc", "_")
+            out.append(self.event("response.output_item.added", output_index=idx, item=_call_item(
+                self.open["id"], extra["call_id"], extra["name"], "", "in_progress")))
+        return out
+
+    def close(self):
+        o, self.open = self.open, None
+        if o is None:
+            return []
+        idx, text = o["index"], o["text"]
+        if o["kind"] == "reasoning":
+            item = _reasoning_item(o["id"], text)
+            evs = [self.event("response.reasoning_text.done", item_id=o["id"], output_index=idx, content_index=0,
+                              text=text),
+                   self.event("response.content_part.done", item_id=o["id"], output_index=idx, content_index=0,
+                              part={"type": "reasoning_text", "text": text})]
+        elif o["kind"] == "message":
+            item = _message_item(o["id"], text)
+            part = item["content"][0]
+            evs = [self.event("response.output_text.done", item_id=o["id"], output_index=idx, content_index=0,
+                              text=text, logprobs=[]),
+                   self.event("response.content_part.done", item_id=o["id"], output_index=idx, content_index=0,
+                              part=part)]
+        else:
+            item = _call_item(o["id"], o["call_id"], o["name"], text)
+            evs = [self.event("response.function_call_arguments.done", item_id=o["id"], output_index=idx,
+                              arguments=text, name=o["name"])]
+        self.items.append(item)
+        return evs + [self.event("response.output_item.done", output_index=idx, item=item)]
+
+    def text(self, kind: str, delta: str):
+        out = [] if self.open and self.open["kind"] == kind else self._start(kind)
+        self.open["text"] += delta
+        name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+        extra = {} if kind == "reasoning" else {"logprobs": []}
+        return out + [self.event(name, item_id=self.open["id"], output_index=self.open["index"], content_index=0,
+                                 delta=delta, **extra)]
+
+    def call(self, tc: dict):
+        out = []
+        if "id" in tc:
+            out += self._start("call", call_id=tc["id"], name=tc["function"]["name"])
+        args = tc["function"].get("arguments", "")
+        if args:
+            self.open["text"] += args
+            out.append(self.event("response.function_call_arguments.delta", item_id=self.open["id"],
+                                  output_index=self.open["index"], delta=args))
+        return out
+
+
+async def response_events(state: ServerState, ctx: ChatContext, rreq: ResponsesRequest, gen):
+    w = _EventWriter()
+    yield w.event("response.created", response=_envelope(ctx, rreq, "in_progress", [], None))
+    yield w.event("response.in_progress", response=_envelope(ctx, rreq, "in_progress", [], None))
+    stream = OutputStream(ctx.rendered.thinking, ctx.tools)
+    seen, reasoning, out = "", "", None
+    try:
+        pending = [stream.feed(ctx.rendered.forced_prefix)] if ctx.rendered.forced_prefix else []
+        async for out in gen:
+            o = out.outputs[0]
+            pending.append(stream.feed(o.text[len(seen):]))
+            seen = o.text
+            if o.finish_reason is not None:
+                pending.append(stream.finish())
+            for p in pending:
+                reasoning += p.reasoning
+                if p.reasoning:
+                    for ev in w.text("reasoning", p.reasoning):
+                        yield ev
+                if p.content:
+                    for ev in w.text("message", p.content):
+                        yield ev
+                for tc in p.tool_calls:
+                    if tc["index"] > 0 and not ctx.req.parallel_tool_calls:
+                        continue
+                    if "id" in tc:
+                        ctx.check_call_name(tc["function"]["name"])
+                    for ev in w.call(tc):
+                        yield ev
+            pending = []
+            if out.finished:
+                break
+        for ev in w.close():
+            yield ev
+        incomplete = out is not None and out.outputs[0].finish_reason == "length"
+        final = _envelope(ctx, rreq, "incomplete" if incomplete else "completed", w.items,
+                          _usage(state, out, reasoning) if out is not None else None,
+                          "max_output_tokens" if incomplete else None)
+        yield w.event("response.incomplete" if incomplete else "response.completed", response=final)
+    except APIError as exc:
+        yield w.event("error", code=str(exc.status), message=exc.message, param=exc.param)
+    except Exception as exc:  # noqa: BLE001 - a bug must still end the stream with an error event
+        yield w.event("error", code="500", message=f"internal error: {type(exc).__name__}: {exc}", param=None)
+    finally:
+        await gen.aclose()
