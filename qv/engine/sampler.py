@@ -13,36 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-_MASK64 = (1 << 64) - 1
-_GOLDEN = 0x9E3779B97F4A7C15
-
-
-def _to_signed(x: int) -> int:
-    return x - (1 << 64) if x >= (1 << 63) else x
-
-
-_C1 = _to_signed(0xBF58476D1CE4E5B9)
-_C2 = _to_signed(0x94D049BB133111EB)
-_G = _to_signed(_GOLDEN)
-
-
-def _mix64(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finalizer on int64 tensors (wrapping multiply; logical shifts emulated)."""
-
-    def srl(v: torch.Tensor, k: int) -> torch.Tensor:  # logical right shift on int64
-        return (v >> k) & ((1 << (64 - k)) - 1)
-
-    x = (x ^ srl(x, 30)) * _C1
-    x = (x ^ srl(x, 27)) * _C2
-    return x ^ srl(x, 31)
-
-
-def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """u[r, t] in (0, 1) as fp64, a pure function of (seeds[r], positions[r], t)."""
-    tok = torch.arange(vocab, dtype=torch.int64, device=seeds.device)
-    key = _mix64(seeds[:, None] * _G + positions[:, None]) + tok[None, :] * _G
-    bits = (_mix64(key) >> 11) & ((1 << 53) - 1)
-    return (bits.double() + 0.5) / float(1 << 53)
+from qv.kernels.sampling import race
 
 
 @dataclass
@@ -110,22 +81,26 @@ def filter_probs(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     return torch.zeros_like(logits).scatter_(-1, order, probs_sorted)
 
 
-def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
-    """logits [R, V] fp32 (raw model output) -> sampled ids, and logprobs if any row asked."""
-    raw = logits
+def process(logits: torch.Tensor, b: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(argmax after penalties [R], filtered probabilities [R, V] or None when every row is greedy)."""
     logits = apply_penalties(logits, b)
-    greedy_ids = logits.argmax(dim=-1)
-    if b.all_greedy:
-        ids = greedy_ids
-    else:
-        probs = filter_probs(logits, b)
-        noise = uniform_noise(b.seeds, b.positions, logits.shape[-1])
-        race = probs.double() / (-torch.log(noise))
-        ids = torch.where(b.temperature > 0, race.argmax(dim=-1), greedy_ids)
-    if b.max_logprobs < 0:
-        return SamplerOutput(ids, None, None, None, None)
+    return logits.argmax(dim=-1), None if b.all_greedy else filter_probs(logits, b)
+
+
+def logprobs_of(raw: torch.Tensor, ids: torch.Tensor, top_n: int):
+    """(logprob of ids [R], their rank [R], top-N ids, top-N logprobs) of the raw model distribution."""
     lp = torch.log_softmax(raw, dim=-1)
     chosen = lp.gather(1, ids[:, None])[:, 0]
     ranks = (lp > chosen[:, None]).sum(-1) + 1
-    top_lp, top_ids = lp.topk(max(b.max_logprobs, 0), dim=-1) if b.max_logprobs > 0 else (None, None)
-    return SamplerOutput(ids, chosen, ranks, top_ids, top_lp)
+    top_lp, top_ids = lp.topk(top_n, dim=-1) if top_n > 0 else (None, None)
+    return chosen, ranks, top_ids, top_lp
+
+
+def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
+    """logits [R, V] fp32 (raw model output) -> sampled ids, and logprobs if any row asked."""
+    greedy_ids, probs = process(logits, b)
+    ids = greedy_ids if probs is None else torch.where(b.temperature > 0, race(probs, b.seeds, b.positions),
+                                                        greedy_ids)
+    if b.max_logprobs < 0:
+        return SamplerOutput(ids, None, None, None, None)
+    return SamplerOutput(ids, *logprobs_of(logits, ids, b.max_logprobs))

@@ -24,8 +24,13 @@ class AttentionMeta:
 class GDNMeta:
     state_slots: torch.Tensor  # [B] int64: GDN state slot of each sequence
     has_initial_state: torch.Tensor  # [B] bool: false starts the sequence from zero state
-    intermediate_states: dict[int, torch.Tensor] | None = None  # layer -> [B, Lmax, Hv, dk, dv] (verification)
-    intermediate_conv: dict[int, torch.Tensor] | None = None  # layer -> [B, Lmax, W-1, C] conv state per position
+    # Speculative verification: the first `num_spec_seqs` sequences (their `num_spec_tokens` rows come first)
+    # keep the state after every position, so the accepted one can be committed after sampling.
+    num_spec_seqs: int = 0
+    num_spec_tokens: int = 0
+    intermediate_states: dict[int, torch.Tensor] | None = None  # layer -> [S, k+1, Hv, dk, dv]
+    intermediate_conv: dict[int, torch.Tensor] | None = None  # layer -> [S, k+1, W-1, C]
+    cu_seqlens_rest: torch.Tensor | None = None  # [B-S+1] int32: cu_seqlens of the other sequences, from 0
 
 
 @dataclass(frozen=True)

@@ -44,11 +44,13 @@ class HybridCache:
         return next(iter(self.gdn.values())).ssm.shape[0] if self.gdn else 0
 
 
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_dtype: torch.dtype) -> int:
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_dtype: torch.dtype, extra_layers: int = 0) -> int:
+    """Bytes of one block across all attention layers (plus `extra_layers`, e.g. the MTP head's)."""
     per_token_head = cfg.head_dim * torch.tensor([], dtype=kv_dtype).element_size()
     if kv_dtype == torch.int8:
         per_token_head += 4  # the fp32 scale
-    return 2 * len(cfg.attention_layer_ids) * block_size * cfg.num_key_value_heads * per_token_head
+    layers = len(cfg.attention_layer_ids) + extra_layers
+    return 2 * layers * block_size * cfg.num_key_value_heads * per_token_head
 
 
 def gdn_bytes_per_slot(cfg: ModelConfig, conv_dtype: torch.dtype, state_dtype: torch.dtype) -> int:
@@ -62,10 +64,12 @@ def gdn_bytes_per_slot(cfg: ModelConfig, conv_dtype: torch.dtype, state_dtype: t
 
 def allocate_cache(cfg: ModelConfig, num_blocks: int, block_size: int, num_slots: int,
                    kv_dtype: torch.dtype, state_dtype: torch.dtype, conv_dtype: torch.dtype,
-                   device: torch.device | str) -> HybridCache:
-    """Zeroed caches for every layer. Block 0.. num_blocks-1 and slots 0..num_slots-1 are usable."""
+                   device: torch.device | str, extra_attention_layers: tuple[int, ...] = ()) -> HybridCache:
+    """Zeroed caches for every layer. Block 0.. num_blocks-1 and slots 0..num_slots-1 are usable.
+    `extra_attention_layers` adds KV caches under those layer indices (the MTP head's layer), sharing
+    the block tables of the model's own layers."""
     kv: dict[int, KVCache] = {}
-    for i in cfg.attention_layer_ids:
+    for i in list(cfg.attention_layer_ids) + list(extra_attention_layers):
         shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         scales = kv_dtype == torch.int8
         kv[i] = KVCache(

@@ -131,17 +131,40 @@ class GatedDeltaNet:
         dk, dv, kd = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_key_dim
         mixed, z = self.in_proj_qkvz(x, batch.delta_rows)
         b, a = self.in_proj_ba(x, batch.delta_rows)
-        g = batch.gdn
-        mixed = K.causal_conv1d(mixed.contiguous(), self.conv_weight, st.conv, batch.cu_seqlens_q, g.state_slots,
-                                g.has_initial_state, True, batch.max_query_len)
+        g, cu = batch.gdn, batch.cu_seqlens_q
+        mixed = mixed.contiguous()
+        if g.num_spec_seqs:  # before the conv overwrites the state it starts from
+            conv_states_per_position(mixed, st.conv, cu, g.state_slots, g.has_initial_state,
+                                     g.intermediate_conv[layer])
+        mixed = K.causal_conv1d(mixed, self.conv_weight, st.conv, cu, g.state_slots, g.has_initial_state, True,
+                                batch.max_query_len)
         q = mixed[:, :kd].view(t, hk, dk)
         k = mixed[:, kd:2 * kd].view(t, hk, dk)
         v = mixed[:, 2 * kd:].view(t, hv, dv)
-        inter = None if g.intermediate_states is None else g.intermediate_states.get(layer)
-        o = K.gated_delta_rule(q, k, v, a, b, self.A_log, self.dt_bias, st.ssm, batch.cu_seqlens_q, g.state_slots,
-                               g.has_initial_state, None, st.ssm_scale, inter, batch.max_query_len)
+        rule = lambda rows, cu_, seqs, inter: K.gated_delta_rule(  # noqa: E731
+            q[rows], k[rows], v[rows], a[rows], b[rows], self.A_log, self.dt_bias, st.ssm, cu_, g.state_slots[seqs],
+            g.has_initial_state[seqs], None, st.ssm_scale, inter, batch.max_query_len)
+        if not g.num_spec_seqs:
+            o = rule(slice(None), cu, slice(None), None)
+        else:  # verification rows keep per-position states; the rest (prefill chunks, decodes) do not
+            s_, ts = g.num_spec_seqs, g.num_spec_tokens
+            o = torch.empty_like(v)
+            o[:ts] = rule(slice(0, ts), cu[:s_ + 1], slice(0, s_), g.intermediate_states[layer])
+            if ts < t:
+                o[ts:] = rule(slice(ts, t), g.cu_seqlens_rest, slice(s_, None), None)
         o = K.gated_rms_norm(o.reshape(t * hv, dv), z.reshape(t * hv, dv), self.norm_weight, cfg.rms_norm_eps)
         return self.out_proj(o.view(t, hv * dv), batch.delta_rows)
+
+
+def conv_states_per_position(x: torch.Tensor, conv_state: torch.Tensor, cu_seqlens: torch.Tensor,
+                             state_slots: torch.Tensor, has_initial_state: torch.Tensor, out: torch.Tensor) -> None:
+    """out[i, t] = the conv state (last W-1 inputs) after position t of sequence i, for the first
+    out.shape[0] sequences (rows past a sequence's length hold don't-care values). Pure indexing."""
+    s, lmax, w1 = out.shape[0], out.shape[1], out.shape[2]
+    prev = conv_state[state_slots[:s]] * has_initial_state[:s, None, None].to(conv_state.dtype)
+    idx = (cu_seqlens[:s, None].long() + torch.arange(lmax, device=x.device)[None, :]).clamp(max=x.shape[0] - 1)
+    hist = torch.cat([prev, x[idx].to(conv_state.dtype)], dim=1)  # [S, W-1+Lmax, C]
+    out.copy_(hist.unfold(1, w1, 1)[:, 1:lmax + 1].permute(0, 1, 3, 2))
 
 
 class MLP:
