@@ -1,6 +1,9 @@
 """qv's op table. Every op has a reference (qv/kernels/reference.py) and kernels selected per
 device and backend (see registry.py). Model code calls only these functions."""
 
+from qv.kernels import elementwise as _elementwise  # noqa: F401  (registers Triton kernels)
+from qv.kernels import linear_gptq as _linear_gptq  # noqa: F401
+from qv.kernels import norms as _norms  # noqa: F401
 from qv.kernels import reference as _reference  # noqa: F401  (registers the reference ops)
 from qv.kernels.attention import paged_attention, varlen_attention, write_kv
 from qv.kernels.fused import gated_rms_norm, gelu, layer_norm, rms_norm, rope, rotary_embed, sigmoid_mul, silu_mul

@@ -4,8 +4,12 @@ cache write (with int8 quantization), and dense varlen attention for the vision 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
-from qv.kernels.registry import impl
+from qv.kernels.attention_kernels import LOG2E, attn_fwd_kernel, attn_reduce_kernel
+from qv.kernels.registry import impl, register
+from qv.kernels.triton_utils import interpreting, next_pow2, num_sms
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -45,3 +49,168 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[1] % k.shape[1]:
         raise ValueError(f"varlen_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     return impl("varlen_attention", q.device)(q, k, v, cu_seqlens, scale, causal, max_seqlen)
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton: the cache write (+ int8 quantization)
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _store_kv_row(x_ptr, c_ptr, s_ptr, i_t, blk, off, H, D, stride_xt, stride_xh, stride_cb, stride_cs,
+                  stride_ch, stride_sb, stride_ss, QUANT: tl.constexpr, BLOCK_H: tl.constexpr,
+                  BLOCK_D: tl.constexpr):
+    o_h = tl.arange(0, BLOCK_H).to(tl.int64)
+    o_d = tl.arange(0, BLOCK_D)
+    m = (o_h[:, None] < H) & (o_d[None, :] < D)
+    b_x = tl.load(x_ptr + i_t * stride_xt + o_h[:, None] * stride_xh + o_d[None, :], mask=m, other=0.)
+    p_c = c_ptr + blk * stride_cb + off * stride_cs + o_h[:, None] * stride_ch + o_d[None, :]
+    if QUANT:
+        b_x = b_x.to(tl.float32)
+        b_s = tl.maximum(tl.max(tl.abs(b_x), axis=1), 1e-30) / 127.0  # [BLOCK_H]
+        b_q = tl.math.div_rn(b_x, b_s[:, None])
+        # +- 1.5 * 2**23 rounds half-to-even like torch.round (libdevice.rint is missing in the interpreter)
+        b_q = tl.minimum(tl.maximum((b_q + 12582912.0) - 12582912.0, -127.0), 127.0)
+        tl.store(p_c, b_q.to(tl.int8), mask=m)
+        tl.store(s_ptr + blk * stride_sb + off * stride_ss + o_h, b_s, mask=o_h < H)
+    else:
+        tl.store(p_c, b_x.to(c_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr, H, D, BS,
+                    stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
+                    stride_sb, stride_ss, QUANT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    i_t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + i_t).to(tl.int64)
+    if slot >= 0:
+        blk, off = slot // BS, slot % BS
+        _store_kv_row(k_ptr, kc_ptr, ks_ptr, i_t, blk, off, H, D, stride_kt, stride_kh, stride_cb, stride_cs,
+                      stride_ch, stride_sb, stride_ss, QUANT, BLOCK_H, BLOCK_D)
+        _store_kv_row(v_ptr, vc_ptr, vs_ptr, i_t, blk, off, H, D, stride_vt, stride_vh, stride_cb, stride_cs,
+                      stride_ch, stride_sb, stride_ss, QUANT, BLOCK_H, BLOCK_D)
+
+
+def _write_kv_triton(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
+    t, h, d = k.shape
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        k, v = k.contiguous(), v.contiguous()
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("write_kv: K and V caches must share one layout with a unit inner stride")
+    quant = k_cache.dtype == torch.int8
+    ks = k_scale if quant else k_cache
+    vs = v_scale if quant else v_cache
+    if quant and (k_scale.stride() != v_scale.stride() or k_scale.stride(-1) != 1):
+        raise ValueError("write_kv: K and V scale tables must share one layout with a unit inner stride")
+    if t:
+        write_kv_kernel[(t,)](k, v, k_cache, v_cache, ks, vs, slot_mapping, h, d, k_cache.shape[1],
+                              k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0),
+                              k_cache.stride(1), k_cache.stride(2), ks.stride(0), ks.stride(1),
+                              QUANT=quant, BLOCK_H=next_pow2(h), BLOCK_D=next_pow2(d))
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton: attention launchers (kernels in attention_kernels.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def _attn_config(device, dtype, d, rep, decode, max_q):
+    """Tile sizes: (BLOCK_M rows = query tokens x GQA group, BLOCK_N keys, warps, stages)."""
+    m_floor = next_pow2(rep, 16)
+    if interpreting(device):  # tiny tiles so CPU tests cross many tile, split and page boundaries
+        m = next_pow2(max_q * rep, m_floor) if decode else m_floor
+        return dict(BLOCK_M=m, BLOCK_N=16, num_warps=4, num_stages=1)
+    wide = dtype != torch.float32
+    if decode:
+        return dict(BLOCK_M=next_pow2(max_q * rep, m_floor), BLOCK_N=64 if wide else 32, num_warps=4,
+                    num_stages=3 if wide else 2)
+    if not wide:  # fp32 runs its dots on FMA units (ieee): small tiles
+        return dict(BLOCK_M=max(m_floor, 32 if d > 128 else 64), BLOCK_N=32, num_warps=4, num_stages=1)
+    if d <= 64:
+        return dict(BLOCK_M=max(m_floor, 128), BLOCK_N=64, num_warps=4, num_stages=3)
+    return dict(BLOCK_M=max(m_floor, 128), BLOCK_N=64, num_warps=8, num_stages=3 if d <= 128 else 2)
+
+
+def _num_splits(device, programs, max_kv, block_n, min_keys):
+    """Split the context so about two programs run per multiprocessor; each split keeps >= min_keys."""
+    target = 2 * num_sms(device)
+    if programs >= target or max_kv <= min_keys:
+        return 1, max_kv
+    splits = min(triton.cdiv(target, programs), triton.cdiv(max_kv, min_keys))
+    split_len = triton.cdiv(triton.cdiv(max_kv, splits), block_n) * block_n
+    return triton.cdiv(max_kv, split_len), split_len
+
+
+def _attention(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, causal, paged, max_q, max_kv, config=None):
+    t, hq, d = q.shape
+    hkv = k.shape[-2]
+    rep = hq // hkv
+    n_seq = cu_q.shape[0] - 1
+    out = torch.empty_like(q)
+    if t == 0 or n_seq == 0:
+        return out
+    if max_q is None:
+        max_q = int((cu_q[1:] - cu_q[:-1]).max())  # one sync; callers pass it to avoid this
+    if max_kv is None:
+        max_kv = int(kv_lens.max()) if paged else max_q
+    decode = paged and max_q <= 8
+    cfg = dict(_attn_config(q.device, q.dtype, d, rep, decode, max_q), **(config or {}))
+    block_m, block_n = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
+    bq = block_m // rep
+    grid0 = n_seq if decode else t // bq + n_seq
+    splits, split_len = _num_splits(q.device, grid0 * hkv, max_kv, block_n, (4 if decode else 16) * block_n)
+    if "splits" in cfg:  # benchmarks may force the split count
+        splits = cfg.pop("splits")
+        split_len = triton.cdiv(triton.cdiv(max_kv, splits), block_n) * block_n
+        splits = triton.cdiv(max_kv, split_len)
+    quant = k.dtype == torch.int8
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if paged:
+        stride_kb, stride_ks, stride_kh = k.stride(0), k.stride(1), k.stride(2)
+        bt, stride_bt, bs = block_tables, block_tables.stride(0), k.shape[1]
+    else:
+        stride_kb, stride_ks, stride_kh = k.stride(0), 0, k.stride(1)
+        bt, stride_bt, bs = cu_q, 0, 1
+    sc = ks if quant else k
+    stride_sb, stride_ss = (ks.stride(0), ks.stride(1)) if quant else (0, 0)
+    if splits > 1:
+        po = torch.empty((splits, t, hq, d), dtype=torch.float32, device=q.device)
+        plse = torch.empty((splits, t, hq), dtype=torch.float32, device=q.device)
+        o_t, o_s, o_h, o_x = po, po.stride(0), po.stride(1), po.stride(2)
+    else:
+        plse, o_t, o_s, o_h, o_x = out, out, 0, out.stride(0), out.stride(1)
+    attn_fwd_kernel[(grid0, hkv, splits)](
+        q, k, v, sc, vs if quant else v, o_t, plse, bt, cu_q, kv_lens if paged else cu_q,
+        scale * LOG2E, n_seq, t, hq, q.stride(0), q.stride(1), o_h, o_x, o_s,
+        stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, stride_bt, bs, split_len,
+        D=d, REP=rep, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=next_pow2(d, 16), PAGED=paged, QUANT=quant,
+        CAUSAL=causal, DECODE=decode, SPLIT=splits > 1, **cfg)
+    if splits > 1:
+        attn_reduce_kernel[(t, hq)](po, plse, out, cu_q, kv_lens if paged else cu_q, n_seq, t, hq, out.stride(0),
+                                    out.stride(1), split_len, D=d, BLOCK_D=next_pow2(d))
+    return out
+
+
+def _paged_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, k_scale=None,
+                            v_scale=None, max_query_len=None, max_seq_len=None, *, config=None):
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("paged_attention: K and V caches must share one layout with a unit inner stride")
+    if k_cache.dtype == torch.int8 and k_scale.stride() != v_scale.stride():
+        raise ValueError("paged_attention: K and V scale tables must share one layout")
+    return _attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_seqlens_q, seq_lens, scale, True, True,
+                      max_query_len, max_seq_len, config)
+
+
+def _varlen_attention_triton(q, k, v, cu_seqlens, scale, causal=False, max_seqlen=None, *, config=None):
+    if k.stride(-1) != 1 or k.stride() != v.stride():
+        k, v = k.contiguous(), v.contiguous()
+    return _attention(q, k, v, None, None, None, cu_seqlens, None, scale, causal, False, max_seqlen, max_seqlen,
+                      config)
+
+
+register("write_kv", "triton", _write_kv_triton)
+register("paged_attention", "triton", _paged_attention_triton)
+register("varlen_attention", "triton", _varlen_attention_triton)

@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from qv.kernels.registry import impl
+from qv.kernels import gdn_conv as _gdn_conv  # noqa: F401  (registers the Triton conv)
+from qv.kernels.gdn_chunk import gdn_chunked
+from qv.kernels.gdn_recurrent import gdn_recurrent
+from qv.kernels.registry import impl, register
+
+RECURRENT_MAX_LEN = 16  # longest query a decode-style (token by token) launch handles
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -52,3 +57,25 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch
     return impl("gated_delta_rule", q.device)(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, state_slots,
                                               has_initial_state, scale, state_scale, intermediate_states,
                                               max_query_len)
+
+
+def _gated_delta_rule_triton(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, state_slots, has_initial_state,
+                             scale=None, state_scale=None, intermediate_states=None, max_query_len=None, *,
+                             config=None):
+    """Token-by-token kernel for decode, verification (per-position states) and short queries;
+    the chunked kernels otherwise (also when max_query_len is unknown: no host sync)."""
+    scale = q.shape[2] ** -0.5 if scale is None else scale
+    if q.stride() != k.stride() or q.stride(-1) != 1:
+        q, k = q.contiguous(), k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    a = a if a.stride(-1) == 1 else a.contiguous()
+    b = b if b.stride(-1) == 1 else b.contiguous()
+    if state.stride(-1) != 1:
+        raise ValueError("gated_delta_rule: the state pool needs a unit inner stride")
+    args = (q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, state_slots, has_initial_state, scale, state_scale)
+    if intermediate_states is not None or (max_query_len is not None and max_query_len <= RECURRENT_MAX_LEN):
+        return gdn_recurrent(*args, intermediate_states)
+    return gdn_chunked(*args, config=config)
+
+
+register("gated_delta_rule", "triton", _gated_delta_rule_triton)

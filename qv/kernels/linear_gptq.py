@@ -1,0 +1,207 @@
+"""Triton linear layers: GPTQ-int8 GEMV (M <= 16, decode; split-K so every SM streams weight
+bytes, each byte read once) and GEMM (prefill; dequantized tiles on tl.dot), and the per-row
+low-rank delta. Dense weights use torch.nn.functional.linear (cuBLAS): nothing to gain there.
+
+Weights are qv's GPTQ layout (linear.py): codes [K, N] uint8, scales/zeros [G, N], g_idx [K].
+With sequential groups (g_idx = k // group_size) a K tile lies inside one group, so the GEMV
+multiplies raw codes and applies (. - zero * sum(x)) * scale once per tile and column
+("SCALE_AFTER"); the GEMM dequantizes each [BK, BN] tile to the activation dtype first. Act-order
+weights (any g_idx) gather scales per row ("GATHER").
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from qv.kernels.linear import GPTQWeight
+from qv.kernels.registry import register
+from qv.kernels.triton_utils import interpreting, next_pow2, num_sms
+
+
+@triton.jit
+def gptq_matmul_kernel(
+    x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, o_ptr, M, N, K, K_SPLIT, GROUP,
+    stride_xm, stride_qk, stride_sg, stride_om, stride_os,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, GATHER: tl.constexpr, SCALE_AFTER: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_m, n_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * n_n)  # GROUP_M row tiles sweep the columns together (L2 reuse of weights)
+    first_m = group * GROUP_M
+    size_m = tl.minimum(n_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * n_n)) % size_m
+    pid_n = (pid % (GROUP_M * n_n)) // size_m
+    o_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    o_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    m_m, m_n = o_m < M, o_n < N
+    k_lo = tl.program_id(1) * K_SPLIT
+    k_hi = tl.minimum(K, k_lo + K_SPLIT)
+    cd = x_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        o_k = k0 + tl.arange(0, BLOCK_K)
+        m_k = o_k < k_hi
+        b_x = tl.load(x_ptr + o_m[:, None] * stride_xm + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.)
+        b_q = tl.load(q_ptr + o_k[:, None].to(tl.int64) * stride_qk + o_n[None, :], mask=m_k[:, None] & m_n[None, :],
+                      other=0).to(tl.float32)  # uint8 codes via fp32 (exact)
+        if GATHER:
+            b_g = tl.load(g_ptr + o_k, mask=m_k, other=0).to(tl.int64)
+            p_sz = b_g[:, None] * stride_sg + o_n[None, :]
+            b_s = tl.load(s_ptr + p_sz, mask=m_k[:, None] & m_n[None, :], other=0.).to(tl.float32)
+            if HAS_ZERO:
+                b_z = tl.load(z_ptr + p_sz, mask=m_k[:, None] & m_n[None, :], other=0.).to(tl.float32)
+            else:
+                b_z = 128.
+            acc += tl.dot(b_x, ((b_q - b_z) * b_s).to(cd), input_precision="ieee")
+        else:
+            g = (k0 // GROUP).to(tl.int64)
+            b_s = tl.load(s_ptr + g * stride_sg + o_n, mask=m_n, other=0.).to(tl.float32)
+            if HAS_ZERO:
+                b_z = tl.load(z_ptr + g * stride_sg + o_n, mask=m_n, other=0.).to(tl.float32)
+            else:
+                b_z = tl.full([BLOCK_N], 128., dtype=tl.float32)
+            if SCALE_AFTER:
+                b_xs = tl.sum(b_x.to(tl.float32), axis=1)
+                b_d = tl.dot(b_x, b_q.to(cd), input_precision="ieee")
+                acc += (b_d - b_xs[:, None] * b_z[None, :]) * b_s[None, :]
+            else:
+                acc += tl.dot(b_x, ((b_q - b_z[None, :]) * b_s[None, :]).to(cd), input_precision="ieee")
+    m_o = m_m[:, None] & m_n[None, :]
+    if SPLIT:
+        tl.store(o_ptr + tl.program_id(1).to(tl.int64) * stride_os + o_m[:, None] * stride_om + o_n[None, :], acc,
+                 mask=m_o)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + o_n, mask=m_n, other=0.).to(tl.float32)[None, :]
+        tl.store(o_ptr + o_m[:, None] * stride_om + o_n[None, :], acc.to(o_ptr.dtype.element_ty), mask=m_o)
+
+
+@triton.jit
+def split_sum_kernel(p_ptr, bias_ptr, o_ptr, N, MN, SPLITS, stride_ps, stride_om, HAS_BIAS: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = o < MN
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(0, SPLITS):
+        acc += tl.load(p_ptr + s * stride_ps + o, mask=m, other=0.)
+    col = o % N
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + col, mask=m, other=0.).to(tl.float32)
+    tl.store(o_ptr + (o // N) * stride_om + col, acc.to(o_ptr.dtype.element_ty), mask=m)
+
+
+def _sequential_groups(w) -> bool:
+    """Whether g_idx is k // group_size (checked once per weight; one host sync at first use)."""
+    cached = getattr(w, "_qv_sequential", None)
+    if cached is None:
+        k = w.qweight.shape[0]
+        expect = torch.arange(k, device=w.g_idx.device, dtype=torch.int64) // w.group_size
+        cached = bool(torch.equal(w.g_idx.long(), expect))
+        w._qv_sequential = cached
+    return cached
+
+
+def _gptq_config(device, m, n, k, group, sequential, fp32):
+    if interpreting(device):
+        bk = 16 if group % 32 else 32
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=bk, GROUP_M=4, num_warps=4, num_stages=1, split=None)
+    if m <= 16:  # decode: memory bound; enough programs in flight to stream the weight at full rate
+        return dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4, split=None)
+    if fp32:
+        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=2, split=1)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, split=1)
+
+
+def gptq_linear(x, w, bias=None, config=None):
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m, k = x2.shape
+    n = w.qweight.shape[1]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out.view(*shape[:-1], n)
+    sequential = _sequential_groups(w)
+    cfg = dict(_gptq_config(x.device, m, n, k, w.group_size, sequential, x.dtype == torch.float32), **(config or {}))
+    bm, bn, bk = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
+    gather = not sequential
+    while not gather and w.group_size % bk:  # a K tile must not straddle two groups
+        bk //= 2
+        if bk < 16:
+            gather, bk = True, 32
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    split = cfg.pop("split")
+    if split is None:  # about four waves of programs over the SMs
+        split = max(1, min(triton.cdiv(4 * num_sms(x.device), tiles), k // (4 * bk)))
+    k_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
+    split = triton.cdiv(k, k_split)
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    zeros = w.zeros if w.zeros is not None else w.scales
+    gptq_matmul_kernel[(tiles, split)](
+        x2, w.qweight, w.scales, zeros, w.g_idx, bias if bias is not None else w.scales, part, m, n, k, k_split,
+        w.group_size, x2.stride(0), w.qweight.stride(0), w.scales.stride(0), part.stride(-2),
+        part.stride(0) if split > 1 else 0,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.pop("GROUP_M"), HAS_ZERO=w.zeros is not None,
+        HAS_BIAS=bias is not None, GATHER=gather, SCALE_AFTER=m <= 16, SPLIT=split > 1, **cfg)
+    if split > 1:
+        block = 1024
+        split_sum_kernel[(triton.cdiv(m * n, block),)](part, bias if bias is not None else part, out, n, m * n, split,
+                                                       part.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+                                                       BLOCK=block)
+    return out.view(*shape[:-1], n)
+
+
+def _linear_triton(x, weight, bias=None, *, config=None):
+    if isinstance(weight, GPTQWeight):
+        return gptq_linear(x, weight, bias, config)
+    w = weight if weight.dtype == x.dtype else weight.to(x.dtype)
+    return F.linear(x, w, None if bias is None else bias.to(x.dtype))
+
+
+@triton.jit
+def lora_delta_kernel(y_ptr, x_ptr, rows_ptr, a_ptr, b_ptr, scale, N, K, R,
+                      stride_ym, stride_xm, stride_ar, stride_bn,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
+    row = tl.load(rows_ptr + tl.program_id(0)).to(tl.int64)
+    o_r = tl.arange(0, BLOCK_R)
+    m_r = o_r < R
+    b_t = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # t = x[row] A^T, recomputed per column block (r is small)
+        o_k = k0 + tl.arange(0, BLOCK_K)
+        m_k = o_k < K
+        b_x = tl.load(x_ptr + row * stride_xm + o_k, mask=m_k, other=0.).to(tl.float32)
+        b_a = tl.load(a_ptr + o_r[:, None] * stride_ar + o_k[None, :], mask=m_r[:, None] & m_k[None, :],
+                      other=0.).to(tl.float32)
+        b_t += tl.sum(b_a * b_x[None, :], axis=1)
+    o_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    b_b = tl.load(b_ptr + o_n[:, None] * stride_bn + o_r[None, :], mask=m_n[:, None] & m_r[None, :],
+                  other=0.).to(tl.float32)
+    b_d = tl.sum(b_b * b_t[None, :], axis=1) * scale
+    p_y = y_ptr + row * stride_ym + o_n
+    b_y = tl.load(p_y, mask=m_n, other=0.).to(tl.float32)
+    tl.store(p_y, (b_y + b_d).to(y_ptr.dtype.element_ty), mask=m_n)
+
+
+def _lora_delta_triton(y, x, rows, a, b, scale):
+    """In place on y (rows must be distinct); returns y."""
+    n, k = y.shape[-1], x.shape[-1]
+    r = a.shape[0]
+    if y.stride(-1) != 1 or x.stride(-1) != 1 or a.stride(-1) != 1 or b.stride(-1) != 1:
+        raise ValueError("lora_delta: tensors need a unit inner stride")
+    if rows.numel():
+        block_n = min(next_pow2(n), 32 if interpreting(y.device) else 256)
+        lora_delta_kernel[(rows.numel(), triton.cdiv(n, block_n))](
+            y, x, rows, a, b, float(scale), n, k, r, y.stride(0), x.stride(0), a.stride(0), b.stride(0),
+            BLOCK_N=block_n, BLOCK_K=min(next_pow2(k), 128), BLOCK_R=next_pow2(r))
+    return y
+
+
+register("linear", "triton", _linear_triton)
+register("lora_delta", "triton", _lora_delta_triton)

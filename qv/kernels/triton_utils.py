@@ -1,0 +1,71 @@
+"""Small host-side helpers shared by the Triton kernels (block sizes, SM count, dtype checks)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+
+def next_pow2(n: int, floor: int = 1) -> int:
+    return max(triton.next_power_of_2(max(int(n), 1)), floor)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of `device` (a small fixed number under the CPU interpreter, to keep grids tiny)."""
+    if device.type != "cuda":
+        return 4
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def rows2d(x: torch.Tensor) -> torch.Tensor:
+    """x viewed as [rows, last_dim] with a unit inner stride (copying only when it must)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def interpreting(device: torch.device) -> bool:
+    return device.type != "cuda"
+
+
+def _patch_interpreter_bf16() -> None:
+    """Make the Triton interpreter's bf16 match the GPU. It stores bf16 as raw uint16 and feeds those
+    bits to np.matmul (garbage), so tl.dot operands are upcast to fp32 (the GPU accumulates in fp32
+    too); and it truncates fp32 -> bf16, which biases every recurrence, so that cast rounds to
+    nearest-even here like the GPU. (Integer -> bf16 casts are wrong too: kernels go via fp32.)"""
+    try:
+        import triton.language as tl
+        from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+    except ImportError:  # pragma: no cover - other triton layouts
+        return
+    if getattr(InterpreterBuilder, "_qv_bf16_dot", False):
+        return
+    original = InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, *args, **kwargs):
+        if a.dtype.scalar == tl.bfloat16:
+            a = self.cast_impl(a, tl.float32)
+        if b.dtype.scalar == tl.bfloat16:
+            b = self.cast_impl(b, tl.float32)
+        return original(self, a, b, d, *args, **kwargs)
+
+    cast_original = InterpreterBuilder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = torch.from_numpy(src.data.astype("float32")).to(torch.bfloat16).view(torch.int16).numpy()
+            return TensorHandle(bits.view("uint16"), tl.bfloat16)
+        return cast_original(self, src, dst_type)
+
+    InterpreterBuilder.create_dot = create_dot
+    InterpreterBuilder.cast_impl = cast_impl
+    InterpreterBuilder._qv_bf16_dot = True
+
+
+_patch_interpreter_bf16()
