@@ -119,8 +119,9 @@ async def completion_stream(state: ServerState, req: CompletionRequest, head: di
                 seen_text[idx], seen_tokens[idx] = o.text, len(o.token_ids)
                 new_text, new_ids = o.text[len(prev_text):], o.token_ids[prev_n:]
                 echo = prompts[k][0] if (first and req.echo) else ""
-                if not (new_text or echo or o.finish_reason or (new_ids and req.logprobs is not None)):
-                    continue
+                show_tokens = bool(new_ids) and (req.logprobs is not None or req.return_token_ids)
+                if not (new_text or echo or o.finish_reason or show_tokens):
+                    continue  # text held back (partial character or stop string): nothing to send yet
                 choice = {"index": idx, "text": echo + new_text, "logprobs": None, "finish_reason": o.finish_reason,
                           "stop_reason": o.stop_reason}
                 if req.logprobs is not None and new_ids:

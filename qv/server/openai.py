@@ -44,6 +44,14 @@ class ChatContext:
             raise APIError(500, f"tool_choice=required: the model called `{name}`, which is not among the tools "
                                 f"({', '.join(self.tool_names)}); qv has no constrained decoding to prevent this")
 
+    def check_called(self, called: bool, finish_reason: str | None) -> None:
+        """tool_choice=required/named: the output must hold a call (the forced prefix starts one, but
+        the model may never close its name before max_tokens or end of sequence)."""
+        if self.rendered.forced_prefix and not called:
+            raise APIError(500, f"tool_choice={'required' if self.rendered.forced_prefix.endswith('=') else 'named'}: "
+                                f"the output ended (finish_reason {finish_reason}) before the function name was "
+                                "complete, so there is no tool call to return")
+
     def finish_reason(self, reason: str | None, tools_called: bool) -> str | None:
         return "tool_calls" if tools_called and reason == "stop" else reason
 
@@ -84,6 +92,7 @@ def chat_response(state: ServerState, ctx: ChatContext, out) -> dict:
         calls = parsed.tool_calls if req.parallel_tool_calls else parsed.tool_calls[:1]
         for c in calls:
             ctx.check_call_name(c.name)
+        ctx.check_called(bool(calls), o.finish_reason)
         content = parsed.content
         if ctx.echo_text:
             content = ctx.echo_text + (content or "")
@@ -176,6 +185,7 @@ async def chat_stream(state: ServerState, ctx: ChatContext, gen):
                 if o.finish_reason is not None:
                     c.finished = True
                     tail = c.stream.finish()
+                    ctx.check_called(c.stream.tools_called, o.finish_reason)
                     pieces.reasoning += tail.reasoning
                     pieces.content += tail.content
                     pieces.tool_calls += tail.tool_calls

@@ -150,6 +150,7 @@ async def create_response(state: ServerState, request: Request) -> Response:
         items.append(_reasoning_item(random_id("rs", "_"), parsed.reasoning))
     if parsed.content is not None and (parsed.content or not calls):
         items.append(_message_item(random_id("msg", "_"), parsed.content))
+    ctx.check_called(bool(calls), o.finish_reason)
     for c in calls:
         ctx.check_call_name(c.name)
         items.append(_call_item(random_id("fc", "_"), c.id, c.name, c.arguments))
@@ -254,6 +255,7 @@ async def response_events(state: ServerState, ctx: ChatContext, rreq: ResponsesR
             seen = o.text
             if o.finish_reason is not None:
                 pending.append(stream.finish())
+                ctx.check_called(stream.tools_called, o.finish_reason)
             for p in pending:
                 reasoning += p.reasoning
                 if p.reasoning:
