@@ -17,7 +17,7 @@ from qv.server.streaming import read_json
 
 async def health(state: ServerState, request: Request) -> Response:
     if not state.engine.healthy:
-        return error_response(503, f"The engine is dead: {state.engine.dead_error}")
+        return error_response(503, f"The engine is not running: {state.engine_failure()}")
     return Response(status_code=200)
 
 

@@ -32,6 +32,7 @@ class ServerState:
         self.max_waiting = cfg.max_waiting
         self.max_logprobs = cfg.max_logprobs
         self.created = int(time.time())
+        self.in_flight = 0  # requests of this server between submission and their last output
         self.metrics = ServerMetrics(engine, self.model_name, self.max_model_len)
         decoder = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
         self.special_ids = frozenset(i for i, t in decoder.items() if getattr(t, "special", False))
@@ -67,10 +68,17 @@ class ServerState:
         except InvalidRequestError as exc:
             raise bad_request(str(exc)) from None
 
+    def engine_failure(self) -> str:
+        return self.engine.dead_error or "its step loop has stopped"
+
     def check_capacity(self) -> None:
         if not self.engine.healthy:
-            raise APIError(503, f"The engine is not running: {self.engine.dead_error}", headers={"Retry-After": "30"})
-        if self.engine.stats().num_waiting >= self.max_waiting:
+            raise APIError(503, f"The engine is not running: {self.engine_failure()}", headers={"Retry-After": "30"})
+        # With nothing of ours in flight the engine cannot be holding waiting requests; its gauge
+        # can still read >0 when the last request was aborted while idle (no step refreshed it),
+        # and trusting it then would refuse every request from that moment on.
+        waiting = self.engine.stats().num_waiting if self.in_flight else 0
+        if waiting >= self.max_waiting:
             self.metrics.rejections.inc()
             raise APIError(503, BUSY_MESSAGE, headers={"Retry-After": "1", "retry-after-ms": "1000"})
 
@@ -100,6 +108,7 @@ class ServerState:
         request the engine refused). Closing this iterator closes the engine's (abort)."""
         tracker = self.metrics.tracker(params.n, params.max_tokens)
         gen = self.engine.generate(request_id, prompt_ids, params, prompt=prompt, cache_salt=cache_salt)
+        self.in_flight += 1
         try:
             async for out in gen:
                 tracker.on_output(out)
@@ -113,4 +122,5 @@ class ServerState:
         except RuntimeError as exc:
             raise APIError(500, str(exc)) from None
         finally:
+            self.in_flight -= 1
             await gen.aclose()

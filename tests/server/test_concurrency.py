@@ -85,3 +85,20 @@ def test_64_concurrent_streams_with_hang_ups(server):
         r = c.post("/v1/completions", json={"prompt": "still alive", "max_tokens": 3, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     print(f"64 streams in {time.time() - t0:.1f}s")
+
+
+def test_non_streaming_client_that_gives_up_is_aborted(server):
+    aborted = server.metric("vllm:request_success_total", finished_reason="abort")
+    body = {"prompt": "long", "max_tokens": 800, "ignore_eos": True}
+    try:
+        httpx.post(server.v1 + "/completions", json=body, timeout=1.5)
+        raise AssertionError("an 800-token request finished within 1.5 s")
+    except httpx.ReadTimeout:
+        pass  # the client closes the connection
+    deadline = time.time() + 30
+    while server.metric("vllm:request_success_total", finished_reason="abort") < aborted + 1:
+        assert time.time() < deadline, "the abandoned request was not aborted"
+        time.sleep(0.05)
+    tokens = server.metric("vllm:generation_tokens_total")
+    time.sleep(0.5)
+    assert server.metric("vllm:generation_tokens_total") == tokens  # nothing is generating for nobody

@@ -1,16 +1,13 @@
 """Bad requests: each gets the right 4xx with vLLM's error JSON (never a 422 or a 500), and the
-server keeps serving. Plus auth (401), body limit (413) and queue bound (503 + Retry-After) on a
-second server with those levers set."""
+server keeps serving; mutated request bodies never produce a 5xx."""
 
 from __future__ import annotations
 
 import json
-import time
+import random
 
 import httpx
 import pytest
-
-from conftest import start_server
 
 MSG = [{"role": "user", "content": "hi"}]
 CHAT, COMP, RESP = "/v1/chat/completions", "/v1/completions", "/v1/responses"
@@ -123,6 +120,63 @@ def test_wrong_content_type_and_method(server):
     assert r.status_code == 405 and r.json()["error"]["code"] == 405
 
 
+VALID = [
+    (CHAT, {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                         {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+                             "name": "get_weather", "arguments": "{}"}}]}, {"role": "tool", "tool_call_id": "c1", "content": "ok"}],
+            "max_tokens": 2, "temperature": 0, "tools": [WEATHER], "tool_choice": "auto", "stop": ["x"], "n": 1,
+            "top_p": 0.9, "top_k": 5, "logprobs": True, "top_logprobs": 1, "seed": 1,
+            "chat_template_kwargs": {"enable_thinking": True}, "stream": False}),
+    (COMP, {"prompt": "hi", "max_tokens": 2, "n": 1, "logprobs": 1, "echo": False, "seed": 3, "stop_token_ids": [5],
+            "min_tokens": 1, "presence_penalty": 0.5}),
+    (RESP, {"input": [{"role": "user", "content": "hi"}, {"type": "function_call", "call_id": "c", "name": "f",
+                                                         "arguments": "{}"}],
+            "max_output_tokens": 2, "tools": [{"type": "function", "name": "f"}], "instructions": "be brief"}),
+]
+WEIRD = [None, True, -1, 0, 2**64, 1e308, -0.5, "", "x", "\u0000<think>", [], [None], [1, "a"], {}, {"a": None}, [[1]]]
+KEEP = {"max_tokens", "max_output_tokens"}  # bounded output keeps the fuzz fast
+
+
+def _mutate(body, rng: random.Random):
+    """Replace, delete or add one field somewhere in the body."""
+    node = body
+    while True:
+        keys = [k for k in (node if isinstance(node, dict) else range(len(node))) if k not in KEEP]
+        if not keys:
+            return
+        key = rng.choice(keys)
+        child = node[key]
+        if isinstance(child, (dict, list)) and child and rng.random() < 0.6:
+            node = child
+            continue
+        roll = rng.random()
+        if roll < 0.15 and isinstance(node, dict):
+            del node[key]
+        elif roll < 0.25 and isinstance(node, dict):
+            node["unexpected_" + str(rng.randint(0, 9))] = rng.choice(WEIRD)
+        else:
+            node[key] = rng.choice(WEIRD)
+        return
+
+
+def test_mutated_bodies_never_give_5xx(server):
+    rng = random.Random(20261130)
+    seen = {}
+    with server.client() as c:
+        for i in range(150):
+            path, valid = VALID[i % len(VALID)]
+            body = json.loads(json.dumps(valid))
+            for _ in range(rng.randint(1, 3)):
+                _mutate(body, rng)
+            r = c.post(path, json=body)
+            assert r.status_code < 500, (body, r.text)
+            seen[r.status_code] = seen.get(r.status_code, 0) + 1
+            if r.status_code != 200:
+                assert set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
+    print(seen)
+    assert seen.get(400, 0) > 30 and seen.get(200, 0) > 10, seen  # both kinds were exercised
+
+
 def test_server_still_serves_after_bad_requests(server):
     """Runs after the table (file order): a normal request succeeds and nothing is left running."""
     with server.client() as c:
@@ -130,64 +184,3 @@ def test_server_still_serves_after_bad_requests(server):
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None
         assert c.get("/health").status_code == 200
     assert server.metric("vllm:num_requests_running") == 0
-
-
-@pytest.fixture(scope="module")
-def guarded(tiny_model):
-    running, stop = start_server(tiny_model, api_key="sekret", max_body_bytes=4096, max_waiting=1, max_num_seqs=1)
-    yield running
-    stop()
-
-
-def test_api_key(guarded):
-    good = {"Authorization": "Bearer sekret"}
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
-        r = httpx.post(guarded.v1 + "/chat/completions", json=chat(), headers=headers)
-        assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
-        assert r.headers["www-authenticate"] == "Bearer"
-    assert httpx.get(guarded.v1 + "/models").status_code == 401
-    assert httpx.get(guarded.v1 + "/models", headers=good).status_code == 200
-    assert httpx.post(guarded.v1 + "/chat/completions", json=chat(), headers=good).status_code == 200
-    for open_path in ("/health", "/metrics", "/version"):  # operations stay open, as in vLLM
-        assert httpx.get(guarded.url + open_path).status_code == 200
-
-
-def test_body_too_large(guarded):
-    good = {"Authorization": "Bearer sekret"}
-    big = chat(messages=[{"role": "user", "content": "x" * 5000}])
-    r = httpx.post(guarded.v1 + "/chat/completions", json=big, headers=good)
-    assert r.status_code == 413 and r.json()["error"]["code"] == 413
-
-    def chunks():  # no Content-Length: the limit is enforced while reading
-        yield json.dumps(big).encode()
-
-    r = httpx.post(guarded.v1 + "/chat/completions", content=chunks(), headers=dict(good, **{"content-type": "application/json"}))
-    assert r.status_code == 413
-
-
-def test_waiting_queue_bound_gives_503(guarded):
-    """max_num_seqs=1, max_waiting=1: one request runs, one waits, the next is refused with 503.
-    Both streams are then dropped, which aborts the running and the waiting request alike."""
-    good = {"Authorization": "Bearer sekret"}
-    long = chat(max_tokens=400, ignore_eos=True, temperature=0, stream=True)
-    aborted_before = guarded.metric("vllm:request_success_total", finished_reason="abort")
-    with httpx.Client(headers=good, timeout=60) as c1, httpx.Client(headers=good, timeout=60) as c2:
-        with c1.stream("POST", guarded.v1 + "/chat/completions", json=long) as r1, \
-                c2.stream("POST", guarded.v1 + "/chat/completions", json=long) as r2:
-            assert r1.status_code == r2.status_code == 200
-            deadline = time.time() + 60
-            while guarded.metric("vllm:num_requests_waiting") < 1:
-                assert time.time() < deadline, "the second request never queued"
-                time.sleep(0.05)
-            r = httpx.post(guarded.v1 + "/chat/completions", json=chat(), headers=good)
-            assert r.status_code == 503, r.text
-            assert r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "ServiceUnavailableError"
-            assert "busy" in r.json()["error"]["message"]
-            assert guarded.metric("vllm:admission_rejections_total") == 1
-    deadline = time.time() + 30
-    while guarded.metric("vllm:num_requests_running") + guarded.metric("vllm:num_requests_waiting") > 0:
-        assert time.time() < deadline, "dropped streams were not aborted"
-        time.sleep(0.05)
-    assert guarded.metric("vllm:request_success_total", finished_reason="abort") == aborted_before + 2
-    r = httpx.post(guarded.v1 + "/chat/completions", json=chat(), headers=good)
-    assert r.status_code == 200

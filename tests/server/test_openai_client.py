@@ -48,6 +48,35 @@ def test_chat_streaming_with_usage(openai_client):
     assert text == whole.choices[0].message.content
 
 
+def test_chat_streaming_n2(openai_client):
+    chunks = list(openai_client.chat.completions.create(
+        model="tiny-0-0", messages=MESSAGES, max_tokens=5, n=2, temperature=0.9, seed=3, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    roles = [c.choices[0].index for c in chunks if c.choices and c.choices[0].delta.role == "assistant"]
+    finals = sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason)
+    assert roles == [0, 1] and chunks[0].choices[0].delta.role and chunks[1].choices[0].delta.role  # role chunks first
+    assert finals == [0, 1] and chunks[-1].usage.completion_tokens == 10
+
+
+def test_stop_strings_and_stop_token_ids(server):
+    base = {"prompt": "Stop here", "max_tokens": 12, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    with server.client() as c:
+        full = c.post("/v1/completions", json=base).json()["choices"][0]
+        stop = full["text"][4:6]
+        cut = c.post("/v1/completions", json=dict(base, stop=[stop])).json()["choices"][0]
+        assert cut["finish_reason"] == "stop" and cut["stop_reason"] == stop
+        assert cut["text"] == full["text"][:full["text"].index(stop)]
+        with c.stream("POST", "/v1/completions", json=dict(base, stop=[stop], stream=True)) as r:
+            chunks = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+        assert "".join(ch["choices"][0]["text"] for ch in chunks) == cut["text"]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+        tid = full["token_ids"][2]
+        first = full["token_ids"].index(tid)
+        by_id = c.post("/v1/completions", json=dict(base, stop_token_ids=[tid])).json()["choices"][0]
+        assert by_id["finish_reason"] == "stop" and by_id["stop_reason"] == tid
+        assert by_id["token_ids"] == full["token_ids"][:first + 1]
+
+
 def test_completions_string_and_token_ids(openai_client, server):
     a = openai_client.completions.create(model="tiny-0-0", prompt="The quick brown fox", max_tokens=8, temperature=0,
                                          extra_body={"ignore_eos": True, "return_token_ids": True})

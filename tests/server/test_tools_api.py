@@ -161,3 +161,19 @@ def test_image_parts_are_refused_clearly(server):
     assert r.status_code == 400
     err = r.json()["error"]
     assert "images are not supported yet" in err["message"] and err["param"] == "messages[0].content[1]"
+
+
+def test_required_with_several_tools_fails_loudly_when_the_model_cannot_name_one(server):
+    """Without constrained decoding the tiny model writes no valid function name after
+    `<tool_call>\\n<function=`: non-streaming answers 500 with the reason; streaming sends the
+    error as an SSE event and still ends with [DONE] (vLLM's mid-stream error form)."""
+    body = {"messages": ASK, "tools": [WEATHER, TIME], "tool_choice": "required", "max_tokens": 6, "temperature": 0}
+    with server.client() as c:
+        r = c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 500 and "tool_choice=required" in r.json()["error"]["message"]
+        with c.stream("POST", "/v1/chat/completions", json=dict(body, stream=True)) as s:
+            lines = [ln for ln in s.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    err = json.loads(lines[-2][6:])["error"]
+    assert err["code"] == 500 and "tool_choice=required" in err["message"]
+    assert json.loads(lines[0][6:])["choices"][0]["delta"]["role"] == "assistant"
