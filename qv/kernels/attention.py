@@ -68,7 +68,8 @@ def _store_kv_row(x_ptr, c_ptr, s_ptr, i_t, blk, off, H, D, stride_xt, stride_xh
     p_c = c_ptr + blk * stride_cb + off * stride_cs + o_h[:, None] * stride_ch + o_d[None, :]
     if QUANT:
         b_x = b_x.to(tl.float32)
-        b_s = tl.maximum(tl.max(tl.abs(b_x), axis=1), 1e-30) / 127.0  # [BLOCK_H]
+        b_a = tl.maximum(tl.max(tl.abs(b_x), axis=1), 1e-30)  # [BLOCK_H]
+        b_s = tl.math.div_rn(b_a, tl.full(b_a.shape, 127.0, tl.float32))  # IEEE division, like the reference
         b_q = tl.math.div_rn(b_x, b_s[:, None])
         # +- 1.5 * 2**23 rounds half-to-even like torch.round (libdevice.rint is missing in the interpreter)
         b_q = tl.minimum(tl.maximum((b_q + 12582912.0) - 12582912.0, -127.0), 127.0)

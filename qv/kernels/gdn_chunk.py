@@ -96,7 +96,8 @@ def gdn_chunk_prep_kernel(
             b_rw -= tl.dot(b_A, b_wj, input_precision="ieee")
             b_ru -= tl.dot(b_A, b_uj, input_precision="ieee")
         b_A = tl.dot(b_kb, tl.trans(b_k.to(dt)), input_precision="ieee")
-        b_A = tl.where(o_s[:, None] > o_s[None, :], b_A * tl.exp(b_gc[:, None] - b_gc[None, :]), 0.)
+        lower = o_s[:, None] > o_s[None, :]
+        b_A = tl.where(lower, b_A * tl.exp(tl.where(lower, b_gc[:, None] - b_gc[None, :], 0.)), 0.)
         b_T = _tril_inverse(b_A, BS).to(dt)
         b_w = tl.dot(b_T, b_rw.to(dt), input_precision="ieee")
         b_u = tl.dot(b_T, b_ru.to(dt), input_precision="ieee")
@@ -148,7 +149,7 @@ def gdn_chunk_scan_kernel(
         b_vnd = b_vn.to(dt)
         b_o = tl.dot((b_q * tl.exp(b_gc)[:, None]).to(dt), b_hd, input_precision="ieee")
         b_s = tl.dot(b_q.to(dt), tl.trans(b_k.to(dt)), input_precision="ieee")
-        b_s = tl.where(causal, b_s * tl.exp(b_gc[:, None] - b_gc[None, :]), 0.)
+        b_s = tl.where(causal, b_s * tl.exp(tl.where(causal, b_gc[:, None] - b_gc[None, :], 0.)), 0.)
         b_o += tl.dot(b_s.to(dt), b_vnd, input_precision="ieee")
         tl.store(o_ptr + rows[:, None] * stride_ot + hv * stride_oh + o_v[None, :], b_o.to(o_ptr.dtype.element_ty),
                  mask=m_t[:, None] & m_v[None, :])

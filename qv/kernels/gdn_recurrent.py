@@ -52,7 +52,8 @@ def store_state(st_ptr, sc_ptr, b_h, slot, hv, o_k, o_v, DK, DV, stride_ss, stri
     m = (o_k[:, None] < DK) & (o_v[None, :] < DV)
     p_h = st_ptr + slot * stride_ss + hv * stride_sh + o_k[:, None] * stride_sk + o_v[None, :]
     if INT16:  # rows beyond DK hold zeros, so the column amax is over the real rows only
-        b_sc = tl.maximum(tl.max(tl.abs(b_h), axis=0), 1e-30) / 32767.
+        b_amax = tl.maximum(tl.max(tl.abs(b_h), axis=0), 1e-30)
+        b_sc = tl.math.div_rn(b_amax, tl.full(b_amax.shape, 32767., tl.float32))
         b_c = tl.math.div_rn(b_h, b_sc[None, :])
         # +- 1.5 * 2**23 rounds half-to-even like torch.round (libdevice.rint is missing in the interpreter)
         b_c = tl.minimum(tl.maximum((b_c + 12582912.0) - 12582912.0, -32767.), 32767.)
@@ -108,15 +109,15 @@ def gdn_recurrent_kernel(
 
 
 def gdn_recurrent(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, state_slots, has_initial_state, scale,
-                  state_scale, intermediate_states, bv=None):
+                  state_scale, intermediate_states, config=None):
     t, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     n_seq = cu_seqlens.shape[0] - 1
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if n_seq == 0:
         return out
-    if bv is None:
-        bv = min(next_pow2(dv), 8 if interpreting(v.device) else 32)
+    cfg = config or {}
+    bv = cfg.get("bv") or min(next_pow2(dv), 8 if interpreting(v.device) else 32)
     int16 = state.dtype == torch.int16
     sc = state_scale if int16 else state
     inter = intermediate_states if intermediate_states is not None else state
@@ -126,5 +127,5 @@ def gdn_recurrent(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, state_slots,
         out.stride(1), state.stride(0), state.stride(1), state.stride(2), sc.stride(0) if int16 else 0,
         sc.stride(1) if int16 else 0, inter.stride(0), inter.stride(1), inter.stride(2), inter.stride(3),
         REP=hv // hk, BK=next_pow2(dk), BV=bv, INT16=int16, INTER=intermediate_states is not None,
-        num_warps=4 if dk * bv >= 2048 else 2)
+        num_warps=cfg.get("warps") or (4 if dk * bv >= 2048 else 2))
     return out

@@ -9,7 +9,8 @@ import triton
 
 
 def next_pow2(n: int, floor: int = 1) -> int:
-    return max(triton.next_power_of_2(max(int(n), 1)), floor)
+    """The smallest power of two >= max(n, floor)."""
+    return triton.next_power_of_2(max(int(n), int(floor), 1))
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,322 @@
+"""Kernel benchmarks at Qwen3.5-27B layer shapes: ours vs a peer vs the hardware limit, in one run.
+
+    python bench/kernels.py [--sweep] [--json out.json]
+
+Every time is the median of many launches (triton.testing.do_bench, which also clears the L2
+between launches); inputs that fit in L2 are rotated among enough copies to exceed 3x the L2.
+Ceilings (copy bandwidth, bf16 matmul rate) are measured in the same run. --sweep also times
+a few tile configurations per kernel and prints the best (how the defaults were chosen).
+FLA (flash-linear-attention) is imported if installed; its rows are skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernel_inputs import attention_inputs, decode_inputs, gdn_inputs, gptq_inputs  # noqa: E402
+from qv.kernels.attention import _paged_attention_triton  # noqa: E402
+from qv.kernels.gdn import _gated_delta_rule_triton  # noqa: E402
+from qv.kernels.linear_gptq import _linear_triton  # noqa: E402
+from qv.kernels.reference import dequantize_gptq  # noqa: E402
+
+DEV = torch.device("cuda")
+L2_BYTES = 60 << 20
+ROWS: list[dict] = []
+
+
+def median_ms(fn, rep_ms: int = 300) -> float:
+    return do_bench(fn, warmup=50, rep=rep_ms, return_mode="median")
+
+
+def rotating(make, nbytes: int, cap: int = 24):
+    """Input sets cycled call by call, enough of them to exceed 3x the L2."""
+    n = max(1, min(cap, math.ceil(3 * L2_BYTES / max(nbytes, 1))))
+    sets = [make() for _ in range(n)]
+    it = itertools.cycle(sets)
+    return lambda: next(it), n
+
+
+def row(group, case, ours_ms, peer_ms=None, peer="", limit=None, metric="", target="", met=None, note=""):
+    r = dict(group=group, case=case, ours_ms=ours_ms, peer=peer, peer_ms=peer_ms, limit=limit, metric=metric,
+             target=target, met=met, note=note)
+    ROWS.append(r)
+    peer_s = f"{peer} {peer_ms:.3f} ms" if peer_ms else "-"
+    print(f"| {group} | {case} | {ours_ms:.3f} ms | {peer_s} | {limit or '-'} | {metric} | {target} | "
+          f"{'yes' if met else ('no' if met is not None else '-')} | {note}", flush=True)
+
+
+def try_time(fn, rep_ms=300):
+    try:
+        fn()
+        torch.cuda.synchronize()
+        return median_ms(fn, rep_ms)
+    except Exception as e:  # a config that does not compile (shared memory, registers) is reported
+        print(f"    config failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)
+        return float("inf")
+
+
+# ---------------------------------------------------------------------------------------------
+# ceilings
+# ---------------------------------------------------------------------------------------------
+
+
+def ceilings() -> dict:
+    a = torch.empty(2 << 30, dtype=torch.uint8, device=DEV)
+    b = torch.empty_like(a)
+    t = median_ms(lambda: b.copy_(a))
+    copy_tbs = 2 * a.numel() / t / 1e9
+    del a, b
+    x = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
+    y = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
+    t = median_ms(lambda: x @ y)
+    mm_tflops = 2 * 8192**3 / t / 1e9
+    print(f"ceilings: copy {copy_tbs:.2f} TB/s (read + write), bf16 matmul {mm_tflops:.0f} TFLOP/s", flush=True)
+    return dict(copy_tbs=copy_tbs, mm_tflops=mm_tflops)
+
+
+# ---------------------------------------------------------------------------------------------
+# cases
+# ---------------------------------------------------------------------------------------------
+
+
+def bench_prefill_attention(lim, sweep):
+    configs = [None]
+    if sweep:
+        configs += [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
+                    for bm, bn, w, s in ((128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 2), (128, 64, 8, 3),
+                                         (64, 32, 4, 3), (128, 128, 8, 1))]
+    for n in (8192, 32768):
+        inp = attention_inputs(n, DEV)
+        flops = 4 * n * n * 256 * 24 / 2
+        best = (float("inf"), None)
+        for cfg in (configs if n == 8192 else [best_cfg.get("attn")]):
+            t = try_time(lambda: _paged_attention_triton(*inp["paged"], config=cfg), 500)
+            if sweep and n == 8192:
+                print(f"    attn 8K {cfg}: {t:.3f} ms ({flops / t / 1e9:.0f} TFLOP/s)", flush=True)
+            best = min(best, (t, cfg), key=lambda x: x[0])
+        if n == 8192:
+            best_cfg["attn"] = best[1]
+        q, k, v = inp["sdpa"]
+        try:
+            t_sdpa = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), 500)
+            note = "SDPA enable_gqa"
+        except Exception:  # older SDPA without GQA: K/V expanded outside the timing
+            ke, ve = k.repeat_interleave(6, 1), v.repeat_interleave(6, 1)
+            t_sdpa = median_ms(lambda: F.scaled_dot_product_attention(q, ke, ve, is_causal=True), 500)
+            note = "SDPA on expanded K/V"
+        t = best[0]
+        row("prefill attn bf16 24q/4kv d256 causal", f"{n // 1024}K", t, t_sdpa, "SDPA",
+            f"{lim['mm_tflops']:.0f} TFLOP/s", f"{flops / t / 1e9:.0f} vs {flops / t_sdpa / 1e9:.0f} TFLOP/s",
+            ">= 0.9x SDPA", t_sdpa / t >= 0.9, f"{t_sdpa / t:.2f}x; {note}; cfg {best[1]}")
+        del inp
+
+
+def bench_gdn_chunk(lim, sweep, fla):
+    configs = [None]
+    if sweep:
+        configs += [dict(bv=bv, scan_warps=w, scan_stages=s, prep_warps=pw)
+                    for bv, w, s, pw in ((16, 4, 2, 4), (32, 4, 2, 4), (32, 8, 2, 4), (64, 8, 2, 4), (32, 4, 1, 4),
+                                         (32, 4, 3, 4), (32, 4, 2, 8))]
+    for n in (8192, 32768):
+        inp = gdn_inputs(n, 1, DEV, torch.bfloat16)
+        best = (float("inf"), None)
+        for cfg in (configs if n == 8192 else [best_cfg.get("gdn")]):
+            t = try_time(lambda: _gated_delta_rule_triton(*inp["ours"], max_query_len=n, config=cfg))
+            if sweep and n == 8192:
+                print(f"    gdn chunk 8K {cfg}: {t:.3f} ms", flush=True)
+            best = min(best, (t, cfg), key=lambda x: x[0])
+        if n == 8192:
+            best_cfg["gdn"] = best[1]
+        t_fla, note = None, "fla not installed"
+        if fla is not None:
+            t_fla, note = fla_chunk_time(fla, inp)
+        t = best[0]
+        ratio = t_fla / t if t_fla else None
+        row("GDN chunked prefill bf16 16k/48v d128", f"{n // 1024}K", t, t_fla, "FLA chunk", "-",
+            f"{ratio:.2f}x FLA" if ratio else "-", ">= 1.0x FLA", None if ratio is None else ratio >= 1.0,
+            f"{note}; cfg {best[1]}")
+        del inp
+
+
+def fla_chunk_time(fla, inp):
+    q, k, v, a, b, A_log, dt_bias = inp["fla"]
+    try:
+        fn = lambda: fla.chunk_gated_delta_rule(  # noqa: E731
+            q, k, v, a, b, initial_state=None, output_final_state=True, use_qk_l2norm_in_kernel=True,
+            use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True)
+        fn()
+        return median_ms(fn), "FLA with fused gate/beta/l2norm"
+    except Exception as e:
+        print(f"    FLA fused-gate call failed ({e}); precomputed g/beta instead", flush=True)
+        g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+        beta = b.float().sigmoid().to(b.dtype)
+        fn = lambda: fla.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True,  # noqa: E731
+                                                use_qk_l2norm_in_kernel=True)
+        return median_ms(fn), "FLA (g, beta precomputed, untimed)"
+
+
+def bench_gdn_step(lim, sweep, fla):
+    for batch in (1, 32):
+        for state in (torch.float32, torch.int16):
+            make = lambda: gdn_inputs(1, batch, DEV, torch.bfloat16, state_dtype=state)  # noqa: E731
+            state_bytes = batch * 48 * 128 * 128 * (4 if state == torch.float32 else 2)
+            nxt, n_sets = rotating(make, 2 * state_bytes)
+            cfgs = [None] + ([dict(bv=bv, warps=w) for bv, w in ((16, 2), (32, 4), (64, 4), (128, 8))]
+                             if sweep else [])
+            best = (float("inf"), None)
+            for cfg in cfgs:
+                t = try_time(lambda: _gated_delta_rule_triton(*nxt()["ours"], max_query_len=1, config=cfg))
+                if sweep:
+                    print(f"    gdn step b{batch} {state} {cfg}: {t * 1e3:.1f} us", flush=True)
+                best = min(best, (t, cfg), key=lambda x: x[0])
+            t = best[0]
+            t_fla, note = None, "fla not installed"
+            if fla is not None and state == torch.float32:
+                t_fla, note = fla_step_time(fla, nxt)
+            hbm = 2 * state_bytes / (t * 1e-3) / 1e12
+            row("GDN recurrent step bf16 48v d128", f"batch {batch}, {str(state)[6:]} state", t, t_fla,
+                "FLA fused_recurrent", f"{lim['copy_tbs']:.2f} TB/s",
+                f"{t * 1e3:.1f} us; state r+w {hbm:.2f} TB/s", "<= FLA time" if t_fla else "",
+                (t <= t_fla) if t_fla else None, f"{note}; {n_sets} input sets; cfg {best[1]}")
+
+
+def fla_step_time(fla, nxt):
+    def call():
+        i = nxt()["fla"]
+        q, k, v, a, b, A_log, dt_bias, h0 = i
+        return fla.fused_recurrent_gated_delta_rule(
+            q, k, v, a, beta=b, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+            use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True)
+    try:
+        call()
+        return median_ms(call), "FLA with fused gate/beta/l2norm"
+    except Exception as e:
+        print(f"    FLA fused_recurrent failed: {e}", flush=True)
+        return None, "FLA call failed"
+
+
+def bench_decode(lim, sweep):
+    for ctx, batch in ((32768, 1), (32768, 16), (131072, 1), (131072, 16)):
+        inp = decode_inputs(ctx, batch, DEV)
+        nbytes = batch * ctx * 4 * (2 * 256 + 2 * 4)  # int8 K and V rows + their fp32 scales
+        cfgs = [None]
+        if sweep and ctx == 32768:
+            cfgs += [dict(BLOCK_N=bn, num_stages=s, num_warps=w) for bn, s, w in
+                     ((64, 4, 4), (128, 3, 4), (32, 4, 4), (64, 2, 4), (128, 3, 8), (64, 3, 2))]
+        best = (float("inf"), None)
+        for cfg in cfgs:
+            t = try_time(lambda: _paged_attention_triton(*inp, config=cfg), 200)
+            if sweep and ctx == 32768:
+                print(f"    decode {ctx} b{batch} {cfg}: {t * 1e3:.1f} us ({nbytes / t / 1e9:.2f} TB/s)", flush=True)
+            best = min(best, (t, cfg), key=lambda x: x[0])
+        t = best[0]
+        tbs = nbytes / (t * 1e-3) / 1e12
+        pct = tbs / lim["copy_tbs"]
+        row("paged decode int8 KV 24q/4kv d256", f"ctx {ctx // 1024}K, batch {batch}", t, None, "",
+            f"{lim['copy_tbs']:.2f} TB/s", f"{tbs:.2f} TB/s = {100 * pct:.0f}% of copy", ">= 70%", pct >= 0.7,
+            f"{nbytes / 1e6:.0f} MB read; cfg {best[1]}")
+        del inp
+
+
+def bench_gemv(lim, sweep):
+    for k, n in ((5120, 34816), (17408, 5120)):
+        for m in (1, 4):
+            w, x = gptq_inputs(k, n, m, DEV)
+            nbytes = k * n + w.scales.numel() * 2 + x.numel() * 2 + m * n * 2
+            cfgs = [None]
+            if sweep:
+                cfgs += [dict(BLOCK_N=bn, BLOCK_K=bk, num_stages=s, num_warps=nw) for bn, bk, s, nw in
+                         ((64, 128, 4, 4), (256, 64, 4, 4), (128, 64, 5, 4), (256, 128, 3, 8), (128, 128, 3, 4))]
+            best = (float("inf"), None)
+            for cfg in cfgs:
+                t = try_time(lambda: _linear_triton(x, w, config=cfg))
+                if sweep:
+                    print(f"    gemv {k}->{n} m{m} {cfg}: {t * 1e3:.1f} us", flush=True)
+                best = min(best, (t, cfg), key=lambda x_: x_[0])
+            t = best[0]
+            wd = dequantize_gptq(w).to(torch.float16)
+            xh = x.to(torch.float16)
+            t_peer = median_ms(lambda: F.linear(xh, wd))
+            tbs = nbytes / (t * 1e-3) / 1e12
+            pct = tbs / lim["copy_tbs"]
+            row("GPTQ-int8 GEMV fp16", f"{k}->{n}, M={m}", t, t_peer, "fp16 GEMV (2 B/weight)",
+                f"{lim['copy_tbs']:.2f} TB/s", f"{tbs:.2f} TB/s = {100 * pct:.0f}% of copy", ">= 75%", pct >= 0.75,
+                f"cfg {best[1]}")
+            del w, x, wd
+
+
+def bench_gemm(lim, sweep):
+    for k, n in ((5120, 34816), (17408, 5120)):
+        w, x = gptq_inputs(k, n, 8192, DEV)
+        flops = 2 * 8192 * k * n
+        cfgs = [None]
+        if sweep:
+            cfgs += [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=s, GROUP_M=8)
+                     for bm, bn, bk, nw, s in ((128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (128, 128, 128, 8, 3),
+                                               (256, 128, 64, 8, 3), (64, 128, 64, 4, 4))]
+        best = (float("inf"), None)
+        for cfg in cfgs:
+            t = try_time(lambda: _linear_triton(x, w, config=cfg), 500)
+            if sweep:
+                print(f"    gemm {k}->{n} {cfg}: {t:.3f} ms ({flops / t / 1e9:.0f} TFLOP/s)", flush=True)
+            best = min(best, (t, cfg), key=lambda x_: x_[0])
+        t = best[0]
+        wd = dequantize_gptq(w).to(torch.float16)
+        t_peer = median_ms(lambda: F.linear(x, wd), 500)
+        row("GPTQ-int8 GEMM fp16", f"{k}->{n}, M=8192", t, t_peer, "fp16 matmul on dequantized W",
+            f"{lim['mm_tflops']:.0f} TFLOP/s (bf16)", f"{flops / t / 1e9:.0f} vs {flops / t_peer / 1e9:.0f} TFLOP/s",
+            ">= 0.8x peer", t_peer / t >= 0.8, f"{t_peer / t:.2f}x; cfg {best[1]}")
+        del w, x, wd
+
+
+best_cfg: dict = {}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sweep", action="store_true", help="also time a few tile configurations per kernel")
+    ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--only", default="", help="comma list: attn,gdn,step,decode,gemv,gemm")
+    args = ap.parse_args()
+    try:
+        import fla.ops.gated_delta_rule as fla
+    except ImportError:
+        fla = None
+    import triton
+
+    print(f"GPU {torch.cuda.get_device_name()}; torch {torch.__version__}; triton {triton.__version__}; "
+          f"fla {getattr(sys.modules.get('fla'), '__version__', 'absent')}", flush=True)
+    lim = ceilings()
+    print("| group | case | ours | peer | limit | measure | target | met | note |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    only = set(filter(None, args.only.split(",")))
+    steps = dict(attn=lambda: bench_prefill_attention(lim, args.sweep),
+                 gdn=lambda: bench_gdn_chunk(lim, args.sweep, fla),
+                 step=lambda: bench_gdn_step(lim, args.sweep, fla),
+                 decode=lambda: bench_decode(lim, args.sweep),
+                 gemv=lambda: bench_gemv(lim, args.sweep),
+                 gemm=lambda: bench_gemm(lim, args.sweep))
+    for name, fn in steps.items():
+        if not only or name in only:
+            try:
+                fn()
+            except Exception as e:  # one broken case must not hide the others
+                print(f"{name}: FAILED {type(e).__name__}: {e}", flush=True)
+            torch.cuda.empty_cache()
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(limits=lim, rows=ROWS, best=best_cfg), indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

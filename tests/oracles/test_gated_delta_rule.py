@@ -1,0 +1,87 @@
+"""gated_delta_rule against the reference recurrence: the token-by-token kernel (decode, short
+queries, per-position states for verification) and the chunked kernels (prefill: chunks of 64,
+varlen, a ragged last chunk, empty and single-token sequences); GQA ratios 1/2/3, dk != dv,
+fp32 / fp16 / int16 state pools whose other slots must stay untouched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_cases import BOUND, DEV, K, cu_seqlens, randn, run_reference, run_triton
+from qv.kernels.reference import load_state
+from util import assert_close
+
+STATE_BOUND = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+
+
+def _pool(n_slots, hv, dk, dv, state_dtype):
+    h = randn(n_slots, hv, dk, dv, scale=0.1)
+    if state_dtype != torch.int16:
+        return h.to(state_dtype), None
+    scale = h.abs().amax(2).clamp_min(1e-30) / 32767.0
+    return torch.round(h / scale[:, :, None, :]).to(torch.int16), scale
+
+
+def _case(dtype, state_dtype, hk, rep, dk, dv, lens, init, max_q="auto", inter=False):
+    hv, t, n = hk * rep, sum(lens), len(lens)
+    q, k = randn(t, hk, dk, dtype=dtype), randn(t, hk, dk, dtype=dtype)
+    v, a, b = randn(t, hv, dv, dtype=dtype), randn(t, hv, dtype=dtype), randn(t, hv, dtype=dtype)
+    A_log, dt_bias = randn(hv, scale=0.5), randn(hv, scale=0.5)
+    n_slots = n + 3
+    slots = torch.randperm(n_slots, device=DEV)[:n]
+    pool, scale = _pool(n_slots, hv, dk, dv, state_dtype)
+    states = [pool.clone(), pool.clone()]
+    scales = [None, None] if scale is None else [scale.clone(), scale.clone()]
+    inters = [None, None]
+    if inter:
+        inters = [torch.full((n, max(lens), hv, dk, dv), float("nan"), device=DEV) for _ in range(2)]
+    outs = []
+    for run, st, sc, it in zip((run_triton, run_reference), states, scales, inters):
+        outs.append(run(K.gated_delta_rule, q, k, v, a, b, A_log, dt_bias, st, cu_seqlens(lens), slots,
+                        torch.tensor(init, device=DEV), None, sc, it, max(lens) if max_q == "auto" else max_q))
+    if t:
+        assert_close("o", outs[0], outs[1], BOUND[dtype])
+    bound = max(BOUND[dtype], STATE_BOUND.get(state_dtype, 1e-5))
+    for i in range(n):
+        s = int(slots[i])
+        assert_close(f"state[{s}]", load_state(states[0], scales[0], s), load_state(states[1], scales[1], s), bound)
+    others = sorted(set(range(n_slots)) - set(slots.tolist()))
+    assert torch.equal(states[0][others], pool[others]), "a slot outside the batch was written"
+    if inter:
+        for i, n_i in enumerate(lens):
+            if n_i:
+                assert_close(f"intermediate[{i}]", inters[0][i, :n_i], inters[1][i, :n_i], bound)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16, torch.int16])
+def test_recurrent_decode(state_dtype):
+    _case(torch.float32, state_dtype, 2, 2, 16, 24, [1, 1, 1, 1], [True, False, True, True])
+
+
+def test_recurrent_short_queries_gqa3():
+    _case(torch.float32, torch.float32, 1, 3, 32, 16, [3, 1, 0, 5], [True, False, True, True])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_verification_intermediate_states(dtype):
+    _case(dtype, torch.float32, 1, 3, 32, 16, [4, 2, 4], [True, False, True], inter=True)
+
+
+@pytest.mark.parametrize("dtype,state_dtype,hk,rep,dk,dv,lens", [
+    (torch.float32, torch.float32, 2, 2, 16, 24, [70, 1, 0, 20]),  # ragged chunks, empty, single token
+    (torch.float32, torch.float16, 1, 3, 8, 20, [130, 17]),  # dk 8 (padded to 16), dk < dv
+    (torch.bfloat16, torch.float32, 1, 1, 32, 16, [64, 100]),  # exactly one chunk; dk > dv
+    (torch.float16, torch.int16, 1, 2, 16, 16, [100, 17]),
+])
+def test_chunked_prefill(dtype, state_dtype, hk, rep, dk, dv, lens):
+    _case(dtype, state_dtype, hk, rep, dk, dv, lens, [i % 2 == 0 for i in range(len(lens))], max_q=None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,state_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.float32),
+                                               (torch.bfloat16, torch.int16), (torch.float16, torch.float16)])
+def test_real_shapes(dtype, state_dtype):
+    _case(dtype, state_dtype, 16, 3, 128, 128, [700, 1, 0, 130], [True, True, False, False])  # chunked
+    _case(dtype, state_dtype, 16, 3, 128, 128, [1] * 32, [True] * 31 + [False])  # decode batch 32
+    _case(dtype, state_dtype, 16, 3, 128, 128, [4] * 4, [True] * 4, inter=True)  # verification, k = 3

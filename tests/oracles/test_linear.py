@@ -1,0 +1,67 @@
+"""linear against the reference: GPTQ-int8 GEMV (M <= 16) and GEMM (larger M), symmetric and
+asymmetric zeros, act-order g_idx, bias, M/N/K not multiples of the tiles; dense weights (the
+Triton backend hands them to torch.nn.functional.linear). The reference dequantizes the same
+int8 codes in fp32, so the bounds are the activation dtype's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_cases import BOUND, DEV, K, randn, run_reference, run_triton
+from qv.kernels.linear import GPTQWeight
+from util import assert_close
+
+
+def gptq_weight(n, k, group, zeros, act_order, dtype):
+    g = torch.arange(k, dtype=torch.int32, device=DEV) // group
+    if act_order:
+        g = g[torch.randperm(k, device=DEV)]
+    n_groups = k // group
+    return GPTQWeight(
+        torch.randint(0, 256, (k, n), dtype=torch.uint8, device=DEV),
+        (torch.rand(n_groups, n, device=DEV) * 0.02 + 1e-3).to(dtype),
+        torch.randint(96, 160, (n_groups, n), device=DEV).to(dtype) if zeros else None,
+        g, group)
+
+
+def _case(dtype, m, n, k, group, zeros=False, act_order=False, bias=False):
+    w = gptq_weight(n, k, group, zeros, act_order, dtype)
+    x = randn(m, k, dtype=dtype)
+    b = randn(n, dtype=dtype) if bias else None
+    assert_close("linear", run_triton(K.linear, x, w, b), run_reference(K.linear, x, w, b), BOUND[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 4, 13])
+def test_gptq_gemv(dtype, m):
+    _case(dtype, m, 70, 96, 32, zeros=m == 4, bias=m == 13)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gptq_gemm(dtype):
+    _case(dtype, 37, 50, 128, 64, zeros=True, bias=True)
+
+
+@pytest.mark.parametrize("m", [3, 20])
+def test_gptq_act_order(m):
+    _case(torch.float32, m, 40, 64, 16, zeros=True, act_order=True)
+
+
+def test_gptq_single_group():
+    _case(torch.float16, 2, 33, 80, 80)  # group = K = 80: tiles of 16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense(dtype):
+    x, w, b = randn(9, 40, dtype=dtype), randn(30, 40, dtype=dtype), randn(30, dtype=dtype)
+    assert_close("dense linear", run_triton(K.linear, x, w, b), run_reference(K.linear, x, w, b), BOUND[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("m", [1, 4, 16, 300])
+def test_gptq_real_shapes(dtype, m):
+    _case(dtype, m, 34816, 5120, 128, zeros=m == 4)
+    _case(dtype, m, 5120, 17408, 128, bias=m == 16)
+    _case(dtype, m, 1000, 5120, 128, act_order=True)

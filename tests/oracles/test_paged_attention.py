@@ -1,0 +1,83 @@
+"""paged_attention against the fp32 reference: prefill chunks over cached prefixes (FMHA path),
+decode and speculative rows (split-K + reduce path), GQA 1/2/3/6, head dims incl. non powers of
+two, contexts not multiples of the block, empty and single-token sequences; fp32/fp16/bf16 and
+int8 caches (the reference dequantizes the same int8 cache, so the kernel bound is the
+activation dtype's). A separate test bounds the int8 format error itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_cases import BOUND, DEV, K, cu_seqlens, paged_layout, randn, run_reference, run_triton, slots_for
+from util import assert_close, rel_err
+
+INT8_FORMAT_BOUND = 2e-2  # int8 K/V (scale per token and head) vs unquantized, random normal data
+
+
+def _cache(act_dtype, kv_dtype, hkv, d, seq_lens, block_size, bt_tables, nb):
+    """A cache holding every sequence's keys (written by the reference write_kv)."""
+    n = sum(seq_lens)
+    k, v = randn(n, hkv, d, dtype=act_dtype), randn(n, hkv, d, dtype=act_dtype)
+    shape = (nb, block_size, hkv, d)
+    kc = torch.zeros(shape, dtype=kv_dtype, device=DEV)
+    vc = torch.zeros(shape, dtype=kv_dtype, device=DEV)
+    ks = vs = None
+    if kv_dtype == torch.int8:
+        ks = torch.zeros(shape[:3], device=DEV)
+        vs = torch.zeros(shape[:3], device=DEV)
+    run_reference(K.write_kv, k, v, kc, vc, slots_for(bt_tables, [0] * len(seq_lens), seq_lens, block_size), ks, vs)
+    return kc, vc, ks, vs, k, v
+
+
+def _case(act_dtype, kv_dtype, hkv, rep, d, q_lens, ctx, block_size=16, bound=None):
+    seq_lens = [c + q for q, c in zip(q_lens, ctx)]
+    bt, tables, nb = paged_layout(seq_lens, block_size)
+    kc, vc, ks, vs, _, _ = _cache(act_dtype, kv_dtype, hkv, d, seq_lens, block_size, tables, nb)
+    q = randn(sum(q_lens), hkv * rep, d, dtype=act_dtype)
+    args = (q, kc, vc, bt, cu_seqlens(q_lens), torch.tensor(seq_lens, dtype=torch.int32, device=DEV), d ** -0.5,
+            ks, vs, max(q_lens), max(seq_lens))
+    out = run_triton(K.paged_attention, *args)
+    ref = run_reference(K.paged_attention, *args)
+    return assert_close("paged_attention", out, ref, bound or BOUND[act_dtype])
+
+
+@pytest.mark.parametrize("act_dtype,kv_dtype,rep,d,q_lens,ctx", [
+    (torch.float32, torch.float32, 3, 32, [5, 0, 17, 1], [0, 3, 20, 40]),  # prefill path, empty seq
+    (torch.float32, torch.float32, 1, 64, [1, 1, 1], [30, 70, 5]),  # decode, split-K
+    (torch.float32, torch.int8, 6, 16, [3, 2], [50, 33]),  # speculative rows over int8
+    (torch.bfloat16, torch.bfloat16, 2, 48, [9, 30], [0, 10]),  # head dim 48 (masked to 64)
+    (torch.bfloat16, torch.int8, 6, 64, [9, 1], [0, 60]),
+    (torch.float16, torch.float16, 3, 128, [20, 1], [13, 37]),
+    (torch.float32, torch.float32, 1, 256, [4], [21]),
+])
+def test_paged_attention(act_dtype, kv_dtype, rep, d, q_lens, ctx):
+    _case(act_dtype, kv_dtype, 2, rep, d, q_lens, ctx)
+
+
+def test_int8_kv_format_error():
+    """Attention over int8 K/V vs over the unquantized K/V (both exact fp32 reference)."""
+    hkv, rep, d, bs = 2, 3, 64, 16
+    q_lens, seq_lens = [1, 7], [90, 130]
+    bt, tables, nb = paged_layout(seq_lens, bs)
+    torch.manual_seed(1)
+    kc8, vc8, ks, vs, k, v = _cache(torch.float32, torch.int8, hkv, d, seq_lens, bs, tables, nb)
+    kc, vc = torch.zeros_like(kc8, dtype=torch.float32), torch.zeros_like(vc8, dtype=torch.float32)
+    run_reference(K.write_kv, k, v, kc, vc, slots_for(tables, [0, 0], seq_lens, bs))
+    q = randn(sum(q_lens), hkv * rep, d)
+    common = (bt, cu_seqlens(q_lens), torch.tensor(seq_lens, dtype=torch.int32, device=DEV), d ** -0.5)
+    exact = run_reference(K.paged_attention, q, kc, vc, *common)
+    quant = run_triton(K.paged_attention, q, kc8, vc8, *common, ks, vs, max(q_lens), max(seq_lens))
+    err = rel_err(quant, exact)
+    assert 1e-4 < err < INT8_FORMAT_BOUND, f"int8 KV format error {err:.3e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act_dtype,kv_dtype", [(torch.bfloat16, torch.int8), (torch.bfloat16, torch.bfloat16),
+                                                (torch.float16, torch.int8), (torch.float32, torch.float32)])
+@pytest.mark.parametrize("rep,d", [(6, 256), (3, 128), (1, 64)])
+def test_paged_attention_real_shapes(act_dtype, kv_dtype, rep, d):
+    hkv = 4 if rep == 6 else 2
+    _case(act_dtype, kv_dtype, hkv, rep, d, [1000, 777, 1, 0], [500, 0, 3000, 5])  # prefill over prefixes
+    _case(act_dtype, kv_dtype, hkv, rep, d, [1] * 16, [9000 - 555 * i for i in range(16)])  # decode batch
+    _case(act_dtype, kv_dtype, hkv, rep, d, [4, 4, 4], [33000, 17, 4100])  # speculative rows (k=3)
