@@ -76,7 +76,7 @@ class QuantRules:
             try:
                 self.dynamic.append((key, re.compile(pattern), value if isinstance(value, dict) else {}))
             except re.error as e:
-                raise CheckpointError(f"quantization_config.dynamic rule {key!r} is not a valid regex: {e}") from None
+                raise CheckpointError(f"quantization_config.dynamic rule '{key}' is not a valid regex: {e}") from None
         if q.group_size == 0 or q.group_size < -1:
             raise CheckpointError(f"quantization_config.group_size={q.group_size}: expected -1 or a positive size")
 
@@ -91,7 +91,7 @@ class QuantRules:
         for key, rx, value in self.dynamic:
             if any(rx.match(n) for n in names):
                 if key.startswith("-:"):
-                    return ModuleQuant(f"dynamic rule {key!r}", q.bits, q.group_size, q.desc_act)
+                    return ModuleQuant(f"dynamic rule '{key}'", q.bits, q.group_size, q.desc_act)
                 over = value
                 break
         for entry in q.modules_to_not_convert:
