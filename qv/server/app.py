@@ -21,7 +21,7 @@ from starlette.routing import Route
 
 from qv.config import EngineConfig
 from qv.server import completions, ops, openai, responses
-from qv.server.errors import APIError, api_error_response, error_body, error_response
+from qv.server.errors import APIError, api_error_response, error_response
 from qv.server.state import ServerState
 from qv.server.streaming import ClientDisconnected
 
@@ -159,4 +159,4 @@ def serve(cfg: EngineConfig) -> None:
     asyncio.run(_serve(server, application))
 
 
-__all__ = ["app", "build_app", "serve", "error_body"]
+__all__ = ["app", "build_app", "serve"]

@@ -118,6 +118,11 @@ def template_kwargs(req_kwargs: dict | None, default_thinking: bool, reasoning_e
 def apply_template(tokenizer, conversation: list[dict], *, tools: list[dict] | None, documents=None,
                    chat_template: str | None = None, add_generation_prompt: bool = True,
                    continue_final_message: bool = False, kwargs: dict | None = None) -> str:
+    if chat_template is not None:
+        # A template is code the server would run on the event loop; vLLM also refuses it unless
+        # started with --trust-request-chat-template.
+        raise bad_request("Refused request with untrusted chat template: qv renders chats with the checkpoint's "
+                          "own template and does not accept `chat_template` in requests", "chat_template")
     if continue_final_message and conversation[-1]["role"] != "assistant":
         raise bad_request("continue_final_message needs the last message to be an assistant message", "messages")
     try:
@@ -143,8 +148,8 @@ def output_starts_thinking(prompt: str, enable_thinking: bool) -> bool:
 
 def forced_call_prefix(tool_choice, tool_names: list[str]) -> str:
     """Output text that starts the call for tool_choice required/named ('' otherwise)."""
-    if tool_choice is None or isinstance(tool_choice, str) and tool_choice in ("none", "auto"):
-        return ""
+    if not tool_names or tool_choice is None or isinstance(tool_choice, str) and tool_choice in ("none", "auto"):
+        return ""  # vLLM: `required` with an empty tool list means none
     if not isinstance(tool_choice, str):
         return f"<tool_call>\n<function={tool_choice.function.name}>\n"
     if len(tool_names) == 1:
@@ -163,7 +168,8 @@ def render_chat(tokenizer, req, default_thinking: bool) -> RenderedPrompt:
     thinking = output_starts_thinking(text, bool(kwargs.get("enable_thinking", True)))
     prefix = forced_call_prefix(getattr(req, "tool_choice", None), [t.function.name for t in req.tools or []])
     if prefix:
-        text += (THINK_END + "\n\n" if thinking else "") + prefix
+        # `<think>\n` + `\n</think>\n\n` is the template's own empty think block (enable_thinking=false)
+        text += ("\n" + THINK_END + "\n\n" if thinking else "") + prefix
         thinking = False
     ids = tokenizer.encode(text, add_special_tokens=False)
     if getattr(req, "truncate_prompt_tokens", None):

@@ -13,7 +13,7 @@ from qv.server.logprobs import completion_logprobs
 from qv.server.openai import parse_body, usage
 from qv.server.protocol import CompletionRequest
 from qv.server.state import ServerState, random_id
-from qv.server.streaming import DONE, SSEResponse, last_output, merge, read_json, sse, until_disconnect
+from qv.server.streaming import DONE, SSEResponse, merge, read_json, sse, until_disconnect
 
 
 def _prompts(state: ServerState, req: CompletionRequest) -> list[tuple[str, list[int]]]:

@@ -67,9 +67,18 @@ class _EngineCollector:
         for reason, count in sorted((getattr(s, "finished", None) or {}).items()):
             success.add_metric(lv + [str(reason)], count)
         yield success
-        for name in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"):
-            if hasattr(s, name.removeprefix("spec_decode_")):
-                yield counter(f"vllm:{name}", name.replace("_", " "), getattr(s, name.removeprefix("spec_decode_")))
+        # Speculative decoding, exported once EngineStats carries these counters (vLLM's names).
+        for field, doc in (("spec_num_drafts", "Draft rounds."), ("spec_num_draft_tokens", "Draft tokens proposed."),
+                           ("spec_num_accepted_tokens", "Draft tokens accepted.")):
+            if getattr(s, field, None) is not None:
+                yield counter("vllm:spec_decode_" + field.removeprefix("spec_"), doc, getattr(s, field))
+        per_pos = getattr(s, "spec_num_accepted_tokens_per_pos", None)
+        if per_pos is not None:
+            c = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by position.",
+                                    labels=LABELS + ("position",))
+            for pos, count in enumerate(per_pos):
+                c.add_metric(lv + [str(pos)], count)
+            yield c
 
 
 class ServerMetrics:

@@ -181,6 +181,7 @@ def test_generation_config_defaults_apply(server):
 
 def test_ops_endpoints(server):
     with server.client() as c:
+        assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "ignore_eos": True}).status_code == 200
         assert c.get("/health").status_code == 200
         assert c.get("/version").json()["version"]
         tok = c.post("/tokenize", json={"prompt": "Привет 😀", "return_token_strs": True}).json()
@@ -190,8 +191,40 @@ def test_ops_endpoints(server):
         text = c.post("/detokenize", json={"tokens": chat["tokens"]}).json()["prompt"]
         assert text.endswith("<|im_start|>assistant\n<think>\n") and "Name a colour." in text
         metrics = c.get("/metrics").text
-        for name in ("vllm:num_requests_running", "vllm:prompt_tokens_total", "vllm:time_to_first_token_seconds_bucket",
+        for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                     "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:num_preemptions_total",
+                     'vllm:request_success_total{engine="0",finished_reason="length"', "vllm:prefix_cache_queries_total",
+                     "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_count",
                      "vllm:e2e_request_latency_seconds_count", "vllm:request_queue_time_seconds_count",
-                     "vllm:inter_token_latency_seconds_count", "vllm:kv_cache_usage_perc"):
+                     "vllm:request_prefill_time_seconds_count", "vllm:request_decode_time_seconds_count",
+                     "vllm:request_inference_time_seconds_count", "vllm:request_time_per_output_token_seconds_count",
+                     "vllm:request_prompt_tokens_bucket", "vllm:request_generation_tokens_bucket",
+                     "vllm:request_params_n_bucket", "vllm:request_params_max_tokens_bucket"):
             assert name in metrics, name
         assert json.loads(c.get("/v1/models").text)["data"]
+
+
+def test_continue_final_message_with_echo(server):
+    """The last assistant message is continued (not closed), and echo prepends it (vLLM's chat echo)."""
+    msgs = MESSAGES + [{"role": "assistant", "content": "The colour is"}]
+    body = {"messages": msgs, "continue_final_message": True, "add_generation_prompt": False, "max_tokens": 3,
+            "temperature": 0, "ignore_eos": True}
+    with server.client() as c:
+        ids = c.post("/tokenize", json={k: body[k] for k in ("messages", "continue_final_message",
+                                                             "add_generation_prompt")}).json()["tokens"]
+        assert c.post("/detokenize", json={"tokens": ids}).json()["prompt"].endswith("The colour is")
+        plain = c.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+        echoed = c.post("/v1/chat/completions", json=dict(body, echo=True)).json()["choices"][0]["message"]["content"]
+    assert echoed == "The colour is" + plain
+
+
+def test_skip_special_tokens(server):
+    """The tiny model emits special tokens (e.g. <|image_pad|>) often: kept text is the full
+    decode of the ids, skipped text drops exactly those tokens' text."""
+    body = {"prompt": "Hello", "max_tokens": 24, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    with server.client() as c:
+        keep = c.post("/v1/completions", json=dict(body, skip_special_tokens=False)).json()["choices"][0]
+        skip = c.post("/v1/completions", json=body).json()["choices"][0]
+        assert keep["token_ids"] == skip["token_ids"]
+        assert keep["text"] == c.post("/detokenize", json={"tokens": keep["token_ids"]}).json()["prompt"]
+    assert "<|" in keep["text"] and "<|" not in skip["text"]
