@@ -34,7 +34,9 @@ _VIDEO_DEFAULTS = dict(patch_size=16, temporal_patch_size=2, merge_size=2, image
                        image_std=(0.5, 0.5, 0.5), size={"shortest_edge": 128 * 32 * 32, "longest_edge": 32 * 32 * 768},
                        fps=2, min_frames=4, max_frames=768, num_frames=None, do_sample_frames=True,
                        cap_pixels_per_frame=False, max_video_tokens=768)
-_RESAMPLE = {2: "bilinear", 3: "bicubic"}  # PIL codes -> interpolate modes (torchvision's mapping)
+# PIL resample code -> interpolate mode. Qwen's processors use 3 (bicubic), the one mode whose uint8
+# CPU kernel torchvision calls on every CPU; others would need torchvision's per-CPU fallbacks.
+_RESAMPLE = {3: "bicubic"}
 MAX_ASPECT_RATIO = 200  # both HF smart_resize functions refuse more extreme images
 
 
@@ -79,7 +81,7 @@ def _parse(raw: dict, defaults: dict, what: str) -> ProcessorConfig:
         raise ConfigError(f"{what}: size needs shortest_edge and longest_edge, got {size}")
     resample = int(r.get("resample", 3))
     if resample not in _RESAMPLE:
-        raise ConfigError(f"{what}: resample={resample} unsupported (qv implements 2 bilinear and 3 bicubic)")
+        raise ConfigError(f"{what}: resample={resample} unsupported (qv implements 3, bicubic)")
     return ProcessorConfig(
         patch_size=int(r["patch_size"]), temporal_patch_size=int(r["temporal_patch_size"]),
         merge_size=int(r["merge_size"]), min_pixels=int(size["shortest_edge"]), max_pixels=int(size["longest_edge"]),
@@ -293,10 +295,6 @@ def _resize(x: torch.Tensor, height: int, width: int, mode: str) -> torch.Tensor
     interpolate call (align_corners=False, antialias=True) on the uint8 tensor, no float round trip."""
     if (height, width) == tuple(x.shape[-2:]):
         return x  # torchvision returns the input unchanged
-    if mode == "bilinear" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        # torchvision resizes in fp32 here (no native uint8 bilinear kernel), then rounds back
-        y = F.interpolate(x.float(), size=[height, width], mode=mode, align_corners=False, antialias=True)
-        return y.round_().to(torch.uint8)
     return F.interpolate(x, size=[height, width], mode=mode, align_corners=False, antialias=True)
 
 
@@ -352,18 +350,20 @@ def expand_vision_tokens(prompt_ids: Sequence[int], items: Sequence[VisionItem],
     """
     out: list[int] = []
     it = iter(items)
-    i, n = 0, len(prompt_ids)
+    i, n, count = 0, len(prompt_ids), 0
     while i < n:
         tok = prompt_ids[i]
         i += 1
         if tok not in (ids.image, ids.video):
             out.append(tok)
             continue
-        item = next(it, None)
+        item, k = next(it, None), count
+        count += 1
         kind = "image" if tok == ids.image else "video"
-        if item is None or item.kind != kind:
-            got = "nothing" if item is None else f"a {item.kind}"
-            raise MediaError(f"prompt has a {kind} placeholder where the media list has {got}")
+        if item is None:
+            raise MediaError(f"the prompt has more media placeholders than the {k} images/videos given")
+        if item.kind != kind:
+            raise MediaError(f"media placeholder {k} in the prompt is for a {kind}, but media item {k} is a {item.kind}")
         if kind == "image":
             out.extend([ids.image] * item.num_tokens)
             continue

@@ -1,0 +1,162 @@
+"""The media fetcher against a real HTTP server on loopback: formats, limits and failures all end
+as 400s naming the part, and the fetcher keeps working after each."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from qv.server.errors import APIError
+from qv.server.media_fetch import MAX_REDIRECTS, MediaFetcher
+
+
+def png(w=40, h=30, color=(200, 10, 30)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), color).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def gif(frames=5, ms=100) -> bytes:
+    rng = np.random.default_rng(0)
+    ims = [Image.fromarray(rng.integers(0, 256, (24, 32, 3), dtype=np.uint8)) for _ in range(frames)]
+    buf = io.BytesIO()
+    ims[0].save(buf, "GIF", save_all=True, append_images=ims[1:], duration=ms, loop=0)
+    return buf.getvalue()
+
+
+PNG, GIF = png(), gif()
+
+
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *a):  # keep test output clean
+        pass
+
+    def _send(self, code: int, body: bytes = b"", headers: dict | None = None):
+        self.send_response(code)
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):  # noqa: N802
+        p = self.path
+        if p == "/img.png":
+            self._send(200, PNG, {"Content-Type": "image/png"})
+        elif p == "/anim.gif":
+            self._send(200, GIF)
+        elif p == "/big":
+            self._send(200, b"x" * 5000)
+        elif p == "/big-chunked":  # no Content-Length: the cap must hold while streaming
+            self.send_response(200)
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for _ in range(10):
+                self.wfile.write(b"3e8\r\n" + b"y" * 1000 + b"\r\n")
+            self.wfile.write(b"0\r\n\r\n")
+        elif p == "/slow":
+            time.sleep(3)
+            self._send(200, PNG)
+        elif p.startswith("/hop/"):
+            n = int(p.split("/")[2])
+            self._send(302, headers={"Location": "/img.png" if n == 0 else f"/hop/{n - 1}"})
+        elif p == "/away":  # redirect to another host name (same server)
+            self._send(302, headers={"Location": f"http://localhost:{self.server.server_port}/img.png"})
+        elif p == "/text":
+            self._send(200, b"this is not an image")
+        else:
+            self._send(404, b"no")
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    th = threading.Thread(target=srv.serve_forever, daemon=True)
+    th.start()
+    yield f"http://127.0.0.1:{srv.server_port}"
+    srv.shutdown()
+    srv.server_close()
+
+
+def fetcher(**kw) -> MediaFetcher:
+    args = dict(max_bytes=4000, timeout_s=20.0)  # generous: loaded CI machines are slow
+    args.update(kw)
+    return MediaFetcher(**args)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def bad(coro, match: str):
+    with pytest.raises(APIError) as e:
+        run(coro)
+    assert e.value.status == 400 and "part[0]" in str(e.value.message), e.value.message
+    assert match in e.value.message, e.value.message
+
+
+def test_sources(server, tmp_path):
+    f = fetcher(local_dir=str(tmp_path))
+    b64 = base64.b64encode(PNG).decode()
+    assert run(f.fetch_bytes(f"{server}/img.png", "part[0]")) == PNG
+    assert run(f.fetch_bytes(f"data:image/png;base64,{b64}", "part[0]")) == PNG
+    assert run(f.fetch_bytes(b64, "part[0]")) == PNG
+    assert run(f.fetch_bytes(f"{server}/hop/{MAX_REDIRECTS - 1}", "part[0]")) == PNG
+    (tmp_path / "a.png").write_bytes(PNG)
+    assert run(f.fetch_bytes(f"file://{tmp_path}/a.png", "part[0]")) == PNG
+    im = run(f.image(f"{server}/img.png", "part[0]"))
+    assert im.size == (40, 30) and im.getpixel((0, 0)) == (200, 10, 30)
+    frames, fps = run(fetcher(max_bytes=1 << 20).video(f"{server}/anim.gif", "part[0]"))
+    assert len(frames) == 5 and frames[0].size == (32, 24) and fps == pytest.approx(10.0)
+
+
+def test_limits_and_failures(server, tmp_path):
+    f = fetcher()
+    bad(f.fetch_bytes(f"{server}/big", "part[0]"), "4000-byte limit")
+    bad(f.fetch_bytes(f"{server}/big-chunked", "part[0]"), "4000-byte limit")
+    bad(f.fetch_bytes(base64.b64encode(b"z" * 6000).decode(), "part[0]"), "4000-byte limit")
+    bad(f.fetch_bytes(f"{server}/hop/{MAX_REDIRECTS + 1}", "part[0]"), "redirects")
+    bad(f.fetch_bytes(f"{server}/missing", "part[0]"), "HTTP 404")
+    bad(f.fetch_bytes("not base64 at all!", "part[0]"), "not an http(s) URL")
+    bad(f.fetch_bytes("data:image/png,rawdata", "part[0]"), "must be base64")
+    bad(f.fetch_bytes("ftp://example.com/a.png", "part[0]"), "unsupported URL scheme")
+    bad(f.image(f"{server}/text", "part[0]"), "could not decode the image")
+    bad(f.video(f"{server}/img.png", "part[0]"), "animated")
+    t0 = time.monotonic()
+    bad(fetcher(timeout_s=1.0).fetch_bytes(f"{server}/slow", "part[0]"), "longer than 1 s")
+    assert time.monotonic() - t0 < 2.9  # the server answers after 3 s
+    # nothing listens on port 9 of loopback: refused at once
+    bad(f.fetch_bytes("http://127.0.0.1:9/img.png", "part[0]"), "could not fetch")
+    assert run(f.fetch_bytes(f"{server}/img.png", "part[0]")) == PNG  # still healthy
+
+
+def test_local_files_need_the_lever(tmp_path):
+    (tmp_path / "a.png").write_bytes(PNG)
+    bad(fetcher().fetch_bytes(f"file://{tmp_path}/a.png", "part[0]"), "local files are not allowed")
+    inner = tmp_path / "allowed"
+    inner.mkdir()
+    bad(fetcher(local_dir=str(inner)).fetch_bytes(f"file://{inner}/../a.png", "part[0]"), "not a file under")
+
+
+def test_domain_allow_list(server):
+    f = fetcher(allowed_domains="127.0.0.1")
+    assert run(f.fetch_bytes(f"{server}/img.png", "part[0]")) == PNG
+    bad(f.fetch_bytes(f"{server}/away", "part[0]"), "'localhost' is not allowed")  # checked on every hop
+    bad(fetcher(allowed_domains="example.com").fetch_bytes(f"{server}/img.png", "part[0]"), "not allowed")
+
+
+def test_oversized_image_refused_before_decoding():
+    from qv.server.media_fetch import decode_image
+
+    buf = io.BytesIO()
+    Image.new("1", (9000, 8000)).save(buf, "PNG")  # 72M pixels, a few kB compressed
+    with pytest.raises(APIError, match="over the"):
+        decode_image(buf.getvalue(), "part[0]")
