@@ -9,7 +9,14 @@ from __future__ import annotations
 
 def __getattr__(name: str):
     if name == "app":
-        from qv.server.app import app
+        import importlib
 
-        return app
+        module = importlib.import_module("qv.server.app")
+
+        # Importing the submodule `qv.server.app` binds that *module* as this package's `app`
+        # attribute; rebind it to the ASGI app so every later `qv.server.app` lookup (uvicorn
+        # looks more than once) finds the application. Use `from qv.server.app import ...` for
+        # the module's other names.
+        globals()["app"] = module.app
+        return module.app
     raise AttributeError(f"module 'qv.server' has no attribute {name!r}")

@@ -83,3 +83,32 @@ def test_qv_serve_fresh_home_and_readme_curl(tmp_path):
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def test_uvicorn_app_reads_levers_from_the_environment(tiny_dirs):
+    """`uvicorn qv.server:app` builds its engine from QV_* at startup (here a model folder, a
+    served name and an API key)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QV_")}
+    env.update(QV_MODEL=str(tiny_dirs("tiny")), QV_SERVED_MODEL_NAME="from-env", QV_API_KEY="k1",
+               QV_MAX_MODEL_LEN="256", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "qv.server:app", "--host", "127.0.0.1", "--port", "0"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines, url = [], None
+        deadline = time.time() + 240
+        while url is None:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "uvicorn exited:\n" + "".join(lines)
+            assert time.time() < deadline, "uvicorn did not start:\n" + "".join(lines)
+            lines.append(line)
+            m = re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)", line)
+            url = m.group(1) if m else None
+        assert httpx.get(url + "/v1/models").status_code == 401
+        models = httpx.get(url + "/v1/models", headers={"Authorization": "Bearer k1"}).json()
+        assert [m["id"] for m in models["data"]] == ["from-env"] and models["data"][0]["max_model_len"] == 256
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
