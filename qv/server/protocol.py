@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -102,16 +102,16 @@ class SamplingFields(OpenAIModel):
     n: int = Field(1, ge=1, le=128)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=2**31 - 1)
     min_p: float | None = Field(None, ge=0, le=1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=2**63 - 1)]] | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=2**31 - 1)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -146,6 +146,9 @@ class SamplingFields(OpenAIModel):
     def _common(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("Stream options can only be defined when `stream=True`.")
+        if self.seed is not None and self.seed + self.n - 1 > 2**63 - 1:
+            # sample i of n uses seed + i, which must stay an int64 (the engine failed on it otherwise)
+            raise ValueError(f"seed + n - 1 must be at most 2**63 - 1, got seed={self.seed}, n={self.n}")
         unsupported = {
             "logit_bias": bool(self.logit_bias), "prompt_logprobs": self.prompt_logprobs is not None,
             "use_beam_search": self.use_beam_search, "allowed_token_ids": self.allowed_token_ids is not None,
@@ -279,7 +282,7 @@ class ResponsesRequest(OpenAIModel):
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=2**31 - 1)
     min_p: float | None = Field(None, ge=0, le=1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
