@@ -6,8 +6,8 @@
 set -u
 out=${OUT:-/tmp/qv-out}
 mkdir -p "$out"
-bench_s=${1:-150}
-test_s=${2:-130}
+bench_s=${1:-180}
+test_s=${2:-100}
 shift 2 2>/dev/null || shift $#
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

@@ -1,7 +1,12 @@
-"""End to end on the GPU: the tiny fixtures give the same greedy tokens with the Triton kernels as
-with the reference ops (fp32, bf16; bf16 also over an int8 KV cache and int16 GDN state), and
-fp16 logits stay within a bound. A prefill of two prompts in one flat batch (crossing GDN chunk
-and KV block boundaries), then batched greedy decode steps."""
+"""End to end on the GPU: the tiny fixtures generate the same greedy tokens with the Triton kernels
+as with the reference ops. A prefill of two prompts in one flat batch (crossing GDN chunk and KV
+block boundaries over scattered blocks and slots), then batched greedy decode steps.
+
+fp32: both backends run free and must produce identical tokens. 16-bit: the logits are bf16/fp16
+values, and the tiny random models often have exact ties at that resolution, which either side's
+rounding may break; so the Triton run is teacher-forced on the reference's tokens and must pick
+the reference's token at every step whose top-2 gap exceeds two ulps of the logit dtype, with
+the logit error bounded (bf16 also over an int8 KV cache and int16 GDN state)."""
 
 from __future__ import annotations
 
@@ -17,31 +22,31 @@ from util import rel_err
 BS = 16
 PROMPT_LENS = (70, 23)
 STEPS = 12
-FP16_LOGIT_BOUND = 2e-2
+TABLES, SLOTS = [[3, 9, 0, 12, 7, 30, 1], [21, 4, 17, 8]], [4, 1]  # scattered blocks and state slots
+LOGIT_BOUND = {torch.bfloat16: 5e-2, torch.float16: 2e-2}
 
 
-def greedy(model, prompts: list[list[int]], kv_dtype, state_dtype, backend: str):
-    """Tokens generated per prompt and the logits of every step, [steps + 1, B, vocab]."""
+def run(model, prompts, kv_dtype, state_dtype, backend, forced=None):
+    """Greedy generation (or teacher forcing on `forced` tokens): tokens per prompt and the logits
+    of every step [STEPS + 1, B, vocab]."""
     dev = model.device
     cache = allocate_cache(model.cfg, 32, BS, 5, kv_dtype, state_dtype, model.dtype, dev)
-    tables = [[3, 9, 0, 12, 7, 30, 1], [21, 4, 17, 8]]  # scattered blocks
-    slots = [4, 1]
     seqs = [list(p) for p in prompts]
     done = [0] * len(seqs)
-    all_logits = []
+    steps = []
     with K.backend(backend):
-        for _ in range(STEPS + 1):
+        for step in range(STEPS + 1):
             qlens = [len(s) - d for s, d in zip(seqs, done)]
-            batch = build_step_batch(qlens, [len(s) for s in seqs], tables, slots, BS, device=dev)
+            batch = build_step_batch(qlens, [len(s) for s in seqs], TABLES, SLOTS, BS, device=dev)
             ids = torch.tensor([t for s, d in zip(seqs, done) for t in s[d:]], device=dev)
             pos = torch.cat([torch.arange(d, len(s), device=dev) for s, d in zip(seqs, done)])
-            hidden = model.forward(ids, pos, batch, cache)
-            logits = model.compute_logits(hidden[batch.logits_indices])
-            all_logits.append(logits)
+            logits = model.compute_logits(model.forward(ids, pos, batch, cache)[batch.logits_indices])
+            steps.append(logits)
             done = [len(s) for s in seqs]
-            for s, tok in zip(seqs, logits.argmax(-1).tolist()):
+            nxt = logits.argmax(-1).tolist() if forced is None else [f[step] for f in forced]
+            for s, tok in zip(seqs, nxt):
                 s.append(tok)
-    return [s[len(p):] for s, p in zip(seqs, prompts)], torch.stack(all_logits)
+    return [s[len(p):] for s, p in zip(seqs, prompts)], torch.stack(steps)
 
 
 def _prompts(vocab: int) -> list[list[int]]:
@@ -51,47 +56,34 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["tiny", "gqa1", "gqa3", "mixed"])
-@pytest.mark.parametrize("dtype,kv_dtype,state_dtype", [
-    (torch.float32, torch.float32, torch.float32),
-    (torch.bfloat16, torch.bfloat16, torch.float32),
-    (torch.bfloat16, torch.int8, torch.int16),
-])
-def test_greedy_tokens_match_reference(tiny_dirs, preset, dtype, kv_dtype, state_dtype):
-    model = load_text_model(str(tiny_dirs(preset)), dtype=dtype, device="cuda")
+def test_fp32_greedy_tokens_match(tiny_dirs, preset):
+    model = load_text_model(str(tiny_dirs(preset)), dtype=torch.float32, device="cuda")
     prompts = _prompts(model.cfg.vocab_size)
-    ref_tokens, ref_logits = greedy(model, prompts, kv_dtype, state_dtype, "reference")
-    tri_tokens, tri_logits = greedy(model, prompts, kv_dtype, state_dtype, "triton")
-    print(f"{preset} {dtype}: logits rel err {rel_err(tri_logits, ref_logits):.3e}")
+    ref_tokens, ref_logits = run(model, prompts, torch.float32, torch.float32, "reference")
+    tri_tokens, tri_logits = run(model, prompts, torch.float32, torch.float32, "triton")
+    print(f"{preset} fp32: logits rel err {rel_err(tri_logits, ref_logits):.3e}")
     assert tri_tokens == ref_tokens
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("preset", ["tiny", "mixed"])
-def test_fp16_logits_bounded(tiny_dirs, preset):
-    model = load_text_model(str(tiny_dirs(preset)), dtype=torch.float16, device="cuda")
+@pytest.mark.parametrize("preset", ["tiny", "gqa1", "gqa3", "mixed"])
+@pytest.mark.parametrize("dtype,kv_dtype,state_dtype", [
+    (torch.bfloat16, torch.bfloat16, torch.float32),
+    (torch.bfloat16, torch.int8, torch.int16),
+    (torch.float16, torch.float16, torch.float32),
+])
+def test_16bit_greedy_tokens_match(tiny_dirs, preset, dtype, kv_dtype, state_dtype):
+    model = load_text_model(str(tiny_dirs(preset)), dtype=dtype, device="cuda")
     prompts = _prompts(model.cfg.vocab_size)
-    ref_tokens, ref_logits = greedy(model, prompts, torch.float16, torch.float32, "reference")
-    # teacher forcing: the Triton run consumes the reference's tokens, so logits compare step by step
-    tri_logits = _forced_logits(model, prompts, ref_tokens)
+    ref_tokens, ref_logits = run(model, prompts, kv_dtype, state_dtype, "reference")
+    _, tri_logits = run(model, prompts, kv_dtype, state_dtype, "triton", forced=ref_tokens)
     err = rel_err(tri_logits, ref_logits)
-    print(f"{preset} fp16: logits rel err {err:.3e}")
-    assert not torch.isnan(tri_logits).any() and err < FP16_LOGIT_BOUND
-
-
-def _forced_logits(model, prompts, tokens):
-    dev = model.device
-    cache = allocate_cache(model.cfg, 32, BS, 5, torch.float16, torch.float32, model.dtype, dev)
-    tables, slots = [[3, 9, 0, 12, 7, 30, 1], [21, 4, 17, 8]], [4, 1]
-    seqs = [list(p) + list(t) for p, t in zip(prompts, tokens)]
-    done = [0] * len(seqs)
-    ends = [len(p) for p in prompts]
-    out = []
-    with K.backend("triton"):
-        for _ in range(STEPS + 1):
-            qlens = [e - d for e, d in zip(ends, done)]
-            batch = build_step_batch(qlens, ends, tables, slots, BS, device=dev)
-            ids = torch.tensor([t for s, d, e in zip(seqs, done, ends) for t in s[d:e]], device=dev)
-            pos = torch.cat([torch.arange(d, e, device=dev) for d, e in zip(done, ends)])
-            out.append(model.compute_logits(model.forward(ids, pos, batch, cache)[batch.logits_indices]))
-            done, ends = ends, [e + 1 for e in ends]
-    return torch.stack(out)
+    top2 = ref_logits.topk(2, dim=-1).values  # [steps, B, 2]
+    ulp = torch.finfo(dtype).eps * top2[..., 0].abs().clamp_min(1.0)
+    decided = (top2[..., 0] - top2[..., 1]) > 2 * ulp
+    agree = tri_logits.argmax(-1) == ref_logits.argmax(-1)
+    print(f"{preset} {dtype} kv {kv_dtype} state {state_dtype}: logits rel err {err:.3e}, "
+          f"{int((~decided).sum())} tied steps of {decided.numel()}")
+    assert not torch.isnan(tri_logits).any() and err < LOGIT_BOUND[dtype]
+    assert bool(agree[decided].all()), f"different greedy token at {(decided & ~agree).nonzero().tolist()}"
+    assert int(decided.sum()) >= decided.numel() // 2, "too many ties for the test to mean anything"
