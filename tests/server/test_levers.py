@@ -72,7 +72,7 @@ def test_waiting_queue_bound_gives_503(guarded):
             assert r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "ServiceUnavailableError"
             assert "busy" in r.json()["error"]["message"]
             assert guarded.metric("vllm:admission_rejections_total") == 1
-    deadline = time.time() + 30
+    deadline = time.time() + 15
     while guarded.metric("vllm:num_requests_running") + guarded.metric("vllm:num_requests_waiting") > 0:
         assert time.time() < deadline, "dropped streams were not aborted"
         time.sleep(0.05)
