@@ -13,7 +13,8 @@ runs in key blocks with an online softmax, so no [T, W] temporary per layer exis
 Memory of one record (persistent, bytes):  T*W*m + (S + O + 1)*H*4   (m = memory dtype size,
 S = questions + options <= 64 + 448, O = options <= 448). Transient: add_chunk of n rows holds
 n*H*4 (normalised rows) + S'*n*4 (span indicator, S' = spans touching the chunk); answers() holds
-3*B*W*4 + heads*L*B*4 per key block (B = KEY_BLOCK, L <= 448 query rows).
+3*B*W*4 + heads*L*B*4 per key block (B <= KEY_BLOCK rows, heads*L*B <= SCORE_ELEMENTS); creating
+the state gathers LEXICAL_BLOCK*H*4 of output-embedding rows at a time.
 Worked example, 34,816 tokens of a 27B model (H = 5120) with a head of width W = 1024, fp32
 memory: 34816*1024*4 = 136 MiB + (512+448+1)*5120*4 = 18.8 MiB, about 155 MiB, against 680 MiB
 for the fp32 hidden states themselves (T*H*4). docs/VALIDATION.md ("Clef") has the measurements.
@@ -33,7 +34,9 @@ from safetensors.torch import load_file
 from qv.clef.encode import EncodedRecord, all_spans, option_token_ids
 from qv.kernels.linear import GPTQWeight
 
-KEY_BLOCK = 2048  # memory rows per attention block: bounds the transient K/V/score tensors
+KEY_BLOCK = 2048  # most memory rows per attention block: bounds the transient K/V tensors
+SCORE_ELEMENTS = 1 << 22  # most attention scores per block (16 MiB fp32), whatever heads x queries
+LEXICAL_BLOCK = 1024  # output-embedding rows gathered at once for the lexical vectors
 
 
 @dataclass(frozen=True)
@@ -141,15 +144,16 @@ class JointHead:
         run_max = torch.full((heads, q.shape[1], 1), -math.inf, device=x.device)
         run_sum = torch.zeros_like(run_max)
         acc = torch.zeros_like(q)
-        for start in range(0, memory.shape[0], KEY_BLOCK):
-            m = memory[start:start + KEY_BLOCK].float()
+        block = max(256, min(KEY_BLOCK, SCORE_ELEMENTS // (heads * q.shape[1])))
+        for start in range(0, memory.shape[0], block):
+            m = memory[start:start + block].float()
             if norm is not None:
                 m = self.norm(norm, m)
             k = F.linear(m, wk, bk).reshape(-1, heads, d).transpose(0, 1)
             v = F.linear(m, wv, bv).reshape(-1, heads, d).transpose(0, 1)
-            scores = q @ k.transpose(1, 2)  # [heads, L, block]
+            scores = q @ k.transpose(1, 2)  # [heads, L, block], the one large temporary
             new_max = torch.maximum(run_max, scores.amax(-1, keepdim=True))
-            p_blk = (scores - new_max).exp()
+            p_blk = scores.sub_(new_max).exp_()
             correction = (run_max - new_max).exp()
             run_sum = run_sum * correction + p_blk.sum(-1, keepdim=True)
             acc = acc * correction + p_blk @ v
@@ -217,9 +221,9 @@ class HeadState:
         which = torch.repeat_interleave(torch.arange(len(per_option), device=dev),
                                         torch.tensor([len(o) for o in per_option], device=dev))
         out = torch.zeros(len(per_option), self.head.config.hidden_size, device=dev)
-        for s in range(0, ids.numel(), 4096):
-            rows = output_embedding_rows(weight, ids[s:s + 4096].to(_weight_device(weight)))
-            out.index_add_(0, which[s:s + 4096], rows.to(dev))
+        for s in range(0, ids.numel(), LEXICAL_BLOCK):
+            rows = output_embedding_rows(weight, ids[s:s + LEXICAL_BLOCK].to(_weight_device(weight)))
+            out.index_add_(0, which[s:s + LEXICAL_BLOCK], rows.to(dev))
         return out / torch.tensor([len(o) for o in per_option], device=dev, dtype=torch.float32)[:, None]
 
     def nbytes(self) -> int:

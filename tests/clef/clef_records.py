@@ -78,29 +78,32 @@ def _question(rng: random.Random, long: bool, max_options: int):
 
 
 def make_record(seed: int, n_questions: int | None = None, state_size: int | None = None, long: bool = False,
-                max_options: int = 6) -> dict:
+                max_options: int = 6, small: bool = False) -> dict:
+    """A random record; `small` keeps it to a few hundred tokens (CPU oracle runs are O(T^2))."""
     rng = random.Random(seed)
-    n_questions = n_questions or rng.choice([1, 1, 2, 3, 4, 6, 9])
+    n_questions = n_questions or rng.choice([1, 1, 2, 2, 3] if small else [1, 1, 2, 3, 4, 6, 9])
     questions = {}
     while len(questions) < n_questions:
         qid = rng.choice([f"q{len(questions)}", f"{rng.choice(WORDS)}_{len(questions)}", f"field.{len(questions)}"])
-        questions[qid] = _question(rng, long and rng.random() < 0.5, max_options)
-    return {"model": "clef", "state": _state(rng, state_size or rng.randint(3, 60)), "questions": questions}
+        questions[qid] = _question(rng, long and (not questions or rng.random() < 0.5), 3 if small else max_options)
+    size = state_size or (rng.randint(2, 25) if small else rng.randint(3, 60))
+    return {"model": "clef", "state": _state(rng, size), "questions": questions}
 
 
 def many_questions(n: int, seed: int = 7) -> dict:
-    """n small questions (all three types, short options) with a short state: the 1..64 range."""
+    """n small questions (all three types, options without descriptions) with a short state: the
+    1..64 range at the fewest tokens the template allows (~65 per question)."""
     rng = random.Random(seed)
     qs = {}
     for i in range(n):
         kind = ("noul", "choice", "score")[i % 3]
-        q: dict = {"type": kind, "instructions": f"Q{i}"}
+        q: dict = {"type": kind}
         if kind == "choice":
             q["criteria"] = {c: None for c in rng.sample("abcdef", 2)}
         elif kind == "score":
             q["criteria"] = [None, None, None]
         else:
-            q["criteria"] = {"true": "y", "false": "n"}
+            q["criteria"] = {"true": None, "false": None}
         qs[f"q{i}"] = q
     return {"model": "clef", "state": _text(rng, 10), "questions": qs}
 
@@ -115,11 +118,13 @@ def encode_cases() -> list[tuple[dict, int]]:
     return cases
 
 
-def answer_cases(layout_seed: int) -> list[dict]:
-    """>= 30 records for the answer comparison, kept small enough for a CPU reference run."""
-    out = [make_record(1000 * layout_seed + s) for s in range(26)]
-    out += [make_record(1000 * layout_seed + 50 + s, long=True) for s in range(2)]
-    out += [many_questions(n, seed=layout_seed) for n in (13, 64)]
+def answer_cases(layout_seed: int, most_questions: int = 64) -> list[dict]:
+    """>= 30 records for the answer comparison, kept small for the CPU oracle runs (their cost is
+    the tokens): 27 small random ones, one with long instructions, 13 and `most_questions`
+    questions, unicode option ids."""
+    out = [make_record(1000 * layout_seed + s, small=True) for s in range(27)]
+    out.append(make_record(1000 * layout_seed + 50, n_questions=1, long=True, small=True))
+    out += [many_questions(n, seed=layout_seed) for n in (13, most_questions)]
     out.append({"model": "clef", "state": SPECIAL, "questions": {"u": {"type": "choice", "criteria": {
         "é": "accent", "e": None, "😀": ["emoji"]}}}})
     return out
