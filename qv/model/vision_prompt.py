@@ -1,8 +1,8 @@
 """One request's prompt with images/videos, in the form a chunked-prefill engine needs: the
 expanded token ids, mRoPE positions for any chunk (and for decode tokens after it), which media
-items a chunk touches, the chunk's input embeddings from those items' encodings, and per-block
-prefix-cache keys that include the media content (the pad tokens of two same-sized images are
-identical; their hashes are not)."""
+items a chunk touches, the chunk's input embeddings from those items' encodings, and the media
+content hashes for the prefix-cache key (the pad tokens of two same-sized images are identical;
+their hashes are not)."""
 
 from __future__ import annotations
 
@@ -84,8 +84,9 @@ class MultimodalPrompt:
             h[local] = encoded[i][a - r0:b - r0].to(h.dtype)
         return h
 
-    def block_media_keys(self, block_size: int) -> list[tuple[str, ...]]:
-        """For each full or partial block of the prompt, the hashes of the items with pad tokens
-        in it: mix them into the block's prefix-cache hash next to the token ids."""
-        n = -(-len(self.token_ids) // block_size)
-        return [tuple(self.hashes[i] for i in self.items_in(b * block_size, (b + 1) * block_size)) for b in range(n)]
+    @property
+    def mm_hashes(self) -> list[tuple[int, str]]:
+        """(first pad position, content hash) per item: the engine's prefix-cache key for media
+        (Sequence.mm_hashes). One entry per item is enough because block digests chain: every
+        block from the item's first pad on depends on it."""
+        return [(span[0], h) for span, h in zip(self.item_span, self.hashes)]

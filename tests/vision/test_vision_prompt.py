@@ -1,15 +1,13 @@
 """MultimodalPrompt: chunked prefill with vision (chunks cutting through images and video frames)
-against transformers, and media-aware prefix-cache keys."""
+against transformers, and the media hashes of the prefix-cache key."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from conftest import BARE_VID, VID, generate_cases, image
-from test_generate import hf_inputs
-from test_processor import qv_process, token_ids
 from util import assert_close
+from vision_cases import BARE_VID, VID, generate_cases, hf_inputs, image, qv_process, token_ids
 
 from qv.config import ModelConfig
 from qv.model.batch import build_step_batch
@@ -81,15 +79,13 @@ def test_positions_and_items(vision_dir, tokenizer):
         mp.embed_chunk(lambda x: torch.zeros(x.shape[0], 4), torch.tensor(mp.token_ids[a:a + 2]), a, {})
 
 
-def test_block_keys_carry_media_content(vision_dir, tokenizer):
+def test_media_hashes_carry_content(vision_dir, tokenizer):
     proc = VisionProcessor.from_dir(vision_dir)
     text = f"<|im_start|>user\nlook {'<|vision_start|><|image_pad|><|vision_end|>'} now<|im_end|>\n"
     a = build(vision_dir, tokenizer, text, [proc.image(image(1, 64, 64))])
     b = build(vision_dir, tokenizer, text, [proc.image(image(2, 64, 64))])  # same size, other pixels
     c = build(vision_dir, tokenizer, text, [proc.image(image(1, 64, 64))])
     assert a.token_ids == b.token_ids  # the pad tokens alone cannot tell the images apart
-    ka, kb, kc = (p.block_media_keys(4) for p in (a, b, c))
-    assert ka == kc and ka != kb
-    with_media = [k for k in ka if k]
-    assert with_media and all(k == (a.hashes[0],) for k in with_media)
-    assert ka[0] == ()  # "<|im_start|>user\nlook" has no image
+    assert a.mm_hashes == c.mm_hashes and a.mm_hashes != b.mm_hashes
+    (pos, _), = a.mm_hashes
+    assert a.token_ids[pos] == token_ids(vision_dir).image and a.token_ids[pos - 1] == token_ids(vision_dir).vision_start

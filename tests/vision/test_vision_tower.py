@@ -37,6 +37,23 @@ def test_tower_equals_hf(preset, tiny_dirs):
     assert_close("vision tower, one item", one, out[6:6 + 8], BOUND)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tower_half_precision(dtype, tiny_dirs):
+    """Weights and activations in bf16/fp16 (what serving uses) stay within DESIGN.md's 1e-2."""
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    d = tiny_dirs("tiny")
+    hf = Qwen3_5ForConditionalGeneration.from_pretrained(d, dtype=torch.float64).eval()
+    _, tower = load_multimodal_model(d, dtype=dtype)
+    pixels = torch.randn(sum(t * h * w for t, h, w in GRIDS), 1536, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = hf.model.visual(pixels.double(), grid_thw=torch.tensor(GRIDS)).pooler_output
+    out = tower(pixels, GRIDS)
+    assert out.dtype == dtype
+    err = assert_close(f"vision tower {dtype}", out.float(), ref, 1e-2)
+    print(f"vision tower {dtype}: rel err {err:.2e}")
+
+
 def test_tower_rejects_bad_grids(tiny_dirs):
     _, tower = load_multimodal_model(tiny_dirs("tiny"))
     with pytest.raises(ValueError, match="patch rows"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import processor_cases
+from vision_cases import processor_cases
 
 from qv.config import ModelConfig
 from qv.model.vision_inputs import decode_positions, mrope_positions

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import BARE_VID, VID, generate_cases
-from test_processor import expand, qv_process
 from util import assert_close, rel_err
+from vision_cases import BARE_VID, VID, expand, generate_cases, hf_inputs, qv_process
 
 from qv.config import ModelConfig
 from qv.model.batch import build_step_batch
@@ -57,12 +56,6 @@ def qv_greedy(text, tower, cfg, items, ids, pos, delta, eos: set[int]) -> tuple[
         out.append(int(logits[-1].argmax()))
         n += 1
     return out, logits
-
-
-def hf_inputs(ref: dict) -> dict:
-    keys = ("input_ids", "attention_mask", "mm_token_type_ids", "pixel_values", "image_grid_thw",
-            "pixel_values_videos", "video_grid_thw")
-    return {k: ref[k] for k in keys if k in ref}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

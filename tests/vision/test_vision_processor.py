@@ -10,40 +10,11 @@ import sys
 
 import pytest
 import torch
-from conftest import BARE_VID, VID, processor_cases
+from vision_cases import BARE_VID, VID, expand, processor_cases, qv_process
 
-from qv.config import ModelConfig
-from qv.model.vision_processor import MediaError, VisionProcessor, VisionTokenIds, expand_vision_tokens
+from qv.model.vision_processor import MediaError, VisionProcessor
 
 CASES = {c["name"]: c for c in processor_cases()}
-
-
-def qv_process(proc: VisionProcessor, case: dict) -> list:
-    """Items in prompt order: the cases put images and videos in the order HF consumes them."""
-    images = [proc.image(im) for im in case.get("images", [])]
-    videos = [proc.video(frames, fps) for frames, fps in case.get("videos", [])]
-    text, its = case["text"], {"image": iter(images), "video": iter(videos)}
-    order = sorted([(i, "image") for i in _find_all(text, "<|image_pad|>")] +
-                   [(i, "video") for i in _find_all(text, "<|video_pad|>")])
-    return [next(its[kind]) for _, kind in order]
-
-
-def _find_all(text: str, sub: str) -> list[int]:
-    out, i = [], text.find(sub)
-    while i >= 0:
-        out.append(i)
-        i = text.find(sub, i + 1)
-    return out
-
-
-def token_ids(vision_dir) -> VisionTokenIds:
-    cfg = ModelConfig.from_dir(vision_dir)
-    return VisionTokenIds(cfg.image_token_id, cfg.video_token_id, cfg.vision_start_token_id, cfg.vision_end_token_id)
-
-
-def expand(tokenizer, vision_dir, text: str, items) -> list[int]:
-    return expand_vision_tokens(tokenizer(text)["input_ids"], items, token_ids(vision_dir),
-                                lambda s: tokenizer(s, add_special_tokens=False)["input_ids"])
 
 
 def test_oracle_uses_the_torchvision_processors(hf_processed):
