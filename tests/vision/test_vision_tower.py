@@ -83,3 +83,30 @@ def test_loader_checks_every_tensor(tiny_dirs, tmp_path):
 def test_text_only_checkpoint_has_no_tower(tiny_dirs):
     with pytest.raises(CheckpointError, match="no vision_config"):
         load_multimodal_model(tiny_dirs("gqa1"))
+
+
+def test_tower_runs_on_the_triton_kernels(tiny_dirs, monkeypatch):
+    """The tower's math goes through the op table: under the triton backend (the interpreter on
+    CPU) every op it needs is a Triton kernel, and the output equals the reference ops'."""
+    from qv.kernels import registry
+
+    _, tower = load_multimodal_model(tiny_dirs("tiny"))
+    grids = [(1, 4, 6), (2, 4, 4), (1, 2, 2)]
+    pixels = torch.randn(sum(t * h * w for t, h, w in grids), 1536, generator=torch.Generator().manual_seed(5))
+    ref = tower(pixels, grids)
+    used: set[str] = set()
+    for op, table in registry.ops().items():
+        if "triton" in table:
+            monkeypatch.setitem(table, "triton", _recorded(op, table["triton"], used))
+    with registry.backend("triton"):
+        out = tower(pixels, grids)
+    assert used == {"linear", "layer_norm", "gelu", "rotary_embed", "varlen_attention"}
+    assert_close("vision tower, triton kernels", out, ref, BOUND)
+
+
+def _recorded(op, fn, used):
+    def wrapper(*args, **kwargs):
+        used.add(op)
+        return fn(*args, **kwargs)
+
+    return wrapper
