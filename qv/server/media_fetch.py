@@ -160,3 +160,63 @@ def decode_video(data: bytes, where: str):
 
 def _short(url: str) -> str:
     return url if len(url) <= 80 else url[:77] + "..."
+
+
+# ---------------------------------------------------------------------------------------------
+# chat messages -> media items
+# ---------------------------------------------------------------------------------------------
+
+_IMAGE_TYPES = ("image_url", "input_image")
+_VIDEO_TYPES = ("video_url",)
+
+
+def _part_url(part: dict, where: str) -> str:
+    """OpenAI's {"image_url": {"url": ...}} or {"image_url": "..."} (Responses' input_image), same for video."""
+    key = "video_url" if part.get("type") in _VIDEO_TYPES else "image_url"
+    ref = part.get(key)
+    url = ref.get("url") if isinstance(ref, dict) else ref
+    if not isinstance(url, str) or not url:
+        raise bad_request(f"{where}.{key} must be a URL string or an object with a 'url' string", f"{where}.{key}")
+    return url
+
+
+def collect_media(messages: list, max_images: int, max_videos: int) -> list[tuple[str, str, str]]:
+    """(kind, url, where) of every image/video part, in the order the chat template renders
+    their placeholders; more than `max_images` images or `max_videos` videos is a 400."""
+    found: list[tuple[str, str, str]] = []
+    for i, msg in enumerate(messages):
+        content = msg.get("content") if isinstance(msg, dict) else None
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in _IMAGE_TYPES or kind in _VIDEO_TYPES:
+                where = f"messages[{i}].content[{j}]"
+                found.append(("image" if kind in _IMAGE_TYPES else "video", _part_url(part, where), where))
+    n_img = sum(1 for k, _, _ in found if k == "image")
+    n_vid = len(found) - n_img
+    if n_img > max_images:
+        raise bad_request(f"at most {max_images} images per request (media_max_images); got {n_img}", "messages")
+    if n_vid > max_videos:
+        raise bad_request(f"at most {max_videos} videos per request (media_max_videos); got {n_vid}", "messages")
+    return found
+
+
+async def load_media(found: list[tuple[str, str, str]], fetcher: MediaFetcher, processor) -> list:
+    """Fetch every part concurrently, then preprocess (a qv VisionProcessor) off the event loop;
+    returns VisionItems in prompt order. Processor refusals (e.g. aspect ratio) become 400s."""
+    from qv.model.vision_processor import MediaError
+
+    decoded = await asyncio.gather(*[fetcher.image(url, where) if kind == "image" else fetcher.video(url, where)
+                                     for kind, url, where in found])
+
+    def run():
+        items = []
+        for (kind, _, where), media in zip(found, decoded):
+            try:
+                items.append(processor.image(media) if kind == "image" else processor.video(*media))
+            except MediaError as e:
+                raise bad_request(f"{where}: {e}", where) from None
+        return items
+
+    return await asyncio.to_thread(run)

@@ -11,6 +11,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
+import torch
 import pytest
 from PIL import Image
 
@@ -160,3 +161,46 @@ def test_oversized_image_refused_before_decoding():
     Image.new("1", (9000, 8000)).save(buf, "PNG")  # 72M pixels, a few kB compressed
     with pytest.raises(APIError, match="over the"):
         decode_image(buf.getvalue(), "part[0]")
+
+
+def _msgs(n_images: int, n_videos: int, url: str, vurl: str) -> list:
+    content = [{"type": "text", "text": "look"}]
+    content += [{"type": "image_url", "image_url": {"url": url}} for _ in range(n_images)]
+    content += [{"type": "video_url", "video_url": {"url": vurl}} for _ in range(n_videos)]
+    return [{"role": "system", "content": "be brief"}, {"role": "user", "content": content}]
+
+
+def test_collect_media_limits(server):
+    from qv.server.media_fetch import collect_media
+
+    found = collect_media(_msgs(20, 2, "u", "v"), 20, 2)
+    assert [k for k, _, _ in found] == ["image"] * 20 + ["video"] * 2
+    assert found[0] == ("image", "u", "messages[1].content[1]")
+    with pytest.raises(APIError, match="at most 20 images"):
+        collect_media(_msgs(21, 0, "u", "v"), 20, 2)
+    with pytest.raises(APIError, match="at most 2 videos"):
+        collect_media(_msgs(0, 3, "u", "v"), 20, 2)
+    with pytest.raises(APIError, match="must be a URL string"):
+        collect_media([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], 20, 2)
+    responses_style = [{"role": "user", "content": [{"type": "input_image", "image_url": "w"}]}]
+    assert collect_media(responses_style, 20, 2) == [("image", "w", "messages[0].content[0]")]
+
+
+def test_load_media_end_to_end(server, tiny_dirs):
+    """Fetched over loopback, decoded and preprocessed: the same items as processing the bytes directly."""
+    from qv.model.vision_processor import VisionProcessor
+    from qv.server.media_fetch import collect_media, load_media
+
+    proc = VisionProcessor.from_dir(tiny_dirs("tiny"))
+    f = fetcher(max_bytes=1 << 20)
+    found = collect_media(_msgs(2, 1, f"{server}/img.png", f"{server}/anim.gif"), 20, 2)
+    items = run(load_media(found, f, proc))
+    assert [it.kind for it in items] == ["image", "image", "video"]
+    direct = proc.image(Image.open(io.BytesIO(PNG)))
+    assert torch.equal(items[0].pixel_values, direct.pixel_values) and items[0].grid_thw == direct.grid_thw
+    assert items[2].timestamps and items[2].grid_thw[0] == len(items[2].timestamps)
+    with pytest.raises(APIError, match=r"messages\[1\].content\[1\]: could not decode"):
+        run(load_media(collect_media(_msgs(1, 0, f"{server}/text", ""), 20, 2), f, proc))
+    thin = "data:image/png;base64," + base64.b64encode(png(2500, 10)).decode()
+    with pytest.raises(APIError, match=r"content\[1\]: image aspect ratio 250.0 exceeds 200"):
+        run(load_media(collect_media(_msgs(1, 0, thin, ""), 20, 2), f, proc))
