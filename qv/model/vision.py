@@ -68,6 +68,8 @@ class VisionTower:
         """pixel_values [N, C*tp*p*p] (rows of all items, in order); grids: (t, h, w) per item."""
         vc, m = self.vc, self.vc.spatial_merge_size
         n = sum(t * h * w for t, h, w in grids)
+        if n == 0:
+            return torch.zeros(0, vc.out_hidden_size, dtype=self.dtype, device=self.device)
         if pixel_values.shape[0] != n or any(h % m or w % m for _, h, w in grids):
             raise ValueError(f"vision: {pixel_values.shape[0]} patch rows for grids {list(grids)} (merge {m})")
         x = self.patch_embed(pixel_values.to(self.device, self.dtype))

@@ -60,6 +60,7 @@ def test_tower_rejects_bad_grids(tiny_dirs):
         tower(torch.zeros(10, 1536), [(1, 2, 4)])
     with pytest.raises(ValueError, match="merge 2"):
         tower(torch.zeros(6, 1536), [(1, 2, 3)])
+    assert tower(torch.zeros(0, 1536), []).shape == (0, 96)  # a step without media
 
 
 def test_loader_checks_every_tensor(tiny_dirs, tmp_path):
