@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernel_inputs import attention_inputs, decode_inputs, gdn_inputs, gptq_inputs  # noqa: E402
 from qv.kernels.attention import _paged_attention_triton  # noqa: E402
 from qv.kernels.gdn import _gated_delta_rule_triton  # noqa: E402
+from qv.kernels.gdn_chunk import chunk_prep  # noqa: E402
 from qv.kernels.linear_gptq import _linear_triton  # noqa: E402
 from qv.kernels.reference import dequantize_gptq  # noqa: E402
 
@@ -93,8 +94,7 @@ def ceilings() -> dict:
 def bench_prefill_attention(lim, sweep):
     configs = [None]
     if sweep:
-        configs += [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
-                    for bm, bn, w, s in ((128, 32, 8, 2), (64, 64, 4, 2), (128, 64, 8, 3), (64, 32, 4, 3))]
+        configs += [dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=1)]
     for n in (8192, 32768):
         inp = attention_inputs(n, DEV)
         flops = 4 * n * n * 256 * 24 / 2
@@ -124,8 +124,9 @@ def bench_prefill_attention(lim, sweep):
 def bench_gdn_chunk(lim, sweep, fla):
     configs = [None]
     if sweep:
-        configs += [dict(bv=bv, scan_warps=w, scan_stages=s, prep_warps=pw)
-                    for bv, w, s, pw in ((32, 4, 2, 4), (32, 8, 2, 4), (16, 4, 3, 8), (64, 8, 2, 4))]
+        configs += [dict(split_o=False, bv=64, scan_warps=8), dict(split_o=True, bv=32, scan_warps=4),
+                    dict(split_o=True, bv=64, scan_warps=8, out_bv=32), dict(split_o=True, bv=64, scan_warps=4),
+                    dict(split_o=True, bv=64, scan_warps=8, prep_warps=8)]
     for n in (8192, 32768):
         inp = gdn_inputs(n, 1, DEV, torch.bfloat16)
         best = (float("inf"), None)
@@ -136,6 +137,9 @@ def bench_gdn_chunk(lim, sweep, fla):
             best = min(best, (t, cfg), key=lambda x: x[0])
         if n == 8192:
             best_cfg["gdn"] = best[1]
+        ik = inp["ours"]
+        t_prep = median_ms(lambda: chunk_prep(ik[1], ik[2], ik[3], ik[4], ik[5], ik[6], ik[8], 48))
+        print(f"    gdn chunk {n // 1024}K: prep kernel alone {t_prep:.3f} ms", flush=True)
         t_fla, note = None, "fla not installed"
         if fla is not None:
             t_fla, note = fla_chunk_time(fla, inp)
@@ -148,7 +152,7 @@ def bench_gdn_chunk(lim, sweep, fla):
 
 
 def fla_chunk_time(fla, inp):
-    q, k, v, a, b, A_log, dt_bias = inp["fla"]
+    q, k, v, a, b, A_log, dt_bias, _ = inp["fla"]
     try:
         fn = lambda: fla.chunk_gated_delta_rule(  # noqa: E731
             q, k, v, a, b, initial_state=None, output_final_state=True, use_qk_l2norm_in_kernel=True,
@@ -170,8 +174,7 @@ def bench_gdn_step(lim, sweep, fla):
             make = lambda: gdn_inputs(1, batch, DEV, torch.bfloat16, state_dtype=state)  # noqa: E731
             state_bytes = batch * 48 * 128 * 128 * (4 if state == torch.float32 else 2)
             nxt, n_sets = rotating(make, 2 * state_bytes)
-            cfgs = [None] + ([dict(bv=bv, warps=w) for bv, w in ((16, 2), (64, 4), (128, 8))]
-                             if sweep and state == torch.float32 else [])
+            cfgs = [None] + ([dict(bv=64, warps=4)] if sweep else [])
             best = (float("inf"), None)
             for cfg in cfgs:
                 t = try_time(lambda: _gated_delta_rule_triton(*nxt()["ours"], max_query_len=1, config=cfg))
@@ -210,8 +213,7 @@ def bench_decode(lim, sweep):
         nbytes = batch * ctx * 4 * (2 * 256 + 2 * 4)  # int8 K and V rows + their fp32 scales
         cfgs = [None]
         if sweep and ctx == 32768:
-            cfgs += [dict(BLOCK_N=bn, num_stages=s, num_warps=w) for bn, s, w in
-                     ((64, 4, 4), (128, 3, 4), (32, 4, 4), (128, 3, 8))]
+            cfgs += [dict(BLOCK_N=bn, num_stages=s, num_warps=w) for bn, s, w in ((64, 4, 4), (128, 4, 4), (64, 3, 2))]
         best = (float("inf"), None)
         for cfg in cfgs:
             t = try_time(lambda: _paged_attention_triton(*inp, config=cfg), 200)
@@ -235,7 +237,7 @@ def bench_gemv(lim, sweep):
             cfgs = [None]
             if sweep:
                 cfgs += [dict(BLOCK_N=bn, BLOCK_K=bk, num_stages=s, num_warps=nw) for bn, bk, s, nw in
-                         ((64, 128, 4, 4), (256, 64, 4, 4), (256, 128, 3, 8))]
+                         ((128, 128, 4, 4), (256, 128, 3, 8), (128, 64, 6, 4))]
             best = (float("inf"), None)
             for cfg in cfgs:
                 t = try_time(lambda: _linear_triton(x, w, config=cfg))
@@ -261,7 +263,7 @@ def bench_gemm(lim, sweep):
         cfgs = [None]
         if sweep:
             cfgs += [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=s, GROUP_M=8)
-                     for bm, bn, bk, nw, s in ((128, 256, 64, 8, 3), (128, 128, 128, 8, 3), (64, 128, 64, 4, 4))]
+                     for bm, bn, bk, nw, s in ((128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 128, 8, 4))]
         best = (float("inf"), None)
         for cfg in cfgs:
             t = try_time(lambda: _linear_triton(x, w, config=cfg), 500)

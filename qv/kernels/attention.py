@@ -124,8 +124,8 @@ def _attn_config(device, dtype, d, rep, decode, max_q):
         m = next_pow2(max_q * rep, m_floor) if decode else m_floor
         return dict(BLOCK_M=m, BLOCK_N=16, num_warps=4, num_stages=1)
     wide = dtype != torch.float32
-    if decode:
-        return dict(BLOCK_M=next_pow2(max_q * rep, m_floor), BLOCK_N=64 if wide else 32, num_warps=4,
+    if decode:  # measured on the H200 (bench/kernels.py --sweep)
+        return dict(BLOCK_M=next_pow2(max_q * rep, m_floor), BLOCK_N=128 if wide else 32, num_warps=4,
                     num_stages=3 if wide else 2)
     if not wide:  # fp32 runs its dots on FMA units (ieee): small tiles
         return dict(BLOCK_M=max(m_floor, 32 if d > 128 else 64), BLOCK_N=32, num_warps=4, num_stages=1)

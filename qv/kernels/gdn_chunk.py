@@ -109,12 +109,32 @@ def gdn_chunk_prep_kernel(
 
 
 @triton.jit
+def _chunk_out(b_q, b_k, b_gc, b_hd, b_vnd, causal, dt: tl.constexpr):
+    """o = exp(gc) q H + tril(q k^T exp(gc_t - gc_s)) v_new for one chunk [BT, BV] (fp32)."""
+    b_o = tl.dot((b_q * tl.exp(b_gc)[:, None]).to(dt), b_hd, input_precision="ieee")
+    b_s = tl.dot(b_q.to(dt), tl.trans(b_k.to(dt)), input_precision="ieee")
+    b_s = tl.where(causal, b_s * tl.exp(tl.where(causal, b_gc[:, None] - b_gc[None, :], 0.)), 0.)
+    return b_o + tl.dot(b_s.to(dt), b_vnd, input_precision="ieee")
+
+
+@triton.jit
+def _chunk_gc(gc_ptr, bos, c0, L, rows, m_t, hv, HV, BT: tl.constexpr):
+    """In-chunk cumulative decay of the chunk's rows (padding rows carry the last) and that last."""
+    g_last = tl.load(gc_ptr + (bos + tl.minimum(c0 + BT, L) - 1) * HV + hv)
+    b_gc = tl.load(gc_ptr + rows * HV + hv, mask=m_t, other=0.)
+    return tl.where(m_t, b_gc, g_last), g_last
+
+
+@triton.jit
 def gdn_chunk_scan_kernel(
-    q_ptr, k_ptr, w_ptr, u_ptr, gc_ptr, o_ptr, st_ptr, sc_ptr, cu_ptr, slot_ptr, init_ptr, scale, DK, DV, HV,
+    q_ptr, k_ptr, w_ptr, u_ptr, gc_ptr, o_ptr, h_ptr, st_ptr, sc_ptr, cu_ptr, slot_ptr, init_ptr, scale, DK, DV, HV,
     stride_qt, stride_qh, stride_wt, stride_wh, stride_ut, stride_uh, stride_ot, stride_oh,
-    stride_ss, stride_sh, stride_sk, stride_cs, stride_ch,
+    stride_hn, stride_hh, stride_hk, stride_ss, stride_sh, stride_sk, stride_cs, stride_ch,
     REP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, INT16: tl.constexpr,
+    SPLIT_O: tl.constexpr,
 ):
+    """SPLIT_O: store each chunk's start state and v_new (into U) for gdn_chunk_out_kernel instead of
+    producing the output here, which keeps only the two state dots on the sequential path."""
     i_b = tl.program_id(0)
     hv = tl.program_id(1).to(tl.int64)
     o_v = tl.program_id(2) * BV + tl.arange(0, BV)
@@ -124,6 +144,7 @@ def gdn_chunk_scan_kernel(
     hk = hv // REP
     bos = tl.load(cu_ptr + i_b).to(tl.int64)
     L = tl.load(cu_ptr + i_b + 1).to(tl.int64) - bos
+    vt0 = tl.load(cu_ptr + i_b).to(tl.int64) // BT + i_b  # virtual index of this sequence's first chunk
     slot = tl.load(slot_ptr + i_b).to(tl.int64)
     if tl.load(init_ptr + i_b) != 0:
         b_h = load_state(st_ptr, sc_ptr, slot, hv, o_k, o_v, DK, DV, stride_ss, stride_sh, stride_sk, stride_cs,
@@ -136,37 +157,86 @@ def gdn_chunk_scan_kernel(
         r = c0 + o_t
         m_t = r < L
         rows = bos + r
-        b_q = _load_k_rows(q_ptr, rows, m_t, hk, stride_qt, stride_qh, o_k, DK) * scale
         b_k = _load_k_rows(k_ptr, rows, m_t, hk, stride_qt, stride_qh, o_k, DK)
-        g_last = tl.load(gc_ptr + (bos + tl.minimum(c0 + BT, L) - 1) * HV + hv)
-        b_gc = tl.load(gc_ptr + rows * HV + hv, mask=m_t, other=0.)
-        b_gc = tl.where(m_t, b_gc, g_last)
+        b_gc, g_last = _chunk_gc(gc_ptr, bos, c0, L, rows, m_t, hv, HV, BT)
         b_w = tl.load(w_ptr + rows[:, None] * stride_wt + hv * stride_wh + o_k[None, :], mask=m_t[:, None], other=0.)
-        b_u = tl.load(u_ptr + rows[:, None] * stride_ut + hv * stride_uh + o_v[None, :],
-                      mask=m_t[:, None] & m_v[None, :], other=0.).to(tl.float32)
+        p_u = u_ptr + rows[:, None] * stride_ut + hv * stride_uh + o_v[None, :]
+        m_u = m_t[:, None] & m_v[None, :]
         b_hd = b_h.to(dt)
-        b_vn = b_u - tl.dot(b_w, b_hd, input_precision="ieee")  # [BT, BV]
+        b_vn = tl.load(p_u, mask=m_u, other=0.).to(tl.float32) - tl.dot(b_w, b_hd, input_precision="ieee")
         b_vnd = b_vn.to(dt)
-        b_o = tl.dot((b_q * tl.exp(b_gc)[:, None]).to(dt), b_hd, input_precision="ieee")
-        b_s = tl.dot(b_q.to(dt), tl.trans(b_k.to(dt)), input_precision="ieee")
-        b_s = tl.where(causal, b_s * tl.exp(tl.where(causal, b_gc[:, None] - b_gc[None, :], 0.)), 0.)
-        b_o += tl.dot(b_s.to(dt), b_vnd, input_precision="ieee")
-        tl.store(o_ptr + rows[:, None] * stride_ot + hv * stride_oh + o_v[None, :], b_o.to(o_ptr.dtype.element_ty),
-                 mask=m_t[:, None] & m_v[None, :])
+        if SPLIT_O:
+            p_h = h_ptr + (vt0 + c0 // BT) * stride_hn + hv * stride_hh + o_k[:, None] * stride_hk + o_v[None, :]
+            tl.store(p_h, b_hd, mask=m_v[None, :])
+            tl.store(p_u, b_vnd, mask=m_u)
+        else:
+            b_q = _load_k_rows(q_ptr, rows, m_t, hk, stride_qt, stride_qh, o_k, DK) * scale
+            b_o = _chunk_out(b_q, b_k, b_gc, b_hd, b_vnd, causal, dt)
+            tl.store(o_ptr + rows[:, None] * stride_ot + hv * stride_oh + o_v[None, :],
+                     b_o.to(o_ptr.dtype.element_ty), mask=m_u)
         b_kd = (b_k * tl.exp(g_last - b_gc)[:, None]).to(dt)
         b_h = b_h * tl.exp(g_last) + tl.dot(tl.trans(b_kd), b_vnd, input_precision="ieee")
     store_state(st_ptr, sc_ptr, b_h, slot, hv, o_k, o_v, DK, DV, stride_ss, stride_sh, stride_sk, stride_cs,
                 stride_ch, INT16)
 
 
-def _scan_bv(device, n_seq, hv, dv):
-    """Value columns per scan program: fewer columns -> more programs for few long sequences."""
+@triton.jit
+def gdn_chunk_out_kernel(
+    q_ptr, k_ptr, u_ptr, gc_ptr, h_ptr, o_ptr, cu_ptr, B, scale, DK, DV, HV,
+    stride_qt, stride_qh, stride_ut, stride_uh, stride_ot, stride_oh, stride_hn, stride_hh, stride_hk,
+    REP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+):
+    """Outputs of every (chunk, value head, BV columns) in parallel from the scan's chunk-start
+    states and v_new."""
+    tile = tl.program_id(0)
+    hv = tl.program_id(1).to(tl.int64)
+    o_v = tl.program_id(2) * BV + tl.arange(0, BV)
+    i_b = _find_seq(cu_ptr, tile, B, BT, True)
+    bos = tl.load(cu_ptr + i_b).to(tl.int64)
+    L = tl.load(cu_ptr + i_b + 1).to(tl.int64) - bos
+    c0 = (tile - (tl.load(cu_ptr + i_b) // BT + i_b)).to(tl.int64) * BT
+    if c0 >= L:
+        return
+    o_k = tl.arange(0, BK)
+    o_t = tl.arange(0, BT)
+    m_v = o_v < DV
+    hk = hv // REP
+    r = c0 + o_t
+    m_t = r < L
+    rows = bos + r
+    dt = u_ptr.dtype.element_ty
+    b_q = _load_k_rows(q_ptr, rows, m_t, hk, stride_qt, stride_qh, o_k, DK) * scale
+    b_k = _load_k_rows(k_ptr, rows, m_t, hk, stride_qt, stride_qh, o_k, DK)
+    b_gc, g_last = _chunk_gc(gc_ptr, bos, c0, L, rows, m_t, hv, HV, BT)
+    b_hd = tl.load(h_ptr + tile.to(tl.int64) * stride_hn + hv * stride_hh + o_k[:, None] * stride_hk + o_v[None, :],
+                   mask=m_v[None, :], other=0.)
+    m_u = m_t[:, None] & m_v[None, :]
+    b_vnd = tl.load(u_ptr + rows[:, None] * stride_ut + hv * stride_uh + o_v[None, :], mask=m_u, other=0.)
+    b_o = _chunk_out(b_q, b_k, b_gc, b_hd, b_vnd, o_t[:, None] >= o_t[None, :], dt)
+    tl.store(o_ptr + rows[:, None] * stride_ot + hv * stride_oh + o_v[None, :], b_o.to(o_ptr.dtype.element_ty),
+             mask=m_u)
+
+
+def _scan_bv(device, n_seq, hv, dv, split_o):
+    """Value columns per scan program (measured on the H200: wider tiles beat more programs)."""
     if interpreting(device):
-        return min(next_pow2(dv, 16), 16)
-    bv = min(next_pow2(dv, 16), 64)
-    while bv > 16 and n_seq * hv * triton.cdiv(dv, bv) < 2 * num_sms(device):
-        bv //= 2
-    return bv
+        return 16
+    return min(next_pow2(dv, 16), 64)
+
+
+def chunk_prep(k, v, a, b, A_log, dt_bias, cu_seqlens, hv, warps=4):
+    """W [T, Hv, BK], U [T, Hv, BV] (activation dtype) and gc [T, Hv] (fp32) of every chunk."""
+    t, hk, dk = k.shape
+    dv, n_seq = v.shape[2], cu_seqlens.shape[0] - 1
+    bk, bvf = next_pow2(dk, 16), next_pow2(dv, 16)
+    w = torch.empty((t, hv, bk), dtype=k.dtype, device=k.device)
+    u = torch.empty((t, hv, bvf), dtype=k.dtype, device=k.device)
+    gc = torch.empty((t, hv), dtype=torch.float32, device=k.device)
+    gdn_chunk_prep_kernel[(t // 64 + n_seq, hv)](
+        k, v, a, b, A_log, dt_bias, w, u, gc, cu_seqlens, n_seq, dk, dv, hv, k.stride(0), k.stride(1), v.stride(0),
+        v.stride(1), a.stride(0), b.stride(0), w.stride(0), w.stride(1), u.stride(0), u.stride(1),
+        REP=hv // hk, BK=bk, BV=bvf, BT=64, BS=16, num_warps=warps, num_stages=1)
+    return w, u, gc
 
 
 def gdn_chunked(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, state_slots, has_initial_state, scale,
@@ -181,23 +251,28 @@ def gdn_chunked(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, state_slots, h
                           state_scale, None)
         return out
     cfg = dict(config or {})
-    bt, bs = 64, 16
+    bt = 64
     bk, bvf = next_pow2(dk, 16), next_pow2(dv, 16)
     dt = q.dtype
-    w = torch.empty((t, hv, bk), dtype=dt, device=q.device)
-    u = torch.empty((t, hv, bvf), dtype=dt, device=q.device)
-    gc = torch.empty((t, hv), dtype=torch.float32, device=q.device)
-    gdn_chunk_prep_kernel[(t // bt + n_seq, hv)](
-        k, v, a, b, A_log, dt_bias, w, u, gc, cu_seqlens, n_seq, dk, dv, hv, k.stride(0), k.stride(1), v.stride(0),
-        v.stride(1), a.stride(0), b.stride(0), w.stride(0), w.stride(1), u.stride(0), u.stride(1),
-        REP=hv // hk, BK=bk, BV=bvf, BT=bt, BS=bs, num_warps=cfg.get("prep_warps", 4), num_stages=1)
-    bv = cfg.get("bv") or _scan_bv(q.device, n_seq, hv, dv)
+    w, u, gc = chunk_prep(k, v, a, b, A_log, dt_bias, cu_seqlens, hv, cfg.get("prep_warps", 4))
+    split_o = cfg.get("split_o", not interpreting(q.device) or t > 2 * bt)
+    bv = cfg.get("bv") or _scan_bv(q.device, n_seq, hv, dv, split_o)
     int16 = state.dtype == torch.int16
     sc = state_scale if int16 else state
+    n_tiles = t // bt + n_seq
+    h_all = torch.empty((n_tiles, hv, bk, bvf), dtype=dt, device=q.device) if split_o else w
     gdn_chunk_scan_kernel[(n_seq, hv, triton.cdiv(dv, bv))](
-        q, k, w, u, gc, out, state, sc, cu_seqlens, state_slots, has_initial_state, scale, dk, dv, hv,
+        q, k, w, u, gc, out, h_all, state, sc, cu_seqlens, state_slots, has_initial_state, scale, dk, dv, hv,
         q.stride(0), q.stride(1), w.stride(0), w.stride(1), u.stride(0), u.stride(1), out.stride(0), out.stride(1),
+        h_all.stride(0), h_all.stride(1), h_all.stride(2) if split_o else 0,
         state.stride(0), state.stride(1), state.stride(2), sc.stride(0) if int16 else 0, sc.stride(1) if int16 else 0,
-        REP=hv // hk, BK=bk, BV=bv, BT=bt, INT16=int16, num_warps=cfg.get("scan_warps", 4),
+        REP=hv // hk, BK=bk, BV=bv, BT=bt, INT16=int16, SPLIT_O=split_o,
+        num_warps=cfg.get("scan_warps", 4 if interpreting(q.device) or bv < 64 else 8),
         num_stages=cfg.get("scan_stages", 2))
+    if split_o:
+        bvo = cfg.get("out_bv", min(bvf, 64))
+        gdn_chunk_out_kernel[(n_tiles, hv, triton.cdiv(dv, bvo))](
+            q, k, u, gc, h_all, out, cu_seqlens, n_seq, scale, dk, dv, hv, q.stride(0), q.stride(1), u.stride(0),
+            u.stride(1), out.stride(0), out.stride(1), h_all.stride(0), h_all.stride(1), h_all.stride(2),
+            REP=hv // hk, BK=bk, BV=bvo, BT=bt, num_warps=cfg.get("out_warps", 4), num_stages=1)
     return out

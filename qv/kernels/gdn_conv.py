@@ -48,12 +48,13 @@ def causal_conv1d_kernel(x_ptr, w_ptr, st_ptr, y_ptr, cu_ptr, slot_ptr, init_ptr
              mask=m_t[:, None] & m_c[None, :])
     if i_t == 0:  # the only program that reads this slot's old state also writes the new one
         o_r = tl.arange(0, BLOCK_W)
-        src = L + o_r - (W - 1)
+        src_r = L + o_r - (W - 1)
         m_r = o_r < W - 1
-        m_x = (m_r & (src >= 0))[:, None] & m_c[None, :]
-        b_new = tl.load(x_ptr + (bos + src)[:, None] * stride_xt + o_c[None, :], mask=m_x, other=0.).to(tl.float32)
-        m_s = (m_r & (src < 0) & (src >= st_lo))[:, None] & m_c[None, :]
-        b_new += tl.load(p_st + (src + W - 1)[:, None] * stride_sw, mask=m_s, other=0.).to(tl.float32)
+        m_rx = (m_r & (src_r >= 0))[:, None] & m_c[None, :]
+        b_new = tl.load(x_ptr + (bos + src_r)[:, None] * stride_xt + o_c[None, :], mask=m_rx, other=0.)
+        m_rs = (m_r & (src_r < 0) & (src_r >= st_lo))[:, None] & m_c[None, :]
+        b_new = b_new.to(tl.float32) + tl.load(p_st + (src_r + W - 1)[:, None] * stride_sw, mask=m_rs,
+                                               other=0.).to(tl.float32)
         tl.debug_barrier()  # every thread has read the old state before any thread overwrites it
         tl.store(p_st + o_r[:, None] * stride_sw, b_new.to(st_ptr.dtype.element_ty), mask=m_r[:, None] & m_c[None, :])
 

@@ -22,12 +22,37 @@ from qv.kernels.triton_utils import interpreting, next_pow2, num_sms
 
 
 @triton.jit
+def _f16_tile(b_x, b_q, s_ptr, z_ptr, g_off, o_n, m_n, HAS_ZERO: tl.constexpr, TILE_SCALE: tl.constexpr):
+    """x [BM, BK] times one group's codes [BK, BN] on fp16 tensor cores, scaled after the dot.
+
+    Codes become fp16 without int->float conversions (a quarter-rate unit that would bound the
+    GEMV): the bits 0x6400 | c read as fp16 are 1024 + c exactly, and the 1024 + zero offset is
+    removed with the row sums of x: sum_k x (c - z) s = s (x.(1024 + c) - (1024 + z) sum_k x).
+    TILE_SCALE: bf16 activations are scaled per row and tile by a power of two into fp16 range."""
+    b_s = tl.load(s_ptr + g_off + o_n, mask=m_n, other=0.).to(tl.float32)
+    if HAS_ZERO:
+        b_z = tl.load(z_ptr + g_off + o_n, mask=m_n, other=0.).to(tl.float32)
+    else:
+        b_z = tl.full(b_s.shape, 128., dtype=tl.float32)
+    b_w = (b_q.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True)
+    if TILE_SCALE:
+        b_xf = b_x.to(tl.float32)
+        b_r = tl.exp2(tl.maximum(tl.ceil(tl.log2(tl.max(tl.abs(b_xf), axis=1) / 16384.)), 0.))
+        b_x = (b_xf / b_r[:, None]).to(tl.float16)
+    b_d = tl.dot(b_x, b_w)
+    b_d = b_d * b_s[None, :] - tl.sum(b_x.to(tl.float32), axis=1)[:, None] * ((1024. + b_z) * b_s)[None, :]
+    if TILE_SCALE:
+        b_d *= b_r[:, None]
+    return b_d
+
+
+@triton.jit
 def gptq_matmul_kernel(
-    x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, o_ptr, M, N, K, K_SPLIT, GROUP,
+    x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, r_ptr, o_ptr, M, N, K, K_SPLIT, GROUP,
     stride_xm, stride_qk, stride_sg, stride_om, stride_os,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, GATHER: tl.constexpr, SCALE_AFTER: tl.constexpr,
-    SPLIT: tl.constexpr,
+    HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, GATHER: tl.constexpr, F16: tl.constexpr,
+    TILE_SCALE: tl.constexpr, ROW_SCALE: tl.constexpr, SPLIT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_m, n_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
@@ -48,8 +73,11 @@ def gptq_matmul_kernel(
         m_k = o_k < k_hi
         b_x = tl.load(x_ptr + o_m[:, None] * stride_xm + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.)
         b_q = tl.load(q_ptr + o_k[:, None].to(tl.int64) * stride_qk + o_n[None, :], mask=m_k[:, None] & m_n[None, :],
-                      other=0).to(tl.float32)  # uint8 codes via fp32 (exact)
-        if GATHER:
+                      other=0)
+        if F16:
+            acc += _f16_tile(b_x, b_q, s_ptr, z_ptr, (k0 // GROUP).to(tl.int64) * stride_sg, o_n, m_n, HAS_ZERO,
+                             TILE_SCALE)
+        elif GATHER:
             b_g = tl.load(g_ptr + o_k, mask=m_k, other=0).to(tl.int64)
             p_sz = b_g[:, None] * stride_sg + o_n[None, :]
             b_s = tl.load(s_ptr + p_sz, mask=m_k[:, None] & m_n[None, :], other=0.).to(tl.float32)
@@ -57,7 +85,7 @@ def gptq_matmul_kernel(
                 b_z = tl.load(z_ptr + p_sz, mask=m_k[:, None] & m_n[None, :], other=0.).to(tl.float32)
             else:
                 b_z = 128.
-            acc += tl.dot(b_x, ((b_q - b_z) * b_s).to(cd), input_precision="ieee")
+            acc += tl.dot(b_x, ((b_q.to(tl.float32) - b_z) * b_s).to(cd), input_precision="ieee")
         else:
             g = (k0 // GROUP).to(tl.int64)
             b_s = tl.load(s_ptr + g * stride_sg + o_n, mask=m_n, other=0.).to(tl.float32)
@@ -65,12 +93,9 @@ def gptq_matmul_kernel(
                 b_z = tl.load(z_ptr + g * stride_sg + o_n, mask=m_n, other=0.).to(tl.float32)
             else:
                 b_z = tl.full([BLOCK_N], 128., dtype=tl.float32)
-            if SCALE_AFTER:
-                b_xs = tl.sum(b_x.to(tl.float32), axis=1)
-                b_d = tl.dot(b_x, b_q.to(cd), input_precision="ieee")
-                acc += (b_d - b_xs[:, None] * b_z[None, :]) * b_s[None, :]
-            else:
-                acc += tl.dot(b_x, ((b_q - b_z[None, :]) * b_s[None, :]).to(cd), input_precision="ieee")
+            acc += tl.dot(b_x, ((b_q.to(tl.float32) - b_z[None, :]) * b_s[None, :]).to(cd), input_precision="ieee")
+    if ROW_SCALE:
+        acc *= tl.load(r_ptr + o_m, mask=m_m, other=1.)[:, None]
     m_o = m_m[:, None] & m_n[None, :]
     if SPLIT:
         tl.store(o_ptr + tl.program_id(1).to(tl.int64) * stride_os + o_m[:, None] * stride_om + o_n[None, :], acc,
@@ -106,15 +131,16 @@ def _sequential_groups(w) -> bool:
     return cached
 
 
-def _gptq_config(device, m, n, k, group, sequential, fp32):
+def _gptq_config(device, m, n, k, group, f16):
+    """Tiles (measured on the H200, bench/kernels.py --sweep; docs/BENCHMARKS.md)."""
     if interpreting(device):
         bk = 16 if group % 32 else 32
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=bk, GROUP_M=4, num_warps=4, num_stages=1, split=None)
     if m <= 16:  # decode: memory bound; enough programs in flight to stream the weight at full rate
-        return dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4, split=None)
-    if fp32:
+        return dict(BLOCK_M=16, BLOCK_N=256, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=4, split=None)
+    if not f16:  # fp32 (ieee dots on FMA units) or act-order gathers
         return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=2, split=1)
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, split=1)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3, split=1)
 
 
 def gptq_linear(x, w, bias=None, config=None):
@@ -128,13 +154,20 @@ def gptq_linear(x, w, bias=None, config=None):
     if m == 0:
         return out.view(*shape[:-1], n)
     sequential = _sequential_groups(w)
-    cfg = dict(_gptq_config(x.device, m, n, k, w.group_size, sequential, x.dtype == torch.float32), **(config or {}))
+    f16 = sequential and x.dtype in (torch.float16, torch.bfloat16)
+    cfg = dict(_gptq_config(x.device, m, n, k, w.group_size, f16), **(config or {}))
     bm, bn, bk = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
     gather = not sequential
     while not gather and w.group_size % bk:  # a K tile must not straddle two groups
         bk //= 2
         if bk < 16:
-            gather, bk = True, 32
+            gather, f16, bk = True, False, 32
+    rows = None
+    if f16 and x.dtype == torch.bfloat16 and m > 16:
+        # GEMM: bf16 rows go to fp16 once, scaled by a power of two into range (undone at the end)
+        amax = x2.abs().amax(dim=1).float().clamp_min(1.0)
+        rows = torch.exp2(torch.ceil(torch.log2(amax / 16384.0)).clamp_min(0.0))
+        x2 = (x2.float() / rows[:, None]).to(torch.float16)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     split = cfg.pop("split")
     if split is None:  # about four waves of programs over the SMs
@@ -144,11 +177,13 @@ def gptq_linear(x, w, bias=None, config=None):
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     zeros = w.zeros if w.zeros is not None else w.scales
     gptq_matmul_kernel[(tiles, split)](
-        x2, w.qweight, w.scales, zeros, w.g_idx, bias if bias is not None else w.scales, part, m, n, k, k_split,
+        x2, w.qweight, w.scales, zeros, w.g_idx, bias if bias is not None else w.scales,
+        rows if rows is not None else w.scales, part, m, n, k, k_split,
         w.group_size, x2.stride(0), w.qweight.stride(0), w.scales.stride(0), part.stride(-2),
         part.stride(0) if split > 1 else 0,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.pop("GROUP_M"), HAS_ZERO=w.zeros is not None,
-        HAS_BIAS=bias is not None, GATHER=gather, SCALE_AFTER=m <= 16, SPLIT=split > 1, **cfg)
+        HAS_BIAS=bias is not None, GATHER=gather, F16=f16, TILE_SCALE=f16 and x2.dtype == torch.bfloat16,
+        ROW_SCALE=rows is not None, SPLIT=split > 1, **cfg)
     if split > 1:
         block = 1024
         split_sum_kernel[(triton.cdiv(m * n, block),)](part, bias if bias is not None else part, out, n, m * n, split,

@@ -27,9 +27,18 @@ def _check(act_dtype, kv_dtype, hkv, d, seq_lens, block_size, skip_every=0):
     ref = [c.clone() for c in caches] + [None if s is None else s.clone() for s in scales]
     run_triton(K.write_kv, k, v, *ours[:2], slots, *ours[2:])
     run_reference(K.write_kv, k, v, *ref[:2], slots, *ref[2:])
-    for name, a, b in zip(("k", "v", "k_scale", "v_scale"), ours, ref):
-        if b is not None:
+    if kv_dtype != torch.int8:
+        for name, a, b in zip(("k", "v"), ours, ref):
             assert torch.equal(a, b), f"{name}: {(a.float() - b.float()).abs().max().item()} max difference"
+        return
+    # On CUDA torch divides by a Python scalar as a multiply by its reciprocal, so the reference's
+    # scale amax / 127 can differ from the kernel's IEEE division by an ulp, and a code sitting on a
+    # rounding boundary by one step: allow exactly that, rarely.
+    for name, a, b in zip(("k_scale", "v_scale"), ours[2:], ref[2:]):
+        assert ((a - b).abs() <= 2e-7 * b.abs()).all(), f"{name}: max rel diff {((a - b).abs() / b.abs()).max()}"
+    for name, a, b in zip(("k", "v"), ours[:2], ref[:2]):
+        diff = (a.int() - b.int()).abs()
+        assert diff.max() <= 1 and diff.float().mean() < 1e-3, f"{name}: codes differ ({diff.float().mean():.2e})"
 
 
 @pytest.mark.parametrize("act_dtype,kv_dtype,hkv,d", [
