@@ -337,7 +337,7 @@ class EngineConfig:
     max_model_len: int = lever(0, "Longest sequence (prompt + output); 0: the model's max_position_embeddings.", "QV_MAX_MODEL_LEN")
     max_num_seqs: int = lever(64, "Most sequences running in one step.", "QV_MAX_NUM_SEQS")
     max_num_batched_tokens: int = lever(2048, "Token budget of one step (prefill chunks + decodes).", "QV_MAX_NUM_BATCHED_TOKENS")
-    kv_cache_bytes: int = lever(0, "Bytes for attention KV blocks; 0: derived from gpu_memory_utilization (CPU: 256 MiB).", "QV_KV_CACHE_BYTES")
+    kv_cache_bytes: int = lever(0, "Bytes for attention KV blocks and GDN prefix snapshots; 0: derived from gpu_memory_utilization (CPU: 256 MiB).", "QV_KV_CACHE_BYTES")
     gpu_memory_utilization: float = lever(0.90, "Share of GPU memory qv may plan for when kv_cache_bytes is 0.", "QV_GPU_MEMORY_UTILIZATION")
     block_size: int = lever(16, "Tokens per KV block.", "QV_BLOCK_SIZE")
     kv_dtype: str = lever(
@@ -357,12 +357,20 @@ class EngineConfig:
     # -- prefix caching ------------------------------------------------------------------------
     prefix_caching: bool = lever(True, "Reuse KV blocks and GDN state snapshots of earlier prompts.", "QV_PREFIX_CACHING")
     gdn_snapshot_interval: int = lever(
-        0, "Tokens between GDN state snapshots for prefix reuse (a multiple of block_size); 0: 64 blocks.", "QV_GDN_SNAPSHOT_INTERVAL"
+        0,
+        "Tokens between GDN state snapshots for prefix reuse (a multiple of block_size; hits round down to it); "
+        "0: the smallest multiple of 64 blocks at which snapshots cost at most half the KV bytes per token.",
+        "QV_GDN_SNAPSHOT_INTERVAL",
+    )
+    prefix_cache_chat_reserve: float = lever(
+        0.2, "Share of KV blocks whose cached chat prefixes Clef records may not evict (Clef rows hold at most the rest).",
+        "QV_PREFIX_CACHE_CHAT_RESERVE",
     )
     kv_offload_bytes: int = lever(0, "Pinned host memory for evicted KV blocks and snapshots; 0: off.", "QV_KV_OFFLOAD_BYTES")
     # -- speculative decoding -------------------------------------------------------------------
     spec: str = lever("off", "Speculative decoding: off, mtp, ngram, auto.", "QV_SPEC", ("off", "mtp", "ngram", "auto"))
     spec_k: int = lever(3, "Draft tokens per step.", "QV_SPEC_K")
+    spec_max_seqs: int = lever(16, "Most sequences verifying drafts in one step (each keeps k+1 GDN states).", "QV_SPEC_MAX_SEQS")
     # -- server ----------------------------------------------------------------------------------
     host: str = lever("127.0.0.1", "Listen address of `qv serve`.", "QV_HOST")
     port: int = lever(8000, "Listen port of `qv serve`.", "QV_PORT")
@@ -408,7 +416,8 @@ class EngineConfig:
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 raise ConfigError(f"{f.name}={getattr(self, f.name)!r}: expected one of {', '.join(choices)}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "spec_k", "clef_slots", "clef_nmax"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "spec_k", "spec_max_seqs", "clef_slots",
+                     "clef_nmax"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

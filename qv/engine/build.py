@@ -12,6 +12,7 @@ import torch
 
 from qv import kernels
 from qv.config import ConfigError, EngineConfig, ModelConfig
+from qv.engine.prefix_cache import PrefixPlan, plan_prefix_cache
 from qv.model.cache import (KV_DTYPES, STATE_DTYPES, HybridCache, allocate_cache, gdn_bytes_per_slot,
                             kv_bytes_per_block)
 from qv.model.qwen3_5 import Qwen3_5TextModel, load_text_model
@@ -32,6 +33,8 @@ class EngineParts:
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     generation_defaults: dict
+    mtp_head: object | None  # qv.spec.mtp.MTPHead when speculation drafts with it
+    prefix_plan: PrefixPlan = PrefixPlan()  # snapshot pool, chat reserve and host tier sizes
 
 
 def default_model_dir() -> Path:
@@ -98,30 +101,49 @@ def build_engine_parts(cfg: EngineConfig) -> EngineParts:
     if max_len > mcfg.max_position_embeddings:
         raise ConfigError(f"max_model_len={max_len} exceeds the model's max_position_embeddings "
                           f"{mcfg.max_position_embeddings}")
-    cache = plan_cache(cfg, mcfg, device, dtype)
+    mtp_head = None
+    if cfg.spec == "mtp" or (cfg.spec == "auto" and mcfg.mtp_num_hidden_layers > 0):
+        from qv.spec.mtp import load_mtp_head
+
+        mtp_head = load_mtp_head(str(model_dir), mcfg, model, dtype, device)
+    cache, prefix = plan_cache(cfg, mcfg, device, dtype, mtp_layers=(mcfg.num_hidden_layers,) if mtp_head else ())
     log.info("KV cache: %d blocks of %d tokens (%d tokens), %d GDN slots", cache.num_blocks, cfg.block_size,
              cache.num_blocks * cfg.block_size, cache.num_slots)
+    if prefix.enabled:
+        log.info("prefix cache: %d GDN snapshots every %d tokens, %d blocks reserved for chat; host tier %d blocks, "
+                 "%d snapshots", prefix.num_snapshots, prefix.interval, prefix.reserve_blocks, prefix.host_blocks,
+                 prefix.host_snapshots)
     defaults = {k: gen[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                                     "presence_penalty", "frequency_penalty") if k in gen}
-    return EngineParts(model_dir, mcfg, model, tokenizer, cache, max_len, eos_ids, defaults)
+    return EngineParts(model_dir, mcfg, model, tokenizer, cache, max_len, eos_ids, defaults, mtp_head, prefix)
 
 
-def plan_cache(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> HybridCache:
+def plan_cache(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+               mtp_layers: tuple[int, ...] = ()) -> tuple[HybridCache, PrefixPlan]:
     kv_dtype = resolve_kv_dtype(cfg.kv_dtype, dtype)
     state_dtype = STATE_DTYPES[cfg.gdn_state_dtype]
     num_slots = cfg.max_gdn_slots or cfg.max_num_seqs
-    per_block = max(1, kv_bytes_per_block(mcfg, cfg.block_size, kv_dtype))
+    per_block = max(1, kv_bytes_per_block(mcfg, cfg.block_size, kv_dtype, len(mtp_layers)))
     slot_bytes = gdn_bytes_per_slot(mcfg, dtype, state_dtype)
+    spec_bytes = 0
+    if cfg.spec != "off":  # per-position states of the verified sequences (qv/engine/speculator.py)
+        spec_bytes = gdn_bytes_per_slot(mcfg, dtype, torch.float32) * (cfg.spec_k + 1) * cfg.spec_max_seqs
     budget = cfg.kv_cache_bytes
     if budget == 0:
         if device.type == "cuda":
             free, total = torch.cuda.mem_get_info(device)
             used = total - free
-            budget = int(total * cfg.gpu_memory_utilization * (1 - ACTIVATION_RESERVE)) - used - num_slots * slot_bytes
+            budget = (int(total * cfg.gpu_memory_utilization * (1 - ACTIVATION_RESERVE)) - used - num_slots * slot_bytes
+                      - spec_bytes)
         else:
             budget = CPU_KV_BYTES
-    num_blocks = budget // per_block
+    # prefix caching takes the GDN snapshots' share of the same budget (qv/engine/prefix_cache.py)
+    prefix = plan_prefix_cache(budget, per_block, slot_bytes, cfg.block_size, enabled=cfg.prefix_caching,
+                               interval=cfg.gdn_snapshot_interval, chat_reserve=cfg.prefix_cache_chat_reserve,
+                               offload_bytes=cfg.kv_offload_bytes)
+    num_blocks = prefix.num_blocks
     if num_blocks < 1:
         raise ConfigError(f"no memory left for the KV cache (budget {budget} bytes, {per_block} bytes per block): "
                           f"lower max_num_seqs / max_gdn_slots or raise kv_cache_bytes")
-    return allocate_cache(mcfg, int(num_blocks), cfg.block_size, num_slots, kv_dtype, state_dtype, dtype, device)
+    return allocate_cache(mcfg, int(num_blocks), cfg.block_size, num_slots, kv_dtype, state_dtype, dtype, device,
+                          extra_attention_layers=mtp_layers), prefix

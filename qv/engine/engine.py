@@ -8,6 +8,7 @@ iterator early aborts the request and frees its cache at once.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import queue
@@ -20,11 +21,13 @@ from qv.config import EngineConfig
 from qv.engine.build import build_engine_parts
 from qv.engine.detokenizer import IncrementalDetokenizer
 from qv.engine.kv_cache import KVBlockPool
+from qv.engine.prefix_cache import make_prefix_cache
 from qv.engine.request import (CompletionOutput, InvalidRequestError, Logprob, RequestMetrics, RequestOutput,
                                SamplingParams)
-from qv.engine.runner import ModelRunner, SampledToken
+from qv.engine.runner import ModelRunner, StepResult
 from qv.engine.scheduler import Scheduler
 from qv.engine.sequence import Sequence
+from qv.engine.speculator import Speculator
 from qv.engine.state_pool import GDNStatePool
 
 log = logging.getLogger("qv")
@@ -38,9 +41,10 @@ class EngineStats:
     num_preemptions: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    prompt_tokens_cached: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up at admission (vLLM counts tokens, not requests)
+    prefix_cache_hits: int = 0  # tokens resumed from the prefix cache (readmissions after preemption too)
+    prompt_tokens_cached: int = 0  # prompt tokens of new requests served from the cache
+    prefix_cache_host_hits: int = 0  # hit tokens whose KV came back from the host tier
     finished: dict[str, int] = field(default_factory=dict)  # finish reason -> requests
 
 
@@ -64,11 +68,17 @@ class LLMEngine:
         self.max_model_len = parts.max_model_len
         self.eos_token_ids = parts.eos_token_ids
         self.generation_defaults = parts.generation_defaults
-        self.blocks = KVBlockPool(parts.cache.num_blocks, cfg.block_size)
+        self.blocks = KVBlockPool(parts.cache.num_blocks, cfg.block_size, parts.prefix_plan.reserve_blocks)
+        self.prefix_cache = make_prefix_cache(parts.prefix_plan, self.blocks, parts.cache)
+        self.spec = None
+        if cfg.spec != "off":
+            self.spec = Speculator(cfg.spec, cfg.spec_k, parts.mtp_head, parts.model_config, parts.cache,
+                                   min(cfg.spec_max_seqs, cfg.max_num_seqs), parts.model.device)
         self.scheduler = Scheduler(self.blocks, GDNStatePool(parts.cache.num_slots), cfg.max_num_seqs,
-                                   cfg.max_num_batched_tokens)
+                                   cfg.max_num_batched_tokens, lookahead=cfg.spec_k if self.spec else 0,
+                                   prefix_cache=self.prefix_cache)
         self.runner = ModelRunner(parts.model, parts.cache, cfg.max_num_batched_tokens, cfg.max_num_seqs,
-                                  self.max_model_len)
+                                  self.max_model_len, self.spec)
         self.requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
         self._rng = random.Random(cfg.seed)
@@ -99,7 +109,10 @@ class LLMEngine:
         return room if params.max_tokens is None else params.max_tokens
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None, cache_salt: str | None = None) -> None:
+                    prompt: str | None = None, cache_salt: str | None = None,
+                    mm_hashes: list[tuple[int, str]] | None = None) -> None:
+        """cache_salt: prefixes are shared only under the same salt ("clef:..." never shares);
+        mm_hashes: (position, content hash) of each media item, part of the prefix key."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         max_tokens = self.check_request(prompt_token_ids, params)
@@ -110,11 +123,12 @@ class LLMEngine:
                                            params.include_stop_str_in_output)
             seq = Sequence(next(self._seq_ids), request_id, i, list(prompt_token_ids), params, max_tokens,
                            base_seed + i, detok, arrival_order=next(self._seq_ids),
-                           eos_token_ids=self.eos_token_ids, cache_salt=cache_salt)
+                           eos_token_ids=self.eos_token_ids, cache_salt=cache_salt, mm_hashes=mm_hashes)
             seqs.append(seq)
             self.scheduler.add(seq)
         self.requests[request_id] = _Request(request_id, prompt, list(prompt_token_ids), seqs, RequestMetrics())
         self.stats.prompt_tokens += len(prompt_token_ids)
+        self._refresh_stats()
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         req = self.requests.get(request_id)
@@ -123,10 +137,17 @@ class LLMEngine:
         for seq in req.seqs:
             if not seq.finished:
                 self.scheduler.finish(seq, "abort")
-        return self._output(req)
+        out = self._output(req)
+        self._refresh_stats()
+        return out
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (device and host tiers); running requests continue. False
+        when prefix caching is off."""
+        return self.prefix_cache.reset() if self.prefix_cache else False
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -140,26 +161,47 @@ class LLMEngine:
                 req = self.requests[seq.request_id]
                 if req.metrics.first_scheduled_time is None:
                     req.metrics.first_scheduled_time = now
-            sampled = self.runner.execute(plan)
+            results = self.runner.execute(plan)
             for seq, n in plan.scheduled:
-                seq.num_computed_tokens += n
-            for seq, tok in sampled.items():
-                self._append(seq, tok)
+                res = results.get(seq)
+                # a verified sequence keeps only the rows up to its last accepted draft
+                seq.num_computed_tokens += n if res is None or res.num_accepted is None else 1 + res.num_accepted
+            if self.prefix_cache:  # before finished sequences give their blocks and slots back
+                self.prefix_cache.after_step(plan.scheduled)
+            for seq, res in results.items():
+                self._apply_result(seq, res)
                 touched[seq.request_id] = self.requests[seq.request_id]
         outputs = [self._output(r) for r in touched.values()]
         self._refresh_stats()
         return outputs
 
-    def _append(self, seq: Sequence, tok: SampledToken) -> None:
-        seq.output_token_ids.append(tok.token_id)
+    def _apply_result(self, seq: Sequence, res: StepResult) -> None:
+        if res.num_accepted is not None:
+            self.spec.record(seq, seq.draft_source, res.num_accepted)
+        seq.draft_token_ids, seq.draft_source = [], None
+        for j, tok in enumerate(res.token_ids):  # stops and limits apply inside an accepted run too
+            self._append(seq, tok, res.logprobs[j] if res.logprobs else None)
+            if seq.finished:
+                return
+        if self.spec and self._room_for_drafts(seq):
+            seq.draft_token_ids, seq.draft_source = self.spec.next_drafts(seq, res.next_mtp_drafts)
+
+    def _room_for_drafts(self, seq: Sequence) -> bool:
+        k = self.spec.k
+        return (len(seq.output_token_ids) + k < seq.max_tokens
+                and seq.num_tokens + 2 * k + 1 < self.max_model_len)
+
+    def _append(self, seq: Sequence, token_id: int, logprob=None) -> None:
+        seq.output_token_ids.append(token_id)
         self.stats.generation_tokens += 1
-        if seq.params.logprobs is not None:
-            entry = {tok.token_id: Logprob(tok.logprob, tok.rank, seq.detok.decode_token(tok.token_id))}
-            for rank, (tid, lp) in enumerate(tok.top or [], start=1):
-                entry.setdefault(tid, Logprob(lp, rank, seq.detok.decode_token(tid)))
+        if seq.params.logprobs is not None and logprob is not None:
+            lp, rank, top = logprob
+            entry = {token_id: Logprob(lp, rank, seq.detok.decode_token(token_id))}
+            for r, (tid, tlp) in enumerate(top, start=1):
+                entry.setdefault(tid, Logprob(tlp, r, seq.detok.decode_token(tid)))
             seq.output_logprobs.append(entry)
-        stop_str = seq.detok.add_token(tok.token_id)
-        t, p, n_out = tok.token_id, seq.params, len(seq.output_token_ids)
+        stop_str = seq.detok.add_token(token_id)
+        t, p, n_out = token_id, seq.params, len(seq.output_token_ids)
         if n_out >= p.min_tokens and not p.ignore_eos and t in self.eos_token_ids:
             self.scheduler.finish(seq, "stop")
         elif n_out >= p.min_tokens and t in p.stop_token_ids:
@@ -198,6 +240,10 @@ class LLMEngine:
         s.num_waiting = len(self.scheduler.waiting)
         s.kv_cache_usage = self.blocks.usage
         s.num_preemptions = self.scheduler.num_preemptions
+        if self.prefix_cache:
+            pc = self.prefix_cache.stats
+            s.prefix_cache_queries, s.prefix_cache_hits = pc.queries, pc.hits
+            s.prompt_tokens_cached, s.prefix_cache_host_hits = pc.prompt_tokens_cached, pc.host_hits
 
 
 class AsyncLLMEngine:
@@ -227,7 +273,8 @@ class AsyncLLMEngine:
         self.engine.check_request(prompt_token_ids, params)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       prompt: str | None = None, cache_salt: str | None = None):
+                       prompt: str | None = None, cache_salt: str | None = None,
+                       mm_hashes: list[tuple[int, str]] | None = None):
         if not self.healthy:
             raise RuntimeError(f"the engine is not running: {self.dead_error}")
         self.check_request(prompt_token_ids, params)
@@ -237,7 +284,7 @@ class AsyncLLMEngine:
             if request_id in self._queues:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
             self._queues[request_id] = (loop, q)
-        self._commands.put(("add", request_id, prompt_token_ids, params, prompt, cache_salt))
+        self._commands.put(("add", request_id, prompt_token_ids, params, prompt, cache_salt, mm_hashes))
         finished = False
         try:
             while not finished:
@@ -257,6 +304,12 @@ class AsyncLLMEngine:
     async def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
+    async def reset_prefix_cache(self) -> bool:
+        """LLMEngine.reset_prefix_cache, run on the engine thread between steps."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("reset_prefix_cache", done))
+        return await asyncio.wrap_future(done)
+
     def shutdown(self) -> None:
         self._stop = True
         self._commands.put(("wake",))
@@ -272,13 +325,15 @@ class AsyncLLMEngine:
 
     def _apply(self, cmd: tuple) -> None:
         if cmd[0] == "add":
-            _, rid, ids, params, prompt, salt = cmd
+            _, rid, ids, params, prompt, salt, mm_hashes = cmd
             try:
-                self.engine.add_request(rid, ids, params, prompt, salt)
+                self.engine.add_request(rid, ids, params, prompt, salt, mm_hashes)
             except InvalidRequestError as exc:
                 self._deliver(rid, exc)
         elif cmd[0] == "abort":
             self.engine.abort_request(cmd[1])
+        elif cmd[0] == "reset_prefix_cache":
+            cmd[1].set_result(self.engine.reset_prefix_cache())
 
     def _loop(self) -> None:
         try:

@@ -74,8 +74,11 @@ class SamplingParams:
              f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}")
         need(self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
              f"logprobs must be non-negative, got {self.logprobs}")
-        need(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
-             f"seed must be an integer, got {self.seed!r}")
+        need(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)
+                                   and -(1 << 63) <= self.seed < (1 << 63) - 1024),
+             f"seed must be an integer in the int64 range, got {self.seed!r}")
+        need(self.top_k < (1 << 31), f"top_k must be below 2**31, got {self.top_k}")
+        need(self.n <= 1024, f"n must be at most 1024, got {self.n}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is None:

@@ -1,7 +1,7 @@
 """One step: a StepPlan becomes flat tensors (built with NumPy in preallocated pinned buffers and
-copied to the device once), the model runs one forward over all rows, and the rows that caught
-up with their tokens are sampled. The sampled ids (and logprobs) come back in one transfer:
-the only device-to-host sync of the step."""
+copied to the device once), the model runs one forward over all rows, the rows that caught up
+with their tokens are sampled (or, for speculative rows, verified), and the next drafts are made.
+Everything comes back in one transfer: the only device-to-host sync of the step."""
 
 from __future__ import annotations
 
@@ -10,19 +10,23 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from qv.engine.sampler import SamplerOutput, SamplingBatch, sample
+from qv.engine.sampler import SamplingBatch, logprobs_of, process, sample
 from qv.engine.scheduler import StepPlan
 from qv.engine.sequence import Sequence
+from qv.engine.speculator import Speculator
 from qv.model.batch import AttentionMeta, GDNMeta, StepBatch
 from qv.model.cache import HybridCache
+from qv.spec.verify import verify
 
 
 @dataclass
-class SampledToken:
-    token_id: int
-    logprob: float | None = None
-    rank: int | None = None
-    top: list[tuple[int, float]] | None = None
+class StepResult:
+    """What one step produced for one sequence: tokens to append (1, or 1..k+1 after verification)."""
+
+    token_ids: list[int]
+    logprobs: list[tuple[float, int, list[tuple[int, float]]]] | None = None  # (logprob, rank, top) per token
+    num_accepted: int | None = None  # verified sequences only
+    next_mtp_drafts: list[int] | None = None
 
 
 class _Buffers:
@@ -36,15 +40,16 @@ class _Buffers:
             return host, host.numpy(), torch.zeros(n, dtype=dtype, device=device)
 
         self.ids = pair(max_tokens, torch.int64)
+        self.next_ids = pair(max_tokens, torch.int64)
         self.positions = pair(max_tokens, torch.int64)
         self.slot_mapping = pair(max_tokens, torch.int64)
         self.cu_seqlens = pair(max_seqs + 1, torch.int32)
+        self.cu_rest = pair(max_seqs + 1, torch.int32)
         self.seq_lens = pair(max_seqs, torch.int32)
         self.state_slots = pair(max_seqs, torch.int64)
         self.has_init = pair(max_seqs, torch.bool)
-        self.logits_idx = pair(max_seqs, torch.int64)
+        self.logits_idx = pair(max_tokens, torch.int64)
         self.block_tables = pair(max_seqs * max_blocks, torch.int32)
-        self.max_blocks = max_blocks
 
     @staticmethod
     def upload(buf, n: int) -> torch.Tensor:
@@ -53,21 +58,38 @@ class _Buffers:
         return dev[:n]
 
 
+@dataclass
+class _Step:
+    ids: torch.Tensor
+    positions: torch.Tensor
+    batch: StepBatch
+    seqs: list[Sequence]
+    q_lens: np.ndarray
+    cu: np.ndarray
+    num_spec: int  # the first num_spec sequences verify drafts (k+1 rows each, all with logits)
+    samplers: list[int]  # indices of the other sequences that sample one token this step
+
+
 class ModelRunner:
     def __init__(self, model, cache: HybridCache, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_model_len: int):
-        self.model, self.cache = model, cache
+                 max_model_len: int, speculator: Speculator | None = None):
+        self.model, self.cache, self.spec = model, cache, speculator
         self.device = model.device
         self.block_size = cache.block_size
-        max_blocks = -(-max_model_len // self.block_size) + 1
-        self.buf = _Buffers(max_num_batched_tokens, max_num_seqs, max_blocks, self.device)
+        lookahead = 2 * speculator.k + 2 if speculator else 1
+        max_blocks = -(-(max_model_len + lookahead) // self.block_size) + 1
+        self.buf = _Buffers(max_num_batched_tokens + (speculator.k if speculator else 0) * max_num_seqs,
+                            max_num_seqs, max_blocks, self.device)
         self.vocab_size = model.cfg.vocab_size
 
     # -- batch construction --------------------------------------------------------------------
-    def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, StepBatch, list[Sequence]]:
+    def prepare(self, plan: StepPlan) -> _Step:
         b = self.buf
-        seqs = [s for s, _ in plan.scheduled]
-        q_lens = np.fromiter((n for _, n in plan.scheduled), dtype=np.int64, count=len(seqs))
+        # verification rows first, so the GDN layers can keep their per-position states as a prefix
+        sched = sorted(plan.scheduled, key=lambda sn: not sn[0].draft_token_ids)
+        seqs = [s for s, _ in sched]
+        num_spec = sum(1 for s in seqs if s.draft_token_ids)
+        q_lens = np.fromiter((n for _, n in sched), dtype=np.int64, count=len(seqs))
         starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=len(seqs))
         nseq, ntok = len(seqs), int(q_lens.sum())
         cu = b.cu_seqlens[1]
@@ -76,101 +98,194 @@ class ModelRunner:
         ends = starts + q_lens
         b.seq_lens[1][:nseq] = ends
         b.has_init[1][:nseq] = starts > 0
-        width = max(1, max(-(-int(e) // self.block_size) for e in ends))
+        width = max(1, max(len(s.block_ids) for s in seqs))
         tables = b.block_tables[1][:nseq * width].reshape(nseq, width)
-        ids = b.ids[1]
-        sampled_rows = []
-        for i, (seq, n) in enumerate(plan.scheduled):
-            blocks = seq.block_ids
-            tables[i, :len(blocks)] = blocks
-            tables[i, len(blocks):] = 0
+        ids, next_ids, logits_idx = b.ids[1], b.next_ids[1], b.logits_idx[1]
+        samplers, n_logits = [], 0
+        for i, (seq, n) in enumerate(sched):
+            tables[i, :len(seq.block_ids)] = seq.block_ids
+            tables[i, len(seq.block_ids):] = 0
             b.state_slots[1][i] = seq.state_slot
-            start = int(starts[i])
-            ids[cu[i]:cu[i] + n] = _token_slice(seq, start, start + n)
-            if start + n == seq.num_tokens:
-                sampled_rows.append(i)
-        # positions and slot mapping for every token, vectorized over the flat batch
+            start, c0 = int(starts[i]), int(cu[i])
+            known = min(n, seq.num_tokens - start)
+            ids[c0:c0 + known] = seq.token_slice(start, start + known)
+            ids[c0 + known:c0 + n] = seq.draft_token_ids
+            # the token after each row (MTP input); a sampled/verified row's is filled on the device
+            next_ids[c0:c0 + n - 1] = ids[c0 + 1:c0 + n]
+            next_ids[c0 + n - 1] = seq.token_at(start + n) if start + n < seq.num_tokens else 0
+            if seq.draft_token_ids:
+                logits_idx[n_logits:n_logits + n] = np.arange(c0, c0 + n)
+                n_logits += n
+            elif start + n == seq.num_tokens:
+                samplers.append(i)
+        for i in samplers:
+            logits_idx[n_logits] = cu[i + 1] - 1
+            n_logits += 1
         row_of = np.repeat(np.arange(nseq), q_lens)
         pos = np.arange(ntok) - cu[row_of] + starts[row_of]
         b.positions[1][:ntok] = pos
         b.slot_mapping[1][:ntok] = tables[row_of, pos // self.block_size] * self.block_size + pos % self.block_size
-        samplers = [seqs[i] for i in sampled_rows]
-        b.logits_idx[1][:len(sampled_rows)] = cu[np.asarray(sampled_rows, dtype=np.int64) + 1] - 1
         up = _Buffers.upload
+        slots, has_init = up(b.state_slots, nseq), up(b.has_init, nseq)
+        if num_spec:
+            rest = b.cu_rest[1]
+            rest[:nseq - num_spec + 1] = cu[num_spec:nseq + 1] - cu[num_spec]
+            gdn = self.spec.gdn_meta(slots, has_init, num_spec, int(cu[num_spec]), up(b.cu_rest, nseq - num_spec + 1))
+        else:
+            gdn = GDNMeta(slots, has_init)
         batch = StepBatch(
-            cu_seqlens_q=up(b.cu_seqlens, nseq + 1),
-            max_query_len=int(q_lens.max()),
+            cu_seqlens_q=up(b.cu_seqlens, nseq + 1), max_query_len=int(q_lens.max()),
             attn=AttentionMeta(slot_mapping=up(b.slot_mapping, ntok),
                                block_tables=up(b.block_tables, nseq * width).view(nseq, width),
                                seq_lens=up(b.seq_lens, nseq), max_seq_len=int(ends.max())),
-            gdn=GDNMeta(state_slots=up(b.state_slots, nseq), has_initial_state=up(b.has_init, nseq)),
-            logits_indices=up(b.logits_idx, len(sampled_rows)),
-        )
-        return up(b.ids, ntok), up(b.positions, ntok), batch, samplers
+            gdn=gdn, logits_indices=up(b.logits_idx, n_logits))
+        return _Step(up(b.ids, ntok), up(b.positions, ntok), batch, seqs, q_lens, cu[:nseq + 1].copy(), num_spec,
+                     samplers)
 
     # -- the step ------------------------------------------------------------------------------
-    def execute(self, plan: StepPlan) -> dict[Sequence, SampledToken]:
-        input_ids, positions, batch, samplers = self.prepare(plan)
-        hidden = self.model.forward(input_ids, positions, batch, self.cache)
-        if not samplers:
+    def execute(self, plan: StepPlan) -> dict[Sequence, StepResult]:
+        st = self.prepare(plan)
+        hidden = self.model.forward(st.ids, st.positions, st.batch, self.cache)
+        if st.batch.logits_indices.numel() == 0:
+            if self.spec and self.spec.uses_mtp:  # the head's KV must still catch up with these rows
+                self._draft(st, hidden, None, None, None)
             return {}
-        logits = self.model.compute_logits(hidden[batch.logits_indices])[:, :self.vocab_size]
-        out = sample(logits, self.sampling_batch(samplers, logits.shape[-1]))
-        return self._to_host(samplers, out)
+        logits = self.model.compute_logits(hidden[st.batch.logits_indices])[:, :self.vocab_size]
+        k1 = self.spec.k + 1 if self.spec else 1
+        n_spec_rows = st.num_spec * k1
+        packed: list[torch.Tensor] = []
+        sampled = None
+        if st.samplers:
+            rows = [st.seqs[i] for i in st.samplers]
+            sb = self.sampling_batch([(s, 0) for s in rows], logits.shape[-1])
+            out = sample(logits[n_spec_rows:], sb)
+            sampled = out.token_ids
+            packed += [sampled] + _logprob_parts(out.logprobs, out.ranks, out.top_ids, out.top_logprobs, sb)
+        tokens = n_acc = None
+        if st.num_spec:
+            tokens, n_acc, parts = self._verify(st, logits[:n_spec_rows], k1)
+            packed += [tokens.reshape(-1), n_acc] + parts
+        drafts = self._draft(st, hidden, sampled, tokens, n_acc) if self.spec and self.spec.uses_mtp else None
+        if drafts is not None:
+            packed.append(drafts.reshape(-1))
+        host = torch.cat([p.reshape(-1).long() for p in packed]).cpu().numpy()  # the step's one sync
+        return self._unpack(st, host, k1, drafts is not None)
 
-    def sampling_batch(self, seqs: list[Sequence], vocab: int) -> SamplingBatch:
+    def _verify(self, st: _Step, logits: torch.Tensor, k1: int):
+        specs = st.seqs[:st.num_spec]
+        rows = [(s, j) for s in specs for j in range(k1)]
+        sb = self.sampling_batch(rows, logits.shape[-1])
+        greedy_ids, probs = process(logits, sb)
+        drafts = torch.tensor([s.draft_token_ids for s in specs], dtype=torch.int64).to(self.device)
+        greedy_rows = torch.tensor([s.params.greedy for s in specs], dtype=torch.bool).to(self.device)
+        res = verify(greedy_ids.view(-1, k1), None if probs is None else probs.view(len(specs), k1, -1), drafts,
+                     greedy_rows, sb.seeds.view(-1, k1)[:, 0], sb.positions.view(-1, k1)[:, 0])
+        self.spec.commit(st.batch.gdn.state_slots[:st.num_spec], res.num_accepted)
+        parts = []
+        if sb.max_logprobs >= 0:
+            parts = _logprob_parts(*logprobs_of(logits, res.tokens.reshape(-1), sb.max_logprobs), sb)
+        return res.tokens, res.num_accepted, parts
+
+    def _draft(self, st: _Step, hidden, sampled, tokens, n_acc) -> torch.Tensor | None:
+        """MTP drafts for every sequence that got a new token this step (on the device, no sync)."""
+        b = self.buf
+        next_ids = _Buffers.upload(b.next_ids, int(st.cu[-1]))
+        rows = []
+        if st.num_spec:  # verified rows see the emitted tokens; the last valid row is row n_accepted
+            k1 = tokens.shape[1]
+            spec_rows = torch.from_numpy(st.cu[:st.num_spec]).to(self.device)[:, None] + torch.arange(
+                k1, device=self.device)
+            next_ids[spec_rows.reshape(-1)] = tokens.reshape(-1)
+            rows.append(spec_rows[:, 0] + n_acc)
+        if st.samplers:
+            last = torch.from_numpy(st.cu[np.asarray(st.samplers) + 1] - 1).to(self.device)
+            next_ids[last] = sampled
+            rows.append(last)
+        draft_seqs = np.asarray(list(range(st.num_spec)) + st.samplers, dtype=np.int64)
+        max_len = int(max(s.num_computed_tokens for s in st.seqs) + st.q_lens.max())
+        draft_rows = torch.cat(rows) if rows else None
+        return self.spec.draft_mtp(st.positions, hidden, st.batch, next_ids, draft_rows, draft_seqs, max_len)
+
+    def _unpack(self, st: _Step, host: np.ndarray, k1: int, has_drafts: bool) -> dict[Sequence, StepResult]:
+        results: dict[Sequence, StepResult] = {}
+        off = 0
+        sampler_seqs = [st.seqs[i] for i in st.samplers]
+        if sampler_seqs:
+            ids, off = host[off:off + len(sampler_seqs)], off + len(sampler_seqs)
+            lps, off = _unpack_logprobs(host, off, sampler_seqs, 1)
+            for j, s in enumerate(sampler_seqs):
+                results[s] = StepResult([int(ids[j])], lps[j] if lps else None)
+        specs = st.seqs[:st.num_spec]
+        if specs:
+            n = len(specs)
+            toks = host[off:off + n * k1].reshape(n, k1)
+            acc = host[off + n * k1:off + n * k1 + n]
+            off += n * k1 + n
+            lps, off = _unpack_logprobs(host, off, specs, k1)
+            for j, s in enumerate(specs):
+                a = int(acc[j])
+                results[s] = StepResult(toks[j, :a + 1].tolist(), lps[j][:a + 1] if lps else None, num_accepted=a)
+        if has_drafts:
+            order = specs + sampler_seqs
+            drafts = host[off:off + len(order) * self.spec.k].reshape(len(order), self.spec.k)
+            for j, s in enumerate(order):
+                results[s].next_mtp_drafts = drafts[j].tolist()
+        return results
+
+    # -- sampling settings ---------------------------------------------------------------------
+    def sampling_batch(self, rows: list[tuple[Sequence, int]], vocab: int) -> SamplingBatch:
+        """Settings per logits row; row (seq, j) decides the seq's output token number len(outputs) + j,
+        with drafts d_1..d_j counted as already generated (penalties, min_tokens)."""
         dev = self.device
-        ps = [s.params for s in seqs]
+        ps = [s.params for s, _ in rows]
         t = lambda xs, dt: torch.tensor(xs, dtype=dt).to(dev, non_blocking=True)  # noqa: E731
-        any_penalty = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in ps)
-        under_min = [len(s.output_token_ids) < s.params.min_tokens for s in seqs]
+        outputs = [s.output_token_ids + s.draft_token_ids[:j] for s, j in rows]
+        under_min = [len(o) < s.params.min_tokens for o, (s, _) in zip(outputs, rows)]
         b = SamplingBatch(
             temperature=t([0.0 if p.greedy else p.temperature for p in ps], torch.float32),
-            top_p=t([p.top_p for p in ps], torch.float32),
-            top_k=t([p.top_k for p in ps], torch.int64),
-            min_p=t([p.min_p for p in ps], torch.float32),
-            seeds=t([s.rng_seed for s in seqs], torch.int64),
-            positions=t([len(s.output_token_ids) for s in seqs], torch.int64),
-            all_greedy=all(p.greedy for p in ps),
-            max_logprobs=max((p.logprobs for p in ps if p.logprobs is not None), default=-1),
-        )
-        if any_penalty:
+            top_p=t([p.top_p for p in ps], torch.float32), top_k=t([p.top_k for p in ps], torch.int64),
+            min_p=t([p.min_p for p in ps], torch.float32), seeds=t([s.rng_seed for s, _ in rows], torch.int64),
+            positions=t([len(o) for o in outputs], torch.int64), all_greedy=all(p.greedy for p in ps),
+            max_logprobs=max((p.logprobs for p in ps if p.logprobs is not None), default=-1))
+        if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in ps):
             b.presence = t([p.presence_penalty for p in ps], torch.float32)
             b.frequency = t([p.frequency_penalty for p in ps], torch.float32)
             b.repetition = t([p.repetition_penalty for p in ps], torch.float32)
-            b.output_counts = _counts([s.output_token_ids for s in seqs], vocab, dev)
-            b.prompt_mask = _counts([s.prompt_token_ids for s in seqs], vocab, dev) > 0
+            b.output_counts = _counts(outputs, vocab, dev)
+            b.prompt_mask = _counts([s.prompt_token_ids for s, _ in rows], vocab, dev) > 0
         if any(under_min):
             b.stop_mask_rows = t(under_min, torch.bool)
-            b.stop_token_mask = _counts([s.stop_ids_for_min_tokens for s in seqs], vocab, dev) > 0
+            b.stop_token_mask = _counts([s.stop_ids_for_min_tokens for s, _ in rows], vocab, dev) > 0
         return b
 
-    def _to_host(self, seqs: list[Sequence], out: SamplerOutput) -> dict[Sequence, SampledToken]:
-        if out.logprobs is None:
-            ids = out.token_ids.cpu().tolist()
-            return {s: SampledToken(i) for s, i in zip(seqs, ids)}
-        n_top = 0 if out.top_ids is None else out.top_ids.shape[1]
-        parts = [out.token_ids[:, None].double(), out.logprobs[:, None].double(), out.ranks[:, None].double()]
-        if n_top:
-            parts += [out.top_ids.double(), out.top_logprobs.double()]
-        host = torch.cat(parts, dim=1).cpu().numpy()  # one transfer for everything
-        result = {}
-        for s, row in zip(seqs, host):
-            want = s.params.logprobs
-            top = None
-            if want is not None:
-                top = [(int(row[3 + j]), float(row[3 + n_top + j])) for j in range(min(want, n_top))]
-            result[s] = SampledToken(int(row[0]), float(row[1]), int(row[2]), top)
-        return result
+
+def _logprob_parts(lp, ranks, top_ids, top_lp, sb: SamplingBatch) -> list[torch.Tensor]:
+    """Logprob tensors as int64 (floats bit-cast), to ride in the step's single transfer."""
+    if sb.max_logprobs < 0:
+        return []
+    parts = [lp.double().view(torch.int64), ranks]
+    if top_ids is not None:
+        parts += [top_ids.reshape(-1), top_lp.double().reshape(-1).view(torch.int64)]
+    return parts
 
 
-def _token_slice(seq: Sequence, start: int, end: int) -> list[int]:
-    n = seq.num_prompt_tokens
-    if end <= n:
-        return seq.prompt_token_ids[start:end]
-    if start >= n:
-        return seq.output_token_ids[start - n:end - n]
-    return seq.prompt_token_ids[start:] + seq.output_token_ids[:end - n]
+def _unpack_logprobs(host: np.ndarray, off: int, seqs: list[Sequence], per_seq: int):
+    if max((s.params.logprobs for s in seqs if s.params.logprobs is not None), default=-1) < 0:
+        return None, off
+    rows = len(seqs) * per_seq
+    n_top = max(s.params.logprobs for s in seqs if s.params.logprobs is not None)
+    lp = host[off:off + rows].view(np.float64)
+    ranks = host[off + rows:off + 2 * rows]
+    off += 2 * rows
+    top_ids = host[off:off + rows * n_top].reshape(rows, n_top)
+    top_lp = host[off + rows * n_top:off + 2 * rows * n_top].view(np.float64).reshape(rows, n_top)
+    off += 2 * rows * n_top
+    out = []
+    for j, s in enumerate(seqs):
+        want = s.params.logprobs or 0
+        out.append([(float(lp[r]), int(ranks[r]), [(int(top_ids[r, m]), float(top_lp[r, m])) for m in range(want)])
+                    for r in range(j * per_seq, (j + 1) * per_seq)])
+    return out, off
 
 
 def _counts(rows: list[list[int]], vocab: int, device) -> torch.Tensor:

@@ -7,7 +7,9 @@ When the KV pool runs out, the newest running sequence is preempted by recompute
 slot are freed, it goes back to the front of the queue). A preempted sequence is readmitted only
 when its whole current length plus one growth block per running sequence fits, so it is not
 admitted just to be preempted again on the next step (the original stack's thrash). A sequence
-that cannot fit even alone fails with a clear error.
+that cannot fit even alone fails with a clear error. With prefix caching (qv/engine/prefix_cache.py)
+an admitted sequence resumes from its cached prefix, and a preempted one's blocks stay cached, so
+its readmission usually resumes from its last snapshot.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from qv.engine.kv_cache import KVBlockPool
+from qv.engine.prefix_cache import PrefixCache, is_isolated
 from qv.engine.sequence import Sequence, SeqStatus
 from qv.engine.state_pool import GDNStatePool
 
@@ -37,8 +40,11 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, blocks: KVBlockPool, slots: GDNStatePool, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, blocks: KVBlockPool, slots: GDNStatePool, max_num_seqs: int, max_num_batched_tokens: int,
+                 lookahead: int = 0, prefix_cache: PrefixCache | None = None):
         self.blocks, self.slots = blocks, slots
+        self.prefix_cache = prefix_cache  # None: prefix caching off
+        self.lookahead = lookahead  # extra KV positions a step may write past its tokens (the MTP head's drafts)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -78,19 +84,30 @@ class Scheduler:
         for seq in list(self.running):
             if seq not in self.running:  # preempted earlier in this loop to make room
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = seq.num_tokens - seq.num_computed_tokens + len(seq.draft_token_ids)
+            if n > budget and seq.draft_token_ids:  # verification is all k+1 rows or none
+                seq.draft_token_ids = []
+                n = seq.num_tokens - seq.num_computed_tokens
+            n = min(n, budget)
+            if self.prefix_cache and not seq.draft_token_ids:  # end prefill chunks on snapshot boundaries
+                n = self.prefix_cache.clip(seq, n)
             if n <= 0:
                 continue
             if not self._make_room(seq, n, plan):
                 continue
-            self.blocks.grow(seq.block_ids, seq.num_computed_tokens + n)
+            self.blocks.grow(seq.block_ids, self._covered(seq, n))
             plan.scheduled.append((seq, n))
             budget -= n
         return budget
 
+    def _covered(self, seq: Sequence, n: int) -> int:
+        """Positions the step may write KV for: its rows, plus the drafts' lookahead once caught up."""
+        end = seq.num_computed_tokens + n
+        return end + self.lookahead if end >= seq.num_tokens else end
+
     def _make_room(self, seq: Sequence, n: int, plan: StepPlan) -> bool:
         """Preempt newest-first until `seq` can grow by n tokens; False if `seq` itself gave way."""
-        while not self.blocks.can_grow(len(seq.block_ids), seq.num_computed_tokens + n):
+        while not self.blocks.can_grow(len(seq.block_ids), self._covered(seq, n), is_isolated(seq)):
             victim = self.running[-1]
             if victim is seq and len(self.running) == 1:
                 self._fail_too_large(seq, plan)
@@ -107,6 +124,7 @@ class Scheduler:
         self.running.remove(seq)
         self._free(seq)
         seq.num_computed_tokens = 0
+        seq.draft_token_ids = []
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
@@ -114,31 +132,39 @@ class Scheduler:
         plan.preempted.append(seq)
 
     def _fail_too_large(self, seq: Sequence, plan: StepPlan) -> None:
-        cap = self.blocks.num_blocks * self.blocks.block_size
+        blocks = self.blocks.capacity(is_isolated(seq))  # Clef rows leave the chat reserve alone
+        cap = blocks * self.blocks.block_size
         self.finish(seq, "error", error=(
             f"request {seq.request_id} needs {seq.num_tokens + 1} tokens of KV cache but the whole cache holds "
-            f"{cap} tokens ({self.blocks.num_blocks} blocks of {self.blocks.block_size}); raise kv_cache_bytes "
+            f"{cap} tokens ({blocks} blocks of {self.blocks.block_size}); raise kv_cache_bytes "
             f"or lower max_tokens"))
         plan.failed.append(seq)
 
     def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and self.slots.num_free:
             seq = self.waiting[0]
-            total_needed = self.blocks.blocks_for(seq.num_tokens + 1)
-            if total_needed > self.blocks.num_blocks:
+            total_needed = self.blocks.blocks_for(seq.num_tokens + 1 + self.lookahead)
+            iso = is_isolated(seq)
+            if total_needed > self.blocks.capacity(iso):
                 self.waiting.popleft()
                 self._fail_too_large(seq, plan)
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            hit = self.prefix_cache.match(seq) if self.prefix_cache else None
+            shared = hit.num_in_use if hit else 0  # blocks other sequences hold already cost nothing
             # Admit only if the whole current sequence (not just this chunk) fits with one block of
             # growth headroom per running sequence; otherwise it would be preempted again soon.
             headroom = len(self.running) if self.running else 0
-            if self.blocks.blocks_for(seq.num_tokens) + headroom > self.blocks.num_free:
+            if self.blocks.blocks_for(seq.num_tokens + self.lookahead) - shared + headroom > \
+                    self.blocks.num_available(iso):
                 break
             self.waiting.popleft()
             seq.state_slot = self.slots.acquire()
             seq.status = SeqStatus.RUNNING
-            self.blocks.grow(seq.block_ids, seq.num_computed_tokens + n)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if self.prefix_cache:  # resume from the hit, then end the chunk on a snapshot boundary
+                self.prefix_cache.admit(seq, hit)
+                n = self.prefix_cache.clip(seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
+            self.blocks.grow(seq.block_ids, self._covered(seq, n))
             self.running.append(seq)
             plan.scheduled.append((seq, n))
             budget -= n

@@ -40,7 +40,11 @@ class Sequence:
     stop_reason: int | str | None = None
     error: str | None = None
     num_preemptions: int = 0
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at the last admission
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at the first admission
+    mm_hashes: list[tuple[int, str]] | None = None  # (position, hash) of each media item: part of the prefix key
+    draft_token_ids: list[int] = field(default_factory=list)  # exactly k drafts to verify next step, or none
+    draft_source: str | None = None  # "mtp" | "ngram"
+    spec_scores: dict = field(default_factory=dict)  # draft source -> running acceptance (auto mode)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -53,6 +57,14 @@ class Sequence:
     def token_at(self, pos: int) -> int:
         n = len(self.prompt_token_ids)
         return self.prompt_token_ids[pos] if pos < n else self.output_token_ids[pos - n]
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
 
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids

@@ -1,0 +1,184 @@
+"""Fitting tiny fixtures so speculation tests are meaningful (CPU, a few hundred steps each).
+
+- `fit_copy_model`: trains a tiny target (through transformers, its own training path) to continue
+  repeated lists, so prompt-lookup (n-gram) drafts can be accepted at all; random weights never copy.
+- `fit_mtp_head`: self-distillation of the `mtp.*` head on the target's own greedy continuations:
+  at position p the head sees (embedding of t_{p+1}, target hidden h_p) and learns the target's
+  distribution for t_{p+2}. The forward here is the head's math written with the fp32 reference
+  ops, which are differentiable; serving uses qv.spec.mtp.MTPHead on the same tensors.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from qv.config import ModelConfig
+from qv.kernels import reference as R
+from qv.model.batch import build_step_batch
+from qv.model.cache import allocate_cache
+from qv.model.qwen3_5 import load_text_model
+
+
+def _save_updates(model_dir: Path, updates: dict[str, torch.Tensor]) -> None:
+    path = model_dir / "model.safetensors"
+    tensors = load_file(str(path))
+    missing = sorted(set(updates) - set(tensors))
+    if missing:
+        raise KeyError(f"fit produced tensors absent from the checkpoint: {missing[:5]}")
+    tensors.update({k: v.detach().to(tensors[k].dtype).contiguous() for k, v in updates.items()})
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+# --------------------------------------------------------------------------------------------
+# the target: learn to continue repeated lists
+# --------------------------------------------------------------------------------------------
+
+
+def copy_batch(rng: random.Random, batch: int, symbols: int, length: int, repeats: int) -> torch.Tensor:
+    """Rows of a random list (4..length items) repeated until the row holds length * repeats tokens."""
+    width = length * repeats
+    rows = []
+    for _ in range(batch):
+        items = [rng.randrange(1, symbols) for _ in range(rng.randrange(4, length + 1))]
+        rows.append((items * (width // len(items) + 1))[:width])
+    return torch.tensor(rows)
+
+
+def fit_copy_model(model_dir: str | Path, steps: int = 300, seed: int = 0, symbols: int = 64, length: int = 12,
+                   lr: float = 3e-3, log=print) -> float:
+    """Train every text weight on lists repeated three times (loss on all tokens). Returns the final loss."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    model_dir = Path(model_dir)
+    cfg = ModelConfig.from_dir(model_dir)
+    cls = (transformers.Qwen3_5ForCausalLM if cfg.architecture == "Qwen3_5ForCausalLM"
+           else transformers.Qwen3_5ForConditionalGeneration)
+    model = cls.from_pretrained(str(model_dir), dtype=torch.float32).train()
+    params = [p for n, p in model.named_parameters() if ".visual." not in n and not n.startswith("visual.")]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    loss = torch.tensor(float("nan"))
+    for step in range(steps):
+        ids = copy_batch(rng, 16, symbols, length, 3)
+        logits = model(input_ids=ids).logits[:, :-1]
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % 50 == 0 or step == steps - 1:
+            log(f"copy fit step {step}: loss {loss.item():.3f}")
+    state = {k: v for k, v in model.state_dict().items() if ".visual." not in k}
+    _save_updates(model_dir, {k: v for k, v in state.items() if k in load_file(str(model_dir / "model.safetensors"))})
+    return float(loss)
+
+
+# --------------------------------------------------------------------------------------------
+# the MTP head: self-distillation on the target's own greedy continuations
+# --------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def _target_pass(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(final-norm hidden [L, H], logits [L, V]) of the target over one sequence."""
+    cfg = model.cfg
+    bs = 16
+    blocks = -(-len(ids) // bs)
+    cache = allocate_cache(cfg, blocks, bs, 1, torch.float32, torch.float32, torch.float32, "cpu")
+    batch = build_step_batch([len(ids)], [len(ids)], [list(range(blocks))], [0], bs,
+                             logits_rows=list(range(len(ids))))
+    hidden = model.forward(torch.tensor(ids), torch.arange(len(ids)), batch, cache)
+    return hidden, model.compute_logits(hidden)
+
+
+def _mtp_forward(p: dict[str, torch.Tensor], cfg: ModelConfig, embed: torch.Tensor, lm_head: torch.Tensor,
+                 next_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """Differentiable head over [B, L] positions 0..L-1 -> logits [B, L, V]."""
+    eps, d, hq, hkv = cfg.rms_norm_eps, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    bsz, length, _ = hidden.shape
+    e = R.rms_norm(embed[next_ids], p["mtp.pre_fc_norm_embedding.weight"], eps)
+    h = R.rms_norm(hidden, p["mtp.pre_fc_norm_hidden.weight"], eps)
+    x = torch.cat([e, h], -1) @ p["mtp.fc.weight"].t()
+    lp = "mtp.layers.0."
+    y = R.rms_norm(x, p[lp + "input_layernorm.weight"], eps)
+    qg = (y @ p[lp + "self_attn.q_proj.weight"].t()).view(bsz, length, hq, 2 * d)
+    q, gate = qg[..., :d], qg[..., d:].reshape(bsz, length, hq * d)
+    k = (y @ p[lp + "self_attn.k_proj.weight"].t()).view(bsz, length, hkv, d)
+    v = (y @ p[lp + "self_attn.v_proj.weight"].t()).view(bsz, length, hkv, d)
+    q = R.rms_norm(q, p[lp + "self_attn.q_norm.weight"], eps)
+    k = R.rms_norm(k, p[lp + "self_attn.k_norm.weight"], eps)
+    pos = torch.arange(length)
+    q, k = zip(*[R.rope(q[b], k[b], pos, cfg.rotary_dim, cfg.rope_theta, cfg.mrope_section, cfg.mrope_interleaved)
+                 for b in range(bsz)])
+    q, k = torch.stack(q).transpose(1, 2), torch.stack(k).transpose(1, 2)
+    o = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True, enable_gqa=True)
+    o = o.transpose(1, 2).reshape(bsz, length, hq * d) * torch.sigmoid(gate)
+    x = x + o @ p[lp + "self_attn.o_proj.weight"].t()
+    y = R.rms_norm(x, p[lp + "post_attention_layernorm.weight"], eps)
+    gu = torch.cat([y @ p[lp + "mlp.gate_proj.weight"].t(), y @ p[lp + "mlp.up_proj.weight"].t()], -1)
+    x = x + R.silu_mul(gu) @ p[lp + "mlp.down_proj.weight"].t()
+    return R.rms_norm(x, p["mtp.norm.weight"], eps) @ lm_head.t()
+
+
+def fit_mtp_head(model_dir: str | Path, steps: int = 300, seed: int = 0, num_seqs: int = 24, gen_len: int = 48,
+                 lr: float = 3e-3, log=print) -> float:
+    """Self-distil the head on the target's greedy continuations of random and repeated-list prompts.
+    Returns the final KL loss."""
+    model_dir = Path(model_dir)
+    cfg = ModelConfig.from_dir(model_dir)
+    model = load_text_model(str(model_dir), cfg)
+    rng = random.Random(seed)
+    seqs = _greedy_corpus(model, cfg, rng, num_seqs, gen_len)
+    data = [_target_pass(model, s) for s in seqs]
+    length = min(len(s) for s in seqs) - 1
+    ids = torch.tensor([s[1:length + 1] for s in seqs])  # t_{p+1}
+    hidden = torch.stack([h[:length] for h, _ in data])  # h_p
+    teacher = torch.stack([torch.log_softmax(lg[1:length + 1], -1) for _, lg in data])  # target at p+1
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    params = {k: v.float().clone().requires_grad_(True) for k, v in tensors.items() if k.startswith("mtp.")}
+    embed, lm_head = model.embed_tokens, model.lm_head.weight
+    opt = torch.optim.Adam(params.values(), lr=lr)
+    loss = torch.tensor(float("nan"))
+    for step in range(steps):
+        logits = _mtp_forward(params, cfg, embed, lm_head, ids, hidden)[..., :cfg.vocab_size]
+        loss = F.kl_div(torch.log_softmax(logits, -1), teacher[..., :cfg.vocab_size], log_target=True,
+                        reduction="batchmean")
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % 50 == 0 or step == steps - 1:
+            log(f"mtp fit step {step}: KL {loss.item():.4f}")
+    _save_updates(model_dir, params)
+    return float(loss)
+
+
+@torch.no_grad()
+def _greedy(model, prompt: list[int], n: int) -> list[int]:
+    """Prompt + n greedy tokens, decoding one token per forward through the cache."""
+    cfg, bs = model.cfg, 16
+    blocks = -(-(len(prompt) + n) // bs)
+    cache = allocate_cache(cfg, blocks, bs, 1, torch.float32, torch.float32, torch.float32, "cpu")
+    table = [list(range(blocks))]
+    ids, start = list(prompt), 0
+    for _ in range(n):
+        batch = build_step_batch([len(ids) - start], [len(ids)], table, [0], bs)
+        h = model.forward(torch.tensor(ids[start:]), torch.arange(start, len(ids)), batch, cache)
+        start = len(ids)
+        ids.append(int(model.compute_logits(h[batch.logits_indices])[0, :cfg.vocab_size].argmax()))
+    return ids
+
+
+def _greedy_corpus(model, cfg: ModelConfig, rng: random.Random, num_seqs: int, gen_len: int) -> list[list[int]]:
+    """Prompts (random tokens, half of them repeated lists) with the target's greedy continuations."""
+    seqs = []
+    for i in range(num_seqs):
+        items = [rng.randrange(1, 64) for _ in range(rng.randrange(4, 10))]
+        prompt = items * 3 if i % 2 else [rng.randrange(cfg.vocab_size // 2) for _ in range(12)]
+        seqs.append(_greedy(model, prompt, gen_len))
+    return seqs
