@@ -241,16 +241,22 @@ class VisionProcessor:
             num = min(max(total_frames, c.min_frames), c.max_frames)
         return np.linspace(0, total_frames - 1, num).round().astype(int)
 
-    def video(self, frames, fps: float | None) -> VisionItem:
+    def video(self, frames, fps: float | None, indices: Sequence[int] | None = None) -> VisionItem:
         """`frames`: THW3 uint8 array or a list of PIL images / HW3 arrays, all one size; `fps`: the
-        source frame rate (None means 24, as HF assumes without metadata)."""
+        source frame rate (None means 24, as HF assumes without metadata). With `indices`, the
+        frames are already the sampled ones (a decoder that asked `sample_indices` first, so it
+        never holds the whole video) and `indices` their numbers in the source."""
         c = self.video_cfg
         arr = _frames_to_array(frames)
         source_fps = 24.0 if fps is None else float(fps)
         if source_fps <= 0:
             raise MediaError(f"video fps must be positive, got {fps}")
-        indices = self.sample_indices(arr.shape[0], source_fps)
-        x = torch.from_numpy(np.ascontiguousarray(arr[indices])).permute(0, 3, 1, 2)  # [T, C, H, W] uint8
+        if indices is None:
+            indices = self.sample_indices(arr.shape[0], source_fps)
+            arr = arr[indices]
+        elif len(indices) != arr.shape[0]:
+            raise MediaError(f"{arr.shape[0]} frames given for {len(indices)} sampled indices")
+        x = torch.from_numpy(np.ascontiguousarray(arr)).permute(0, 3, 1, 2)  # [T, C, H, W] uint8
         factor = c.patch_size * c.merge_size
         if c.do_resize:
             max_pixels = c.max_pixels
@@ -265,7 +271,7 @@ class VisionProcessor:
         if pad := -x.shape[0] % c.temporal_patch_size:  # repeat the last frame to fill the temporal patch
             x = torch.cat([x, x[-1:].expand(pad, -1, -1, -1)])
         pixels, grid = _patchify(x, c)
-        return VisionItem("video", pixels, grid, c.merge_size, _timestamps(indices, source_fps, c.temporal_patch_size))
+        return VisionItem("video", pixels, grid, c.merge_size, _timestamps(np.asarray(indices), source_fps, c.temporal_patch_size))
 
 
 def _frames_to_array(frames) -> np.ndarray:

@@ -113,9 +113,10 @@ class MediaFetcher:
         """A decoded PIL image."""
         return decode_image(await self.fetch_bytes(url, where), where)
 
-    async def video(self, url: str, where: str):
-        """(frames, fps): frames a list of RGB PIL images of one size, fps the source frame rate."""
-        return decode_video(await self.fetch_bytes(url, where), where)
+    async def video(self, url: str, where: str, pick=None):
+        """(frames, fps, indices): RGB PIL frames of one size, the source frame rate, and which
+        source frames they are (see decode_video)."""
+        return decode_video(await self.fetch_bytes(url, where), where, pick)
 
 
 def _open(data: bytes, where: str, what: str):
@@ -139,23 +140,30 @@ def decode_image(data: bytes, where: str):
     return im
 
 
-def decode_video(data: bytes, where: str):
+def decode_video(data: bytes, where: str, pick=None):
+    """(frames, fps, indices) of an animated image: `pick(total_frames, fps)` chooses which frames
+    to decode (all when None), so a long video is never held whole; fps None when the file
+    gives no frame durations."""
     im = _open(data, where, "video")
     n = getattr(im, "n_frames", 1)
     if not getattr(im, "is_animated", False) or n < 2:
         raise bad_request(f"{where}: videos must be animated GIF, WebP or PNG (qv has no video-file decoder)", where)
     if n > MAX_VIDEO_FRAMES:
         raise bad_request(f"{where}: video has {n} frames, over the {MAX_VIDEO_FRAMES} limit", where)
-    frames, total_ms = [], 0.0
     try:
-        for i in range(n):
+        total_ms = 0.0
+        for i in range(n):  # durations only: seeking decodes nothing to RGB
             im.seek(i)
             total_ms += float(im.info.get("duration") or 0)
+        fps = 1000.0 * n / total_ms if total_ms > 0 else None
+        indices = list(range(n)) if pick is None else [int(i) for i in pick(n, fps)]
+        frames = []
+        for i in indices:
+            im.seek(i)
             frames.append(im.convert("RGB"))
     except (OSError, ValueError, EOFError) as e:
         raise bad_request(f"{where}: could not decode the video ({type(e).__name__})", where) from None
-    fps = 1000.0 * n / total_ms if total_ms > 0 else None  # None: the processor assumes 24, as HF does
-    return frames, fps
+    return frames, fps, indices
 
 
 def _short(url: str) -> str:
@@ -207,7 +215,10 @@ async def load_media(found: list[tuple[str, str, str]], fetcher: MediaFetcher, p
     returns VisionItems in prompt order. Processor refusals (e.g. aspect ratio) become 400s."""
     from qv.model.vision_processor import MediaError
 
-    decoded = await asyncio.gather(*[fetcher.image(url, where) if kind == "image" else fetcher.video(url, where)
+    def pick(n: int, fps: float | None):  # decode only the frames the processor keeps
+        return processor.sample_indices(n, 24.0 if fps is None else fps)
+
+    decoded = await asyncio.gather(*[fetcher.image(url, where) if kind == "image" else fetcher.video(url, where, pick)
                                      for kind, url, where in found])
 
     def run():

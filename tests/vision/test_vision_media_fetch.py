@@ -25,7 +25,7 @@ def png(w=40, h=30, color=(200, 10, 30)) -> bytes:
     return buf.getvalue()
 
 
-def gif(frames=5, ms=100) -> bytes:
+def gif(frames=13, ms=100) -> bytes:
     rng = np.random.default_rng(0)
     ims = [Image.fromarray(rng.integers(0, 256, (24, 32, 3), dtype=np.uint8)) for _ in range(frames)]
     buf = io.BytesIO()
@@ -115,8 +115,8 @@ def test_sources(server, tmp_path):
     assert run(f.fetch_bytes(f"file://{tmp_path}/a.png", "part[0]")) == PNG
     im = run(f.image(f"{server}/img.png", "part[0]"))
     assert im.size == (40, 30) and im.getpixel((0, 0)) == (200, 10, 30)
-    frames, fps = run(fetcher(max_bytes=1 << 20).video(f"{server}/anim.gif", "part[0]"))
-    assert len(frames) == 5 and frames[0].size == (32, 24) and fps == pytest.approx(10.0)
+    frames, fps, idx = run(fetcher(max_bytes=1 << 20).video(f"{server}/anim.gif", "part[0]"))
+    assert len(frames) == 13 and frames[0].size == (32, 24) and fps == pytest.approx(10.0) and idx == list(range(13))
 
 
 def test_limits_and_failures(server, tmp_path):
@@ -198,7 +198,10 @@ def test_load_media_end_to_end(server, tiny_dirs):
     assert [it.kind for it in items] == ["image", "image", "video"]
     direct = proc.image(Image.open(io.BytesIO(PNG)))
     assert torch.equal(items[0].pixel_values, direct.pixel_values) and items[0].grid_thw == direct.grid_thw
-    assert items[2].timestamps and items[2].grid_thw[0] == len(items[2].timestamps)
+    # the video was decoded frame-selectively: same item as sampling from all its frames
+    frames, fps, _ = run(f.video(f"{server}/anim.gif", "part[0]"))
+    whole = proc.video(frames, fps)
+    assert torch.equal(items[2].pixel_values, whole.pixel_values) and items[2].timestamps == whole.timestamps
     with pytest.raises(APIError, match=r"messages\[1\].content\[1\]: could not decode"):
         run(load_media(collect_media(_msgs(1, 0, f"{server}/text", ""), 20, 2), f, proc))
     thin = "data:image/png;base64," + base64.b64encode(png(2500, 10)).decode()

@@ -81,6 +81,8 @@ def test_bad_media_rejected(vision_dir):
         proc.video(np.zeros((4, 32, 32), np.float32), 2.0)
     with pytest.raises(MediaError, match="fps must be positive"):
         proc.video(np.zeros((4, 32, 32, 3), np.uint8), 0)
+    with pytest.raises(MediaError, match="3 frames given for 2 sampled indices"):
+        proc.video(np.zeros((3, 32, 32, 3), np.uint8), 2.0, indices=[0, 5])
     with pytest.raises(MediaError, match="unsupported image type"):
         proc.image("not an image")
 
