@@ -23,7 +23,7 @@ from urllib.parse import unquote, urljoin, urlsplit
 
 import httpx
 
-from qv.server.errors import bad_request
+from qv.server.errors import APIError, bad_request
 
 MAX_REDIRECTS = 5
 MAX_IMAGE_PIXELS = 1 << 26  # 67M pixels: far past what the processor keeps, short of a decompression bomb
@@ -144,7 +144,13 @@ def decode_video(data: bytes, where: str, pick=None):
     """(frames, fps, indices) of an animated image: `pick(total_frames, fps)` chooses which frames
     to decode (all when None), so a long video is never held whole; fps None when the file
     gives no frame durations."""
-    im = _open(data, where, "video")
+    try:
+        im = _open(data, where, "video")
+    except APIError as e:
+        if "pixels is over" in e.message:
+            raise
+        raise bad_request(f"{where}: could not decode the video: qv reads animated GIF, WebP or PNG "
+                          "(no MP4/WebM decoder is installed)", where) from None
     n = getattr(im, "n_frames", 1)
     if not getattr(im, "is_animated", False) or n < 2:
         raise bad_request(f"{where}: videos must be animated GIF, WebP or PNG (qv has no video-file decoder)", where)

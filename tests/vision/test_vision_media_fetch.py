@@ -131,6 +131,8 @@ def test_limits_and_failures(server, tmp_path):
     bad(f.fetch_bytes("ftp://example.com/a.png", "part[0]"), "unsupported URL scheme")
     bad(f.image(f"{server}/text", "part[0]"), "could not decode the image")
     bad(f.video(f"{server}/img.png", "part[0]"), "animated")
+    mp4 = base64.b64encode(b"\x00\x00\x00\x18ftypmp42" + bytes(200)).decode()
+    bad(f.video(mp4, "part[0]"), "no MP4/WebM decoder")
     t0 = time.monotonic()
     bad(fetcher(timeout_s=1.0).fetch_bytes(f"{server}/slow", "part[0]"), "longer than 1 s")
     assert time.monotonic() - t0 < 2.9  # the server answers after 3 s
