@@ -1,11 +1,11 @@
 """Kernel benchmarks at Qwen3.5-27B layer shapes: ours vs a peer vs the hardware limit, in one run.
 
-    python bench/kernels.py [--sweep] [--json out.json]
+    python bench/kernels.py [--sweep all|attn,gdn,...] [--json out.json]
 
 Every time is the median of many launches (triton.testing.do_bench, which also clears the L2
 between launches); inputs that fit in L2 are rotated among enough copies to exceed 3x the L2.
 Ceilings (copy bandwidth, bf16 matmul rate) are measured in the same run. --sweep also times
-a few tile configurations per kernel and prints the best (how the defaults were chosen).
+a few tile configurations of the named groups and reports the best (how the defaults were chosen).
 FLA (flash-linear-attention) is imported if installed; its rows are skipped otherwise.
 """
 
@@ -263,7 +263,8 @@ def bench_gemm(lim, sweep):
         cfgs = [None]
         if sweep:
             cfgs += [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=s, GROUP_M=8)
-                     for bm, bn, bk, nw, s in ((128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 128, 8, 4))]
+                     for bm, bn, bk, nw, s in ((128, 128, 64, 8, 4), (128, 128, 128, 8, 4))]
+            cfgs += [dict(f16_mode=0, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)]
         best = (float("inf"), None)
         for cfg in cfgs:
             t = try_time(lambda: _linear_triton(x, w, config=cfg), 500)
@@ -284,7 +285,8 @@ best_cfg: dict = {}
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sweep", action="store_true", help="also time a few tile configurations per kernel")
+    ap.add_argument("--sweep", default="", help="groups (attn,gdn,step,decode,gemv,gemm) that also time a few "
+                    "tile configurations; 'all' for every group")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--only", default="", help="comma list: attn,gdn,step,decode,gemv,gemm")
     args = ap.parse_args()
@@ -300,12 +302,14 @@ def main():
     print("| group | case | ours | peer | limit | measure | target | met | note |")
     print("|---|---|---|---|---|---|---|---|---|")
     only = set(filter(None, args.only.split(",")))
-    steps = dict(attn=lambda: bench_prefill_attention(lim, args.sweep),
-                 gdn=lambda: bench_gdn_chunk(lim, args.sweep, fla),
-                 step=lambda: bench_gdn_step(lim, args.sweep, fla),
-                 decode=lambda: bench_decode(lim, args.sweep),
-                 gemv=lambda: bench_gemv(lim, args.sweep),
-                 gemm=lambda: bench_gemm(lim, args.sweep))
+    sw = set(args.sweep.split(","))
+    on = lambda g: "all" in sw or g in sw  # noqa: E731
+    steps = dict(attn=lambda: bench_prefill_attention(lim, on("attn")),
+                 gdn=lambda: bench_gdn_chunk(lim, on("gdn"), fla),
+                 step=lambda: bench_gdn_step(lim, on("step"), fla),
+                 decode=lambda: bench_decode(lim, on("decode")),
+                 gemv=lambda: bench_gemv(lim, on("gemv")),
+                 gemm=lambda: bench_gemm(lim, on("gemm")))
     for name, fn in steps.items():
         if not only or name in only:
             try:

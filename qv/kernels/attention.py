@@ -117,16 +117,17 @@ def _write_kv_triton(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale
 # ---------------------------------------------------------------------------------------------
 
 
-def _attn_config(device, dtype, d, rep, decode, max_q):
+def _attn_config(device, dtype, d, rep, decode, max_q, n_seq, hkv):
     """Tile sizes: (BLOCK_M rows = query tokens x GQA group, BLOCK_N keys, warps, stages)."""
     m_floor = next_pow2(rep, 16)
     if interpreting(device):  # tiny tiles so CPU tests cross many tile, split and page boundaries
         m = next_pow2(max_q * rep, m_floor) if decode else m_floor
         return dict(BLOCK_M=m, BLOCK_N=16, num_warps=4, num_stages=1)
     wide = dtype != torch.float32
-    if decode:  # measured on the H200 (bench/kernels.py --sweep)
-        return dict(BLOCK_M=next_pow2(max_q * rep, m_floor), BLOCK_N=128 if wide else 32, num_warps=4,
-                    num_stages=3 if wide else 2)
+    if decode:  # measured on the H200 (bench/kernels.py --sweep): short splits like deeper pipelines
+        long_splits = n_seq * hkv >= num_sms(device) // 4  # few (batch, KV head) pairs: many short splits
+        return dict(BLOCK_M=next_pow2(max_q * rep, m_floor), BLOCK_N=(128 if long_splits else 64) if wide else 32,
+                    num_warps=4, num_stages=(3 if long_splits else 4) if wide else 2)
     if not wide:  # fp32 runs its dots on FMA units (ieee): small tiles
         return dict(BLOCK_M=max(m_floor, 32 if d > 128 else 64), BLOCK_N=32, num_warps=4, num_stages=1)
     if d <= 64:
@@ -157,7 +158,7 @@ def _attention(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, causal, page
     if max_kv is None:
         max_kv = int(kv_lens.max()) if paged else max_q
     decode = paged and max_q <= 8
-    cfg = dict(_attn_config(q.device, q.dtype, d, rep, decode, max_q), **(config or {}))
+    cfg = dict(_attn_config(q.device, q.dtype, d, rep, decode, max_q, n_seq, hkv), **(config or {}))
     block_m, block_n = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
     bq = block_m // rep
     grid0 = n_seq if decode else t // bq + n_seq

@@ -221,7 +221,7 @@ def _scan_bv(device, n_seq, hv, dv, split_o):
     """Value columns per scan program (measured on the H200: wider tiles beat more programs)."""
     if interpreting(device):
         return 16
-    return min(next_pow2(dv, 16), 64)
+    return min(next_pow2(dv, 16), 32 if split_o else 64)
 
 
 def chunk_prep(k, v, a, b, A_log, dt_bias, cu_seqlens, hv, warps=4):
@@ -267,7 +267,7 @@ def gdn_chunked(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, state_slots, h
         h_all.stride(0), h_all.stride(1), h_all.stride(2) if split_o else 0,
         state.stride(0), state.stride(1), state.stride(2), sc.stride(0) if int16 else 0, sc.stride(1) if int16 else 0,
         REP=hv // hk, BK=bk, BV=bv, BT=bt, INT16=int16, SPLIT_O=split_o,
-        num_warps=cfg.get("scan_warps", 4 if interpreting(q.device) or bv < 64 else 8),
+        num_warps=cfg.get("scan_warps", 4 if interpreting(q.device) or bv < 64 or split_o else 8),
         num_stages=cfg.get("scan_stages", 2))
     if split_o:
         bvo = cfg.get("out_bv", min(bvf, 64))

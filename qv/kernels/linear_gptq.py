@@ -4,9 +4,10 @@ low-rank delta. Dense weights use torch.nn.functional.linear (cuBLAS): nothing t
 
 Weights are qv's GPTQ layout (linear.py): codes [K, N] uint8, scales/zeros [G, N], g_idx [K].
 With sequential groups (g_idx = k // group_size) a K tile lies inside one group, so the GEMV
-multiplies raw codes and applies (. - zero * sum(x)) * scale once per tile and column
-("SCALE_AFTER"); the GEMM dequantizes each [BK, BN] tile to the activation dtype first. Act-order
-weights (any g_idx) gather scales per row ("GATHER").
+multiplies raw codes and applies the zero and scale once per tile and column (_f16_tile); the GEMM
+dequantizes each [BK, BN] tile in fp16. Both turn codes into fp16 by bit tricks and run fp16 tensor
+cores (bf16 activations are scaled into fp16 range by powers of two). fp32 activations and
+act-order weights (any g_idx, "GATHER") dequantize exactly in fp32.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def gptq_matmul_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, r_ptr, o_ptr, M, N, K, K_SPLIT, GROUP,
     stride_xm, stride_qk, stride_sg, stride_om, stride_os,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, GATHER: tl.constexpr, F16: tl.constexpr,
+    HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, GATHER: tl.constexpr, F16: tl.constexpr,  # 0, 1 or 2
     TILE_SCALE: tl.constexpr, ROW_SCALE: tl.constexpr, SPLIT: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -74,9 +75,18 @@ def gptq_matmul_kernel(
         b_x = tl.load(x_ptr + o_m[:, None] * stride_xm + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.)
         b_q = tl.load(q_ptr + o_k[:, None].to(tl.int64) * stride_qk + o_n[None, :], mask=m_k[:, None] & m_n[None, :],
                       other=0)
-        if F16:
+        if F16 == 1:
             acc += _f16_tile(b_x, b_q, s_ptr, z_ptr, (k0 // GROUP).to(tl.int64) * stride_sg, o_n, m_n, HAS_ZERO,
                              TILE_SCALE)
+        elif F16 == 2:  # GEMM: the tile itself dequantized in fp16 ((1024 + c) - (1024 + z) is exact)
+            g_off = (k0 // GROUP).to(tl.int64) * stride_sg
+            b_s = tl.load(s_ptr + g_off + o_n, mask=m_n, other=0.).to(tl.float16)
+            if HAS_ZERO:
+                b_z = tl.load(z_ptr + g_off + o_n, mask=m_n, other=0.).to(tl.float32)
+            else:
+                b_z = tl.full([BLOCK_N], 128., dtype=tl.float32)
+            b_w = (b_q.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - (1024. + b_z).to(tl.float16)[None, :]
+            acc += tl.dot(b_x, b_w * b_s[None, :])
         elif GATHER:
             b_g = tl.load(g_ptr + o_k, mask=m_k, other=0).to(tl.int64)
             p_sz = b_g[:, None] * stride_sg + o_n[None, :]
@@ -163,11 +173,13 @@ def gptq_linear(x, w, bias=None, config=None):
         if bk < 16:
             gather, f16, bk = True, False, 32
     rows = None
-    if f16 and x.dtype == torch.bfloat16 and m > 16:
+    if f16 and x.dtype == torch.bfloat16 and m > 16 and cfg.get("f16_mode", 2) != 0:
         # GEMM: bf16 rows go to fp16 once, scaled by a power of two into range (undone at the end)
         amax = x2.abs().amax(dim=1).float().clamp_min(1.0)
         rows = torch.exp2(torch.ceil(torch.log2(amax / 16384.0)).clamp_min(0.0))
         x2 = (x2.float() / rows[:, None]).to(torch.float16)
+    # fp16 tensor cores: scale after the dot for the GEMV (few rows), dequantized tiles for the GEMM
+    f16_mode = cfg.pop("f16_mode", 1 if m <= 16 else 2) if f16 else 0
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     split = cfg.pop("split")
     if split is None:  # about four waves of programs over the SMs
@@ -182,7 +194,8 @@ def gptq_linear(x, w, bias=None, config=None):
         w.group_size, x2.stride(0), w.qweight.stride(0), w.scales.stride(0), part.stride(-2),
         part.stride(0) if split > 1 else 0,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.pop("GROUP_M"), HAS_ZERO=w.zeros is not None,
-        HAS_BIAS=bias is not None, GATHER=gather, F16=f16, TILE_SCALE=f16 and x2.dtype == torch.bfloat16,
+        HAS_BIAS=bias is not None, GATHER=gather, F16=f16_mode,
+        TILE_SCALE=f16_mode == 1 and x2.dtype == torch.bfloat16,
         ROW_SCALE=rows is not None, SPLIT=split > 1, **cfg)
     if split > 1:
         block = 1024
