@@ -1,14 +1,15 @@
 """Triton chunked gated delta rule for prefill (chunks of BT = 64 tokens, varlen, initial and
-final state per slot). Two kernels:
+final state per slot). Three kernels:
 
 1. prep, parallel over (chunk, value head): gating g, beta and the in-chunk cumulative decay
    gc; the WY form W = T (beta exp(gc) k), U = T (beta v) with T = (I + A)^-1,
    A[t, s] = beta_t exp(gc_t - gc_s) k_t.k_s (s < t), solved block-row by block-row over 16-row
    sub-blocks (each diagonal block inverted by forward substitution, the rest on tl.dot).
 2. scan, parallel over (sequence, value head, BV columns), sequential over chunks: with H the
-   state at the chunk start, v_new = U - W H, o = exp(gc) q H + tril(q k^T exp(gc_t - gc_s)) v_new,
-   H <- exp(gc_last) H + (exp(gc_last - gc) k)^T v_new. The output is produced in the scan, so no
-   per-chunk states are stored.
+   state at the chunk start, v_new = U - W H and H <- exp(gc_last) H + (exp(gc_last - gc) k)^T v_new.
+   It stores each chunk's start state and v_new (SPLIT_O, the default on the GPU: measured faster)
+   or computes the output itself.
+3. out, parallel over (chunk, value head, BV columns): o = exp(gc) q H + tril(q k^T exp(gc_t - gc_s)) v_new.
 
 Chunks are "virtual tiles" (sequence b owns cu[b] // BT + b ..), found by binary search, so no
 host sync is needed. Exponents are always of non-positive differences (masked with where).
@@ -22,7 +23,7 @@ import triton.language as tl
 
 from qv.kernels.attention_kernels import _find_seq
 from qv.kernels.gdn_recurrent import gdn_gate, gdn_recurrent, l2norm_rows, load_state, store_state
-from qv.kernels.triton_utils import interpreting, next_pow2, num_sms
+from qv.kernels.triton_utils import interpreting, next_pow2
 
 
 @triton.jit
