@@ -22,14 +22,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from hf_oracle import assert_matches_hf
 from qv.cli import main as qv_main
 from qv.config import ConfigError
-from qv.model.batch import build_step_batch
-from qv.model.cache import allocate_cache
 from qv.model.qwen3_5 import load_text_model
-from util import assert_close
-
-BOUND = 1e-5
 
 
 # ---- the test's own GPTQ code (independent of qv) ---------------------------------------------
@@ -149,23 +145,15 @@ def dense_twin(folder: Path, out: Path) -> Path:
 
 
 def compare(gptq: Path, tmp_path: Path, label: str) -> float:
-    import transformers
-
+    """qv on the GPTQ folder vs transformers float64 on its dense twin (tests/hf_oracle.py)."""
     seed = random.randrange(2**31)
-    model = load_text_model(str(gptq))
+    vocab = json.loads((gptq / "config.json").read_text())
+    vocab = vocab.get("text_config", vocab)["vocab_size"]
     t = 20 + seed % 30
-    ids = torch.randint(0, model.cfg.vocab_size, (t,), generator=torch.Generator().manual_seed(seed))
-    batch = build_step_batch([t], [t], [list(range(4))], [0], 16, logits_rows=list(range(t)))
-    cache = allocate_cache(model.cfg, 4, 16, 1, torch.float32, torch.float32, torch.float32, "cpu")
-    ours = model.compute_logits(model.forward(ids, torch.arange(t), batch, cache)[batch.logits_indices])
+    ids = torch.randint(0, vocab, (t,), generator=torch.Generator().manual_seed(seed))
     twin = dense_twin(gptq, tmp_path / f"{gptq.name}-dense")
-    cls = getattr(transformers, json.loads((twin / "config.json").read_text())["architectures"][0])
-    hf, info = cls.from_pretrained(str(twin), dtype=torch.float64, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
-    with torch.no_grad():
-        ref = hf(input_ids=ids[None]).logits[0]
-    err = assert_close(f"{label} (seed {seed}, {t} tokens)", ours, ref, BOUND)
-    print(f"{label}: rel err {err:.2e}")
+    err, noise = assert_matches_hf(gptq, twin, ids, f"{label} (seed {seed}, {t} tokens)")
+    print(f"{label}: rel err {err:.2e}" + ("" if noise is None else f" (fp32 noise {noise:.2e})"))
     return err
 
 
@@ -243,6 +231,19 @@ def test_make_tiny_gptq_in_place_and_sharded_output(tmp_path, tiny_dirs):
     a, b = read_all(one), read_all(many)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     load_text_model(str(many))
+    for shard_bytes in (4096, 1 << 30):  # in place over a 3-shard source: into many shards, into one file
+        src = shutil.copytree(tiny_dirs("gqa1"), tmp_path / f"ip{shard_bytes}")
+        (src / "model.safetensors").unlink()
+        names = sorted(orig := read_all(tiny_dirs("gqa1")))
+        for i in range(3):
+            save_file({k: orig[k] for k in names[i::3]}, str(src / f"model-{i + 1:05d}-of-00003.safetensors"))
+        (src / "model.safetensors.index.json").write_text(json.dumps(
+            {"weight_map": {k: f"model-{i % 3 + 1:05d}-of-00003.safetensors" for i, k in enumerate(names)}}))
+        quantize_checkpoint(src, src, group_size=16, in_place=True, shard_bytes=shard_bytes)
+        c = read_all(src)  # every file in the folder: stale dense shards would add keys or clash
+        assert c.keys() == a.keys() and all(torch.equal(a[k], c[k]) for k in a)
+        assert (src / "model.safetensors.index.json").is_file() == (shard_bytes == 4096)
+        load_text_model(str(src))
 
 
 @pytest.mark.parametrize("kwargs,needle", [

@@ -47,14 +47,14 @@ def quantize_checkpoint(src: str | Path, out: str | Path, bits: int = 8, group_s
     if bits != 8:
         raise ConfigError(f"--bits {bits} is not supported: qv writes GPTQ-Int8 (bits=8) only")
     if group_size != -1 and group_size < 1:
-        raise ConfigError(f"--group-size {group_size}: expected -1 (one group per row) or a positive size")
+        raise ConfigError(f"--group-size {group_size}: expected -1 (one group over all inputs) or a positive size")
     src, out = Path(src), Path(out)
     if (src.resolve() == out.resolve()) != in_place:
         raise ConfigError("in_place=True rewrites src itself and needs out == src" if in_place else
                           f"out {out} is the source folder; pass in_place=True to rewrite it")
-    config = json.loads((src / "config.json").read_text()) if (src / "config.json").is_file() else None
-    if config is None:
+    if not (src / "config.json").is_file():
         raise ConfigError(f"no config.json in {src}")
+    config = json.loads((src / "config.json").read_text())
     if "quantization_config" in config:
         raise ConfigError(f"{src} is already quantized (config.json has quantization_config)")
     ModelConfig.from_dict(config)  # a Qwen3.5 checkpoint qv can load, or a clear error now
@@ -70,13 +70,15 @@ def quantize_checkpoint(src: str | Path, out: str | Path, bits: int = 8, group_s
             "dynamic": _dynamic_rules(excluded, config),
             "modules_to_not_convert": excluded}
     shards = _write_tensors(files, plan, out, group_size, sym, shard_bytes)
-    if in_place:
-        for old in sorted(set(files.values())):
-            old.unlink()
-        (src / "model.safetensors.index.json").unlink(missing_ok=True)
-    else:
+    if not in_place:
         _copy_others(src, out)
-    _finish_shards(out, shards)
+    written = _finish_shards(out, shards)  # renames over same-named old files
+    if in_place:  # the dense originals are gone only once every new shard is in place
+        for old in sorted(set(files.values())):
+            if old.name not in written:
+                old.unlink()
+        if len(written) == 1:
+            (src / "model.safetensors.index.json").unlink(missing_ok=True)
     config["quantization_config"] = qcfg
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
@@ -97,9 +99,11 @@ def _plan(files: dict[str, Path], patterns: list[re.Pattern], group_size: int) -
     a bad group size fails before anything is written."""
     plan: dict[str, bool] = {}
     excluded, bad = [], []
-    for name, path in sorted(files.items()):
+    shapes: dict[str, list[int]] = {}
+    for path in sorted(set(files.values())):
         with safe_open(str(path), framework="pt") as f:
-            shape = f.get_slice(name).get_shape()
+            shapes.update({n: f.get_slice(n).get_shape() for n in f.keys() if files.get(n) == path})
+    for name, shape in sorted(shapes.items()):
         module = name[: -len(".weight")]
         if not (name.endswith(".weight") and len(shape) == 2):
             plan[name] = False
@@ -219,10 +223,11 @@ def _write_tensors(files: dict[str, Path], plan: dict[str, bool], out: Path, gro
     return shards
 
 
-def _finish_shards(out: Path, shards: list[tuple[Path, list[str]]]) -> None:
+def _finish_shards(out: Path, shards: list[tuple[Path, list[str]]]) -> set[str]:
+    """Give the temporary shards their final names (+ index when several); returns the names."""
     if len(shards) == 1:
         shards[0][0].rename(out / "model.safetensors")
-        return
+        return {"model.safetensors"}
     weight_map, total = {}, 0
     for i, (path, names) in enumerate(shards):
         final = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
@@ -231,6 +236,7 @@ def _finish_shards(out: Path, shards: list[tuple[Path, list[str]]]) -> None:
         weight_map.update({n: final for n in names})
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return set(weight_map.values())
 
 
 def _copy_others(src: Path, out: Path) -> None:
