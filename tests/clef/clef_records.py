@@ -81,12 +81,12 @@ def make_record(seed: int, n_questions: int | None = None, state_size: int | Non
                 max_options: int = 6, small: bool = False) -> dict:
     """A random record; `small` keeps it to a few hundred tokens (CPU oracle runs are O(T^2))."""
     rng = random.Random(seed)
-    n_questions = n_questions or rng.choice([1, 1, 2, 2, 3] if small else [1, 1, 2, 3, 4, 6, 9])
+    n_questions = n_questions or rng.choice([1, 1, 1, 2, 3] if small else [1, 1, 2, 3, 4, 6, 9])
     questions = {}
     while len(questions) < n_questions:
         qid = rng.choice([f"q{len(questions)}", f"{rng.choice(WORDS)}_{len(questions)}", f"field.{len(questions)}"])
         questions[qid] = _question(rng, long and (not questions or rng.random() < 0.5), 3 if small else max_options)
-    size = state_size or (rng.randint(2, 25) if small else rng.randint(3, 60))
+    size = state_size or (rng.randint(2, 16) if small else rng.randint(3, 60))
     return {"model": "clef", "state": _state(rng, size), "questions": questions}
 
 
@@ -119,10 +119,10 @@ def encode_cases() -> list[tuple[dict, int]]:
 
 
 def answer_cases(layout_seed: int, most_questions: int = 64) -> list[dict]:
-    """>= 30 records for the answer comparison, kept small for the CPU oracle runs (their cost is
-    the tokens): 27 small random ones, one with long instructions, 13 and `most_questions`
+    """30 records for the answer comparison, kept small for the CPU oracle runs (their cost is
+    the tokens): 26 small random ones, one with long instructions, 13 and `most_questions`
     questions, unicode option ids."""
-    out = [make_record(1000 * layout_seed + s, small=True) for s in range(27)]
+    out = [make_record(1000 * layout_seed + s, small=True) for s in range(26)]
     out.append(make_record(1000 * layout_seed + 50, n_questions=1, long=True, small=True))
     out += [many_questions(n, seed=layout_seed) for n in (13, most_questions)]
     out.append({"model": "clef", "state": SPECIAL, "questions": {"u": {"type": "choice", "criteria": {
