@@ -203,8 +203,8 @@ class HeadState:
         self.num_tokens = record.num_tokens
         spans, owner, counts = all_spans(record)
         self.num_questions = len(record.questions)
-        self.spans = torch.tensor(spans, dtype=torch.int64, device=dev)  # [S, 2]
-        self.lengths = (self.spans[:, 1] - self.spans[:, 0]).float()
+        self.span_list = spans  # [(start, end)] question spans, then option spans
+        self.lengths = torch.tensor([e - s for s, e in spans], dtype=torch.float32, device=dev)
         self.owner = torch.tensor(owner, dtype=torch.int64, device=dev)  # option -> question
         self.counts = counts
         self.memory = torch.empty(self.num_tokens, c.width, dtype=memory_dtype, device=dev)
@@ -247,13 +247,15 @@ class HeadState:
         x = self.head.norm("hidden_norm", hidden_rows.to(self.head.device, torch.float32))
         end = token_offset + n
         self.memory[token_offset:end] = self.head.proj("memory", x).to(self.memory.dtype)
-        lo = self.spans[:, 0].clamp(token_offset, end)
-        hi = self.spans[:, 1].clamp(token_offset, end)
-        touched = (hi > lo).nonzero().flatten()
-        if touched.numel():
-            pos = torch.arange(token_offset, end, device=x.device)
-            indicator = ((pos[None, :] >= lo[touched, None]) & (pos[None, :] < hi[touched, None])).float()
-            self.span_sums.index_add_(0, touched, indicator @ x)
+        # Which spans this chunk touches is decided on the host from the record's Python ints: no
+        # device sync. A 0/1 indicator matmul sums their rows (deterministic, unlike atomics).
+        touched = [i for i, (s, e) in enumerate(self.span_list) if s < end and e > token_offset]
+        if touched:
+            bounds = torch.tensor([(max(self.span_list[i][0], token_offset) - token_offset,
+                                    min(self.span_list[i][1], end) - token_offset) for i in touched], device=x.device)
+            pos = torch.arange(n, device=x.device)
+            indicator = ((pos[None, :] >= bounds[:, :1]) & (pos[None, :] < bounds[:, 1:])).float()
+            self.span_sums.index_add_(0, torch.tensor(touched, device=x.device), indicator @ x)
         if end == self.num_tokens:
             self.global_vector.copy_(x[-1])
         self.filled = end
