@@ -116,7 +116,9 @@ class _Pieces:
 
 
 def _schema_plan(questions: dict[str, Any], pieces: _Pieces) -> list[tuple]:
-    """Lay out the schema as a list of (question id, question, [piece roles]) to tokenize later."""
+    """Queue every schema text piece for tokenization; returns where each piece's ids will be:
+    ("header", piece) then per question ("question", id, question, head, instructions, allowed,
+    [(option id, label, option JSON, newline)], end)."""
     plan = [("header", pieces.add(SCHEMA_HEADER))]
     for index, (qid, question) in enumerate(questions.items()):
         head = pieces.add(f"\nFIELD {index + 1}\nID: {qid}\nTYPE: {question['type']}\nINSTRUCTION: ")

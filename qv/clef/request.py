@@ -41,7 +41,12 @@ def _pairs(pairs: list[tuple[str, Any]]) -> _Object:
     obj = _Object(pairs)
     if len(obj) != len(pairs):
         seen: set[str] = set()
-        obj.duplicate_keys = tuple(k for k, _ in pairs if k in seen or seen.add(k))
+        dups = []
+        for key, _ in pairs:
+            if key in seen:
+                dups.append(key)
+            seen.add(key)
+        obj.duplicate_keys = tuple(dups)
     return obj
 
 
