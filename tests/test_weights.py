@@ -270,3 +270,13 @@ def test_mixed_formats_allowed_when_config_says_so(gptq):
     model = load_text_model(str(gptq))
     assert len(model.layers[0].mixer.qkv.parts) == 3  # dense k_proj kept apart from the int8 q/v
     assert len(model.layers[1].mixer.in_proj_qkvz.parts) == 1 and len(model.layers[1].mixer.in_proj_ba.parts) == 1
+
+
+def test_vllm_style_rule_on_multimodal_names(tiny_dirs, tmp_path):
+    """A `dynamic` rule written against vLLM's module name (language_model.model.*) is honoured
+    for the HF checkpoint name (model.language_model.*)."""
+    folder = quantize_checkpoint(tiny_dirs("tiny"), tmp_path / "q", group_size=32)
+    load_text_model(str(folder))
+    _qcfg(dynamic={r"-:language_model\.model\.layers\.2\.mlp\.down_proj$": {}})(folder)
+    with pytest.raises(CheckpointError, match=r"model\.language_model\.layers\.2\.mlp\.down_proj is stored GPTQ"):
+        load_text_model(str(folder))
