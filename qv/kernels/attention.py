@@ -7,7 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
-from qv.kernels.attention_kernels import LOG2E, attn_fwd_kernel, attn_reduce_kernel
+from qv.kernels.attention_kernels import (LOG2E, attn_fwd_kernel, attn_reduce_kernel, decode_reduce_kernel,
+                                         paged_decode_kernel)
 from qv.kernels.registry import impl, register
 from qv.kernels.triton_utils import interpreting, next_pow2, num_sms
 
@@ -36,6 +37,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     of sequence b sits at position seq_lens[b] - q_len[b] + i and sees keys up to it, so decode
     (q_len 1), prefill chunks over a cached prefix and the k+1 speculative rows are one op.
     Returns [T, Hq, D].
+
+    max_query_len / max_seq_len: host ints, upper bounds of the query lengths and of seq_lens (each
+    computed with a device->host sync when omitted). Decode batches (max_query_len <= 8) split the
+    context into a number of parts that depends only on B, the head counts and max_seq_len, and the
+    programs past a sequence's own seq_lens[b] exit on the device. So a CUDA graph captured with a
+    fixed B, max_query_len and an upper bound for max_seq_len (e.g. the model's max length) stays
+    valid for every replay whose seq_lens stay under that bound; only block_tables, cu_seqlens_q,
+    seq_lens and q change between replays (in place).
     """
     if q.shape[1] % k_cache.shape[2] or q.shape[2] != k_cache.shape[3]:
         raise ValueError(f"paged_attention: q {tuple(q.shape)} vs cache {tuple(k_cache.shape)}")
@@ -145,6 +154,59 @@ def _num_splits(device, programs, max_kv, block_n, min_keys):
     return triton.cdiv(max_kv, split_len), split_len
 
 
+def _decode_config(device, dtype, d, rep, max_q, n_seq, hkv):
+    """paged_decode_kernel settings (measured on the H200: bench/kernels.py --sweep decode)."""
+    m = next_pow2(max_q * rep, 16)
+    if interpreting(device):
+        return dict(BLOCK_M=m, BLOCK_N=16, num_warps=4, waves=2)
+    if dtype == torch.float32:  # ieee dots on FMA units: small tiles
+        return dict(BLOCK_M=m, BLOCK_N=16, num_warps=4, waves=6)
+    # measured on the H200 (bench/kernels.py --sweep decode, CUDA-graph replay): 32-key tiles, 4 warps;
+    # few (sequence, KV head) pairs: about 6 programs per SM; many pairs: more, shorter splits (24)
+    return dict(BLOCK_M=m, BLOCK_N=32, num_warps=4, waves=6 if n_seq * hkv < num_sms(device) // 8 else 24)
+
+
+def _decode_attention(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, max_q, max_kv, cfg):
+    """Decode / speculative rows: split-K over the context with one program per (sequence, KV head,
+    split) and a reduce pass. The split count depends only on the batch size, the head counts and
+    max_kv (an upper bound of seq_lens, max_seq_len from the caller), never on device values."""
+    t, hq, d = q.shape
+    hkv, bs = k.shape[-2], k.shape[1]
+    n_seq = cu_q.shape[0] - 1
+    cfg = dict(cfg)
+    block_m, block_n, waves = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("waves")
+    splits = max(1, min(triton.cdiv(waves * num_sms(q.device), n_seq * hkv), triton.cdiv(max_kv, 2 * block_n)))
+    splits = cfg.pop("splits", splits)
+    split_len = triton.cdiv(triton.cdiv(max_kv, splits), block_n) * block_n
+    splits = triton.cdiv(max_kv, split_len)
+    quant = k.dtype == torch.int8
+    words = (quant and q.dtype != torch.float32 and d % 4 == 0 and k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0
+             and all(st % 4 == 0 for st in k.stride()[:3]) and cfg.pop("words", True))
+    cfg.pop("words", None)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    out = torch.empty_like(q)
+    if splits > 1:
+        po = torch.empty((splits, t, hq, d), dtype=torch.float32, device=q.device)
+        plse = torch.empty((splits, t, hq), dtype=torch.float32, device=q.device)
+        o_t, o_s, o_h, o_x = po, po.stride(0), po.stride(1), po.stride(2)
+    else:
+        plse, o_t, o_s, o_h, o_x = out, out, 0, out.stride(0), out.stride(1)
+    sc = ks if quant else k
+    paged_decode_kernel[(n_seq, hkv, splits)](
+        q, k, v, sc, vs if quant else v, o_t, plse, block_tables, cu_q, kv_lens, scale * LOG2E, t, hq,
+        q.stride(0), q.stride(1), o_h, o_x, o_s, k.stride(0), k.stride(1), k.stride(2),
+        ks.stride(0) if quant else 0, ks.stride(1) if quant else 0, block_tables.stride(0), split_len,
+        D=d, REP=hq // hkv, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=next_pow2(d, 16), BS=bs, QUANT=quant,
+        SPLIT=splits > 1, WORDS=words, ASM=words and not interpreting(q.device), num_stages=1, **cfg)
+    if splits > 1:
+        bd = min(next_pow2(d), 64)
+        decode_reduce_kernel[(t, hq, triton.cdiv(d, bd))](po, plse, out, cu_q, kv_lens, n_seq, t, hq, out.stride(0),
+                                                          out.stride(1), split_len, D=d, BLOCK_D=bd,
+                                                          BLOCK_S=min(next_pow2(splits), 64))
+    return out
+
+
 def _attention(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, causal, paged, max_q, max_kv, config=None):
     t, hq, d = q.shape
     hkv = k.shape[-2]
@@ -158,6 +220,10 @@ def _attention(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, causal, page
     if max_kv is None:
         max_kv = int(kv_lens.max()) if paged else max_q
     decode = paged and max_q <= 8
+    config = dict(config or {})
+    if decode and config.pop("kind", "split") == "split":
+        cfg = dict(_decode_config(q.device, q.dtype, d, rep, max_q, n_seq, hkv), **config)
+        return _decode_attention(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, max_q, max_kv, cfg)
     cfg = dict(_attn_config(q.device, q.dtype, d, rep, decode, max_q, n_seq, hkv), **(config or {}))
     block_m, block_n = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
     bq = block_m // rep

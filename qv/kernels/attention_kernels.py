@@ -199,3 +199,172 @@ def attn_reduce_kernel(po_ptr, lse_ptr, o_ptr, cu_q_ptr, kv_len_ptr, B, T, HQ, s
         w = w * alpha + beta
         m = m_new
     tl.store(o_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + o_d, (acc / w).to(o_ptr.dtype.element_ty), mask=m_d)
+
+
+@triton.jit
+def _kv_words_f16(b_w, ASM: tl.constexpr):
+    """int8 codes packed four to an int32 word [N, D/4] -> fp16 [N, D] (code 4w + i is byte i of word w).
+    ASM: no int->float instructions: c ^ 0x80 = c + 128 as a byte, byte | 0x6400 read as fp16 is
+    1152 + c, and one packed subtract of 1152 leaves c exactly (1.25 instructions per code).
+    Otherwise (the CPU interpreter) shifts and exact conversions."""
+    if ASM:
+        c0, c1, c2, c3 = tl.inline_asm_elementwise(
+            "{ .reg .b32 t, c, lo, hi; xor.b32 t, $4, 0x80808080; mov.b32 c, 0x64806480; "
+            "prmt.b32 lo, t, 0x64646464, 0x4140; prmt.b32 hi, t, 0x64646464, 0x4342; "
+            "sub.f16x2 lo, lo, c; sub.f16x2 hi, hi, c; mov.b32 {$0, $1}, lo; mov.b32 {$2, $3}, hi; }",
+            "=h,=h,=h,=h,r", [b_w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
+    else:
+        c0 = ((b_w << 24) >> 24).to(tl.float32).to(tl.float16)
+        c1 = ((b_w << 16) >> 24).to(tl.float32).to(tl.float16)
+        c2 = ((b_w << 8) >> 24).to(tl.float32).to(tl.float16)
+        c3 = (b_w >> 24).to(tl.float32).to(tl.float16)
+    b_x = tl.join(tl.join(c0, c2), tl.join(c1, c3))  # [N, D/4, 2, 2]: element (w, j, i) is code 4w + 2j + i
+    return tl.reshape(b_x, [b_w.shape[0], 4 * b_w.shape[1]])
+
+
+@triton.jit
+def _decode_codes(b_x, dtype: tl.constexpr, QUANT: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr):
+    if WORDS:
+        b_y = _kv_words_f16(b_x, ASM)
+    else:
+        b_y = _kv_codes(b_x, dtype, QUANT)
+    return b_y
+
+
+@triton.jit
+def _decode_tile_load(n, pg, k_end, kvh, k_ptr, v_ptr, ks_ptr, vs_ptr, stride_kb, stride_ks, stride_kh, stride_sb,
+                      stride_ss, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr, QUANT: tl.constexpr,
+                      WORDS: tl.constexpr):
+    """Registers of one K/V tile: keys n [BN] on pages pg [BN] (codes, and their scales when int8)."""
+    m_n = n < k_end
+    off = pg.to(tl.int64) * stride_kb + (n % BS) * stride_ks + kvh * stride_kh
+    if WORDS:  # int8 codes as int32 words: compact registers while the tile waits for its turn
+        o_w = tl.arange(0, BLOCK_D // 4)
+        m = m_n[:, None] & (o_w[None, :] < D // 4)
+        b_k = tl.load(k_ptr.to(tl.pointer_type(tl.int32)) + (off // 4)[:, None] + o_w[None, :], mask=m, other=0)
+        b_v = tl.load(v_ptr.to(tl.pointer_type(tl.int32)) + (off // 4)[:, None] + o_w[None, :], mask=m, other=0)
+    else:
+        o_d = tl.arange(0, BLOCK_D)
+        m = m_n[:, None] & (o_d[None, :] < D)
+        b_k = tl.load(k_ptr + off[:, None] + o_d[None, :], mask=m, other=0)
+        b_v = tl.load(v_ptr + off[:, None] + o_d[None, :], mask=m, other=0)
+    if QUANT:
+        s_off = pg.to(tl.int64) * stride_sb + (n % BS) * stride_ss + kvh
+        b_ks = tl.load(ks_ptr + s_off, mask=m_n, other=0.)
+        b_vs = tl.load(vs_ptr + s_off, mask=m_n, other=0.)
+    else:
+        b_ks = m_n.to(tl.float32)
+        b_vs = b_ks
+    return b_k, b_v, b_ks, b_vs
+
+
+@triton.jit
+def paged_decode_kernel(
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, lse_ptr, bt_ptr, cu_q_ptr, kv_len_ptr, qk_scale, T, HQ,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_os, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss,
+    stride_bt, SPLIT_LEN,
+    D: tl.constexpr, REP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BS: tl.constexpr, QUANT: tl.constexpr, SPLIT: tl.constexpr, WORDS: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """Decode and speculative rows (few queries per sequence) over the paged cache: program
+    (sequence b, KV head, split) holds the b's query rows of that KV head's GQA group and the keys
+    split*SPLIT_LEN .. +SPLIT_LEN. The grid may be larger than the work (splits sized from an upper
+    bound of seq_lens, so a captured CUDA graph stays valid): programs past seq_lens[b] return at once.
+
+    The K/V tile for the next step is loaded into registers before the current one is used (and the
+    block-table entries one step earlier still), so one tile per program is always in flight; no
+    loop-carried dependence runs through a load issued in the same step."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1).to(tl.int64)
+    q_start = tl.load(cu_q_ptr + b)
+    q_len = tl.load(cu_q_ptr + b + 1) - q_start
+    kv_len = tl.load(kv_len_ptr + b)
+    k_lo = tl.program_id(2) * SPLIT_LEN
+    k_end = tl.minimum(kv_len, k_lo + SPLIT_LEN)
+    if (q_len <= 0) | (k_lo >= k_end):
+        return
+    o_m = tl.arange(0, BLOCK_M)
+    tok = o_m // REP
+    o_h = kvh * REP + o_m % REP
+    row_ok = tok < q_len
+    qpos = tl.where(row_ok, kv_len - q_len + tok, kv_len - 1)  # padding rows see every key: no empty softmax
+    o_d = tl.arange(0, BLOCK_D)
+    rows = (q_start + tok).to(tl.int64)
+    m_q = row_ok[:, None] & (o_d[None, :] < D)
+    b_q = tl.load(q_ptr + rows[:, None] * stride_qt + o_h[:, None] * stride_qh + o_d[None, :], mask=m_q, other=0.)
+    if QUANT and b_q.dtype == tl.bfloat16:  # int8 K/V run their dots in fp16 (see _kv_codes)
+        b_q = b_q.to(tl.float16)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    o_n = tl.arange(0, BLOCK_N)
+    p_bt = bt_ptr + b.to(tl.int64) * stride_bt
+    n = k_lo + o_n
+    pg = tl.load(p_bt + n // BS, mask=n < k_end, other=0)
+    b_k, b_v, b_ks, b_vs = _decode_tile_load(n, pg, k_end, kvh, k_ptr, v_ptr, ks_ptr, vs_ptr, stride_kb, stride_ks,
+                                             stride_kh, stride_sb, stride_ss, D, BLOCK_D, BS, QUANT, WORDS)
+    pg = tl.load(p_bt + (n + BLOCK_N) // BS, mask=n + BLOCK_N < k_end, other=0)
+    for start in range(k_lo, k_end, BLOCK_N):
+        n = start + o_n
+        n_k, n_v, n_ks, n_vs = _decode_tile_load(n + BLOCK_N, pg, k_end, kvh, k_ptr, v_ptr, ks_ptr, vs_ptr,
+                                                 stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, D, BLOCK_D,
+                                                 BS, QUANT, WORDS)
+        pg = tl.load(p_bt + (n + 2 * BLOCK_N) // BS, mask=n + 2 * BLOCK_N < k_end, other=0)
+        b_s = tl.dot(b_q, tl.trans(_decode_codes(b_k, b_q.dtype, QUANT, WORDS, ASM)), input_precision="ieee")  # [BM, BN]
+        b_s = b_s * (b_ks * qk_scale)[None, :]
+        vis = (n[None, :] < k_end) & (n[None, :] <= qpos[:, None])
+        b_s = tl.where(vis, b_s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(b_s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0., m_new)
+        b_p = tl.math.exp2(b_s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(b_p, axis=1)
+        b_p = b_p * b_vs[None, :]
+        acc = acc * alpha[:, None] + tl.dot(b_p.to(b_q.dtype), _decode_codes(b_v, b_q.dtype, QUANT, WORDS, ASM),
+                                            input_precision="ieee")
+        m_i = m_new
+        b_k, b_v, b_ks, b_vs = n_k, n_v, n_ks, n_vs
+
+    b_o = acc / tl.where(l_i == 0., 1., l_i)[:, None]
+    p_o = o_ptr + rows[:, None] * stride_ot + o_h[:, None] * stride_oh + o_d[None, :]
+    if SPLIT:
+        split = tl.program_id(2).to(tl.int64)
+        tl.store(p_o + split * stride_os, b_o, mask=m_q)
+        b_lse = tl.where(l_i == 0., float("-inf"), m_i + tl.math.log2(tl.where(l_i == 0., 1., l_i)))
+        tl.store(lse_ptr + (split * T + rows) * HQ + o_h, b_lse, mask=row_ok)
+    else:
+        tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=m_q)
+
+
+@triton.jit
+def decode_reduce_kernel(po_ptr, lse_ptr, o_ptr, cu_q_ptr, kv_len_ptr, B, T, HQ, stride_ot, stride_oh, SPLIT_LEN,
+                         D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Combines the split partials of one (token, head, BLOCK_D slice of the head dim), BLOCK_S splits
+    per step (split s holds keys s*SPLIT_LEN.. and is used by a row iff its position reaches it)."""
+    t = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    b = _find_seq(cu_q_ptr, t, B, 1, False)
+    q_start = tl.load(cu_q_ptr + b)
+    q_len = tl.load(cu_q_ptr + b + 1) - q_start
+    n_split = (tl.load(kv_len_ptr + b) - q_len + (t - q_start)) // SPLIT_LEN + 1
+    o_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    m_d = o_d < D
+    o_s = tl.arange(0, BLOCK_S)
+    row = t.to(tl.int64) * HQ + h
+    m = tl.full([], float("-inf"), dtype=tl.float32)
+    w = tl.zeros([], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, n_split, BLOCK_S):
+        m_s = s0 + o_s < n_split
+        p_s = (s0 + o_s).to(tl.int64) * T * HQ + row
+        lse = tl.load(lse_ptr + p_s, mask=m_s, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(lse, axis=0))
+        alpha = tl.math.exp2(m - m_new)
+        beta = tl.math.exp2(lse - m_new)
+        b_o = tl.load(po_ptr + p_s[:, None] * D + o_d[None, :], mask=m_s[:, None] & m_d[None, :], other=0.)
+        acc = acc * alpha + tl.sum(b_o * beta[:, None], axis=0)
+        w = w * alpha + tl.sum(beta, axis=0)
+        m = m_new
+    tl.store(o_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + o_d, (acc / w).to(o_ptr.dtype.element_ty), mask=m_d)

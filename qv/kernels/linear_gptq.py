@@ -1,15 +1,18 @@
-"""Triton linear layers: GPTQ-int8 GEMV (M <= 16, decode; split-K so every SM streams weight
-bytes, each byte read once) and GEMM (prefill; dequantized tiles on tl.dot), and the per-row
-low-rank delta. Dense weights use torch.nn.functional.linear (cuBLAS): nothing to gain there.
+"""Triton linear layers over GPTQ-int8 weights, and the per-row low-rank delta. Dense weights use
+torch.nn.functional.linear (cuBLAS): nothing to gain there.
 
 Weights are qv's GPTQ layout (linear.py): codes [K, N] uint8, scales/zeros [G, N], g_idx [K].
-With sequential groups (g_idx = k // group_size) a K tile lies inside one group, so the GEMV
-multiplies raw codes and applies the zero and scale once per tile and column (_f16_tile); the GEMM
-dequantizes each [BK, BN] tile in fp16. Both turn codes into fp16 by bit tricks and run fp16 tensor
-cores (bf16 activations are scaled into fp16 range by powers of two). fp32 activations and
-act-order weights (any g_idx, "GATHER") dequantize exactly in fp32.
+Paths by rows M (sequential groups, g_idx = k // group_size, unless noted):
+  M = 1       gptq_gemv_kernel (linear_gemv.py): CUDA-core FMAs streaming the codes (M <= 4 on request).
+  M <= 16     gptq_matmul_kernel, F16=1: raw codes on fp16 tensor cores, zero and scale applied once
+              per tile and column after the dot (_f16_tile); split-K over the SMs.
+  M < 1024    gptq_matmul_kernel, F16=2: each [BK, BN] tile dequantized in fp16 for tl.dot.
+  M >= 1024   W dequantized once into a [K, N] workspace in x's dtype, then cuBLAS (any g_idx): the
+              dequantization costs ~3 K*N bytes of traffic, small next to 2*M*K*N FLOPs.
+Codes become fp16 by bit tricks (no int->float instructions); bf16 activations are scaled into fp16
+range by powers of two. fp32 activations and act-order weights (any g_idx, "GATHER") below the
+cuBLAS threshold dequantize exactly in fp32.
 """
-
 from __future__ import annotations
 
 import torch
@@ -18,6 +21,7 @@ import triton
 import triton.language as tl
 
 from qv.kernels.linear import GPTQWeight
+from qv.kernels.linear_gemv import gemv_config, gemv_fma, split_sum_kernel
 from qv.kernels.registry import register
 from qv.kernels.triton_utils import interpreting, next_pow2, num_sms
 
@@ -117,17 +121,38 @@ def gptq_matmul_kernel(
 
 
 @triton.jit
-def split_sum_kernel(p_ptr, bias_ptr, o_ptr, N, MN, SPLITS, stride_ps, stride_om, HAS_BIAS: tl.constexpr,
-                     BLOCK: tl.constexpr):
-    o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = o < MN
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in range(0, SPLITS):
-        acc += tl.load(p_ptr + s * stride_ps + o, mask=m, other=0.)
-    col = o % N
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + col, mask=m, other=0.).to(tl.float32)
-    tl.store(o_ptr + (o // N) * stride_om + col, acc.to(o_ptr.dtype.element_ty), mask=m)
+def gptq_dequant_kernel(q_ptr, s_ptr, z_ptr, g_ptr, w_ptr, N, K, stride_qk, stride_sg, stride_wk,
+                        BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ZERO: tl.constexpr):
+    """W[k, n] = (c - z) s in the activation dtype, any g_idx (for the large-M path: cuBLAS on W)."""
+    o_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    o_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_k, m_n = o_k < K, o_n < N
+    m = m_k[:, None] & m_n[None, :]
+    b_g = tl.load(g_ptr + o_k, mask=m_k, other=0).to(tl.int64)
+    p_sz = b_g[:, None] * stride_sg + o_n[None, :]
+    b_s = tl.load(s_ptr + p_sz, mask=m, other=0.).to(tl.float32)
+    if HAS_ZERO:
+        b_z = tl.load(z_ptr + p_sz, mask=m, other=0.).to(tl.float32)
+    else:
+        b_z = 128.
+    b_c = tl.load(q_ptr + o_k[:, None].to(tl.int64) * stride_qk + o_n[None, :], mask=m, other=0).to(tl.float32)
+    tl.store(w_ptr + o_k[:, None].to(tl.int64) * stride_wk + o_n[None, :], ((b_c - b_z) * b_s).to(w_ptr.dtype.element_ty),
+             mask=m)
+
+
+def _dequant_matmul(x2, w, bias, out):
+    """Large M (prefill): W dequantized once into a [K, N] workspace in x's dtype, then cuBLAS. The extra
+    traffic (K*N codes read, 2 K*N bytes written and read) is small next to the 2*M*K*N FLOPs."""
+    k, n = w.qweight.shape
+    wd = torch.empty((k, n), dtype=x2.dtype, device=x2.device)
+    bk, bn = (16, 32) if interpreting(x2.device) else (32, 256)
+    gptq_dequant_kernel[(triton.cdiv(k, bk), triton.cdiv(n, bn))](
+        w.qweight, w.scales, w.zeros if w.zeros is not None else w.scales, w.g_idx, wd, n, k, w.qweight.stride(0),
+        w.scales.stride(0), wd.stride(0), BLOCK_K=bk, BLOCK_N=bn, HAS_ZERO=w.zeros is not None)
+    if bias is not None:
+        torch.addmm(bias.to(x2.dtype), x2, wd, out=out)
+    else:
+        torch.mm(x2, wd, out=out)
 
 
 def _sequential_groups(w) -> bool:
@@ -164,6 +189,14 @@ def gptq_linear(x, w, bias=None, config=None):
     if m == 0:
         return out.view(*shape[:-1], n)
     sequential = _sequential_groups(w)
+    if m <= 4 and sequential and (config or {}).get("kind", "fma" if m == 1 else "dot") == "fma":
+        fma_cfg = dict(gemv_config(x.device, m, n, k), **{a: b for a, b in (config or {}).items() if a != "kind"})
+        if gemv_fma(x2, w, bias, out, fma_cfg):
+            return out.view(*shape[:-1], n)
+    config = {a: b for a, b in (config or {}).items() if a != "kind"}
+    if m >= config.pop("dequant_min_m", 1 << 30 if interpreting(x.device) else 1024):
+        _dequant_matmul(x2, w, bias, out)
+        return out.view(*shape[:-1], n)
     f16 = sequential and x.dtype in (torch.float16, torch.bfloat16)
     cfg = dict(_gptq_config(x.device, m, n, k, w.group_size, f16), **(config or {}))
     bm, bn, bk = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")

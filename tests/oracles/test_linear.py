@@ -65,3 +65,21 @@ def test_gptq_real_shapes(dtype, m):
     _case(dtype, m, 34816, 5120, 128, zeros=m == 4)
     _case(dtype, m, 5120, 17408, 128, bias=m == 16)
     _case(dtype, m, 1000, 5120, 128, act_order=True)
+
+
+@pytest.mark.parametrize("dtype,act_order", [(torch.float32, True), (torch.bfloat16, False), (torch.float16, False)])
+def test_gptq_dequant_cublas(dtype, act_order):
+    """The large-M path (W dequantized once, then cuBLAS), forced at a small M."""
+    from qv.kernels.linear_gptq import _linear_triton
+
+    w = gptq_weight(45, 96, 32, True, act_order, dtype)
+    x, b = randn(21, 96, dtype=dtype), randn(45, dtype=dtype)
+    out = run_triton(_linear_triton, x, w, b, config=dict(dequant_min_m=1))
+    assert_close("linear (dequant + cuBLAS)", out, run_reference(K.linear, x, w, b), BOUND[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gptq_large_m_real_shapes(dtype):
+    _case(dtype, 1100, 5120, 17408, 128, zeros=True, bias=True)
+    _case(dtype, 1024, 1000, 5120, 128, act_order=True)
