@@ -108,7 +108,7 @@ def build_engine_parts(cfg: EngineConfig) -> EngineParts:
         mtp_head = load_mtp_head(str(model_dir), mcfg, model, dtype, device)
     cache, prefix = plan_cache(cfg, mcfg, device, dtype, mtp_layers=(mcfg.num_hidden_layers,) if mtp_head else ())
     log.info("KV cache: %d blocks of %d tokens (%d tokens), %d GDN slots", cache.num_blocks, cfg.block_size,
-             cache.num_blocks * cfg.block_size, cache.num_slots)
+             cache.num_blocks * cfg.block_size, cache.num_slots - 1)
     if prefix.enabled:
         log.info("prefix cache: %d GDN snapshots every %d tokens, %d blocks reserved for chat; host tier %d blocks, "
                  "%d snapshots", prefix.num_snapshots, prefix.interval, prefix.reserve_blocks, prefix.host_blocks,
@@ -145,5 +145,6 @@ def plan_cache(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device, dtype
     if num_blocks < 1:
         raise ConfigError(f"no memory left for the KV cache (budget {budget} bytes, {per_block} bytes per block): "
                           f"lower max_num_seqs / max_gdn_slots or raise kv_cache_bytes")
-    return allocate_cache(mcfg, int(num_blocks), cfg.block_size, num_slots, kv_dtype, state_dtype, dtype, device,
+    # one slot more than sequences: the last is scratch for the padding rows of captured decode graphs
+    return allocate_cache(mcfg, int(num_blocks), cfg.block_size, num_slots + 1, kv_dtype, state_dtype, dtype, device,
                           extra_attention_layers=mtp_layers), prefix

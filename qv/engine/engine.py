@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from qv.config import EngineConfig
+from qv.kernels import get_backend
 from qv.engine.build import build_engine_parts
 from qv.engine.detokenizer import IncrementalDetokenizer
 from qv.engine.kv_cache import KVBlockPool
@@ -31,6 +32,7 @@ from qv.engine.speculator import Speculator
 from qv.engine.state_pool import GDNStatePool
 
 log = logging.getLogger("qv")
+SPEC_LOG_EVERY = 500  # steps between speculation summaries in the log
 
 
 @dataclass
@@ -46,6 +48,10 @@ class EngineStats:
     prompt_tokens_cached: int = 0  # prompt tokens of new requests served from the cache
     prefix_cache_host_hits: int = 0  # hit tokens whose KV came back from the host tier
     finished: dict[str, int] = field(default_factory=dict)  # finish reason -> requests
+    spec_num_drafts: int | None = None  # speculative decoding (None when off), vLLM's counters
+    spec_num_draft_tokens: int | None = None
+    spec_num_accepted_tokens: int | None = None
+    spec_num_accepted_tokens_per_pos: list[int] | None = None
 
 
 @dataclass
@@ -74,15 +80,19 @@ class LLMEngine:
         if cfg.spec != "off":
             self.spec = Speculator(cfg.spec, cfg.spec_k, parts.mtp_head, parts.model_config, parts.cache,
                                    min(cfg.spec_max_seqs, cfg.max_num_seqs), parts.model.device)
-        self.scheduler = Scheduler(self.blocks, GDNStatePool(parts.cache.num_slots), cfg.max_num_seqs,
+        scratch_slot = parts.cache.num_slots - 1  # never handed out (qv/engine/build.py)
+        self.scheduler = Scheduler(self.blocks, GDNStatePool(scratch_slot), cfg.max_num_seqs,
                                    cfg.max_num_batched_tokens, lookahead=cfg.spec_k if self.spec else 0,
                                    prefix_cache=self.prefix_cache)
         self.runner = ModelRunner(parts.model, parts.cache, cfg.max_num_batched_tokens, cfg.max_num_seqs,
                                   self.max_model_len, self.spec)
+        if cfg.cuda_graphs and parts.model.device.type == "cuda" and get_backend() != "reference":
+            self.runner.enable_decode_graphs(scratch_slot)
         self.requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
         self._rng = random.Random(cfg.seed)
         self.stats = EngineStats()
+        self._steps = 0
 
     # -- requests ------------------------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
@@ -151,6 +161,11 @@ class LLMEngine:
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self._steps += 1
+        if self.spec and self._steps % SPEC_LOG_EVERY == 0 and self.spec.stats.num_drafts:
+            st = self.spec.stats
+            log.info("speculation (%s, k=%d): mean acceptance length %.2f over %d drafts", self.spec.mode,
+                     self.spec.k, st.mean_acceptance_length, st.num_drafts)
         plan = self.scheduler.schedule()
         touched: dict[str, _Request] = {}
         for seq in plan.failed:
@@ -240,6 +255,11 @@ class LLMEngine:
         s.num_waiting = len(self.scheduler.waiting)
         s.kv_cache_usage = self.blocks.usage
         s.num_preemptions = self.scheduler.num_preemptions
+        if self.spec:
+            sp = self.spec.stats
+            s.spec_num_drafts, s.spec_num_draft_tokens = sp.num_drafts, sp.num_draft_tokens
+            s.spec_num_accepted_tokens, s.spec_num_accepted_tokens_per_pos = sp.num_accepted_tokens, list(
+                sp.accepted_per_pos)
         if self.prefix_cache:
             pc = self.prefix_cache.stats
             s.prefix_cache_queries, s.prefix_cache_hits = pc.queries, pc.hits

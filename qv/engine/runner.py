@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from qv.engine.sampler import SamplingBatch, logprobs_of, process, sample
+from qv.engine.cuda_graphs import DecodeGraphs
 from qv.engine.scheduler import StepPlan
 from qv.engine.sequence import Sequence
 from qv.engine.speculator import Speculator
@@ -81,6 +82,20 @@ class ModelRunner:
         self.buf = _Buffers(max_num_batched_tokens + (speculator.k if speculator else 0) * max_num_seqs,
                             max_num_seqs, max_blocks, self.device)
         self.vocab_size = model.cfg.vocab_size
+        self.max_blocks, self.max_model_len = max_blocks, max_model_len
+        self.graphs: DecodeGraphs | None = None
+
+    def enable_decode_graphs(self, scratch_slot: int) -> None:
+        graphs = DecodeGraphs(self.model, self.cache, self.buf.cu_seqlens[0].shape[0] - 1, self.max_blocks,
+                              self.max_model_len, scratch_slot)
+        self.graphs = graphs if graphs.capture() else None
+
+    def _forward(self, st: "_Step") -> torch.Tensor:
+        """Replay a captured graph for plain decode steps; run eagerly otherwise."""
+        if (self.graphs is not None and st.num_spec == 0 and st.batch.max_query_len == 1
+                and st.batch.delta_rows is None and self.graphs.bucket(len(st.seqs)) is not None):
+            return self.graphs.run(st.batch, st.ids, st.positions)
+        return self.model.forward(st.ids, st.positions, st.batch, self.cache)
 
     # -- batch construction --------------------------------------------------------------------
     def prepare(self, plan: StepPlan) -> _Step:
@@ -145,7 +160,7 @@ class ModelRunner:
     # -- the step ------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> dict[Sequence, StepResult]:
         st = self.prepare(plan)
-        hidden = self.model.forward(st.ids, st.positions, st.batch, self.cache)
+        hidden = self._forward(st)
         if st.batch.logits_indices.numel() == 0:
             if self.spec and self.spec.uses_mtp:  # the head's KV must still catch up with these rows
                 self._draft(st, hidden, None, None, None)

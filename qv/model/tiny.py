@@ -41,6 +41,14 @@ PRESETS: dict[str, dict] = {
                   num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
                   linear_key_head_dim=8, linear_value_head_dim=20, partial_rotary_factor=0.5,
                   mrope_section=[2, 1, 1], tie_word_embeddings=True, vision=True, full_attention_interval=3),
+    # for speculation tests: the "tiny" geometry whose lm_head rows are permuted embeddings, so that
+    # greedy decoding mostly walks fixed cycles of `cycle` tokens (a model that repeats lists, which
+    # n-gram drafts can match) while attention, GDN and MLP still make it jump between cycles;
+    # random weights alone never repeat, and an MTP head can only be fitted to a predictable target
+    "spec": dict(hidden_size=96, intermediate_size=160, num_hidden_layers=4, num_attention_heads=6,
+                 num_key_value_heads=1, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                 linear_key_head_dim=16, linear_value_head_dim=24, partial_rotary_factor=0.25,
+                 mrope_section=[2, 1, 1], tie_word_embeddings=False, vision=False, cycle=8),
     # benchmark shapes (random weights; write them only where disk allows)
     "0.5b": dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
                  num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
@@ -62,6 +70,7 @@ def build_config(preset: str, vocab_size: int, special: dict[str, int], mtp: boo
         raise ValueError(f"unknown preset {preset!r}: choose from {', '.join(PRESETS)}")
     p = dict(PRESETS[preset])
     vision = p.pop("vision")
+    p.pop("cycle", None)
     rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": p.pop("partial_rotary_factor"),
             "mrope_section": p.pop("mrope_section"), "mrope_interleaved": True}
     interval = p.pop("full_attention_interval", 4)
@@ -196,7 +205,10 @@ def make_tiny(out_dir: str | Path, preset: str = "tiny", seed: int = 0, mtp: boo
     vocab = max(special.values()) + 1
     vocab = (vocab + 63) // 64 * 64  # padded like real checkpoints (ids past the tokenizer are never produced)
     config = build_config(preset, vocab, special, mtp)
-    save_file(random_tensors(config, seed, mtp), str(out / "model.safetensors"), metadata={"format": "pt"})
+    tensors = random_tensors(config, seed, mtp)
+    if "cycle" in PRESETS[preset]:
+        _cycle_lm_head(tensors, config, PRESETS[preset]["cycle"], special)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "tokenizer.json").write_text(tok_text)
     template = (Path(__file__).with_name("chat_template.jinja")).read_text()
@@ -211,6 +223,19 @@ def make_tiny(out_dir: str | Path, preset: str = "tiny", seed: int = 0, mtp: boo
     if "vision_config" in config:
         _write_processor_configs(out, config["vision_config"])
     return out
+
+
+def _cycle_lm_head(tensors: dict[str, torch.Tensor], config: dict, cycle: int, special: dict[str, int]) -> None:
+    """lm_head row sigma(t) := embedding of t, with sigma walking blocks of `cycle` token ids in a
+    circle (special tokens excluded): the residual stream of token t then scores sigma(t) highest."""
+    t = _text_cfg(config)
+    embed = tensors["model.embed_tokens.weight"]
+    head = torch.randn(embed.shape, generator=torch.Generator().manual_seed(7)) * t["hidden_size"] ** -0.5
+    usable = min(special.values()) // cycle * cycle
+    ids = torch.arange(usable)
+    sigma = ids // cycle * cycle + (ids + 1) % cycle
+    head[sigma] = embed[ids] * (4.0 / t["hidden_size"] ** 0.5)
+    tensors["lm_head.weight"] = head
 
 
 def _write_processor_configs(out: Path, vc: dict) -> None:

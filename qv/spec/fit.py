@@ -1,11 +1,9 @@
-"""Fitting tiny fixtures so speculation tests are meaningful (CPU, a few hundred steps each).
+"""Self-distillation of a tiny checkpoint's `mtp.*` head on the target's own greedy continuations
+(CPU, a few hundred steps), so its drafts are often right and acceptance tests mean something.
 
-- `fit_copy_model`: trains a tiny target (through transformers, its own training path) to continue
-  repeated lists, so prompt-lookup (n-gram) drafts can be accepted at all; random weights never copy.
-- `fit_mtp_head`: self-distillation of the `mtp.*` head on the target's own greedy continuations:
-  at position p the head sees (embedding of t_{p+1}, target hidden h_p) and learns the target's
-  distribution for t_{p+2}. The forward here is the head's math written with the fp32 reference
-  ops, which are differentiable; serving uses qv.spec.mtp.MTPHead on the same tensors.
+At position p the head sees (embedding of t_{p+1}, target hidden h_p) and learns the target's
+distribution for t_{p+2}. The forward here is the head's math written with the fp32 reference ops,
+which are differentiable; serving runs qv.spec.mtp.MTPHead on the same tensors.
 """
 
 from __future__ import annotations
@@ -32,51 +30,6 @@ def _save_updates(model_dir: Path, updates: dict[str, torch.Tensor]) -> None:
         raise KeyError(f"fit produced tensors absent from the checkpoint: {missing[:5]}")
     tensors.update({k: v.detach().to(tensors[k].dtype).contiguous() for k, v in updates.items()})
     save_file(tensors, str(path), metadata={"format": "pt"})
-
-
-# --------------------------------------------------------------------------------------------
-# the target: learn to continue repeated lists
-# --------------------------------------------------------------------------------------------
-
-
-def copy_batch(rng: random.Random, batch: int, symbols: int, length: int, repeats: int) -> torch.Tensor:
-    """Rows of a random list (4..length items) repeated until the row holds length * repeats tokens."""
-    width = length * repeats
-    rows = []
-    for _ in range(batch):
-        items = [rng.randrange(1, symbols) for _ in range(rng.randrange(4, length + 1))]
-        rows.append((items * (width // len(items) + 1))[:width])
-    return torch.tensor(rows)
-
-
-def fit_copy_model(model_dir: str | Path, steps: int = 300, seed: int = 0, symbols: int = 64, length: int = 12,
-                   lr: float = 3e-3, log=print) -> float:
-    """Train every text weight on lists repeated three times (loss on all tokens). Returns the final loss."""
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    model_dir = Path(model_dir)
-    cfg = ModelConfig.from_dir(model_dir)
-    cls = (transformers.Qwen3_5ForCausalLM if cfg.architecture == "Qwen3_5ForCausalLM"
-           else transformers.Qwen3_5ForConditionalGeneration)
-    model = cls.from_pretrained(str(model_dir), dtype=torch.float32).train()
-    params = [p for n, p in model.named_parameters() if ".visual." not in n and not n.startswith("visual.")]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    rng = random.Random(seed)
-    torch.manual_seed(seed)
-    loss = torch.tensor(float("nan"))
-    for step in range(steps):
-        ids = copy_batch(rng, 16, symbols, length, 3)
-        logits = model(input_ids=ids).logits[:, :-1]
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if step % 50 == 0 or step == steps - 1:
-            log(f"copy fit step {step}: loss {loss.item():.3f}")
-    state = {k: v for k, v in model.state_dict().items() if ".visual." not in k}
-    _save_updates(model_dir, {k: v for k, v in state.items() if k in load_file(str(model_dir / "model.safetensors"))})
-    return float(loss)
 
 
 # --------------------------------------------------------------------------------------------
@@ -126,10 +79,10 @@ def _mtp_forward(p: dict[str, torch.Tensor], cfg: ModelConfig, embed: torch.Tens
     return R.rms_norm(x, p["mtp.norm.weight"], eps) @ lm_head.t()
 
 
-def fit_mtp_head(model_dir: str | Path, steps: int = 300, seed: int = 0, num_seqs: int = 24, gen_len: int = 48,
-                 lr: float = 3e-3, log=print) -> float:
-    """Self-distil the head on the target's greedy continuations of random and repeated-list prompts.
-    Returns the final KL loss."""
+def fit_mtp_head(model_dir: str | Path, steps: int = 300, seed: int = 0, num_seqs: int = 32, gen_len: int = 48,
+                 lr: float = 1e-2, log=print) -> float:
+    """Self-distil the head on the target's distributions over random token sequences (which cover the
+    whole vocabulary) and over its own greedy continuations. Returns the final KL loss."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
     model = load_text_model(str(model_dir), cfg)
@@ -155,7 +108,7 @@ def fit_mtp_head(model_dir: str | Path, steps: int = 300, seed: int = 0, num_seq
         if step % 50 == 0 or step == steps - 1:
             log(f"mtp fit step {step}: KL {loss.item():.4f}")
     _save_updates(model_dir, params)
-    return float(loss)
+    return loss.item()
 
 
 @torch.no_grad()
@@ -175,10 +128,13 @@ def _greedy(model, prompt: list[int], n: int) -> list[int]:
 
 
 def _greedy_corpus(model, cfg: ModelConfig, rng: random.Random, num_seqs: int, gen_len: int) -> list[list[int]]:
-    """Prompts (random tokens, half of them repeated lists) with the target's greedy continuations."""
+    """Random token sequences (3/4) and random prompts with the target's greedy continuations (1/4),
+    all of one length."""
+    length = 16 + gen_len
     seqs = []
     for i in range(num_seqs):
-        items = [rng.randrange(1, 64) for _ in range(rng.randrange(4, 10))]
-        prompt = items * 3 if i % 2 else [rng.randrange(cfg.vocab_size // 2) for _ in range(12)]
-        seqs.append(_greedy(model, prompt, gen_len))
+        if i % 4 == 0:
+            seqs.append(_greedy(model, [rng.randrange(cfg.vocab_size) for _ in range(16)], gen_len))
+        else:
+            seqs.append([rng.randrange(cfg.vocab_size) for _ in range(length)])
     return seqs

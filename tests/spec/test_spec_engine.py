@@ -12,15 +12,23 @@ import torch
 from qv import LLM, SamplingParams
 from qv.config import ModelConfig
 from qv.model.cache import kv_bytes_per_block
+from qv.model.tiny import PRESETS
+
+
+CYCLE = PRESETS["spec"]["cycle"]
+
+
+def model_list(j: int, rotate: int) -> list[int]:
+    """One period of the fixture's greedy cycles: ids CYCLE*j .. CYCLE*j + CYCLE-1, rotated. With
+    4 <= j < 15 the ids are printable ASCII bytes (the tiny tokenizer's ids 0-255 are the bytes)."""
+    ids = list(range(CYCLE * j, CYCLE * (j + 1)))
+    return ids[rotate:] + ids[:rotate]
 
 
 def _prompts(seed: int) -> list[dict]:
     rng = random.Random(seed)
-    out = []
-    for n in (3, 9, 17, 40):
-        items = [rng.randrange(1, 64) for _ in range(rng.randrange(4, 10))]
-        out.append({"prompt_token_ids": (items * 4)[:n]})  # lists the fitted target continues
-    out.append({"prompt_token_ids": [rng.randrange(300) for _ in range(33)]})  # and free text
+    out = [{"prompt_token_ids": [rng.randrange(300) for _ in range(n)]} for n in (3, 9, 17, 40)]
+    out.append({"prompt_token_ids": model_list(rng.randrange(4, 15), rng.randrange(CYCLE)) * 2})
     return out
 
 
@@ -67,25 +75,32 @@ def test_chunked_prefill_quantized_caches_and_preemption(fitted_dir, baseline):
 
 
 def test_stop_string_inside_accepted_run(fitted_dir, baseline):
+    """A stop string produced by the 4th output token: on a list the model repeats, n-gram drafts make
+    tokens 2..4 one accepted run, and nothing past the stop may be emitted."""
+    from transformers import AutoTokenizer
+
     prompts, _, base = baseline
-    i = max(range(len(base)), key=lambda j: len(base[j].text))
-    text = base[i].text
-    stop = next(text[j:j + 2] for j in range(6, len(text) - 2) if "\ufffd" not in text[j:j + 2])
+    tok = AutoTokenizer.from_pretrained(fitted_dir)
+    ids = base[4].token_ids  # the repeated-list prompt
+    before, upto = tok.decode(ids[:3]), tok.decode(ids[:4])
+    stop = upto[len(before):]
+    assert stop and "\ufffd" not in stop and base[4].text.find(stop) == len(before), "pick another token"
     params = SamplingParams(temperature=0, max_tokens=40, stop=[stop], ignore_eos=True)
-    plain, _ = _run(fitted_dir, [prompts[i]], params)
-    outs, llm = _run(fitted_dir, [prompts[i]], params, spec="ngram", spec_k=5)
-    assert plain[0].finish_reason == "stop" and plain[0].text == text[:text.index(stop)]
+    plain, _ = _run(fitted_dir, [prompts[4]], params)
+    outs, llm = _run(fitted_dir, [prompts[4]], params, spec="ngram", spec_k=3)
+    assert plain[0].finish_reason == "stop" and plain[0].text == before
     _assert_same(outs, plain, "stop string")
     assert llm.engine.spec.stats.num_accepted_tokens > 0
 
 
 def test_acceptance_lengths(fitted_dir):
+    """n-gram on a list the model repeats, copied twice: >= 2.5 tokens per step at k=3; the fitted
+    MTP head on the model's own greedy continuations of random prompts: >= 2.0."""
     rng = random.Random()
-    lists = [[rng.randrange(1, 64) for _ in range(rng.randrange(5, 10))] for _ in range(4)]
+    lists = [model_list(rng.randrange(4, 15), rng.randrange(CYCLE)) for _ in range(4)]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     _, ng = _run(fitted_dir, [{"prompt_token_ids": items * 2} for items in lists], params, spec="ngram", spec_k=3)
     assert ng.engine.spec.stats.mean_acceptance_length >= 2.5, ng.engine.spec.stats
-    free = [{"prompt_token_ids": [rng.randrange(300) for _ in range(12)]} for _ in range(4)]
-    _, mtp = _run(fitted_dir, free + [{"prompt_token_ids": items * 3} for items in lists], params, spec="mtp",
-                  spec_k=3)
+    free = [{"prompt_token_ids": [rng.randrange(300) for _ in range(12)]} for _ in range(6)]
+    _, mtp = _run(fitted_dir, free, params, spec="mtp", spec_k=3)
     assert mtp.engine.spec.stats.mean_acceptance_length >= 2.0, mtp.engine.spec.stats
