@@ -30,7 +30,7 @@ def make_model(preset: str, root: Path) -> Path:
     path = root / preset
     if preset == "tiny":
         return make_tiny(path, "tiny")
-    dense = make_tiny(root / f"{preset}-dense", preset)
+    dense = make_tiny(root / f"{preset}-dense", preset, dtype=torch.bfloat16)
     quantize_checkpoint(dense, path, bits=8, group_size=128, sym=True)
     return path
 

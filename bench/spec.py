@@ -70,7 +70,8 @@ def main() -> None:
     if args.shaped:
         from qv.model.tiny import make_tiny
 
-        models.append((f"{args.shaped} random", str(make_tiny(Path(tmp.name) / args.shaped, args.shaped, mtp=True))))
+        shaped = make_tiny(Path(tmp.name) / args.shaped, args.shaped, mtp=True, dtype=torch.bfloat16)
+        models.append((f"{args.shaped} random", str(shaped)))
     rows = []
     for name, path in models:
         for batch in (int(b) for b in args.batches.split(",")):

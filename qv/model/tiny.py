@@ -197,8 +197,10 @@ def random_tensors(config: dict, seed: int = 0, mtp: bool = False, dtype=torch.f
             for name, shape in sorted(tensor_shapes(config, mtp).items())}
 
 
-def make_tiny(out_dir: str | Path, preset: str = "tiny", seed: int = 0, mtp: bool = False) -> Path:
-    """Write a complete tiny checkpoint folder; returns its path. Same arguments, same bytes."""
+def make_tiny(out_dir: str | Path, preset: str = "tiny", seed: int = 0, mtp: bool = False,
+              dtype: torch.dtype = torch.float32) -> Path:
+    """Write a complete tiny checkpoint folder; returns its path. Same arguments, same bytes.
+    `dtype` (e.g. bfloat16 for the benchmark shapes) halves what large presets write."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok_text, special = tokenizer_json()
@@ -208,6 +210,12 @@ def make_tiny(out_dir: str | Path, preset: str = "tiny", seed: int = 0, mtp: boo
     tensors = random_tensors(config, seed, mtp)
     if "cycle" in PRESETS[preset]:
         _cycle_lm_head(tensors, config, PRESETS[preset]["cycle"], special)
+    if dtype != torch.float32:
+        tensors = {k: v.to(dtype) for k, v in tensors.items()}
+        dtype_name = str(dtype).removeprefix("torch.")
+        _text_cfg(config)["dtype"] = dtype_name
+        if "text_config" in config:
+            config["dtype"] = dtype_name
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "tokenizer.json").write_text(tok_text)

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One device call for the engine-level GPU checks and benchmarks; logs under $OUT.
+#   bash bench/gpu_all.sh SECTION...    sections: tests engine spec prefix clef kernels
+set -u
+out=${OUT:-/tmp/qv-out}
+mkdir -p "$out"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
+{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
+  date -u; } > "$out/env.txt" 2>&1
+run() {  # name seconds command...
+  local name=$1 secs=$2; shift 2
+  local t0=$(date +%s)
+  timeout "$secs" "$@" > "$out/$name.log" 2>&1
+  echo "$name rc=$? $(( $(date +%s) - t0 ))s" >> "$out/env.txt"
+}
+for section in "$@"; do
+  case $section in
+    tests) run tests 150 python3 -m pytest -q -m gpu tests -n 8 -p no:cacheprovider -rfE --durations=10 ;;
+    engine) run engine 170 python3 bench/engine.py --json "$out/engine.json" ;;
+    spec) run spec 130 python3 bench/spec.py --fitted .bench_models/tiny-spec --json "$out/spec.json" ;;
+    prefix) run prefix 200 python3 bench/prefix.py --dir /tmp/qv-prefix-models ;;
+    clef) run clef 200 python3 bench/clef.py ;;
+    kernels) run kernels 200 python3 bench/kernels.py --json "$out/kernels.json" ;;
+  esac
+done
+cat "$out/env.txt"
+for f in "$out"/*.log; do echo "=== $f"; grep -E "^\||FAILED|Error|passed|failed" "$f" | tail -25; done
