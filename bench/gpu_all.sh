@@ -20,10 +20,10 @@ run() {  # name seconds command...
 }
 for section in "$@"; do
   case $section in
-    tests) run tests 150 python3 -m pytest -q -m gpu tests -n 8 -p no:cacheprovider -rfE --durations=10 ;;
+    tests) run tests 100 python3 -m pytest -q -m gpu tests/engine -n 3 -p no:cacheprovider -rfE --durations=10 ;;
     engine) run engine 170 python3 bench/engine.py --json "$out/engine.json" ;;
-    spec) run spec 130 python3 bench/spec.py --fitted .bench_models/tiny-spec --json "$out/spec.json" ;;
-    prefix) run prefix 200 python3 bench/prefix.py --dir /tmp/qv-prefix-models ;;
+    spec) run spec 110 python3 bench/spec.py --fitted .bench_models/tiny-spec --json "$out/spec.json" ;;
+    prefix) run prefix 165 python3 bench/prefix.py --dir /tmp/qv-prefix-models --presets 0.5b ;;
     clef) run clef 200 python3 bench/clef.py ;;
     kernels) run kernels 200 python3 bench/kernels.py --json "$out/kernels.json" ;;
   esac

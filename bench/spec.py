@@ -11,6 +11,7 @@ when drafts are almost never accepted (the break-even floor), not a realistic sp
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import tempfile
@@ -35,7 +36,7 @@ def prompts(batch: int, seed: int) -> list[list[int]]:
 
 def run(model_dir: str, spec: str, k: int, batch: int, max_tokens: int) -> dict:
     cfg = EngineConfig.from_env(environ={}, model=model_dir, spec=spec, spec_k=k, max_num_seqs=batch,
-                                max_model_len=4096, gpu_memory_utilization=0.5)
+                                max_model_len=4096, gpu_memory_utilization=0.3)
     eng = LLMEngine(cfg)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -53,6 +54,9 @@ def run(model_dir: str, spec: str, k: int, batch: int, max_tokens: int) -> dict:
     wall = time.perf_counter() - t0
     generated = batch * max_tokens
     st = eng.spec.stats if eng.spec else None
+    del eng
+    gc.collect()  # free this engine's cache before the next case
+    torch.cuda.empty_cache()
     return {"spec": spec if spec == "off" else f"{spec} k={k}", "batch": batch, "tok_s": generated / wall,
             "forwards_per_token": steps / max_tokens, "mean_acceptance": st.mean_acceptance_length if st else 1.0}
 

@@ -12,6 +12,7 @@ import torch
 
 from qv import kernels
 from qv.config import ConfigError, EngineConfig, ModelConfig
+from qv.engine.clef_rows import clef_reserve_bytes
 from qv.engine.prefix_cache import PrefixPlan, plan_prefix_cache
 from qv.model.cache import (KV_DTYPES, STATE_DTYPES, HybridCache, allocate_cache, gdn_bytes_per_slot,
                             kv_bytes_per_block)
@@ -35,6 +36,8 @@ class EngineParts:
     generation_defaults: dict
     mtp_head: object | None  # qv.spec.mtp.MTPHead when speculation drafts with it
     prefix_plan: PrefixPlan = PrefixPlan()  # snapshot pool, chat reserve and host tier sizes
+    vision: object | None = None  # qv.model.vision.VisionTower when the checkpoint has one (and media is on)
+    clef: object | None = None  # qv.clef.adapters.ClefAssets when the folder has a Clef head and clef is on
 
 
 def default_model_dir() -> Path:
@@ -92,7 +95,13 @@ def build_engine_parts(cfg: EngineConfig) -> EngineParts:
     kernels.set_backend(cfg.kernels)
     mcfg = ModelConfig.from_dir(model_dir)
     log.info("loading %s on %s (%s, kernels=%s)", model_dir, device, dtype, cfg.kernels)
-    model = load_text_model(str(model_dir), mcfg, dtype=dtype, device=device)
+    vision = None
+    if mcfg.vision is not None and (cfg.media_max_images or cfg.media_max_videos):
+        from qv.model.vision import load_multimodal_model
+
+        model, vision = load_multimodal_model(str(model_dir), mcfg, dtype=dtype, device=device)
+    else:
+        model = load_text_model(str(model_dir), mcfg, dtype=dtype, device=device)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     gen = read_generation_config(model_dir)
     eos = gen.get("eos_token_id", list(mcfg.eos_token_ids))
@@ -106,7 +115,13 @@ def build_engine_parts(cfg: EngineConfig) -> EngineParts:
         from qv.spec.mtp import load_mtp_head
 
         mtp_head = load_mtp_head(str(model_dir), mcfg, model, dtype, device)
-    cache, prefix = plan_cache(cfg, mcfg, device, dtype, mtp_layers=(mcfg.num_hidden_layers,) if mtp_head else ())
+    clef = None
+    if cfg.clef:  # Clef's head and low-rank deltas, before the memory plan (qv/clef/adapters.py)
+        from qv.clef.adapters import load_clef
+
+        clef = load_clef(model_dir, model, delta_host=cfg.clef_delta_host)
+    cache, prefix = plan_cache(cfg, mcfg, device, dtype, mtp_layers=(mcfg.num_hidden_layers,) if mtp_head else (),
+                               reserve_bytes=clef_reserve_bytes(clef, cfg.clef_slots, min(cfg.clef_nmax, max_len)))
     log.info("KV cache: %d blocks of %d tokens (%d tokens), %d GDN slots", cache.num_blocks, cfg.block_size,
              cache.num_blocks * cfg.block_size, cache.num_slots - 1)
     if prefix.enabled:
@@ -115,11 +130,13 @@ def build_engine_parts(cfg: EngineConfig) -> EngineParts:
                  prefix.host_snapshots)
     defaults = {k: gen[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                                     "presence_penalty", "frequency_penalty") if k in gen}
-    return EngineParts(model_dir, mcfg, model, tokenizer, cache, max_len, eos_ids, defaults, mtp_head, prefix)
+    return EngineParts(model_dir, mcfg, model, tokenizer, cache, max_len, eos_ids, defaults, mtp_head, prefix, vision,
+                       clef=clef)
 
 
 def plan_cache(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device, dtype: torch.dtype,
-               mtp_layers: tuple[int, ...] = ()) -> tuple[HybridCache, PrefixPlan]:
+               mtp_layers: tuple[int, ...] = (), reserve_bytes: int = 0) -> tuple[HybridCache, PrefixPlan]:
+    """reserve_bytes: other device memory the engine will hold (Clef head states), off a derived budget."""
     kv_dtype = resolve_kv_dtype(cfg.kv_dtype, dtype)
     state_dtype = STATE_DTYPES[cfg.gdn_state_dtype]
     num_slots = cfg.max_gdn_slots or cfg.max_num_seqs
@@ -131,10 +148,11 @@ def plan_cache(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device, dtype
     budget = cfg.kv_cache_bytes
     if budget == 0:
         if device.type == "cuda":
+            # this process may hold total * utilization; what it holds already (weights) counts against
+            # that, and memory other processes hold is simply not free
             free, total = torch.cuda.mem_get_info(device)
-            used = total - free
-            budget = (int(total * cfg.gpu_memory_utilization * (1 - ACTIVATION_RESERVE)) - used - num_slots * slot_bytes
-                      - spec_bytes)
+            room = min(total * cfg.gpu_memory_utilization - torch.cuda.memory_reserved(device), free)
+            budget = int(room * (1 - ACTIVATION_RESERVE)) - (num_slots + 1) * slot_bytes - spec_bytes - reserve_bytes
         else:
             budget = CPU_KV_BYTES
     # prefix caching takes the GDN snapshots' share of the same budget (qv/engine/prefix_cache.py)

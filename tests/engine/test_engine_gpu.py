@@ -19,7 +19,8 @@ def _prompts(n_prompts: int = 6):
 
 
 def _tokens(model_dir, prompts, params, **levers):
-    llm = LLM(model=model_dir, device="cuda", **levers)
+    # an explicit cache size: several test workers share the GPU
+    llm = LLM(model=model_dir, device="cuda", kv_cache_bytes=256 << 20, **levers)
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)], llm
 
 

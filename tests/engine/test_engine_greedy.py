@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from hf_oracle import assert_same_greedy, hf_greedy
+from engine_oracle import assert_same_greedy, hf_greedy
 from qv import LLM, SamplingParams
 
 LENGTHS = [1, 2, 17, 64, 65, 130, 211, 300]
