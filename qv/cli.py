@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--mtp", action="store_true", help="include mtp.* tensors")
     t.add_argument("--fit-mtp", type=int, default=0, metavar="STEPS", help="self-distil the MTP head (needs --mtp)")
     t.add_argument("--gptq", action="store_true", help="store linears as GPTQ-int8 (RTN)")
-    t.add_argument("--group-size", type=int, default=32)
+    t.add_argument("--group-size", type=int, default=16, help="GPTQ group size (16 divides every tiny preset's dims)")
     t.set_defaults(fn=cmd_make_tiny)
 
     q = sub.add_parser("quantize", help="write a GPTQ-Int8 checkpoint (round-to-nearest)")

@@ -293,16 +293,27 @@ def _parse_quant(raw: dict) -> QuantConfig:
     fmt = raw.get("checkpoint_format", "gptq")
     if fmt not in ("gptq", "gptq_v2"):
         raise ConfigError(f"unsupported GPTQ checkpoint_format {fmt!r}: expected 'gptq' or 'gptq_v2'")
+    group_size = int(raw.get("group_size", 128))
+    if group_size == 0 or group_size < -1:
+        raise ConfigError(f"GPTQ group_size={group_size}: expected a positive group size or -1 (one group)")
     return QuantConfig(
         bits=bits,
-        group_size=int(raw.get("group_size", 128)),
-        sym=bool(raw.get("sym", True)),
-        desc_act=bool(raw.get("desc_act", False)),
+        group_size=group_size,
+        sym=_json_bool(raw, "sym", True),
+        desc_act=_json_bool(raw, "desc_act", False),
         checkpoint_format=fmt,
         dynamic=dict(raw.get("dynamic") or {}),
         modules_to_not_convert=tuple(raw.get("modules_to_not_convert") or ()),
-        lm_head=bool(raw.get("lm_head", False)),
+        lm_head=_json_bool(raw, "lm_head", False),
     )
+
+
+def _json_bool(raw: dict, key: str, default: bool) -> bool:
+    """A JSON boolean; strings like "false" are refused rather than read as truthy."""
+    value = raw.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"quantization_config.{key}={value!r}: expected true or false")
+    return value
 
 
 # --------------------------------------------------------------------------------------------
@@ -381,12 +392,17 @@ class EngineConfig:
     max_waiting: int = lever(1024, "Most requests waiting; more get 503 with Retry-After.", "QV_MAX_WAITING")
     max_logprobs: int = lever(20, "Most top logprobs a request may ask for.", "QV_MAX_LOGPROBS")
     # -- media -----------------------------------------------------------------------------------
-    media_max_images: int = lever(20, "Most images per chat request.", "QV_MEDIA_MAX_IMAGES")
+    media_max_images: int = lever(20, "Most images per chat request (0 with media_max_videos 0: the vision tower is "
+                                  "not loaded).", "QV_MEDIA_MAX_IMAGES")
     media_max_videos: int = lever(2, "Most videos per chat request.", "QV_MEDIA_MAX_VIDEOS")
     media_max_bytes: int = lever(20 << 20, "Largest fetched media file.", "QV_MEDIA_MAX_BYTES")
     media_timeout_s: float = lever(10.0, "Timeout for fetching one media URL.", "QV_MEDIA_TIMEOUT_S")
     media_allowed_domains: str = lever("", "Comma-separated domains media URLs may come from; empty: any.", "QV_MEDIA_ALLOWED_DOMAINS")
     media_local_dir: str = lever("", "Directory file:// media may be read from; empty: no local files.", "QV_MEDIA_LOCAL_DIR")
+    vision_max_patches_per_step: int = lever(
+        16384, "Vision-encoder budget of one engine step, in patches before the 2x2 merge: prefill chunks stop "
+        "before an image or video whose encoding does not fit (one larger than the budget is encoded alone).",
+        "QV_VISION_MAX_PATCHES_PER_STEP")
     # -- Clef -----------------------------------------------------------------------------------
     clef: bool = lever(True, "Serve Clef decisions (POST /v1/systemone) when the checkpoint has a Clef head.", "QV_CLEF")
     clef_nmax: int = lever(34816, "Largest Clef record in tokens (images included).", "QV_CLEF_NMAX")
@@ -417,13 +433,14 @@ class EngineConfig:
             if choices and getattr(self, f.name) not in choices:
                 raise ConfigError(f"{f.name}={getattr(self, f.name)!r}: expected one of {', '.join(choices)}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "spec_k", "spec_max_seqs", "clef_slots",
-                     "clef_nmax"):
+                     "clef_nmax", "vision_max_patches_per_step"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.max_model_len < 0 or self.kv_cache_bytes < 0:
-            raise ConfigError("max_model_len and kv_cache_bytes must be >= 0")
+        for name in ("max_model_len", "kv_cache_bytes"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
 def _index(cls, name: str) -> int:
