@@ -8,6 +8,7 @@ tensor, so the engine drives prefill chunks, decodes and speculative rows in one
 from __future__ import annotations
 
 import torch
+from tqdm import tqdm
 
 from qv import kernels as K
 from qv.config import ModelConfig
@@ -15,6 +16,9 @@ from qv.model.batch import StepBatch
 from qv.model.cache import HybridCache
 from qv.model.layers import MLP, FusedLinear, GatedAttention, GatedDeltaNet, Linear
 from qv.model.weights import CheckpointError, CheckpointReader
+
+
+PROGRESS_BYTES = 1 << 30  # checkpoints larger than this show a progress bar while loading
 
 
 class DecoderLayer:
@@ -151,7 +155,10 @@ def build_text_model(cfg: ModelConfig, reader: CheckpointReader, dtype: torch.dt
     p, h = cfg.weight_prefix, cfg.hidden_size
     b = LayerBuilder(cfg, reader, dtype, device)
     embed = reader.tensor(f"{p}embed_tokens.weight", dtype, device, shape=(cfg.vocab_size, h))
-    layers = [b.decoder_layer(i, kind, f"{p}layers.{i}.") for i, kind in enumerate(cfg.layer_types)]
+    big = sum(f.stat().st_size for f in set(reader.files.values())) > PROGRESS_BYTES
+    layers = [b.decoder_layer(i, kind, f"{p}layers.{i}.")
+              for i, kind in tqdm(list(enumerate(cfg.layer_types)), desc="loading layers", unit="layer",
+                                  disable=not big)]
     norm = b.vec(f"{p}norm.weight", h)
     if cfg.tie_word_embeddings:
         lm_head = Linear(embed)
