@@ -38,6 +38,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from qv.engine.request import SamplingParams
 
     overrides = _overrides(args)
+    overrides.pop("model", None)
     llm = LLM(model=args.model, **overrides)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed_sample)
     for out in llm.generate(args.prompt, params):
