@@ -25,6 +25,21 @@ class LLM:
             return prompt["prompt"], self.tokenizer.encode(prompt["prompt"], add_special_tokens=False)
         raise InvalidRequestError(f"a prompt is a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
 
+    def _multimodal(self, prompt, ids: list[int]):
+        """vLLM's `multi_modal_data` ({"image": [...], "video": [...]}, one item or a list each) for a
+        prompt whose ids hold one `<|image_pad|>` / `<|video_pad|>` placeholder per item."""
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if not data:
+            return None
+        unknown = sorted(set(data) - {"image", "video"})
+        if unknown:
+            raise InvalidRequestError(f"multi_modal_data takes 'image' and 'video', not {', '.join(unknown)}")
+        if self.engine.multimodal is None:
+            raise InvalidRequestError("this model serves no images or videos (no vision tower, or media_max_images "
+                                      "and media_max_videos are 0)")
+        as_list = lambda x: [] if x is None else list(x) if isinstance(x, list) else [x]  # noqa: E731
+        return self.engine.multimodal.from_data(ids, as_list(data.get("image")), as_list(data.get("video")))
+
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Run all prompts to completion (batched together) and return outputs in prompt order."""
@@ -38,9 +53,10 @@ class LLM:
         order = []
         for prompt, p in zip(prompts, params):
             text, ids = self._prompt_ids(prompt)
+            mp = self._multimodal(prompt, ids)
             rid = str(self._next_id)
             self._next_id += 1
-            self.engine.add_request(rid, ids, p, prompt=text)
+            self.engine.add_request(rid, mp.token_ids if mp else ids, p, prompt=text, multimodal=mp)
             order.append(rid)
         done: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():

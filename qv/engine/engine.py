@@ -22,6 +22,7 @@ from qv.kernels import get_backend
 from qv.engine.build import build_engine_parts
 from qv.engine.detokenizer import IncrementalDetokenizer
 from qv.engine.kv_cache import KVBlockPool
+from qv.engine.multimodal import MultimodalInputs, MultimodalPrompt, VisionSteps, check_multimodal
 from qv.engine.prefix_cache import make_prefix_cache
 from qv.engine.request import (CompletionOutput, InvalidRequestError, Logprob, RequestMetrics, RequestOutput,
                                SamplingParams)
@@ -84,8 +85,13 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, GDNStatePool(scratch_slot), cfg.max_num_seqs,
                                    cfg.max_num_batched_tokens, lookahead=cfg.spec_k if self.spec else 0,
                                    prefix_cache=self.prefix_cache)
+        self.multimodal = self.media = None  # images/videos: prompt building and in-step encoding
+        if parts.vision is not None:
+            self.multimodal = MultimodalInputs(parts.model_dir, parts.model_config, parts.tokenizer)
+            step_rows = cfg.max_num_batched_tokens + (cfg.spec_k if self.spec else 0) * cfg.max_num_seqs  # as the runner's
+            self.media = VisionSteps(parts.vision, cfg.vision_max_patches_per_step, step_rows, parts.model.device)
         self.runner = ModelRunner(parts.model, parts.cache, cfg.max_num_batched_tokens, cfg.max_num_seqs,
-                                  self.max_model_len, self.spec)
+                                  self.max_model_len, self.spec, self.media)
         if cfg.cuda_graphs and parts.model.device.type == "cuda" and get_backend() != "reference":
             self.runner.enable_decode_graphs(scratch_slot)
         self.requests: dict[str, _Request] = {}
@@ -120,12 +126,16 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, cache_salt: str | None = None,
-                    mm_hashes: list[tuple[int, str]] | None = None) -> None:
+                    mm_hashes: list[tuple[int, str]] | None = None, multimodal: MultimodalPrompt | None = None) -> None:
         """cache_salt: prefixes are shared only under the same salt ("clef:..." never shares);
-        mm_hashes: (position, content hash) of each media item, part of the prefix key."""
+        mm_hashes: (position, content hash) of each media item, part of the prefix key;
+        multimodal: the prompt's images/videos (`self.multimodal.prompt(...)`); prompt_token_ids are its
+        expanded ids, and its media hashes join the prefix key."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         max_tokens = self.check_request(prompt_token_ids, params)
+        media = check_multimodal(self.media is not None, prompt_token_ids, mm_hashes, multimodal)
+        mm_hashes = multimodal.mm_hashes if multimodal is not None else mm_hashes
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
         seqs = []
         for i in range(params.n):
@@ -133,8 +143,10 @@ class LLMEngine:
                                            params.include_stop_str_in_output)
             seq = Sequence(next(self._seq_ids), request_id, i, list(prompt_token_ids), params, max_tokens,
                            base_seed + i, detok, arrival_order=next(self._seq_ids),
-                           eos_token_ids=self.eos_token_ids, cache_salt=cache_salt, mm_hashes=mm_hashes)
+                           eos_token_ids=self.eos_token_ids, cache_salt=cache_salt, mm_hashes=mm_hashes, media=media)
             seqs.append(seq)
+            if media is not None:
+                media.seqs.append(seq)
             self.scheduler.add(seq)
         self.requests[request_id] = _Request(request_id, prompt, list(prompt_token_ids), seqs, RequestMetrics())
         self.stats.prompt_tokens += len(prompt_token_ids)
@@ -167,6 +179,8 @@ class LLMEngine:
             log.info("speculation (%s, k=%d): mean acceptance length %.2f over %d drafts", self.spec.mode,
                      self.spec.k, st.mean_acceptance_length, st.num_drafts)
         plan = self.scheduler.schedule()
+        if self.media is not None:  # the vision budget: chunks stop before media that cannot be encoded this step
+            self.media.fit(plan)
         touched: dict[str, _Request] = {}
         for seq in plan.failed:
             touched[seq.request_id] = self.requests[seq.request_id]
@@ -183,6 +197,8 @@ class LLMEngine:
                 seq.num_computed_tokens += n if res is None or res.num_accepted is None else 1 + res.num_accepted
             if self.prefix_cache:  # before finished sequences give their blocks and slots back
                 self.prefix_cache.after_step(plan.scheduled)
+            if self.media is not None:  # free the encodings whose pads are all prefilled
+                self.media.after_step(plan.scheduled)
             for seq, res in results.items():
                 self._apply_result(seq, res)
                 touched[seq.request_id] = self.requests[seq.request_id]
@@ -274,6 +290,7 @@ class AsyncLLMEngine:
         e = self.engine
         self.tokenizer, self.model_config, self.model_name = e.tokenizer, e.model_config, e.model_name
         self.max_model_len, self.generation_defaults = e.max_model_len, e.generation_defaults
+        self.multimodal = e.multimodal  # MultimodalInputs, or None without a vision tower
         self.dead_error: str | None = None
         self._commands: queue.Queue = queue.Queue()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -294,7 +311,8 @@ class AsyncLLMEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        prompt: str | None = None, cache_salt: str | None = None,
-                       mm_hashes: list[tuple[int, str]] | None = None):
+                       mm_hashes: list[tuple[int, str]] | None = None, multimodal: MultimodalPrompt | None = None):
+        """multimodal: the prompt's images/videos (LLMEngine.add_request)."""
         if not self.healthy:
             raise RuntimeError(f"the engine is not running: {self.dead_error}")
         self.check_request(prompt_token_ids, params)
@@ -304,7 +322,7 @@ class AsyncLLMEngine:
             if request_id in self._queues:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
             self._queues[request_id] = (loop, q)
-        self._commands.put(("add", request_id, prompt_token_ids, params, prompt, cache_salt, mm_hashes))
+        self._commands.put(("add", request_id, prompt_token_ids, params, prompt, cache_salt, mm_hashes, multimodal))
         finished = False
         try:
             while not finished:
@@ -345,9 +363,9 @@ class AsyncLLMEngine:
 
     def _apply(self, cmd: tuple) -> None:
         if cmd[0] == "add":
-            _, rid, ids, params, prompt, salt, mm_hashes = cmd
+            _, rid, ids, params, prompt, salt, mm_hashes, multimodal = cmd
             try:
-                self.engine.add_request(rid, ids, params, prompt, salt, mm_hashes)
+                self.engine.add_request(rid, ids, params, prompt, salt, mm_hashes, multimodal)
             except InvalidRequestError as exc:
                 self._deliver(rid, exc)
         elif cmd[0] == "abort":

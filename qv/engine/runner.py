@@ -12,6 +12,7 @@ import torch
 
 from qv.engine.sampler import SamplingBatch, logprobs_of, process, sample
 from qv.engine.cuda_graphs import DecodeGraphs
+from qv.engine.multimodal import VisionSteps
 from qv.engine.scheduler import StepPlan
 from qv.engine.sequence import Sequence
 from qv.engine.speculator import Speculator
@@ -69,12 +70,14 @@ class _Step:
     cu: np.ndarray
     num_spec: int  # the first num_spec sequences verify drafts (k+1 rows each, all with logits)
     samplers: list[int]  # indices of the other sequences that sample one token this step
+    rope: torch.Tensor | None = None  # rotary positions when they are not the token indices (images: mRoPE)
+    embeds: torch.Tensor | None = None  # input embeddings with vision rows, when a chunk holds media pads
 
 
 class ModelRunner:
     def __init__(self, model, cache: HybridCache, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_model_len: int, speculator: Speculator | None = None):
-        self.model, self.cache, self.spec = model, cache, speculator
+                 max_model_len: int, speculator: Speculator | None = None, media: VisionSteps | None = None):
+        self.model, self.cache, self.spec, self.media = model, cache, speculator, media
         self.device = model.device
         self.block_size = cache.block_size
         lookahead = 2 * speculator.k + 2 if speculator else 1
@@ -92,10 +95,11 @@ class ModelRunner:
 
     def _forward(self, st: "_Step") -> torch.Tensor:
         """Replay a captured graph for plain decode steps; run eagerly otherwise."""
-        if (self.graphs is not None and st.num_spec == 0 and st.batch.max_query_len == 1
-                and st.batch.delta_rows is None and self.graphs.bucket(len(st.seqs)) is not None):
-            return self.graphs.run(st.batch, st.ids, st.positions)
-        return self.model.forward(st.ids, st.positions, st.batch, self.cache)
+        pos = st.positions if st.rope is None else st.rope
+        if (self.graphs is not None and st.num_spec == 0 and st.batch.max_query_len == 1 and pos.dim() == 1
+                and st.embeds is None and st.batch.delta_rows is None and self.graphs.bucket(len(st.seqs)) is not None):
+            return self.graphs.run(st.batch, st.ids, pos)
+        return self.model.forward(st.ids, pos, st.batch, self.cache, inputs_embeds=st.embeds)
 
     # -- batch construction --------------------------------------------------------------------
     def prepare(self, plan: StepPlan) -> _Step:
@@ -154,8 +158,10 @@ class ModelRunner:
                                block_tables=up(b.block_tables, nseq * width).view(nseq, width),
                                seq_lens=up(b.seq_lens, nseq), max_seq_len=int(ends.max())),
             gdn=gdn, logits_indices=up(b.logits_idx, n_logits))
-        return _Step(up(b.ids, ntok), up(b.positions, ntok), batch, seqs, q_lens, cu[:nseq + 1].copy(), num_spec,
-                     samplers)
+        st = _Step(up(b.ids, ntok), up(b.positions, ntok), batch, seqs, q_lens, cu[:nseq + 1].copy(), num_spec, samplers)
+        if self.media is not None:  # images/videos: encode what the step needs, mRoPE positions, vision rows
+            st.rope, st.embeds = self.media.step_inputs(self.model, seqs, starts, q_lens, cu, pos, st.ids)
+        return st
 
     # -- the step ------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> dict[Sequence, StepResult]:
@@ -219,7 +225,9 @@ class ModelRunner:
         draft_seqs = np.asarray(list(range(st.num_spec)) + st.samplers, dtype=np.int64)
         max_len = int(max(s.num_computed_tokens for s in st.seqs) + st.q_lens.max())
         draft_rows = torch.cat(rows) if rows else None
-        return self.spec.draft_mtp(st.positions, hidden, st.batch, next_ids, draft_rows, draft_seqs, max_len)
+        deltas = self.media.draft_deltas(st.seqs, draft_seqs, self.device) if st.rope is not None else None
+        return self.spec.draft_mtp(st.positions, hidden, st.batch, next_ids, draft_rows, draft_seqs, max_len,
+                                   rope=st.rope, rope_delta=deltas)
 
     def _unpack(self, st: _Step, host: np.ndarray, k1: int, has_drafts: bool) -> dict[Sequence, StepResult]:
         results: dict[Sequence, StepResult] = {}

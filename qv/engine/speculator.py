@@ -106,11 +106,14 @@ class Speculator:
 
     # -- device side: MTP drafts for the next step --------------------------------------------
     def draft_mtp(self, positions: torch.Tensor, hidden: torch.Tensor, batch: StepBatch, next_ids: torch.Tensor,
-                  draft_rows: torch.Tensor | None, draft_seqs: np.ndarray, max_seq_len: int) -> torch.Tensor | None:
+                  draft_rows: torch.Tensor | None, draft_seqs: np.ndarray, max_seq_len: int,
+                  rope: torch.Tensor | None = None, rope_delta: torch.Tensor | None = None) -> torch.Tensor | None:
         """Run the head over every row of the step (its KV catches up with the target), then k-1 more
-        single-row steps from `draft_rows` (the last valid row of each drafting sequence). Returns [D, k]."""
+        single-row steps from `draft_rows` (the last valid row of each drafting sequence). Returns [D, k].
+        `positions` are token indices (KV slots); with images the rotary positions differ: `rope` is the
+        step's ([T] or mRoPE [3, T]) and `rope_delta` [D] what each draft position (past its prompt) adds."""
         head, bs = self.head, self.cache.block_size
-        out = head.forward(next_ids, hidden, positions, batch, self.cache)
+        out = head.forward(next_ids, hidden, positions if rope is None else rope, batch, self.cache)
         if draft_rows is None:
             return None
         ids = next_ids
@@ -128,6 +131,6 @@ class Speculator:
             ar = StepBatch(cu, 1, AttentionMeta(slot_mapping, tables, (p + 1).to(torch.int32), max_seq_len + step),
                            GDNMeta(torch.zeros(d, dtype=torch.int64, device=ids.device), no_state),
                            logits_indices=rows)
-            state = head.forward(drafts[-1], state, p, ar, self.cache)
+            state = head.forward(drafts[-1], state, p if rope_delta is None else p + rope_delta, ar, self.cache)
             drafts.append(head.draft_ids(state))
         return torch.stack(drafts, dim=1)

@@ -2,7 +2,9 @@
 `apply_chat_template`), the way vLLM renders them.
 
 - Content parts: text parts are joined with "\\n" (vLLM's "string" content format, which every
-  template understands); media parts go to `media.check_media_part`.
+  template understands); media parts go to `media.check_media_part`, and a message with images or
+  videos reaches the template as its parts list (text parts and one image/video placeholder part
+  each, in order; the template concatenates them).
 - `developer` messages render as `system` (the Qwen3.5 template knows no developer role).
 - Assistant `tool_calls[].function.arguments` arrive as JSON strings and are parsed to dicts,
   since Qwen3.5 templates iterate `arguments.items()`. Reasoning is accepted as `reasoning` or
@@ -42,10 +44,13 @@ class RenderedPrompt:
     forced_prefix: str  # output text the prompt already wrote (prepended before parsing)
 
 
-def content_text(content, where: str) -> str | None:
+def content_text(content, where: str, allow_media: bool = False) -> str | list[dict] | None:
+    """Text parts joined with "\n". With allow_media (chat completions), content holding images or
+    videos becomes the parts list the template renders their placeholders from, in order:
+    [{"type": "text", "text": ...}, {"type": "image"}, ...]."""
     if content is None or isinstance(content, str):
         return content
-    texts = []
+    texts, parts = [], []
     for j, part in enumerate(content):
         kind = part.get("type")
         if kind in TEXT_PARTS:
@@ -55,9 +60,17 @@ def content_text(content, where: str) -> str | None:
         elif kind == "refusal" and isinstance(part.get("refusal"), str):
             texts.append(part["refusal"])
         else:
-            check_media_part(part, f"{where}[{j}]")
-            raise bad_request(f"{where}[{j}] has unknown content part type {kind!r}; expected 'text'", f"{where}[{j}].type")
-    return "\n".join(texts)
+            placeholder = check_media_part(part, f"{where}[{j}]")
+            if placeholder is None:
+                raise bad_request(f"{where}[{j}] has unknown content part type {kind!r}; expected 'text'",
+                                  f"{where}[{j}].type")
+            if not allow_media:
+                raise bad_request(f"{where}[{j}]: images and videos are taken by /v1/chat/completions only",
+                                  f"{where}[{j}]")
+            parts.append(placeholder)
+            continue
+        parts.append({"type": "text", "text": texts[-1]})
+    return parts if len(parts) > len(texts) else "\n".join(texts)
 
 
 def _tool_call_arguments(args, where: str) -> dict:
@@ -77,7 +90,7 @@ def build_conversation(messages) -> list[dict]:
     conv = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
-        text = content_text(m.content, f"{where}.content")
+        text = content_text(m.content, f"{where}.content", allow_media=True)
         if text is None and m.role != "assistant":
             raise bad_request(f"{where}.content is required for role '{m.role}'", f"{where}.content")
         d: dict = {"role": "system" if m.role == "developer" else m.role, "content": text}

@@ -66,10 +66,12 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     state.check_model(req.model)
     state.check_logprobs(req.top_logprobs, "top_logprobs")
     rendered = render_chat(state.tokenizer, req, state.enable_thinking)
+    mm = await state.media.prompt(req.messages, rendered.token_ids)  # images/videos fetched and expanded
+    prompt_ids = mm.token_ids if mm is not None else rendered.token_ids
     max_tokens = req.max_output_tokens
-    state.check_length(len(rendered.token_ids), max_tokens, "messages")
+    state.check_length(len(prompt_ids), max_tokens, "messages")
     params = state.sampling_params(req, max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None)
-    state.check_request(rendered.token_ids, params)
+    state.check_request(prompt_ids, params)
     state.check_capacity()
     tool_dicts = [t.model_dump(exclude_none=True) for t in req.tools or []]
     parse_tools = bool(req.tools) and req.tool_choice != "none"
@@ -78,7 +80,8 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     ctx = ChatContext(req, rendered, Qwen3CoderToolParser(tool_dicts) if parse_tools else None,
                       [t.function.name for t in req.tools or []], random_id("chatcmpl"), int(time.time()),
                       state.model_name, echo)
-    gen = state.generate(ctx.request_id, rendered.token_ids, params, prompt=rendered.text, cache_salt=req.cache_salt)
+    gen = state.generate(ctx.request_id, prompt_ids, params, prompt=rendered.text, cache_salt=req.cache_salt,
+                         multimodal=mm)
     if req.stream:
         return SSEResponse(chat_stream(state, ctx, gen))
     final = await until_disconnect(request, last_output(gen))

@@ -9,6 +9,7 @@ import uuid
 from qv.config import EngineConfig
 from qv.engine.request import InvalidRequestError, SamplingParams
 from qv.server.errors import BUSY_MESSAGE, APIError, bad_request
+from qv.server.media import ServerMedia
 from qv.server.metrics import ServerMetrics
 
 
@@ -34,6 +35,7 @@ class ServerState:
         self.created = int(time.time())
         self.in_flight = 0  # requests of this server between submission and their last output
         self.metrics = ServerMetrics(engine, self.model_name, self.max_model_len)
+        self.media = ServerMedia(cfg, getattr(engine, "multimodal", None))  # image/video parts of chat requests
         decoder = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
         self.special_ids = frozenset(i for i, t in decoder.items() if getattr(t, "special", False))
 
@@ -103,11 +105,13 @@ class ServerState:
 
     # -- running ---------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       prompt: str | None = None, cache_salt: str | None = None):
+                       prompt: str | None = None, cache_salt: str | None = None, multimodal=None):
         """engine.generate with metrics; engine failures become APIErrors (500, or 400 for a
-        request the engine refused). Closing this iterator closes the engine's (abort)."""
+        request the engine refused). Closing this iterator closes the engine's (abort).
+        multimodal: the prompt's images/videos (a MultimodalPrompt from `self.media.prompt`)."""
         tracker = self.metrics.tracker(params.n, params.max_tokens)
-        gen = self.engine.generate(request_id, prompt_ids, params, prompt=prompt, cache_salt=cache_salt)
+        gen = self.engine.generate(request_id, prompt_ids, params, prompt=prompt, cache_salt=cache_salt,
+                                   multimodal=multimodal)
         self.in_flight += 1
         try:
             async for out in gen:

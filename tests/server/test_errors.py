@@ -65,8 +65,12 @@ BAD = [
     ("tool_call_arguments_not_json", CHAT, {"messages": MSG + [{"role": "assistant", "tool_calls": [{
         "id": "c", "type": "function", "function": {"name": "f", "arguments": "{city: Paris"}}]}], "max_tokens": 4},
      400, "messages[1].tool_calls[0].function.arguments", "not valid JSON"),
-    ("image_part", CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     400, "messages[0].content[0]", "images are not supported yet"),
+    ("image_part_not_a_url", CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+        "url": "x"}}]}]}, 400, "messages[0].content[0]", "not an http(s) URL, a data URL or base64 data"),
+    ("image_part_without_url", CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "messages[0].content[0].image_url", "must be a URL string"),
+    ("image_pil_part", CHAT, {"messages": [{"role": "user", "content": [{"type": "image_pil"}]}]}, 400,
+     "messages[0].content[0]", "send an 'image_url' part"),
     ("unknown_part_type", CHAT, {"messages": [{"role": "user", "content": [{"type": "hologram"}]}]}, 400,
      "messages[0].content[0].type", "unknown content part type"),
     ("unknown_model", CHAT, chat(model="gpt-4"), 404, "model", "The model `gpt-4` does not exist."),

@@ -153,14 +153,14 @@ def test_responses_function_call_items(openai_client):
     assert deltas == done[0].arguments and isinstance(json.loads(deltas), dict)
 
 
-def test_image_parts_are_refused_clearly(server):
+def test_undecodable_image_parts_are_refused_clearly(server):
     body = {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "What is this?"},
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}], "max_tokens": 4}
     r = httpx.post(server.v1 + "/chat/completions", json=body)
     assert r.status_code == 400
     err = r.json()["error"]
-    assert "images are not supported yet" in err["message"] and err["param"] == "messages[0].content[1]"
+    assert "could not decode the image" in err["message"] and err["param"] == "messages[0].content[1]"
 
 
 def test_required_with_several_tools_fails_loudly_when_the_model_cannot_name_one(server):
