@@ -117,6 +117,7 @@ def test_wrong_media_is_caught(vision_dir, refs):
     n = next((i for i, (a, b) in enumerate(zip(comp.token_ids, tokens)) if a != b), len(tokens))
     errs = [abs(comp.logprobs[i][comp.token_ids[i]].logprob - lps[i]) for i in range(n)]
     assert n < len(tokens) or max(errs) > 100 * LOGPROB_TOL, errs
+    print(f"images reversed: tokens equal for {n} of {len(tokens)}, max logprob error {max(errs, default=0):.2e}")
 
 
 def test_mtp_speculation_equals_hf(tiny_dirs, vision_dir, refs):
@@ -129,6 +130,7 @@ def test_mtp_speculation_equals_hf(tiny_dirs, vision_dir, refs):
     assert all(torch.equal(v, with_mtp[k]) for k, v in base.items())
     names = ["gen-3", "text-short", "gen-video", "gen-mixed"]
     llm, outs = run(mtp_dir, names, spec="mtp", spec_k=2, max_num_batched_tokens=32)
-    for name, out in zip(names, outs):
-        check(f"{name} spec=mtp", out, refs[name])
-    assert llm.engine.spec.stats.num_drafts > 0
+    worst = max(check(f"{name} spec=mtp", out, refs[name]) for name, out in zip(names, outs))
+    st = llm.engine.spec.stats
+    assert st.num_drafts > 0
+    print(f"spec=mtp: max logprob error {worst:.2e}, {st.num_drafts} drafts, mean acceptance {st.mean_acceptance_length:.2f}")

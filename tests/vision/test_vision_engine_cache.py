@@ -78,6 +78,8 @@ def test_prefix_cache_keys_include_media(vision_dir):
     assert a1.num_cached_tokens == 0
     assert a2.num_cached_tokens > mp.item_span[2][1], (a2.num_cached_tokens, mp.item_span)
     assert 0 < b.num_cached_tokens <= third, (b.num_cached_tokens, third)
+    print(f"prompt {len(mp)} tokens, third image pads {mp.item_span[2]}: cached {a2.num_cached_tokens} on the repeat, "
+          f"{b.num_cached_tokens} with the third image changed")
     _same("repeat", a2, fa)
     _same("first", a1, fa)
     _same("third image changed", b, fb)
@@ -128,7 +130,7 @@ def test_mtp_drafts_on_mrope_positions(tiny_dirs):
             eng.step()
         first, states = _reference_drafts(eng, mp, 3)
         assert seq.output_token_ids[0] == first and len(seen) == 3 and len(seq.draft_token_ids) == 3
-        for j, (got, want) in enumerate(zip(seen, states)):
-            assert_close(f"{name} MTP state {j}", got, want, 1e-4)
+        errs = [assert_close(f"{name} MTP state {j}", got, want, 1e-4) for j, (got, want) in enumerate(zip(seen, states))]
+        print(f"{name}: MTP state rel errors {[f'{e:.1e}' for e in errs]}")
         while eng.has_unfinished_requests():
             eng.step()
