@@ -101,6 +101,24 @@ def test_engine_equals_hf(levers, vision_dir, refs, hf_processed):
     print(f"{levers}: max logprob error {worst:.2e}; {st}")
 
 
+def test_preemption_reencodes(vision_dir, refs):
+    """A KV cache of 12 blocks of 16 for prompts of 76, 93 and 46 tokens (+8 each): two are admitted,
+    their decode growth preempts one (recompute), its freed encodings are encoded again on
+    readmission, and every output still equals transformers'."""
+    from qv.config import ModelConfig
+    from qv.model.cache import kv_bytes_per_block
+
+    names = ["gen-3", "gen-mixed", "gen-1"]
+    budget = 12 * kv_bytes_per_block(ModelConfig.from_dir(vision_dir), 16, torch.float32)
+    llm, outs = run(vision_dir, names, block_size=16, kv_cache_bytes=budget, prefix_caching=False,
+                    max_num_batched_tokens=64)
+    for name, out in zip(names, outs):
+        check(f"{name} preempted", out, refs[name])
+    st = llm.engine.media.stats
+    assert llm.engine.stats.num_preemptions > 0 and st.items_encoded > 7, (llm.engine.stats, st)
+    print(f"{llm.engine.stats.num_preemptions} preemptions, {st.items_encoded} item encodings for 7 items")
+
+
 def _items(llm, name):
     return llm.engine.multimodal.from_data(llm.tokenizer.encode(engine_prompt(MM_CASES[name])["prompt"], add_special_tokens=False),
                                            MM_CASES[name].get("images", []), MM_CASES[name].get("videos", [])).items
