@@ -64,3 +64,29 @@ class LLM:
                 if out.finished:
                     done[out.request_id] = out
         return [done[rid] for rid in order]
+
+    def decide(self, bodies: dict | list[dict]) -> dict | list[dict]:
+        """Clef decisions offline: systemone request bodies -> systemone responses, run together
+        (records validated and encoded as POST /v1/systemone does; any model name is accepted)."""
+        from qv.clef.answers import response
+        from qv.clef.request import encode_request
+
+        clef = self.engine.clef
+        if clef is None:
+            raise InvalidRequestError("this model serves no Clef decisions (no Clef head in its folder, or clef=False)")
+        single = isinstance(bodies, dict)
+        bodies = [bodies] if single else list(bodies)
+        records = [encode_request(self.tokenizer, b, clef.cap, cap_name=clef.cap_name) for b in bodies]
+        order = []
+        for rec in records:
+            order.append(f"clef-{self._next_id}")
+            self._next_id += 1
+            self.engine.add_clef(order[-1], rec, rec.num_tokens, rec.checksum)
+        done: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            done.update((out.request_id, out) for out in self.engine.step() if out.finished)
+        failed = [f"{rid}: {done[rid].error}" for rid in order if done[rid].clef is None]
+        if failed:
+            raise RuntimeError("Clef records failed: " + "; ".join(failed))
+        outs = [response(b["model"], rec, done[rid].clef.probabilities) for b, rec, rid in zip(bodies, records, order)]
+        return outs[0] if single else outs

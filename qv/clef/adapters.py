@@ -141,8 +141,10 @@ def locate(model, name: str) -> tuple[Linear, int, int]:
 
 
 def attach(model, modules: list[AdapterModule], dtype: torch.dtype | None = None,
-           device: torch.device | str | None = None) -> int:
-    """Attach each module's delta to the Linear computing it; returns the bytes the deltas hold."""
+           device: torch.device | str | None = None, pin: bool = False) -> int:
+    """Attach each module's delta to the Linear computing it; returns the bytes the deltas hold.
+    `pin`: keep them in pinned host memory (device "cpu"); the Linear copies them to the
+    activations' device per use (QV_CLEF_DELTA_HOST)."""
     placed = []
     for mod in modules:  # check everything before touching the model
         linear, start, end = locate(model, mod.name)
@@ -154,7 +156,9 @@ def attach(model, modules: list[AdapterModule], dtype: torch.dtype | None = None
     dtype, device = dtype or model.dtype, device or model.device
     total = 0
     for linear, start, end, mod in placed:
-        a, b = mod.a.to(device=device, dtype=dtype), mod.b.to(device=device, dtype=dtype)
+        a, b = mod.a.to(device=device, dtype=dtype).contiguous(), mod.b.to(device=device, dtype=dtype).contiguous()
+        if pin:
+            a, b = a.pin_memory(), b.pin_memory()
         linear.deltas.append(LowRankDelta(a.contiguous(), b.contiguous(), mod.scale, start, end))
         total += a.numel() * a.element_size() + b.numel() * b.element_size()
     return total
@@ -200,8 +204,9 @@ def clef_layout(model_dir: str | Path) -> str | None:
 
 
 def load_clef(model_dir: str | Path, model, head_device: torch.device | str | None = None,
-              delta_dtype: torch.dtype | None = None) -> ClefAssets | None:
-    """Load the head and attach the deltas the layout calls for; None when the folder has no Clef."""
+              delta_dtype: torch.dtype | None = None, delta_host: bool = False) -> ClefAssets | None:
+    """Load the head and attach the deltas the layout calls for; None when the folder has no Clef.
+    `delta_host`: deltas stay in host memory (pinned when the model is on a GPU), streamed per use."""
     d = Path(model_dir)
     layout = clef_layout(d)
     if layout is None:
@@ -219,5 +224,6 @@ def load_clef(model_dir: str | Path, model, head_device: torch.device | str | No
         raise ClefLayoutError(f"{clef}: no LoRA adapter (adapter_config.json in clef/ or clef/adapter/)")
     lora = read_peft_adapter(lora_dir)
     deabl = read_peft_adapter(clef / "deabl", rank=1) if (clef / "deabl").is_dir() else []
-    total = attach(model, lora + deabl, delta_dtype)
+    on_gpu = model.device.type == "cuda"
+    total = attach(model, lora + deabl, delta_dtype, "cpu" if delta_host else None, pin=delta_host and on_gpu)
     return ClefAssets(layout, head, total, len(lora), len(deabl))

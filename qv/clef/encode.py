@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 SYSTEM_PROMPT = (
     "Read the complete state and schema. Decide every field jointly. Each answer "
     "must be exactly one of that field's allowed options."
@@ -82,8 +84,27 @@ class EncodedRecord:
     @property
     def checksum(self) -> str:
         """Identity of the token sequence, so the worker can refuse a record that is not the one
-        the endpoint encoded (length + checksum)."""
-        return hashlib.sha256(json.dumps(self.input_ids).encode()).hexdigest()[:32]
+        the endpoint encoded (length + checksum). See `TokenChecksum` for the streamed form."""
+        c = TokenChecksum()
+        c.update(self.input_ids)
+        return c.hexdigest()
+
+
+class TokenChecksum:
+    """sha256 over the token ids as little-endian int64, fed in any number of pieces: the engine
+    hashes each chunk it runs and gets the checksum of the whole record without keeping it."""
+
+    def __init__(self):
+        self._h = hashlib.sha256()
+        self.num_tokens = 0
+
+    def update(self, ids: Sequence[int] | np.ndarray) -> None:
+        arr = np.asarray(ids, dtype="<i8")
+        self._h.update(arr.tobytes())
+        self.num_tokens += arr.size
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()[:32]
 
 
 class SchemaTooLong(ValueError):

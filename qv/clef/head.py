@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from qv.clef.encode import EncodedRecord, all_spans, option_token_ids
+from qv.clef.request import MAX_OPTIONS_TOTAL, MAX_QUESTIONS
 from qv.kernels.linear import GPTQWeight
 
 KEY_BLOCK = 2048  # most memory rows per attention block: bounds the transient K/V tensors
@@ -56,6 +57,13 @@ class HeadConfig:
         if missing:
             raise ValueError(f"{path}: missing {', '.join(missing)}")
         return cls(**{n: int(raw[n]) for n in names})
+
+
+def max_state_bytes(c: HeadConfig, num_tokens: int, memory_bytes: int = 4, max_questions: int = MAX_QUESTIONS,
+                    max_options: int = MAX_OPTIONS_TOTAL) -> int:
+    """Most bytes one record's HeadState holds between chunks (the formula above, at the request
+    limits): what the engine reserves per Clef slot when it plans memory."""
+    return num_tokens * c.width * memory_bytes + (max_questions + 2 * max_options + 1) * c.hidden_size * 4
 
 
 def expected_shapes(c: HeadConfig) -> dict[str, tuple[int, ...]]:

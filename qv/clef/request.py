@@ -184,29 +184,30 @@ def _check_max_length(value: Any) -> None:
         raise ClefRequestError(f"'max_length' must be a positive integer, got {value!r}", "max_length")
 
 
-def effective_max_length(requested: int | None, nmax: int) -> int:
+def effective_max_length(requested: int | None, nmax: int, cap_name: str = "QV_CLEF_NMAX") -> int:
     """Clef's default (16,384) unless the request lowers it; never above the server cap."""
     if requested is None:
         return min(DEFAULT_MAX_LENGTH, nmax)
     if requested > nmax:
         raise ClefRequestError(f"max_length {requested} is over this server's Clef record cap of {nmax} tokens "
-                               "(QV_CLEF_NMAX)", "max_length")
+                               f"({cap_name})", "max_length")
     return requested
 
 
 def encode_request(tokenizer: Any, body: Any, nmax: int, served_models: Iterable[str] | None = None,
-                   tokenize: Tokenize | None = None) -> EncodedRecord:
-    """Validate and encode a systemone body: the record the engine will run."""
+                   tokenize: Tokenize | None = None, cap_name: str = "QV_CLEF_NMAX") -> EncodedRecord:
+    """Validate and encode a systemone body: the record the engine will run. `nmax` is the
+    server's record cap and `cap_name` what sets it (named in the messages)."""
     validate_request(body, served_models)
-    max_length = effective_max_length(body.get("max_length"), nmax)
+    max_length = effective_max_length(body.get("max_length"), nmax, cap_name)
     try:
         record = encode_record(tokenizer, body, max_length=max_length, tokenize=tokenize)
     except SchemaTooLong as e:
-        limit = "max_length" if max_length < nmax else "Clef record cap (QV_CLEF_NMAX)"
+        limit = "max_length" if max_length < nmax else f"Clef record cap ({cap_name})"
         raise ClefRequestError(f"record too long: the template and questions take {e.fixed} tokens before any "
                                f"state ({e.schema} of them the schema), more than the {e.max_length}-token "
                                f"{limit}", "questions") from None
     if record.num_tokens > nmax:  # cannot happen for text (max_length <= nmax); guards future media tokens
-        raise ClefRequestError(f"record has {record.num_tokens} tokens, over the Clef record cap of {nmax}",
-                               "state")
+        raise ClefRequestError(f"record has {record.num_tokens} tokens, over the Clef record cap of {nmax} "
+                               f"({cap_name})", "state")
     return record

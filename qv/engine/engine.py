@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from qv.config import EngineConfig
 from qv.kernels import get_backend
 from qv.engine.build import build_engine_parts
+from qv.engine.clef_rows import ClefResult, clef_sequence, make_clef_rows
 from qv.engine.detokenizer import IncrementalDetokenizer
 from qv.engine.kv_cache import KVBlockPool
 from qv.engine.multimodal import MultimodalInputs, MultimodalPrompt, VisionSteps, check_multimodal
@@ -95,6 +96,9 @@ class LLMEngine:
         if cfg.cuda_graphs and parts.model.device.type == "cuda" and get_backend() != "reference":
             self.runner.enable_decode_graphs(scratch_slot)
         self.requests: dict[str, _Request] = {}
+        self.clef = make_clef_rows(parts.clef, parts.model, cfg.clef_slots, cfg.clef_nmax, self.max_model_len,
+                                   cfg.max_num_batched_tokens)
+        self.runner.clef = self.clef
         self._seq_ids = itertools.count()
         self._rng = random.Random(cfg.seed)
         self.stats = EngineStats()
@@ -152,6 +156,27 @@ class LLMEngine:
         self.stats.prompt_tokens += len(prompt_token_ids)
         self._refresh_stats()
 
+    def add_clef(self, request_id: str, record, num_tokens: int, checksum: str) -> None:
+        """Queue a Clef record (qv.clef.encode.EncodedRecord): a prefill-only request whose rows run
+        Clef's weights and feed the joint head (qv/engine/clef_rows.py). Its finished RequestOutput
+        carries `clef`, a ClefResult. num_tokens/checksum: what the endpoint encoded; the record
+        that runs must match them or it is refused."""
+        if self.clef is None:
+            raise InvalidRequestError("this model serves no Clef decisions: its folder has no Clef head "
+                                      "(joint_head.safetensors or clef/) or QV_CLEF is off")
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        room = self.blocks.capacity(True) * self.blocks.block_size - self.scheduler.lookahead
+        self.clef.check(record, num_tokens, room)
+        detok = IncrementalDetokenizer(self.tokenizer, [])
+        seq = clef_sequence(next(self._seq_ids), request_id, record, SamplingParams(temperature=0.0, max_tokens=1),
+                            detok, next(self._seq_ids))
+        self.clef.add(seq, record, num_tokens, checksum)
+        self.requests[request_id] = _Request(request_id, None, seq.prompt_token_ids, [seq], RequestMetrics())
+        self.stats.prompt_tokens += record.num_tokens
+        self.clef.admit(self.scheduler)
+        self._refresh_stats()
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         req = self.requests.get(request_id)
         if req is None:
@@ -164,7 +189,7 @@ class LLMEngine:
         return out
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self.clef and self.clef.num_pending)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (device and host tiers); running requests continue. False
@@ -178,6 +203,8 @@ class LLMEngine:
             st = self.spec.stats
             log.info("speculation (%s, k=%d): mean acceptance length %.2f over %d drafts", self.spec.mode,
                      self.spec.k, st.mean_acceptance_length, st.num_drafts)
+        if self.clef:  # records waiting for a Clef slot go in as others finish
+            self.clef.admit(self.scheduler)
         plan = self.scheduler.schedule()
         if self.media is not None:  # the vision budget: chunks stop before media that cannot be encoded this step
             self.media.fit(plan)
@@ -199,6 +226,10 @@ class LLMEngine:
                 self.prefix_cache.after_step(plan.scheduled)
             if self.media is not None:  # free the encodings whose pads are all prefilled
                 self.media.after_step(plan.scheduled)
+            if self.clef:  # records whose last chunk ran: answered (one output token each), cache freed
+                for rid in self.clef.finish_ready(plan.scheduled, self.scheduler):
+                    touched[rid] = self.requests[rid]
+                    self.stats.generation_tokens += touched[rid].seqs[0].finish_reason == "stop"
             for seq, res in results.items():
                 self._apply_result(seq, res)
                 touched[seq.request_id] = self.requests[seq.request_id]
@@ -262,13 +293,15 @@ class LLMEngine:
             self.requests.pop(req.request_id, None)
             for s in req.seqs:
                 self.stats.finished[s.finish_reason] = self.stats.finished.get(s.finish_reason, 0) + 1
+        clef = self.clef.pop_result(req.request_id) if self.clef and finished else None
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished,
-                             num_cached_tokens=min(s.num_cached_tokens for s in req.seqs), metrics=m, error=error)
+                             num_cached_tokens=min(s.num_cached_tokens for s in req.seqs), metrics=m, error=error,
+                             clef=clef)
 
     def _refresh_stats(self) -> None:
         s = self.stats
         s.num_running = len(self.scheduler.running)
-        s.num_waiting = len(self.scheduler.waiting)
+        s.num_waiting = len(self.scheduler.waiting) + (self.clef.num_pending if self.clef else 0)
         s.kv_cache_usage = self.blocks.usage
         s.num_preemptions = self.scheduler.num_preemptions
         if self.spec:
@@ -290,6 +323,7 @@ class AsyncLLMEngine:
         e = self.engine
         self.tokenizer, self.model_config, self.model_name = e.tokenizer, e.model_config, e.model_name
         self.max_model_len, self.generation_defaults = e.max_model_len, e.generation_defaults
+        self.clef_cap = (e.clef.cap, e.clef.cap_name) if e.clef else None  # Clef served: record cap, what sets it
         self.multimodal = e.multimodal  # MultimodalInputs, or None without a vision tower
         self.dead_error: str | None = None
         self._commands: queue.Queue = queue.Queue()
@@ -339,6 +373,36 @@ class AsyncLLMEngine:
             if not finished:
                 self._commands.put(("abort", request_id))
 
+    async def decide(self, request_id: str, record, num_tokens: int, checksum: str) -> ClefResult:
+        """Run one Clef record (LLMEngine.add_clef) on the engine thread; returns its ClefResult
+        (answers in systemone's format). InvalidRequestError: the engine refused the record;
+        RuntimeError: it failed. Cancelling the await aborts the record and frees its cache."""
+        if not self.healthy:
+            raise RuntimeError(f"the engine is not running: {self.dead_error}")
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if request_id in self._queues:
+                raise InvalidRequestError(f"request id {request_id!r} is already in use")
+            self._queues[request_id] = (loop, q)
+        self._commands.put(("add_clef", request_id, record, num_tokens, checksum))
+        out, settled = None, False
+        try:
+            while not settled:
+                out = await q.get()
+                if isinstance(out, BaseException):
+                    settled = True
+                    raise out
+                settled = out.finished
+        finally:
+            with self._lock:
+                self._queues.pop(request_id, None)
+            if not settled:
+                self._commands.put(("abort", request_id))
+        if out.clef is None:
+            raise RuntimeError(f"the engine failed this Clef record: {out.error or out.outputs[0].finish_reason}")
+        return out.clef
+
     async def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
@@ -368,6 +432,11 @@ class AsyncLLMEngine:
                 self.engine.add_request(rid, ids, params, prompt, salt, mm_hashes, multimodal)
             except InvalidRequestError as exc:
                 self._deliver(rid, exc)
+        elif cmd[0] == "add_clef":
+            try:
+                self.engine.add_clef(*cmd[1:])
+            except InvalidRequestError as exc:
+                self._deliver(cmd[1], exc)
         elif cmd[0] == "abort":
             self.engine.abort_request(cmd[1])
         elif cmd[0] == "reset_prefix_cache":

@@ -148,7 +148,8 @@ class VisionSteps:
 
     # -- the step ------------------------------------------------------------------------------
     def encode_pending(self) -> None:
-        """One tower call over every item `fit` planned for this step; outputs split per item."""
+        """One tower call over every item `fit` planned for this step; outputs split per item (views
+        of the one output, whose memory goes back when the last of them is released)."""
         if not self.pending:
             return
         items = [ms.mp.items[i] for ms, i in self.pending]

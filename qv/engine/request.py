@@ -147,3 +147,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     error: str | None = None  # set when the engine failed this request (finish_reason "error")
+    clef: Any = None  # qv.engine.clef_rows.ClefResult of an answered Clef record (LLMEngine.add_clef)

@@ -87,6 +87,7 @@ class ModelRunner:
         self.vocab_size = model.cfg.vocab_size
         self.max_blocks, self.max_model_len = max_blocks, max_model_len
         self.graphs: DecodeGraphs | None = None
+        self.clef = None  # qv.engine.clef_rows.ClefRows when Clef records are served (set by the engine)
 
     def enable_decode_graphs(self, scratch_slot: int) -> None:
         graphs = DecodeGraphs(self.model, self.cache, self.buf.cu_seqlens[0].shape[0] - 1, self.max_blocks,
@@ -135,7 +136,7 @@ class ModelRunner:
             if seq.draft_token_ids:
                 logits_idx[n_logits:n_logits + n] = np.arange(c0, c0 + n)
                 n_logits += n
-            elif start + n == seq.num_tokens:
+            elif start + n == seq.num_tokens and not (self.clef and self.clef.owns(seq)):  # records never sample
                 samplers.append(i)
         for i in samplers:
             logits_idx[n_logits] = cu[i + 1] - 1
@@ -157,7 +158,8 @@ class ModelRunner:
             attn=AttentionMeta(slot_mapping=up(b.slot_mapping, ntok),
                                block_tables=up(b.block_tables, nseq * width).view(nseq, width),
                                seq_lens=up(b.seq_lens, nseq), max_seq_len=int(ends.max())),
-            gdn=gdn, logits_indices=up(b.logits_idx, n_logits))
+            gdn=gdn, logits_indices=up(b.logits_idx, n_logits),
+            delta_rows=self.clef.delta_rows(seqs, cu) if self.clef else None)  # Clef rows: low-rank deltas
         st = _Step(up(b.ids, ntok), up(b.positions, ntok), batch, seqs, q_lens, cu[:nseq + 1].copy(), num_spec, samplers)
         if self.media is not None:  # images/videos: encode what the step needs, mRoPE positions, vision rows
             st.rope, st.embeds = self.media.step_inputs(self.model, seqs, starts, q_lens, cu, pos, st.ids)
@@ -167,6 +169,8 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> dict[Sequence, StepResult]:
         st = self.prepare(plan)
         hidden = self._forward(st)
+        if self.clef is not None:  # Clef records: their rows into the joint head, chunk by chunk
+            self.clef.take_hidden(st.seqs, st.cu, hidden, self.buf.ids[1])
         if st.batch.logits_indices.numel() == 0:
             if self.spec and self.spec.uses_mtp:  # the head's KV must still catch up with these rows
                 self._draft(st, hidden, None, None, None)

@@ -42,8 +42,11 @@ class Linear:
         y = K.linear(x, self.weight, self.bias)
         if self.deltas and delta_rows is not None and delta_rows.numel():
             for d in self.deltas:
+                a, b = d.a, d.b
+                if a.device != x.device:  # kept in (pinned) host memory: streamed in for this use
+                    a, b = a.to(x.device, non_blocking=True), b.to(x.device, non_blocking=True)
                 y[:, d.out_start:d.out_end] = K.lora_delta(
-                    y[:, d.out_start:d.out_end], x, delta_rows, d.a, d.b, d.scale
+                    y[:, d.out_start:d.out_end], x, delta_rows, a, b, d.scale
                 )
         return y
 

@@ -20,7 +20,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from qv.config import EngineConfig
-from qv.server import completions, ops, openai, responses
+from qv.server import completions, ops, openai, responses, systemone
 from qv.server.errors import APIError, api_error_response, error_response
 from qv.server.state import ServerState
 from qv.server.streaming import ClientDisconnected
@@ -54,12 +54,14 @@ ROUTES = [
     ("/v1/chat/completions", openai.create_chat_completion, "POST"),
     ("/v1/completions", completions.create_completion, "POST"),
     ("/v1/responses", responses.create_response, "POST"),
+    ("/v1/systemone", systemone.create_decision, "POST"),
     ("/v1/models", ops.list_models, "GET"),
     ("/health", ops.health, "GET"),
     ("/version", ops.version, "GET"),
     ("/metrics", ops.metrics, "GET"),
     ("/tokenize", ops.tokenize, "POST"),
     ("/detokenize", ops.detokenize, "POST"),
+    ("/reset_prefix_cache", ops.reset_prefix_cache, "POST"),
 ]
 
 

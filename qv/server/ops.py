@@ -1,4 +1,5 @@
-"""Operations endpoints: /health, /version, /metrics, /v1/models, /tokenize, /detokenize."""
+"""Operations endpoints: /health, /version, /metrics, /v1/models, /tokenize, /detokenize,
+/reset_prefix_cache."""
 
 from __future__ import annotations
 
@@ -37,6 +38,14 @@ async def list_models(state: ServerState, request: Request) -> Response:
     models = [{"name": name, "description": f"{state.model_root} served by qv {qv.__version__}",
                "release_date": None} for name in state.served_names]
     return JSONResponse({"object": "list", "data": data, "models": models})
+
+
+async def reset_prefix_cache(state: ServerState, request: Request) -> Response:
+    """Forget every cached prefix (device and host tiers); running requests continue. 400 when
+    prefix caching is off."""
+    if not await state.engine.reset_prefix_cache():
+        raise bad_request("prefix caching is off (QV_PREFIX_CACHING=0): there is no prefix cache to reset")
+    return Response(status_code=200)
 
 
 async def tokenize(state: ServerState, request: Request) -> Response:

@@ -41,6 +41,18 @@ class ClientDisconnected(Exception):
 async def read_json(request: Request, max_body_bytes: int) -> dict:
     """The request body as a JSON object; 400 for a wrong content type or bad JSON, 413 when the
     (decompressed) body is over the limit. zstd bodies are accepted (the TypeSafe SDK sends them)."""
+    raw = await read_body(request, max_body_bytes)
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+async def read_body(request: Request, max_body_bytes: int) -> bytes:
+    """The JSON request body's bytes, zstd-decoded when `Content-Encoding: zstd`; the checks of read_json."""
     media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
     if media != "application/json":
         raise bad_request("Unsupported Media Type: Only 'application/json' is allowed")
@@ -55,13 +67,7 @@ async def read_json(request: Request, max_body_bytes: int) -> dict:
             raise APIError(413, f"the request body is larger than {max_body_bytes} bytes once decompressed")
     elif encoding not in ("", "identity"):
         raise bad_request(f"unsupported Content-Encoding {encoding!r}: send identity or zstd")
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
-    return body
+    return raw
 
 
 async def _wait_disconnect(receive) -> None:

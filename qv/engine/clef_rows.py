@@ -1,0 +1,231 @@
+"""Clef records inside the engine: prefill-only sequences whose rows run Clef's weights and whose
+final-norm hidden rows feed the joint schema head, chunk by chunk.
+
+A record is one Sequence (its token ids are the encoded record) with its own cache salt
+"clef:<request id>", so the prefix cache never reads or registers its blocks and the block pool
+keeps it out of the chat reserve (qv/engine/prefix_cache.py, kv_cache.py). ClefRows is the one
+place that knows which sequences are records:
+
+- admission: at most `slots` records are in the scheduler at once; the others wait here, in
+  arrival order, and go in as records finish (`admit`, called at the start of every step);
+- the batch: `delta_rows` gives the flat rows of the step's records, the only rows the low-rank
+  deltas touch (chat rows of the same batch compute the served weights);
+- the tap: `take_hidden` feeds each record's rows to its HeadState right after the forward and
+  hashes the token ids that ran; a chunk at token 0 after earlier chunks means the record was
+  preempted (recompute), so the head state and the hash start again (no span summed twice);
+- the end: `finish_ready` answers the records whose last chunk ran (they never sample), after
+  checking that the tokens that ran are the record the endpoint encoded (length + checksum).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from qv.clef.answers import answers
+from qv.clef.encode import EncodedRecord, TokenChecksum
+from qv.clef.head import HeadState, JointHead, max_state_bytes
+from qv.engine.prefix_cache import CLEF_SALT_PREFIX
+from qv.engine.sequence import Sequence
+from qv.errors import InvalidRequestError
+
+log = logging.getLogger("qv")
+
+
+@dataclass
+class ClefResult:
+    """A finished record: per-option probabilities (encoded option order); `answers` formats them
+    as systemone does (qv/clef/answers.py), off the engine thread."""
+
+    record: EncodedRecord
+    probabilities: list[list[float]]
+    restarts: int  # times the record was preempted and recomputed from its first token
+
+    @property
+    def answers(self) -> dict:
+        return answers(self.record, self.probabilities)
+
+
+class _Job:
+    def __init__(self, seq: Sequence, record: EncodedRecord, num_tokens: int, checksum: str):
+        self.seq, self.record = seq, record
+        self.expected = (num_tokens, checksum)  # what the endpoint encoded
+        self.state: HeadState | None = None  # allocated at admission, dropped at the end
+        self.ran = TokenChecksum()  # the token ids that ran, chunk by chunk
+        self.restarts = 0
+        self.error: str | None = None
+        self.result: ClefResult | None = None
+
+
+class _RowBuffer:
+    """Pinned host + device buffer for the delta row indices; an event keeps the host side from
+    being rewritten while its last copy may still be in flight."""
+
+    def __init__(self, n: int, device: torch.device):
+        cuda = device.type == "cuda"
+        self.host = torch.zeros(n, dtype=torch.int64, pin_memory=cuda)
+        self.dev = torch.zeros(n, dtype=torch.int64, device=device)
+        self.event = torch.cuda.Event() if cuda else None
+
+    def upload(self, rows: np.ndarray) -> torch.Tensor:
+        if self.event is not None:
+            self.event.synchronize()
+        n = rows.size
+        self.host.numpy()[:n] = rows
+        self.dev[:n].copy_(self.host[:n], non_blocking=True)
+        if self.event is not None:
+            self.event.record()
+        return self.dev[:n]
+
+
+class ClefRows:
+    def __init__(self, head: JointHead, output_embedding, slots: int, cap: int, cap_name: str,
+                 max_rows: int, has_deltas: bool, device: torch.device):
+        self.head, self.output_embedding = head, output_embedding
+        self.slots, self.cap, self.cap_name = slots, cap, cap_name
+        self.has_deltas = has_deltas
+        self.jobs: dict[Sequence, _Job] = {}
+        self.by_request: dict[str, _Job] = {}
+        self.pending: deque[_Job] = deque()  # records waiting for a Clef slot
+        self.active: list[_Job] = []  # records in the scheduler
+        self.rows = _RowBuffer(max_rows, device)
+        self.num_restarts = 0
+
+    # -- requests ------------------------------------------------------------------------------
+    def check(self, record: EncodedRecord, num_tokens: int, capacity_tokens: int) -> None:
+        """Refuse a record the engine cannot run (InvalidRequestError, with the counts)."""
+        n = record.num_tokens
+        if n != num_tokens:
+            raise InvalidRequestError(f"Clef record refused: the endpoint encoded {num_tokens} tokens but the "
+                                      f"engine received {n}")
+        if n > self.cap:
+            raise InvalidRequestError(f"Clef record has {n} tokens, over the Clef record cap of {self.cap} "
+                                      f"({self.cap_name})")
+        if n + 1 > capacity_tokens:
+            raise InvalidRequestError(f"Clef record has {n} tokens but the KV cache holds {capacity_tokens} tokens "
+                                      "for Clef rows; raise kv_cache_bytes or lower prefix_cache_chat_reserve")
+
+    def add(self, seq: Sequence, record: EncodedRecord, num_tokens: int, checksum: str) -> None:
+        job = _Job(seq, record, num_tokens, checksum)
+        self.jobs[seq] = job
+        self.by_request[seq.request_id] = job
+        self.pending.append(job)
+
+    def owns(self, seq: Sequence) -> bool:
+        return seq in self.jobs
+
+    @property
+    def num_pending(self) -> int:
+        return sum(1 for j in self.pending if not j.seq.finished)
+
+    def admit(self, scheduler) -> None:
+        """Move waiting records into the scheduler while fewer than `slots` are in it."""
+        self.active = [j for j in self.active if not j.seq.finished]
+        while self.pending and len(self.active) < self.slots:
+            job = self.pending.popleft()
+            if job.seq.finished:  # aborted while it waited
+                continue
+            try:
+                job.state = self.head.state(job.record, self.output_embedding)
+            except Exception as exc:  # noqa: BLE001 - e.g. out of memory: fails this record (finish_ready)
+                log.exception("Clef head state for request %s", job.seq.request_id)
+                job.error = f"the Clef head state could not be created: {type(exc).__name__}: {exc}"
+            self.active.append(job)
+            scheduler.add(job.seq)
+
+    def pop_result(self, request_id: str) -> ClefResult | None:
+        """The result of a finished record (None for chats and failed records); forgets the record."""
+        job = self.by_request.get(request_id)
+        if job is None or not job.seq.finished:
+            return None
+        del self.by_request[request_id]
+        self.jobs.pop(job.seq, None)
+        job.state = None
+        return job.result
+
+    # -- the step ------------------------------------------------------------------------------
+    def delta_rows(self, seqs: list[Sequence], cu: np.ndarray) -> torch.Tensor | None:
+        """Flat rows of the step's records (batch order `seqs`, row offsets `cu`); None when the
+        step has none or there are no deltas (the release layout: Clef's weights are the served ones)."""
+        if not self.has_deltas:
+            return None
+        parts = [np.arange(cu[i], cu[i + 1]) for i, s in enumerate(seqs) if s in self.jobs]
+        return self.rows.upload(np.concatenate(parts)) if parts else None
+
+    def take_hidden(self, seqs: list[Sequence], cu: np.ndarray, hidden: torch.Tensor, ids: np.ndarray) -> None:
+        """Feed each record's final-norm hidden rows (and the token ids that ran) to its head."""
+        for i, seq in enumerate(seqs):
+            job = self.jobs.get(seq)
+            if job is None or job.error or job.state is None:
+                continue
+            start, lo, hi = seq.num_computed_tokens, int(cu[i]), int(cu[i + 1])
+            if start == 0 and job.ran.num_tokens:  # preempted and recomputed: start over
+                job.state.reset()
+                job.ran = TokenChecksum()
+                job.restarts += 1
+                self.num_restarts += 1
+            try:
+                job.ran.update(ids[lo:hi])
+                job.state.add_chunk(hidden[lo:hi], start)
+            except Exception as exc:  # noqa: BLE001 - fails this record only, never the engine
+                log.exception("Clef head failed on request %s", seq.request_id)
+                job.error = f"the Clef head failed: {type(exc).__name__}: {exc}"
+
+    def finish_ready(self, scheduled: list[tuple[Sequence, int]], scheduler) -> list[str]:
+        """Answer (or fail) the records whose last chunk ran this step; returns their request ids.
+        Their blocks and slots go back at once."""
+        done = []
+        for seq, _ in scheduled:
+            job = self.jobs.get(seq)
+            if job is None or seq.finished or (job.error is None and seq.num_computed_tokens < seq.num_tokens):
+                continue
+            error = job.error or self._mismatch(job)
+            if error is None:
+                try:
+                    job.result = ClefResult(job.record, job.state.probabilities(), job.restarts)
+                except Exception as exc:  # noqa: BLE001
+                    log.exception("Clef head failed on request %s", seq.request_id)
+                    error = f"the Clef head failed: {type(exc).__name__}: {exc}"
+            job.state = None
+            if error is None:
+                scheduler.finish(seq, "stop")
+            else:
+                scheduler.finish(seq, "error", error=error)
+            done.append(seq.request_id)
+        return done
+
+    @staticmethod
+    def _mismatch(job: _Job) -> str | None:
+        ran = (job.ran.num_tokens, job.ran.hexdigest())
+        if ran == job.expected:
+            return None
+        return (f"Clef record refused: the engine ran {ran[0]} tokens with checksum {ran[1]}, but the endpoint "
+                f"encoded {job.expected[0]} tokens with checksum {job.expected[1]}")
+
+
+def clef_sequence(seq_id: int, request_id: str, record: EncodedRecord, params, detok, arrival_order: int) -> Sequence:
+    """The engine sequence of a record: its ids, one 'token' of room, its own cache salt."""
+    return Sequence(seq_id, request_id, 0, list(record.input_ids), params, 1, 0, detok, arrival_order,
+                    cache_salt=f"{CLEF_SALT_PREFIX}{request_id}")
+
+
+def make_clef_rows(assets, model, slots: int, nmax: int, max_model_len: int, max_rows: int) -> ClefRows | None:
+    """ClefRows for loaded Clef assets (qv.clef.adapters.ClefAssets); None when Clef is not served."""
+    if assets is None:
+        return None
+    cap, cap_name = (nmax, "QV_CLEF_NMAX") if nmax <= max_model_len else (max_model_len, "max_model_len")
+    if cap < nmax:
+        log.warning("Clef records are capped at max_model_len=%d tokens (QV_CLEF_NMAX is %d)", max_model_len, nmax)
+    log.info("Clef: %s layout, %d slots, records up to %d tokens, deltas %.1f MiB (%d LoRA, %d deabl modules)",
+             assets.layout, slots, cap, assets.delta_bytes / 2**20, assets.lora_modules, assets.deabl_modules)
+    return ClefRows(assets.head, model.lm_head.weight, slots, cap, cap_name, max_rows, assets.delta_bytes > 0,
+                    model.device)
+
+
+def clef_reserve_bytes(assets, slots: int, nmax: int) -> int:
+    """Device bytes the head states of `slots` records of `nmax` tokens can hold (memory plan)."""
+    return 0 if assets is None else slots * max_state_bytes(assets.head.config, nmax)

@@ -1,0 +1,226 @@
+"""Clef records through the ENGINE (LLMEngine.add_clef): prefill-only requests with their own cache
+salt, deltas on their rows only, the head fed chunk by chunk, answers when the last chunk ran.
+
+- 4 records + 4 chats in the same steps: each chat's tokens equal the chat run alone, each record's
+  answers equal the record run alone; every mixed step's delta rows are exactly the records' rows.
+- A record of >= 4096 tokens in 512-token chunks (max_num_batched_tokens=512) answers as in one chunk.
+- A record preempted by a tight KV cache restarts from its first token (head state reset) and
+  answers as if it had run once.
+- At most clef_slots records in flight; the worker refuses a record whose tokens are not the ones
+  the endpoint encoded (length + checksum); aborts free everything.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from clef_records import make_record
+from qv.clef.request import encode_request
+from qv.config import EngineConfig
+from qv.engine.engine import LLMEngine
+from qv.engine.request import InvalidRequestError, SamplingParams
+from qv.model.cache import kv_bytes_per_block
+
+NMAX = 34816
+BOUND = 1e-5  # max |dp| vs the record alone: batch composition only reorders fp32 sums (~1e-7)
+CHAT = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def make_engine(folder, **levers) -> LLMEngine:
+    levers.setdefault("max_model_len", 8192)
+    return LLMEngine(EngineConfig(model=str(folder), device="cpu", **levers))
+
+
+def run(eng: LLMEngine, records: dict, chats: dict | None = None, chat_params: SamplingParams = CHAT) -> dict:
+    """Chats first (so they decode beside the records' prefill chunks), then records; run to the end."""
+    for rid, ids in (chats or {}).items():
+        eng.add_request(rid, ids, chat_params)
+    for rid, rec in records.items():
+        eng.add_clef(rid, rec, rec.num_tokens, rec.checksum)
+    done = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
+def max_dp(a, b) -> float:
+    return max(abs(x - y) for qa, qb in zip(a, b) for x, y in zip(qa, qb))
+
+
+def spy_steps(eng: LLMEngine) -> list:
+    """Record, per step: which batch rows are Clef rows and the delta rows the runner passed."""
+    steps = []
+    prepare = eng.runner.prepare
+
+    def spied(plan):
+        st = prepare(plan)
+        expected = [r for i, s in enumerate(st.seqs) if eng.clef.owns(s) for r in range(st.cu[i], st.cu[i + 1])]
+        got = None if st.batch.delta_rows is None else st.batch.delta_rows.tolist()
+        steps.append({"kinds": [eng.clef.owns(s) for s in st.seqs], "expected": expected, "got": got,
+                      "clef_rows": {s.request_id: int(st.cu[i + 1] - st.cu[i]) for i, s in enumerate(st.seqs)
+                                    if eng.clef.owns(s)}})
+        return st
+
+    eng.runner.prepare = spied
+    return steps
+
+
+@pytest.fixture(scope="module")
+def alone(clef_dirs):
+    """One engine on layout (b) that runs things one at a time (the 'alone' side)."""
+    return make_engine(clef_dirs["adapters"], max_num_batched_tokens=256)
+
+
+@pytest.fixture(scope="module")
+def records(tokenizers):
+    tok = tokenizers["adapters"]
+    return {f"r{i}": encode_request(tok, make_record(700 + i, small=True), NMAX) for i in range(4)}
+
+
+def test_mixed_batches_through_the_engine(clef_dirs, alone, records):
+    rng = random.Random(3)
+    vocab = alone.model_config.vocab_size
+    chats = {f"c{j}": [rng.randrange(3, min(vocab, 250)) for _ in range(rng.randint(5, 60))] for j in range(4)}
+    # a budget that takes every chat and record in the first step but the last record's second half
+    budget = sum(map(len, chats.values())) + sum(r.num_tokens for r in records.values()) - records["r3"].num_tokens // 2
+    eng = make_engine(clef_dirs["adapters"], max_num_batched_tokens=budget)
+    steps = spy_steps(eng)
+    mixed = run(eng, records, chats)
+    mixed_steps = [s for s in steps if any(s["kinds"]) and not all(s["kinds"])]
+    assert mixed_steps, "no step held both Clef and chat rows: the test did not mix them"
+    assert all(s["got"] == s["expected"] for s in steps if any(s["kinds"])), "delta rows are not the Clef rows"
+    assert all(s["got"] is None for s in steps if not any(s["kinds"]))
+    assert max(sum(s["kinds"]) for s in steps) == 4, "the four records were never in flight together"
+    for rid, ids in chats.items():
+        ref = run(alone, {}, {rid: ids})[rid]
+        assert mixed[rid].outputs[0].token_ids == ref.outputs[0].token_ids, rid
+    worst = 0.0
+    for rid, rec in records.items():
+        ref = run(alone, {rid: rec})[rid].clef
+        got = mixed[rid].clef
+        worst = max(worst, max_dp(got.probabilities, ref.probabilities))
+        assert list(got.answers) == list(ref.answers)
+        assert all(got.answers[q].get("choice") == ref.answers[q].get("choice") for q in got.answers)
+        assert mixed[rid].outputs[0].finish_reason == "stop" and mixed[rid].outputs[0].token_ids == []
+    print(f"\nengine mixed batch: {len(mixed_steps)} mixed steps, Clef max |dp| vs alone {worst:.1e}")
+    assert worst <= BOUND
+    st = eng.stats
+    assert st.generation_tokens == 4 * CHAT.max_tokens + 4  # one engine token per record, like the original
+    assert st.prompt_tokens == sum(map(len, chats.values())) + sum(r.num_tokens for r in records.values())
+
+
+def test_long_record_chunked_equals_one_chunk(clef_dirs, tokenizers):
+    record = make_record(77, n_questions=4, small=True)
+    record["state"] = " ".join(["the checkout returns errors after the payment step and orders stay blocked"] * 58)
+    rec = encode_request(tokenizers["release"], record, NMAX)
+    assert rec.num_tokens >= 4096, rec.num_tokens
+    results, chunks = {}, {}
+    for budget in (512, 8192):
+        eng = make_engine(clef_dirs["release"], max_num_batched_tokens=budget)
+        steps = spy_steps(eng)
+        results[budget] = run(eng, {"long": rec})["long"].clef
+        chunks[budget] = [s["clef_rows"]["long"] for s in steps]
+    assert chunks[8192] == [rec.num_tokens] and len(chunks[512]) == -(-rec.num_tokens // 512)
+    dp = max_dp(results[512].probabilities, results[8192].probabilities)
+    print(f"\nengine: {rec.num_tokens}-token record in {len(chunks[512])} chunks of 512 vs one chunk: max |dp| {dp:.1e}")
+    assert dp <= BOUND
+    assert results[512].answers.keys() == results[8192].answers.keys()
+
+
+def test_preempted_record_restarts_cleanly(clef_dirs, alone, tokenizers):
+    rec = encode_request(tokenizers["adapters"], make_record(903, n_questions=1, state_size=80), NMAX)
+    budget = 12  # the record gets 11 rows a step beside the chat's decode row: ~50 steps of prefill
+    steps = -(-rec.num_tokens // (budget - 1))
+    assert steps > 40, rec.num_tokens
+    # Room for the record plus the chat's 2 blocks and one growth block (what admission asks for). The
+    # chat, admitted first, keeps decoding; by the record's last chunks the two no longer fit, so the
+    # newest (the record) is preempted, and readmitted once the chat is done.
+    blocks = -(-rec.num_tokens // 16) + 3
+    eng = make_engine(clef_dirs["adapters"], max_num_batched_tokens=budget, prefix_caching=False,
+                      kv_cache_bytes=blocks * kv_bytes_per_block(alone.model_config, 16, alone.runner.model.dtype))
+    chat = SamplingParams(temperature=0.0, max_tokens=steps + 20, ignore_eos=True)
+    out = run(eng, {"rec": rec}, {"c": list(range(3, 19))}, chat)
+    res = out["rec"].clef
+    assert eng.stats.num_preemptions >= 1 and res.restarts >= 1, (eng.stats.num_preemptions, res.restarts)
+    ref = run(alone, {"rec": rec})["rec"].clef
+    dp = max_dp(res.probabilities, ref.probabilities)
+    print(f"\nengine: record preempted {res.restarts}x and recomputed: max |dp| vs alone {dp:.1e}")
+    assert dp <= BOUND and ref.restarts == 0
+    assert len(out["c"].outputs[0].token_ids) == chat.max_tokens
+
+
+def test_clef_slots_bound_records_in_flight(clef_dirs, records):
+    eng = make_engine(clef_dirs["adapters"], max_num_batched_tokens=256, clef_slots=2)
+    seen = []
+    step = eng.step
+
+    def counted():
+        sched = eng.scheduler
+        seen.append(sum(1 for s in sched.running + list(sched.waiting) if eng.clef.owns(s)))
+        return step()
+
+    eng.step = counted
+    for rid, rec in records.items():
+        eng.add_clef(rid, rec, rec.num_tokens, rec.checksum)
+    assert eng.stats.num_waiting == 2 + len(eng.scheduler.waiting)  # two wait for a Clef slot
+    done = run(eng, {})
+    assert sorted(done) == sorted(records) and all(o.clef is not None for o in done.values())
+    assert max(seen) == 2 and eng.stats.num_waiting == 0
+
+
+def test_worker_refuses_a_record_that_is_not_the_encoded_one(alone, records):
+    rec = records["r0"]
+    with pytest.raises(InvalidRequestError, match=f"endpoint encoded {rec.num_tokens + 1} tokens"):
+        alone.add_clef("bad-length", rec, rec.num_tokens + 1, rec.checksum)
+    out = run_one(alone, "bad-sum", rec, checksum="0" * 32)
+    assert out.clef is None and out.outputs[0].finish_reason == "error"
+    assert "Clef record refused" in out.error and f"encoded {rec.num_tokens} tokens with checksum {'0' * 32}" in out.error
+    # tokens changed after the endpoint encoded them: the engine hashes what actually ran
+    alone.add_clef("tampered", rec, rec.num_tokens, rec.checksum)
+    alone.requests["tampered"].seqs[0].prompt_token_ids[5] += 1
+    out = run(alone, {})["tampered"]
+    assert out.clef is None and "Clef record refused: the engine ran" in out.error
+    assert run_one(alone, "fine", rec).clef is not None  # and the engine carries on
+
+
+def run_one(eng, rid, rec, checksum=None):
+    eng.add_clef(rid, rec, rec.num_tokens, checksum or rec.checksum)
+    return run(eng, {})[rid]
+
+
+def test_abort_frees_running_and_queued_records(clef_dirs, records):
+    eng = make_engine(clef_dirs["adapters"], max_num_batched_tokens=64, clef_slots=1)
+    free = eng.blocks.num_free
+    for rid in ("r0", "r1"):
+        eng.add_clef(rid, records[rid], records[rid].num_tokens, records[rid].checksum)
+    eng.step()
+    assert eng.blocks.num_free < free
+    assert eng.abort_request("r1").outputs[0].finish_reason == "abort"  # waiting for a Clef slot
+    assert eng.abort_request("r0").outputs[0].finish_reason == "abort"  # mid-prefill
+    assert not eng.has_unfinished_requests() and eng.blocks.num_free == free
+    assert not eng.clef.jobs and eng.stats.num_waiting == 0
+    with pytest.raises(InvalidRequestError, match="no Clef decisions"):
+        make_engine(clef_dirs["adapters"], clef=False).add_clef("x", records["r0"], 1, "")
+
+
+def test_offline_llm_decide(clef_dirs):
+    from qv.clef.offline import run_record
+    from qv.llm import LLM
+
+    llm = LLM(model=str(clef_dirs["release"]), device="cpu", max_model_len=4096)
+    bodies = [make_record(40 + i, small=True) for i in range(2)]
+    outs = llm.decide(bodies)
+    assert len(outs) == 2 and llm.decide(bodies[0]) == outs[0]
+    for body, out in zip(bodies, outs):
+        rec = encode_request(llm.tokenizer, body, NMAX)
+        probs = run_record(llm.engine.runner.model, llm.engine.clef.head, rec).probabilities()
+        assert out["usage"] == {"input_tokens": rec.num_tokens, "output_tokens": 0}
+        for q, p in zip(rec.questions, probs):
+            a = out["answers"][q.question_id]
+            value = a["noul"] if q.type_name == "noul" else a["confidence"]
+            expect = p[0] if q.type_name == "noul" else max(p)
+            assert abs(value - expect) <= 1e-4, (q.question_id, value, expect)
