@@ -1,0 +1,251 @@
+"""Clef decisions through the engine: records/s and p50/p95 latency for 1K, 8K and 32K-token records,
+alone and with 6 chats decoding beside them, at a 0.5B-shaped and a 27B-shaped model. One table.
+
+    python bench/clef.py                 # GPU: 0.5B-shaped and 27B-shaped (8 of 64 layers)
+    python bench/clef.py --smoke         # CPU: the tiny model, short records (checks the script works)
+
+Models are random bf16 weights in a preset's layer shapes (bench/prefix.py's writer) plus a Clef
+folder in the original stack's layout, written here with random values: `clef/` holds a joint
+schema head (width 1024 for 27B, 512 for 0.5B), a PEFT LoRA adapter on every decoder linear of the
+last 3/8 of the layers (rank 256 for 27B like the original's layers 40-63, 64 for 0.5B) and a
+rank-1 deabl adapter on o_proj/out_proj/down_proj of layers 2.., so Clef rows pay for the deltas.
+The 27B shape keeps 8 of its 64 layers (6 GDN + 2 attention) by default because a 64-layer random
+checkpoint does not fit the device's disk; prefill cost scales with the layer count, so records/s
+of the full model is about 8x lower (say so when quoting). Records are cut to the exact length
+with `max_length` (the state is truncated as Clef does). Each case submits all its records at
+once (clef_slots in flight, the rest queue): latency is submission to answer, queueing included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from prefix import write_model  # noqa: E402
+from qv.clef.head import HeadConfig, expected_shapes  # noqa: E402
+from qv.clef.request import encode_request  # noqa: E402
+from qv.config import EngineConfig  # noqa: E402
+from qv.engine.engine import LLMEngine  # noqa: E402
+from qv.engine.request import SamplingParams  # noqa: E402
+from qv.model import tiny  # noqa: E402
+
+HEADS = {"27b": (1024, 16), "0.5b": (512, 8), "tiny": (32, 4)}  # head width, heads
+RANKS = {"27b": 256, "0.5b": 64, "tiny": 4}
+LORA_MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                "linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_b", "linear_attn.in_proj_a",
+                "linear_attn.out_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+DEABL_MODULES = ("self_attn.o_proj", "linear_attn.out_proj", "mlp.down_proj")
+WORDS = ("order checkout payment refund invoice outage latency login password error timeout shipping customer "
+         "account warehouse delay urgent billing technical security fraud report").split()
+
+
+# -- the Clef folder (random, original stack's layout) -------------------------------------------
+def _adapter(folder: Path, shapes: dict, pre: str, layers: list[int], modules: tuple, rank: int, gen) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors, targets = {}, set()
+    for i in layers:
+        for m in modules:
+            name = f"{pre}layers.{i}.{m}"
+            if name + ".weight" not in shapes:
+                continue  # the other mixer kind
+            n, k = shapes[name + ".weight"]
+            targets.add(m.split(".")[1])
+            tensors[f"base_model.model.{name}.lora_A.weight"] = (torch.randn(rank, k, generator=gen) * k**-0.5)
+            tensors[f"base_model.model.{name}.lora_B.weight"] = (torch.randn(n, rank, generator=gen) * 0.01)
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in tensors.items()},
+              str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": sorted(targets), "bias": "none"}))
+
+
+def add_clef(model_dir: Path, preset: str, seed: int = 0) -> Path:
+    """Write model_dir/clef/ (head + LoRA + deabl) unless it is there."""
+    clef = model_dir / "clef"
+    if (clef / "joint_head.safetensors").is_file():
+        return model_dir
+    cfg = json.loads((model_dir / "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    width, heads = HEADS[preset]
+    head = HeadConfig(text["hidden_size"], width, 2, 2, heads, 4 * width)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, shape in expected_shapes(head).items():
+        if not shape:
+            tensors[name] = torch.tensor(1.0)
+        elif "norm" in name and name.endswith("weight"):
+            tensors[name] = torch.ones(shape)
+        elif name.endswith("bias"):
+            tensors[name] = torch.zeros(shape)
+        else:
+            tensors[name] = torch.randn(shape, generator=gen) * shape[-1] ** -0.5
+    clef.mkdir(exist_ok=True)
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in tensors.items()}, str(clef / "joint_head.safetensors"))
+    (clef / "joint_head_config.json").write_text(json.dumps(head.__dict__, indent=2))
+    shapes = tiny.tensor_shapes(cfg)
+    pre = "model.language_model." if "text_config" in cfg else "model."
+    n = text["num_hidden_layers"]
+    _adapter(clef / "adapter", shapes, pre, list(range(n - math.ceil(3 * n / 8), n)), LORA_MODULES, RANKS[preset], gen)
+    _adapter(clef / "deabl", shapes, pre, list(range(2, n)), DEABL_MODULES, 1, gen)
+    return model_dir
+
+
+# -- records and chats ---------------------------------------------------------------------------
+QUESTIONS = {"down": {"type": "noul", "instructions": "Down?"},
+             "team": {"type": "choice", "criteria": {"ops": None, "dev": None, "pay": None}},
+             "level": {"type": "score", "criteria": ["low", "mid", "high"]}}
+
+
+def make_records(tokenizer, n: int, length: int, cap: tuple[int, str], seed: int):
+    """n records of exactly `length` tokens: three short questions (8 options; ~720 tokens with the
+    bench models' small byte-level tokenizer) and a random state cut to fit."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        state = " ".join(rng.choice(WORDS) for _ in range(length))  # >= 1 token a word: cut to fit
+        body = {"model": "clef", "state": state, "questions": QUESTIONS, "max_length": length}
+        rec = encode_request(tokenizer, body, cap[0], cap_name=cap[1])
+        assert rec.num_tokens == length, (rec.num_tokens, length)
+        out.append(rec)
+    return out
+
+
+def run_case(eng: LLMEngine, records: list, chats: int, chat_prompt: int, chat_window_s: float = 0.0) -> dict:
+    """Submit every record at once beside `chats` decoding chats (resubmitted as they end); step until
+    the records are answered (or, with no records, for chat_window_s). Latency = submit -> answer."""
+    rng = random.Random(len(records) * 7 + chats)
+    params = SamplingParams(temperature=0.0, max_tokens=min(2048, eng.max_model_len - chat_prompt), ignore_eos=True)
+    vocab = eng.model_config.vocab_size
+    live, chat_tokens, serial = {}, 0, 0
+
+    def add_chat():
+        nonlocal serial
+        rid = f"chat-{serial}"
+        serial += 1
+        eng.add_request(rid, [rng.randrange(3, min(vocab, 250)) for _ in range(chat_prompt)], params)
+        live[rid] = 0
+
+    for _ in range(chats):
+        add_chat()
+    t0 = time.perf_counter()
+    submitted = {}
+    for i, rec in enumerate(records):
+        rid = f"clef-{i}-{rec.num_tokens}"
+        eng.add_clef(rid, rec, rec.num_tokens, rec.checksum)
+        submitted[rid] = time.perf_counter()
+    latency, restarts = {}, 0
+    while len(latency) < len(records) or (not records and time.perf_counter() - t0 < chat_window_s):
+        for out in eng.step():
+            now = time.perf_counter()
+            if out.request_id in submitted:
+                if out.finished:
+                    if out.clef is None:
+                        raise RuntimeError(f"record {out.request_id} failed: {out.error}")
+                    latency[out.request_id] = now - submitted[out.request_id]
+                    restarts += out.clef.restarts
+            elif out.request_id in live:
+                live[out.request_id] = len(out.outputs[0].token_ids)
+                if out.finished:
+                    chat_tokens += live.pop(out.request_id)
+                    add_chat()
+    wall = time.perf_counter() - t0
+    chat_tokens += sum(live.values())
+    for rid in list(live):
+        eng.abort_request(rid)
+    lat = sorted(latency.values())
+    pct = lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] if lat else float("nan")  # noqa: E731
+    return {"records": len(records), "records_s": len(records) / wall if records else float("nan"),
+            "p50": statistics.median(lat) if lat else float("nan"), "p95": pct(0.95),
+            "chat_tok_s": chat_tokens / wall if chats else float("nan"), "restarts": restarts}
+
+
+def bench_model(model_dir: Path, preset: str, args) -> list[tuple]:
+    levers = dict(max_model_len=max(args.lengths) + 64, max_num_batched_tokens=args.chunk, clef_slots=args.slots,
+                  clef_nmax=max(args.lengths))
+    if args.smoke:
+        levers.update(device="cpu", kv_cache_bytes=256 << 20)
+    eng = LLMEngine(EngineConfig.from_env(environ={}, model=str(model_dir), **levers))
+    cap = (eng.clef.cap, eng.clef.cap_name)
+    n_layers = eng.model_config.num_hidden_layers
+    name = f"{preset} ({n_layers} layers)"
+    print(f"{name}: warm-up (every record length, chats)", flush=True)
+    for length in args.lengths:
+        run_case(eng, make_records(eng.tokenizer, 1, length, cap, seed=1), min(args.chats, 2), args.chat_prompt)
+    rows = []
+    if args.chats:
+        r = run_case(eng, [], args.chats, args.chat_prompt, chat_window_s=args.chat_window)
+        rows.append((name, "-", args.chats, r))
+    for length, count in zip(args.lengths, args.counts):
+        records = make_records(eng.tokenizer, count, length, cap, seed=length)
+        for chats in (0, args.chats) if args.chats else (0,):
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+            print(f"{name}: {count} records of {length} tokens, {chats} chats", flush=True)
+            r = run_case(eng, records, chats, args.chat_prompt)
+            r["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+            rows.append((name, length, chats, r))
+    del eng
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, short records")
+    ap.add_argument("--presets", default="0.5b,27b")
+    ap.add_argument("--layers-27b", type=int, default=8, help="layers of the 27B shape to keep (0: all 64)")
+    ap.add_argument("--lengths", default="1024,8192,32768", help="record lengths in tokens")
+    ap.add_argument("--counts", default="32,16,8", help="records per case, one per length")
+    ap.add_argument("--chats", type=int, default=6, help="chats decoding beside the records")
+    ap.add_argument("--chat-prompt", type=int, default=256)
+    ap.add_argument("--chat-window", type=float, default=5.0, help="seconds of the chats-only baseline")
+    ap.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens")
+    ap.add_argument("--slots", type=int, default=4, help="clef_slots")
+    ap.add_argument("--dir", default="", help="where model folders are written (default: a temp dir)")
+    args = ap.parse_args()
+    if args.smoke:
+        args.presets, args.lengths, args.counts, args.chats, args.chunk = "tiny", "1024,1280", "2,1", 2, 512
+        args.chat_prompt, args.chat_window = 16, 1.0
+    elif not torch.cuda.is_available():
+        sys.exit("no CUDA device: run with --smoke on CPU")
+    args.lengths = [int(x) for x in args.lengths.split(",")]
+    args.counts = [int(x) for x in args.counts.split(",")]
+    if len(args.counts) != len(args.lengths):
+        sys.exit("--counts needs one count per --lengths entry")
+    root = Path(args.dir or tempfile.mkdtemp(prefix="qv-clef-"))
+    rows = []
+    for preset in args.presets.split(","):
+        if args.smoke:
+            model_dir = tiny.make_tiny(root / "tiny", "tiny")
+        else:
+            layers = args.layers_27b if preset == "27b" else 0
+            model_dir = write_model(root, preset, layers, max(args.lengths) + 4096, torch.bfloat16)
+        rows += bench_model(add_clef(model_dir, preset), preset, args)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.smoke else "cpu"
+    print(f"\nClef records through the engine ({device}; chunk {args.chunk}, {args.slots} Clef slots; latency = "
+          "submission to answer, queueing included; chats: greedy decode of 2048 tokens, resubmitted)")
+    print("| model | record tokens | chats | records | records/s | p50 latency (s) | p95 latency (s) | "
+          "chat tok/s | restarts | peak GiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, length, chats, r in rows:
+        print(f"| {name} | {length} | {chats} | {r['records']} | {r['records_s']:.2f} | {r['p50']:.3f} | "
+              f"{r['p95']:.3f} | {r['chat_tok_s']:.1f} | {r['restarts']} | {r.get('peak_gib', float('nan')):.1f} |")
+
+
+if __name__ == "__main__":
+    main()
