@@ -67,16 +67,13 @@ class LLM:
 
     def decide(self, bodies: dict | list[dict]) -> dict | list[dict]:
         """Clef decisions offline: systemone request bodies -> systemone responses, run together
-        (records validated and encoded as POST /v1/systemone does; any model name is accepted)."""
+        (records validated and encoded as POST /v1/systemone does; any model name is accepted).
+        `images` entries are PIL images or HxWx3 uint8 arrays here (the server fetches URLs)."""
         from qv.clef.answers import response
-        from qv.clef.request import encode_request
 
-        clef = self.engine.clef
-        if clef is None:
-            raise InvalidRequestError("this model serves no Clef decisions (no Clef head in its folder, or clef=False)")
         single = isinstance(bodies, dict)
         bodies = [bodies] if single else list(bodies)
-        records = [encode_request(self.tokenizer, b, clef.cap, cap_name=clef.cap_name) for b in bodies]
+        records = [self.encode_clef(b) for b in bodies]
         order = []
         for rec in records:
             order.append(f"clef-{self._next_id}")
@@ -90,3 +87,20 @@ class LLM:
             raise RuntimeError("Clef records failed: " + "; ".join(failed))
         outs = [response(b["model"], rec, done[rid].clef.probabilities) for b, rec, rid in zip(bodies, records, order)]
         return outs[0] if single else outs
+
+    def encode_clef(self, body: dict):
+        """A systemone body -> the EncodedRecord the engine runs (images preprocessed here)."""
+        from qv.clef.request import encode_request
+        from qv.model.vision_processor import MediaError
+
+        clef, mm = self.engine.clef, self.engine.multimodal
+        if clef is None:
+            raise InvalidRequestError("this model serves no Clef decisions (no Clef head in its folder, or clef=False)")
+        images = body.get("images") if isinstance(body, dict) else None
+        items = []
+        if isinstance(images, list) and images and mm is not None:
+            try:
+                items = [mm.processor.image(im) for im in images]
+            except MediaError as exc:
+                raise InvalidRequestError(str(exc)) from None
+        return encode_request(self.tokenizer, body, clef.cap, cap_name=clef.cap_name, images=items, multimodal=mm)

@@ -25,6 +25,7 @@ SYSTEM_PROMPT = (
 PREFIX = f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\nSTATE:\n"
 SUFFIX = "\n<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nJOINT SCHEMA DECISIONS:"
 SCHEMA_HEADER = "\n\nSCHEMA FIELDS:\n"
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 QUESTION_TYPES = {"noul": 0, "choice": 1, "score": 2}
 NOUL_CRITERIA = {
     "true": "The proposition is true or the answer is yes.",
@@ -72,6 +73,10 @@ class EncodedRecord:
     record_id: str = "unknown"
     state_tokens: int = 0  # state tokens kept
     state_dropped: int = 0  # state tokens cut by the length limit
+    media_offset: int = 0  # where the images' tokens start (right after the prefix), when there are any
+    media_tokens: int = 0  # how many tokens they take (placeholders expanded, the newline after them)
+    # the images as the engine takes them: a qv.model.vision_prompt.MultimodalPrompt over input_ids
+    multimodal: Any = field(default=None, compare=False, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -108,10 +113,10 @@ class TokenChecksum:
 
 
 class SchemaTooLong(ValueError):
-    """The template and schema alone exceed max_length (carries the counts)."""
+    """The template, images and schema alone exceed max_length (carries the counts)."""
 
-    def __init__(self, fixed: int, max_length: int, schema: int):
-        self.fixed, self.max_length, self.schema = fixed, max_length, schema
+    def __init__(self, fixed: int, max_length: int, schema: int, media: int = 0):
+        self.fixed, self.max_length, self.schema, self.media = fixed, max_length, schema, media
         super().__init__(f"schema requires {fixed} tokens before state; maximum is {max_length}")
 
 
@@ -182,16 +187,28 @@ def _assemble_schema(plan: list[tuple], ids: list[list[int]]) -> tuple[list[int]
     return schema, out
 
 
-def encode_record(tokenizer: Any, record: dict[str, Any], max_length: int = DEFAULT_MAX_LENGTH,
-                  max_state_tokens: int | None = None, tokenize: Tokenize | None = None) -> EncodedRecord:
-    """Encode a record exactly like Clef's `encode_record` (text only: images and videos need the
-    vision encoder and are refused here). No request validation: see qv.clef.request for that.
+def media_text(num_images: int) -> str:
+    """The text Clef's processor call tokenizes for a record's images: one placeholder per image,
+    then a newline; its tokens go right after the prefix ("...STATE:\n")."""
+    return IMAGE_PLACEHOLDER * num_images + "\n"
 
-    Raises SchemaTooLong when the template and schema alone exceed max_length; the state is cut
-    to what fits, silently, as in Clef.
+
+def encode_record(tokenizer: Any, record: dict[str, Any], max_length: int = DEFAULT_MAX_LENGTH,
+                  max_state_tokens: int | None = None, tokenize: Tokenize | None = None,
+                  media_ids: Sequence[int] | None = None) -> EncodedRecord:
+    """Encode a record exactly like Clef's `encode_record`. No request validation: see
+    qv.clef.request for that. A record with images needs `media_ids`: the tokens of
+    `media_text(len(images))` with each image placeholder expanded to that image's vision tokens
+    (what Clef's processor call returns); they count towards max_length, as in Clef. Videos are
+    refused (Clef serves none).
+
+    Raises SchemaTooLong when the template, images and schema alone exceed max_length; the state
+    is cut to what fits, silently, as in Clef.
     """
-    if record.get("images") or record.get("videos"):
-        raise ValueError("records with images or videos are not supported yet (needs the vision encoder)")
+    if record.get("videos"):
+        raise ValueError("records with videos are not supported")
+    if record.get("images") and media_ids is None:
+        raise ValueError("a record with images needs media_ids (its image placeholders expanded; see media_text)")
     tokenize = tokenize or batch_tokenizer(tokenizer)
     pieces = _Pieces()
     plan = _schema_plan(record["questions"], pieces)
@@ -199,11 +216,13 @@ def encode_record(tokenizer: Any, record: dict[str, Any], max_length: int = DEFA
     ids = tokenize(pieces.texts)
     schema_ids, questions = _assemble_schema(plan, ids)
     prefix_ids, suffix_ids, state_ids = ids[prefix], ids[suffix], list(ids[state])
+    media_offset, media = len(prefix_ids), list(media_ids or ())
+    prefix_ids = prefix_ids + media
     if max_state_tokens is not None:
         state_ids = state_ids[:max_state_tokens]
     fixed = len(prefix_ids) + len(schema_ids) + len(suffix_ids)
     if fixed > max_length:
-        raise SchemaTooLong(fixed, max_length, len(schema_ids))
+        raise SchemaTooLong(fixed, max_length, len(schema_ids), len(media))
     total_state = len(ids[state])
     state_ids = state_ids[: max_length - fixed]
     offset = len(prefix_ids) + len(state_ids)
@@ -216,7 +235,7 @@ def encode_record(tokenizer: Any, record: dict[str, Any], max_length: int = DEFA
     if not input_ids or not shifted:
         raise ValueError("record produced no model input or questions")
     return EncodedRecord(input_ids, shifted, str(record.get("id", "unknown")), len(state_ids),
-                         total_state - len(state_ids))
+                         total_state - len(state_ids), media_offset if media else 0, len(media))
 
 
 def _shift(span: tuple[int, int], offset: int) -> tuple[int, int]:

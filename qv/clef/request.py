@@ -9,10 +9,12 @@ records up to the server's token cap (QV_CLEF_NMAX), Clef's default max_length 1
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from typing import Any
 
-from qv.clef.encode import DEFAULT_MAX_LENGTH, QUESTION_TYPES, EncodedRecord, SchemaTooLong, Tokenize, encode_record
+from qv.clef.encode import (DEFAULT_MAX_LENGTH, QUESTION_TYPES, EncodedRecord, SchemaTooLong, Tokenize,
+                            batch_tokenizer, encode_record, media_text)
 from qv.errors import InvalidRequestError
 
 MAX_QUESTIONS = 64
@@ -169,12 +171,9 @@ def _check_media(body: dict) -> None:
             raise ClefRequestError(f"'images' must be an array, got {_kind(images)}", "images")
         if len(images) > MAX_IMAGES:
             raise ClefRequestError(f"{len(images)} images; at most {MAX_IMAGES} images per record", "images")
-        if images:
-            raise ClefRequestError("images in Clef records are not supported yet (the vision encoder is not "
-                                   "served); send the record without 'images'", "images")
     videos = body.get("videos")
     if videos not in (None, []):
-        raise ClefRequestError("videos are not supported for Clef records", "videos")
+        raise ClefRequestError("videos are not supported for Clef records (Clef takes images only)", "videos")
 
 
 def _check_max_length(value: Any) -> None:
@@ -195,19 +194,40 @@ def effective_max_length(requested: int | None, nmax: int, cap_name: str = "QV_C
 
 
 def encode_request(tokenizer: Any, body: Any, nmax: int, served_models: Iterable[str] | None = None,
-                   tokenize: Tokenize | None = None, cap_name: str = "QV_CLEF_NMAX") -> EncodedRecord:
+                   tokenize: Tokenize | None = None, cap_name: str = "QV_CLEF_NMAX", images: Sequence = (),
+                   multimodal: Any = None) -> EncodedRecord:
     """Validate and encode a systemone body: the record the engine will run. `nmax` is the
-    server's record cap and `cap_name` what sets it (named in the messages)."""
+    server's record cap and `cap_name` what sets it (named in the messages).
+
+    A body with images needs them preprocessed, in body order (`images`: VisionItems from the
+    checkpoint's processor), and `multimodal`, the engine's prompt builder
+    (qv.engine.multimodal.MultimodalInputs); the record then carries its MultimodalPrompt."""
     validate_request(body, served_models)
+    n_images = len(body.get("images") or ())
+    if n_images and multimodal is None:
+        raise ClefRequestError("this model takes no images (it has no vision tower): send the record without "
+                               "'images'", "images")
+    if n_images != len(images):
+        raise ClefRequestError(f"the record lists {n_images} images but {len(images)} were given", "images")
+    tokenize = tokenize or batch_tokenizer(tokenizer)
+    placeholders = tokenize([media_text(n_images)])[0] if n_images else []
+    media_ids = multimodal.prompt(placeholders, images).token_ids if n_images else None
     max_length = effective_max_length(body.get("max_length"), nmax, cap_name)
     try:
-        record = encode_record(tokenizer, body, max_length=max_length, tokenize=tokenize)
+        record = encode_record(tokenizer, body, max_length=max_length, tokenize=tokenize, media_ids=media_ids)
     except SchemaTooLong as e:
         limit = "max_length" if max_length < nmax else f"Clef record cap ({cap_name})"
-        raise ClefRequestError(f"record too long: the template and questions take {e.fixed} tokens before any "
-                               f"state ({e.schema} of them the schema), more than the {e.max_length}-token "
-                               f"{limit}", "questions") from None
-    if record.num_tokens > nmax:  # cannot happen for text (max_length <= nmax); guards future media tokens
+        images_part = f", {e.media} the images" if e.media else ""
+        raise ClefRequestError(f"record too long: the template, images and questions take {e.fixed} tokens before "
+                               f"any state ({e.schema} of them the schema{images_part}), more than the "
+                               f"{e.max_length}-token {limit}", "images" if e.media > e.schema else "questions") from None
+    if record.num_tokens > nmax:  # cannot happen (max_length <= nmax); a guard, as the engine relies on it
         raise ClefRequestError(f"record has {record.num_tokens} tokens, over the Clef record cap of {nmax} "
                                f"({cap_name})", "state")
+    if n_images:  # the engine's view of the images: the prompt with its placeholders, expanded again
+        ids, a, b = list(record.input_ids), record.media_offset, record.media_offset + record.media_tokens
+        mp = multimodal.prompt(ids[:a] + placeholders + ids[b:], images)
+        if mp.token_ids != ids:
+            raise AssertionError("the record's image tokens differ from its multimodal prompt's")
+        record = replace(record, multimodal=mp)
     return record

@@ -168,9 +168,12 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         room = self.blocks.capacity(True) * self.blocks.block_size - self.scheduler.lookahead
         self.clef.check(record, num_tokens, room)
+        media = check_multimodal(self.media is not None, record.input_ids, None, record.multimodal)
         detok = IncrementalDetokenizer(self.tokenizer, [])
         seq = clef_sequence(next(self._seq_ids), request_id, record, SamplingParams(temperature=0.0, max_tokens=1),
-                            detok, next(self._seq_ids))
+                            detok, next(self._seq_ids), media)
+        if media is not None:
+            media.seqs.append(seq)
         self.clef.add(seq, record, num_tokens, checksum)
         self.requests[request_id] = _Request(request_id, None, seq.prompt_token_ids, [seq], RequestMetrics())
         self.stats.prompt_tokens += record.num_tokens

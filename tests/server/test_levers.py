@@ -60,18 +60,22 @@ def test_waiting_queue_bound_gives_503(guarded):
     long = chat(max_tokens=400, ignore_eos=True, temperature=0, stream=True)
     aborted_before = guarded.metric("vllm:request_success_total", finished_reason="abort")
     with httpx.Client(headers=good, timeout=60) as c1, httpx.Client(headers=good, timeout=60) as c2:
-        with c1.stream("POST", guarded.v1 + "/chat/completions", json=long) as r1, \
-                c2.stream("POST", guarded.v1 + "/chat/completions", json=long) as r2:
-            assert r1.status_code == r2.status_code == 200
+        with c1.stream("POST", guarded.v1 + "/chat/completions", json=long) as r1:
+            assert r1.status_code == 200
             deadline = time.time() + 60
-            while guarded.metric("vllm:num_requests_waiting") < 1:
-                assert time.time() < deadline, "the second request never queued"
+            while guarded.metric("vllm:num_requests_running") < 1:  # else the second would find it waiting
+                assert time.time() < deadline, "the first request never ran"
                 time.sleep(0.05)
-            r = httpx.post(guarded.v1 + "/chat/completions", json=chat(), headers=good)
-            assert r.status_code == 503, r.text
-            assert r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "ServiceUnavailableError"
-            assert "busy" in r.json()["error"]["message"]
-            assert guarded.metric("vllm:admission_rejections_total") == 1
+            with c2.stream("POST", guarded.v1 + "/chat/completions", json=long) as r2:
+                assert r2.status_code == 200
+                while guarded.metric("vllm:num_requests_waiting") < 1:
+                    assert time.time() < deadline, "the second request never queued"
+                    time.sleep(0.05)
+                r = httpx.post(guarded.v1 + "/chat/completions", json=chat(), headers=good)
+                assert r.status_code == 503, r.text
+                assert r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "ServiceUnavailableError"
+                assert "busy" in r.json()["error"]["message"]
+                assert guarded.metric("vllm:admission_rejections_total") == 1
     deadline = time.time() + 15
     while guarded.metric("vllm:num_requests_running") + guarded.metric("vllm:num_requests_waiting") > 0:
         assert time.time() < deadline, "dropped streams were not aborted"

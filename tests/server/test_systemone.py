@@ -114,6 +114,47 @@ def test_ten_records_and_six_chats_at_once(clef_server):
     assert clef_server.metric("vllm:num_requests_running") == 0
 
 
+def png_url(seed: int, h: int, w: int, bare: bool = False) -> str:
+    """A random RGB picture as a PNG data URL (or bare base64)."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, "PNG")
+    data = base64.b64encode(buf.getvalue()).decode()
+    return data if bare else "data:image/png;base64," + data
+
+
+def test_records_with_images(clef_server):
+    """Images as data URLs and bare base64: answered as the engine answers them offline (the
+    oracle comparison with Clef's systemone() is tests/vision/test_vision_clef.py)."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from qv import LLM
+
+    urls = [png_url(11, 40, 56), png_url(12, 90, 60, bare=True), png_url(13, 33, 120)]
+    bodies = [dict(record(i), images=urls[: 1 + i]) for i in range(3)]
+    out = asyncio.run(_all_at_once(clef_server, bodies, 2))
+    assert [r.status_code for r in out] == [200] * 5, [r.text for r in out if r.status_code != 200]
+    pictures = [Image.open(io.BytesIO(base64.b64decode(u.split(",")[-1]))) for u in urls]
+    offline = LLM(clef_server.model_dir, max_model_len=MAX_MODEL_LEN).decide(
+        [dict(b, images=pictures[: len(b["images"])]) for b in bodies])
+    for got, ref in zip((r.json() for r in out), offline):
+        assert got["usage"] == ref["usage"] and list(got["answers"]) == list(ref["answers"])
+        for q, a in got["answers"].items():
+            for key in ("noul", "score", "confidence"):
+                if key in a:
+                    assert abs(a[key] - ref["answers"][q][key]) <= 2e-4, (q, key)
+    text_only = post(clef_server, record(0)).json()["usage"]["input_tokens"]
+    assert out[0].json()["usage"]["input_tokens"] > text_only + 3  # the image's tokens count as input
+
+
 DROP = object()  # a field to leave out
 LONG = {f"q{i}": {"type": "noul", "instructions": "Is it so? " * 4} for i in range(40)}
 BAD = [  # (body or raw bytes, extra headers, message pattern)
@@ -143,14 +184,20 @@ BAD = [  # (body or raw bytes, extra headers, message pattern)
     ({"questions": {f"q{i}": {"type": "score", "criteria": list(range(225))} for i in range(2)}}, {},
      r"450 options in total; at most 448 options per record"),
     ({"images": ["data:image/png;base64,AAAA"] * 17}, {}, r"17 images; at most 16 images per record"),
-    ({"images": ["https://example.com/a.png"]}, {}, r"images in Clef records are not supported yet"),
+    ({"images": "data:image/png;base64,AAAA"}, {}, r"'images' must be an array, got string"),
+    ({"images": [7]}, {}, r"images\[0\] must be a non-empty string: an http\(s\) URL, a data URL or base64 data"),
+    ({"images": ["data:image/png;base64,AAAA"]}, {}, r"images\[0\]: could not decode the image"),
+    ({"images": ["data:image/png;base64,@@@"]}, {}, r"images\[0\]: .*base64"),
+    ({"images": [png_url(1, 64, 64)] * 4, "max_length": 120}, {},
+     r"the template, images and questions take \d+ tokens before any state \(\d+ of them the schema, \d+ the "
+     r"images\), more than the 120-token max_length"),
     ({"videos": ["https://example.com/a.mp4"]}, {}, r"videos are not supported for Clef records"),
     ({"max_length": "long"}, {}, r"'max_length' must be a positive integer, got 'long'"),
     ({"max_length": 0}, {}, r"'max_length' must be a positive integer, got 0"),
     ({"max_length": 5000}, {}, rf"max_length 5000 is over this server's Clef record cap of {MAX_MODEL_LEN} tokens "
                                r"\(max_model_len\)"),
-    ({"max_length": 60}, {}, r"record too long: the template and questions take \d+ tokens before any state \(\d+ of "
-                             r"them the schema\), more than the 60-token max_length"),
+    ({"max_length": 60}, {}, r"record too long: the template, images and questions take \d+ tokens before any state "
+                             r"\(\d+ of them the schema\), more than the 60-token max_length"),
     ({"questions": LONG}, {}, rf"take \d+ tokens .* more than the {MAX_MODEL_LEN}-token Clef record cap "
                               r"\(max_model_len\)"),
     ({"questions": {"q": {"type": "noul", "criteria": {"maybe": "?"}}}}, {},

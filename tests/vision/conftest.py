@@ -6,6 +6,7 @@ from __future__ import annotations
 import pickle
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,8 @@ def _torchvision_dir(cache) -> Path:
     torchvision in the venv would make transformers fail to import its models."""
     major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
     spec = f"torchvision=={major - 2}.{minor + 15}.*"  # torch 2.N pairs with torchvision 0.(N+15)
-    target = Path(cache.mkdir(f"qv-oracle-torchvision-{major}.{minor}"))
+    name = f"qv-oracle-torchvision-{major}.{minor}"
+    target = Path(cache.mkdir(name)) if cache is not None else Path(tempfile.gettempdir()) / name  # -p no:cacheprovider
     if not (target / "torchvision" / "transforms").is_dir():
         r = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target), spec],
                            capture_output=True, text=True)
@@ -34,9 +36,15 @@ def vision_dir(tiny_dirs) -> Path:
 
 
 @pytest.fixture(scope="session")
-def hf_processed(vision_dir, pytestconfig, tmp_path_factory) -> dict:
+def side_torchvision(pytestconfig) -> Path:
+    """The directory the oracle subprocesses import torchvision from."""
+    return _torchvision_dir(getattr(pytestconfig, "cache", None))
+
+
+@pytest.fixture(scope="session")
+def hf_processed(vision_dir, side_torchvision, tmp_path_factory) -> dict:
     """Case name -> HF processor outputs (or {"error": message}) for every case above."""
-    tv = _torchvision_dir(pytestconfig.cache)
+    tv = side_torchvision
     work = tmp_path_factory.mktemp("hf-processor")
     with open(work / "in.pkl", "wb") as f:
         pickle.dump(processor_cases(), f)

@@ -15,11 +15,17 @@ import sys
 import types
 
 
-def main(model_dir: str, tv_dir: str, in_path: str, out_path: str) -> None:
+def use_side_torchvision(tv_dir: str) -> None:
+    """Import torchvision's Python code from tv_dir (see above); call before importing transformers,
+    which checks for torchvision once."""
     sys.path.insert(0, tv_dir)
     for name in ("torchvision._meta_registrations", "torchvision._autograd_registrations"):
         sys.modules[name] = types.ModuleType(name)
-    import torchvision  # noqa: F401  (before transformers, which checks for it once)
+    import torchvision  # noqa: F401
+
+
+def main(model_dir: str, tv_dir: str, in_path: str, out_path: str) -> None:
+    use_side_torchvision(tv_dir)
     from transformers import AutoProcessor
     from transformers.video_utils import VideoMetadata
 
