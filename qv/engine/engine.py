@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import queue
@@ -350,16 +351,37 @@ class AsyncLLMEngine:
                        prompt: str | None = None, cache_salt: str | None = None,
                        mm_hashes: list[tuple[int, str]] | None = None, multimodal: MultimodalPrompt | None = None):
         """multimodal: the prompt's images/videos (LLMEngine.add_request)."""
+        self.check_request(prompt_token_ids, params)
+        command = ("add", request_id, prompt_token_ids, params, prompt, cache_salt, mm_hashes, multimodal)
+        async with contextlib.aclosing(self._outputs(request_id, command)) as outputs:
+            async for out in outputs:
+                yield out
+
+    async def decide(self, request_id: str, record, num_tokens: int, checksum: str) -> ClefResult:
+        """Run one Clef record (LLMEngine.add_clef) on the engine thread; returns its ClefResult
+        (answers in systemone's format). InvalidRequestError: the engine refused the record;
+        RuntimeError: it failed. Cancelling the await aborts the record and frees its cache."""
+        out = None
+        async with contextlib.aclosing(self._outputs(request_id, ("add_clef", request_id, record, num_tokens,
+                                                                   checksum))) as outputs:
+            async for out in outputs:
+                pass
+        if out.clef is None:
+            raise RuntimeError(f"the engine failed this Clef record: {out.error or out.outputs[0].finish_reason}")
+        return out.clef
+
+    async def _outputs(self, request_id: str, command: tuple):
+        """Send `command` (which adds request_id) to the engine thread and yield the request's
+        outputs up to the finished one; leaving early aborts the request."""
         if not self.healthy:
             raise RuntimeError(f"the engine is not running: {self.dead_error}")
-        self.check_request(prompt_token_ids, params)
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if request_id in self._queues:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
             self._queues[request_id] = (loop, q)
-        self._commands.put(("add", request_id, prompt_token_ids, params, prompt, cache_salt, mm_hashes, multimodal))
+        self._commands.put(command)
         finished = False
         try:
             while not finished:
@@ -367,6 +389,7 @@ class AsyncLLMEngine:
                 while not q.empty() and not isinstance(item, BaseException):
                     item = q.get_nowait()  # outputs are cumulative: a slow reader skips to the latest
                 if isinstance(item, BaseException):
+                    finished = True  # the engine refused or failed it: nothing to abort
                     raise item
                 finished = item.finished
                 yield item
@@ -375,36 +398,6 @@ class AsyncLLMEngine:
                 self._queues.pop(request_id, None)
             if not finished:
                 self._commands.put(("abort", request_id))
-
-    async def decide(self, request_id: str, record, num_tokens: int, checksum: str) -> ClefResult:
-        """Run one Clef record (LLMEngine.add_clef) on the engine thread; returns its ClefResult
-        (answers in systemone's format). InvalidRequestError: the engine refused the record;
-        RuntimeError: it failed. Cancelling the await aborts the record and frees its cache."""
-        if not self.healthy:
-            raise RuntimeError(f"the engine is not running: {self.dead_error}")
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
-        with self._lock:
-            if request_id in self._queues:
-                raise InvalidRequestError(f"request id {request_id!r} is already in use")
-            self._queues[request_id] = (loop, q)
-        self._commands.put(("add_clef", request_id, record, num_tokens, checksum))
-        out, settled = None, False
-        try:
-            while not settled:
-                out = await q.get()
-                if isinstance(out, BaseException):
-                    settled = True
-                    raise out
-                settled = out.finished
-        finally:
-            with self._lock:
-                self._queues.pop(request_id, None)
-            if not settled:
-                self._commands.put(("abort", request_id))
-        if out.clef is None:
-            raise RuntimeError(f"the engine failed this Clef record: {out.error or out.outputs[0].finish_reason}")
-        return out.clef
 
     async def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))

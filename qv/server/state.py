@@ -3,6 +3,7 @@ checks that come before any request reaches the engine (model name, context leng
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 
@@ -112,19 +113,26 @@ class ServerState:
         tracker = self.metrics.tracker(params.n, params.max_tokens)
         gen = self.engine.generate(request_id, prompt_ids, params, prompt=prompt, cache_salt=cache_salt,
                                    multimodal=multimodal)
+        with self.engine_call():
+            async with contextlib.aclosing(gen):
+                async for out in gen:
+                    tracker.on_output(out)
+                    if out.error:
+                        raise APIError(500, f"the engine failed this request: {out.error}")
+                    if out.finished:
+                        tracker.on_finish(out)
+                    yield out
+
+    @contextlib.contextmanager
+    def engine_call(self):
+        """A request in flight on the engine: counted while it runs; the engine refusing it is a 400,
+        failing it a 500."""
         self.in_flight += 1
         try:
-            async for out in gen:
-                tracker.on_output(out)
-                if out.error:
-                    raise APIError(500, f"the engine failed this request: {out.error}")
-                if out.finished:
-                    tracker.on_finish(out)
-                yield out
+            yield
         except InvalidRequestError as exc:
             raise bad_request(str(exc)) from None
         except RuntimeError as exc:
             raise APIError(500, str(exc)) from None
         finally:
             self.in_flight -= 1
-            await gen.aclose()

@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response
 from qv.clef.answers import response
 from qv.clef.request import ClefRequestError, encode_request, parse_body, validate_request
 from qv.engine.request import InvalidRequestError
-from qv.server.errors import APIError, bad_request
+from qv.server.errors import bad_request
 from qv.server.media_fetch import load_media
 from qv.server.state import ServerState, random_id
 from qv.server.streaming import read_body, until_disconnect
@@ -71,14 +71,7 @@ async def fetch_images(state: ServerState, images: list) -> list:
 async def create_decision(state: ServerState, request: Request) -> Response:
     body, record = await encode(state, await read_body(request, state.max_body_bytes))
     state.check_capacity()
-    state.in_flight += 1
-    try:
+    with state.engine_call():
         result = await until_disconnect(request, state.engine.decide(
             random_id("clef"), record, record.num_tokens, record.checksum))
-    except InvalidRequestError as exc:
-        raise bad_request(str(exc)) from None
-    except RuntimeError as exc:
-        raise APIError(500, str(exc)) from None
-    finally:
-        state.in_flight -= 1
     return JSONResponse(response(body["model"], record, result.probabilities))
