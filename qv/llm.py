@@ -75,10 +75,15 @@ class LLM:
         bodies = [bodies] if single else list(bodies)
         records = [self.encode_clef(b) for b in bodies]
         order = []
-        for rec in records:
-            order.append(f"clef-{self._next_id}")
-            self._next_id += 1
-            self.engine.add_clef(order[-1], rec, rec.num_tokens, rec.checksum)
+        try:
+            for rec in records:
+                order.append(f"clef-{self._next_id}")
+                self._next_id += 1
+                self.engine.add_clef(order[-1], rec, rec.num_tokens, rec.checksum)
+        except InvalidRequestError:  # one refused: none of this call's records stays queued
+            for rid in order:
+                self.engine.abort_request(rid)
+            raise
         done: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():
             done.update((out.request_id, out) for out in self.engine.step() if out.finished)

@@ -57,7 +57,7 @@ def parse_body(raw: bytes | str) -> dict[str, Any]:
     id is refused instead of silently dropped."""
     try:
         body = json.loads(raw, object_pairs_hook=_pairs)
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise ClefRequestError(f"request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise ClefRequestError(f"request body must be a JSON object, got {type(body).__name__}")
@@ -92,7 +92,7 @@ def _check_question(qid: str, question: Any) -> int:
         raise ClefRequestError(f"question {qid!r}: unknown field(s) {', '.join(map(repr, unknown))}; "
                                f"allowed: {', '.join(QUESTION_FIELDS)}", param)
     kind = question.get("type")
-    if kind not in QUESTION_TYPES:
+    if not isinstance(kind, str) or kind not in QUESTION_TYPES:
         raise ClefRequestError(f"question {qid!r}: unknown type {kind!r}; supported: noul, choice, score",
                                param + ".type")
     criteria = question.get("criteria")

@@ -122,22 +122,28 @@ class ClefRows:
 
     @property
     def num_pending(self) -> int:
-        return sum(1 for j in self.pending if not j.seq.finished)
+        return len(self.pending)
 
-    def admit(self, scheduler) -> None:
-        """Move waiting records into the scheduler while fewer than `slots` are in it."""
+    def admit(self, scheduler) -> list[str]:
+        """Move waiting records into the scheduler while fewer than `slots` are in it. Returns the
+        request ids of records that failed on admission (their head state could not be made):
+        finished with an error at once, without running a chunk."""
         self.active = [j for j in self.active if not j.seq.finished]
+        self.pending = deque(j for j in self.pending if not j.seq.finished)  # aborted while they waited
+        failed = []
         while self.pending and len(self.active) < self.slots:
             job = self.pending.popleft()
-            if job.seq.finished:  # aborted while it waited
-                continue
             try:
                 job.state = self.head.state(job.record, self.output_embedding)
-            except Exception as exc:  # noqa: BLE001 - e.g. out of memory: fails this record (finish_ready)
+            except Exception as exc:  # noqa: BLE001 - e.g. out of memory: fails this record only
                 log.exception("Clef head state for request %s", job.seq.request_id)
-                job.error = f"the Clef head state could not be created: {type(exc).__name__}: {exc}"
+                scheduler.finish(job.seq, "error", error=f"the Clef head state could not be created: "
+                                                         f"{type(exc).__name__}: {exc}")
+                failed.append(job.seq.request_id)
+                continue
             self.active.append(job)
             scheduler.add(job.seq)
+        return failed
 
     def pop_result(self, request_id: str) -> ClefResult | None:
         """The result of a finished record (None for chats and failed records); forgets the record."""
@@ -146,6 +152,8 @@ class ClefRows:
             return None
         del self.by_request[request_id]
         self.jobs.pop(job.seq, None)
+        if job in self.pending:  # aborted while it waited: its record and images go now
+            self.pending.remove(job)
         job.state = None
         return job.result
 

@@ -178,7 +178,6 @@ class LLMEngine:
         self.clef.add(seq, record, num_tokens, checksum)
         self.requests[request_id] = _Request(request_id, None, seq.prompt_token_ids, [seq], RequestMetrics())
         self.stats.prompt_tokens += record.num_tokens
-        self.clef.admit(self.scheduler)
         self._refresh_stats()
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -207,12 +206,13 @@ class LLMEngine:
             st = self.spec.stats
             log.info("speculation (%s, k=%d): mean acceptance length %.2f over %d drafts", self.spec.mode,
                      self.spec.k, st.mean_acceptance_length, st.num_drafts)
+        touched: dict[str, _Request] = {}
         if self.clef:  # records waiting for a Clef slot go in as others finish
-            self.clef.admit(self.scheduler)
+            for rid in self.clef.admit(self.scheduler):
+                touched[rid] = self.requests[rid]
         plan = self.scheduler.schedule()
         if self.media is not None:  # the vision budget: chunks stop before media that cannot be encoded this step
             self.media.fit(plan)
-        touched: dict[str, _Request] = {}
         for seq in plan.failed:
             touched[seq.request_id] = self.requests[seq.request_id]
         if plan:
@@ -332,6 +332,7 @@ class AsyncLLMEngine:
         self.dead_error: str | None = None
         self._commands: queue.Queue = queue.Queue()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._futures: set[concurrent.futures.Future] = set()  # answers owed by the engine thread
         self._lock = threading.Lock()
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="qv-engine", daemon=True)
@@ -373,11 +374,11 @@ class AsyncLLMEngine:
     async def _outputs(self, request_id: str, command: tuple):
         """Send `command` (which adds request_id) to the engine thread and yield the request's
         outputs up to the finished one; leaving early aborts the request."""
-        if not self.healthy:
-            raise RuntimeError(f"the engine is not running: {self.dead_error}")
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        with self._lock:
+        with self._lock:  # the dying loop sets dead_error under this lock, then fails what is registered
+            if not self.healthy:
+                raise RuntimeError(f"the engine is not running: {self.dead_error}")
             if request_id in self._queues:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
             self._queues[request_id] = (loop, q)
@@ -405,8 +406,16 @@ class AsyncLLMEngine:
     async def reset_prefix_cache(self) -> bool:
         """LLMEngine.reset_prefix_cache, run on the engine thread between steps."""
         done: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if not self.healthy:
+                raise RuntimeError(f"the engine is not running: {self.dead_error}")
+            self._futures.add(done)
         self._commands.put(("reset_prefix_cache", done))
-        return await asyncio.wrap_future(done)
+        try:
+            return await asyncio.wrap_future(done)
+        finally:
+            with self._lock:
+                self._futures.discard(done)
 
     def shutdown(self) -> None:
         self._stop = True
@@ -436,7 +445,10 @@ class AsyncLLMEngine:
         elif cmd[0] == "abort":
             self.engine.abort_request(cmd[1])
         elif cmd[0] == "reset_prefix_cache":
-            cmd[1].set_result(self.engine.reset_prefix_cache())
+            try:
+                cmd[1].set_result(self.engine.reset_prefix_cache())
+            except Exception as exc:  # noqa: BLE001 - the caller gets the error; the engine keeps serving
+                cmd[1].set_exception(exc)
 
     def _loop(self) -> None:
         try:
@@ -454,8 +466,11 @@ class AsyncLLMEngine:
                         self._deliver(out.request_id, out)
         except BaseException as exc:  # the engine is dead: fail every waiting request, keep the reason
             log.exception("engine loop failed")
-            self.dead_error = f"{type(exc).__name__}: {exc}"
-            with self._lock:
-                pending = list(self._queues)
+            with self._lock:  # under the lock: a caller either sees dead_error or is in the lists below
+                self.dead_error = f"{type(exc).__name__}: {exc}"
+                pending, futures = list(self._queues), list(self._futures)
             for rid in pending:
                 self._deliver(rid, RuntimeError(f"the engine failed: {self.dead_error}"))
+            for fut in futures:
+                if not fut.done():
+                    fut.set_exception(RuntimeError(f"the engine failed: {self.dead_error}"))

@@ -43,6 +43,7 @@ async def list_models(state: ServerState, request: Request) -> Response:
 async def reset_prefix_cache(state: ServerState, request: Request) -> Response:
     """Forget every cached prefix (device and host tiers); running requests continue. 400 when
     prefix caching is off."""
+    state.check_running()
     if not await state.engine.reset_prefix_cache():
         raise bad_request("prefix caching is off (QV_PREFIX_CACHING=0): there is no prefix cache to reset")
     return Response(status_code=200)

@@ -74,9 +74,12 @@ class ServerState:
     def engine_failure(self) -> str:
         return self.engine.dead_error or "its step loop has stopped"
 
-    def check_capacity(self) -> None:
+    def check_running(self) -> None:
         if not self.engine.healthy:
             raise APIError(503, f"The engine is not running: {self.engine_failure()}", headers={"Retry-After": "30"})
+
+    def check_capacity(self) -> None:
+        self.check_running()
         # With nothing of ours in flight the engine cannot be holding waiting requests; its gauge
         # can still read >0 when the last request was aborted while idle (no step refreshed it),
         # and trusting it then would refuse every request from that moment on.

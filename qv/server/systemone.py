@@ -60,6 +60,9 @@ async def fetch_images(state: ServerState, images: list) -> list:
     if state.media.inputs is None:
         raise bad_request("this model takes no images (it has no vision tower): send the record without 'images'",
                           "images")
+    if len(images) > state.media.max_images:
+        raise bad_request(f"{len(images)} images; this server takes at most {state.media.max_images} images per "
+                          "request (media_max_images)", "images")
     for i, url in enumerate(images):
         if not isinstance(url, str) or not url:
             raise bad_request(f"images[{i}] must be a non-empty string: an http(s) URL, a data URL or base64 data",

@@ -166,7 +166,9 @@ def test_clef_slots_bound_records_in_flight(clef_dirs, records):
     eng.step = counted
     for rid, rec in records.items():
         eng.add_clef(rid, rec, rec.num_tokens, rec.checksum)
-    assert eng.stats.num_waiting == 2 + len(eng.scheduler.waiting)  # two wait for a Clef slot
+    assert eng.stats.num_waiting == 4  # admitted from the next step on, at most two at a time
+    eng.step()
+    assert len(eng.clef.pending) == 2 and eng.stats.num_waiting >= 2  # two wait for a Clef slot
     done = run(eng, {})
     assert sorted(done) == sorted(records) and all(o.clef is not None for o in done.values())
     assert max(seen) == 2 and eng.stats.num_waiting == 0
@@ -202,9 +204,41 @@ def test_abort_frees_running_and_queued_records(clef_dirs, records):
     assert eng.abort_request("r1").outputs[0].finish_reason == "abort"  # waiting for a Clef slot
     assert eng.abort_request("r0").outputs[0].finish_reason == "abort"  # mid-prefill
     assert not eng.has_unfinished_requests() and eng.blocks.num_free == free
-    assert not eng.clef.jobs and eng.stats.num_waiting == 0
+    assert not eng.clef.jobs and not eng.clef.pending and eng.stats.num_waiting == 0
     with pytest.raises(InvalidRequestError, match="no Clef decisions"):
         make_engine(clef_dirs["adapters"], clef=False).add_clef("x", records["r0"], 1, "")
+
+
+def test_head_state_failure_fails_that_record_before_it_runs(clef_dirs, records, monkeypatch):
+    eng = make_engine(clef_dirs["adapters"], max_num_batched_tokens=64)
+    free, real_state = eng.blocks.num_free, eng.clef.head.state
+
+    def state(record, embedding):
+        if record is records["r1"]:
+            raise MemoryError("no room for the head state")
+        return real_state(record, embedding)
+
+    monkeypatch.setattr(eng.clef.head, "state", state)
+    for rid in ("r0", "r1"):
+        eng.add_clef(rid, records[rid], records[rid].num_tokens, records[rid].checksum)
+    first = {o.request_id: o for o in eng.step()}
+    assert first["r1"].finished and first["r1"].clef is None and "MemoryError" in first["r1"].error
+    assert "r1" not in {s.request_id for s in eng.scheduler.running}
+    assert run(eng, {})["r0"].clef is not None  # the other record is answered
+    assert eng.blocks.num_free == free
+
+
+def test_offline_decide_refusal_leaves_nothing_queued(clef_dirs):
+    from qv.llm import LLM
+
+    llm = LLM(model=str(clef_dirs["release"]), device="cpu", max_model_len=4096, kv_cache_bytes=1 << 20)
+    room = llm.engine.blocks.capacity(True) * llm.engine.blocks.block_size
+    small, big = make_record(50, small=True), make_record(51, small=True)
+    big["state"] = "word " * (2 * room)
+    with pytest.raises(InvalidRequestError, match="the KV cache holds"):
+        llm.decide([small, big])
+    assert not llm.engine.has_unfinished_requests() and not llm.engine.requests
+    assert llm.decide(small)["usage"]["input_tokens"] > 0
 
 
 def test_offline_llm_decide(clef_dirs):
@@ -224,3 +258,21 @@ def test_offline_llm_decide(clef_dirs):
             value = a["noul"] if q.type_name == "noul" else a["confidence"]
             expect = p[0] if q.type_name == "noul" else max(p)
             assert abs(value - expect) <= 1e-4, (q.question_id, value, expect)
+
+
+@pytest.mark.gpu
+def test_deltas_in_host_memory_give_the_same_answers(clef_dirs, records):
+    """QV_CLEF_DELTA_HOST: the deltas stay in pinned host memory and are copied in per use (the
+    branch in qv/model/layers.py that only a GPU takes)."""
+    probs = {}
+    for host in (False, True):
+        eng = LLMEngine(EngineConfig(model=str(clef_dirs["adapters"]), device="cuda", dtype="float32",
+                                     max_model_len=8192, clef_delta_host=host, kernels="reference"))
+        down = eng.runner.model.layers[-1].mlp.down  # LoRA and deabl sit on the last layer's down_proj
+        assert down.deltas and all((d.a.device.type == "cpu") == host for d in down.deltas)
+        if host:
+            assert all(d.a.is_pinned() and d.b.is_pinned() for d in down.deltas)
+        probs[host] = run(eng, {"r0": records["r0"]})["r0"].clef.probabilities
+        del eng
+    dp = max(abs(a - b) for qa, qb in zip(probs[False], probs[True]) for a, b in zip(qa, qb))
+    assert dp <= 1e-6, dp

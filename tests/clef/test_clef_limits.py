@@ -67,8 +67,8 @@ BAD = [  # (id, body, message fragment, param)
      "450 options in total; at most 448 options per record", "questions"),
     ("too-many-images", body(images=["data:image/png;base64,AAAA"] * (MAX_IMAGES + 1)),
      "17 images; at most 16 images", "images"),
-    ("images-not-yet", body(images=["https://example.com/a.png"]), "images in Clef records are not supported yet",
-     "images"),
+    ("type-array", body(questions={"q": {"type": ["noul"]}}), "question 'q': unknown type ['noul']", "questions.q.type"),
+    ("type-object", body(questions={"q": {"type": {}}}), "question 'q': unknown type {}", "questions.q.type"),
     ("images-not-list", body(images="https://example.com/a.png"), "'images' must be an array", "images"),
     ("videos", body(videos=["https://example.com/a.mp4"]), "videos are not supported", "videos"),
     ("max-length-zero", body(max_length=0), "'max_length' must be a positive integer", "max_length"),
@@ -100,8 +100,8 @@ def test_model_not_served():
 
 def test_schema_over_max_length_gives_counts(tokenizers):
     b = body(questions={f"q{i}": choice(3) for i in range(20)}, max_length=500)
-    with pytest.raises(ClefRequestError, match=r"record too long: the template and questions take \d+ tokens before "
-                       r"any state \(\d+ of them the schema\), more than the 500-token max_length"):
+    with pytest.raises(ClefRequestError, match=r"record too long: the template, images and questions take \d+ tokens "
+                       r"before any state \(\d+ of them the schema\), more than the 500-token max_length"):
         encode_request(tokenizers["release"], b, NMAX)
 
 

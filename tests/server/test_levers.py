@@ -115,3 +115,5 @@ def test_health_503_once_the_engine_is_gone(guarded):
     assert r.status_code == 503 and r.json()["error"]["code"] == 503
     r = httpx.post(guarded.v1 + "/chat/completions", json=chat(), headers=AUTH)
     assert r.status_code == 503 and "not running" in r.json()["error"]["message"]
+    r = httpx.post(guarded.url + "/reset_prefix_cache", headers=AUTH, timeout=10)  # answered, not left hanging
+    assert r.status_code == 503 and "not running" in r.json()["error"]["message"]

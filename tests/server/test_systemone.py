@@ -40,7 +40,7 @@ def clef_server(tmp_path_factory):
 
     folder = make_clef_release(tmp_path_factory.mktemp("clef-server") / "release", "tiny", seed=3)
     running, stop = start_server(folder, served_model_name="clef,qv-tiny", max_num_batched_tokens=256,
-                                 prefix_caching=False)
+                                 prefix_caching=False, media_max_images=3)
     yield running
     stop()
 
@@ -90,6 +90,22 @@ def test_answers_are_the_heads_in_systemone_format(clef_server):
     assert z.json() == got
 
 
+def assert_same_answers(got: dict, ref: dict, tol: float = 2e-4) -> None:
+    """Same usage, questions, keys, choices, legends and option order; every number within `tol`
+    (both sides are rounded to 4 decimals, from values that differ by fp32 rounding)."""
+    assert got["usage"] == ref["usage"] and list(got["answers"]) == list(ref["answers"])
+    for q, a in got["answers"].items():
+        b = ref["answers"][q]
+        assert list(a) == list(b) and a.get("legend") == b.get("legend"), q
+        assert list(a.get("probabilities", {})) == list(b.get("probabilities", {})), q
+        pairs = [(a[k], b[k]) for k in ("noul", "score", "confidence") if k in a]
+        pairs += [(a["probabilities"][o], b["probabilities"][o]) for o in a.get("probabilities", {})]
+        assert all(abs(x - y) <= tol for x, y in pairs), (q, a, b)
+        if a.get("choice") != b.get("choice"):  # only a near-tie may flip the choice
+            top = sorted(b["probabilities"].values())[-2:]
+            assert top[1] - top[0] <= 2 * tol, (q, a, b)
+
+
 async def _all_at_once(server, records: list[dict], chats: int) -> list[httpx.Response]:
     async with httpx.AsyncClient(base_url=server.url, timeout=300) as http:
         calls = [http.post("/v1/systemone", json=b) for b in records]
@@ -105,11 +121,7 @@ def test_ten_records_and_six_chats_at_once(clef_server):
     out = asyncio.run(_all_at_once(clef_server, bodies, 6))
     assert [r.status_code for r in out] == [200] * 16, [r.text for r in out if r.status_code != 200]
     for got, ref in zip((r.json() for r in out[:10]), alone):
-        assert got["usage"] == ref["usage"] and list(got["answers"]) == list(ref["answers"])
-        for q, a in got["answers"].items():
-            for key in ("noul", "score", "confidence"):
-                if key in a:
-                    assert abs(a[key] - ref["answers"][q][key]) <= 2e-4, (q, key)
+        assert_same_answers(got, ref)
     assert all(r.json()["usage"]["completion_tokens"] == 8 for r in out[10:])
     assert clef_server.metric("vllm:num_requests_running") == 0
 
@@ -146,11 +158,7 @@ def test_records_with_images(clef_server):
     offline = LLM(clef_server.model_dir, max_model_len=MAX_MODEL_LEN).decide(
         [dict(b, images=pictures[: len(b["images"])]) for b in bodies])
     for got, ref in zip((r.json() for r in out), offline):
-        assert got["usage"] == ref["usage"] and list(got["answers"]) == list(ref["answers"])
-        for q, a in got["answers"].items():
-            for key in ("noul", "score", "confidence"):
-                if key in a:
-                    assert abs(a[key] - ref["answers"][q][key]) <= 2e-4, (q, key)
+        assert_same_answers(got, ref)
     text_only = post(clef_server, record(0)).json()["usage"]["input_tokens"]
     assert out[0].json()["usage"]["input_tokens"] > text_only + 3  # the image's tokens count as input
 
@@ -159,6 +167,8 @@ DROP = object()  # a field to leave out
 LONG = {f"q{i}": {"type": "noul", "instructions": "Is it so? " * 4} for i in range(40)}
 BAD = [  # (body or raw bytes, extra headers, message pattern)
     (b"{", {}, r"not valid JSON"),
+    (b"[" * 5000 + b"]" * 5000, {}, r"not valid JSON"),  # nested past the parser's recursion limit
+    ({"questions": {"q": {"type": ["noul"]}}}, {}, r"question 'q': unknown type \['noul'\]"),
     (b"[1, 2]", {}, r"must be a JSON object, got list"),
     ({"temperature": 0}, {}, r"unknown field\(s\) 'temperature'; allowed: model, state, questions"),
     ({"model": DROP}, {}, r"'model' is required"),
@@ -188,9 +198,11 @@ BAD = [  # (body or raw bytes, extra headers, message pattern)
     ({"images": [7]}, {}, r"images\[0\] must be a non-empty string: an http\(s\) URL, a data URL or base64 data"),
     ({"images": ["data:image/png;base64,AAAA"]}, {}, r"images\[0\]: could not decode the image"),
     ({"images": ["data:image/png;base64,@@@"]}, {}, r"images\[0\]: .*base64"),
-    ({"images": [png_url(1, 64, 64)] * 4, "max_length": 120}, {},
+    ({"images": [png_url(1, 64, 64)] * 4}, {}, r"4 images; this server takes at most 3 images per request "
+                                                r"\(media_max_images\)"),
+    ({"images": [png_url(1, 64, 64)] * 3, "max_length": 110}, {},
      r"the template, images and questions take \d+ tokens before any state \(\d+ of them the schema, \d+ the "
-     r"images\), more than the 120-token max_length"),
+     r"images\), more than the 110-token max_length"),
     ({"videos": ["https://example.com/a.mp4"]}, {}, r"videos are not supported for Clef records"),
     ({"max_length": "long"}, {}, r"'max_length' must be a positive integer, got 'long'"),
     ({"max_length": 0}, {}, r"'max_length' must be a positive integer, got 0"),
