@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call for the engine-level GPU checks and benchmarks; logs under $OUT.
-#   bash bench/gpu_all.sh SECTION...    sections: tests engine spec prefix clef kernels
+#   bash bench/gpu_all.sh SECTION...    sections: tests engine spec prefix prefix27 clef kernels
 set -u
 out=${OUT:-/tmp/qv-out}
 mkdir -p "$out"
@@ -20,11 +20,12 @@ run() {  # name seconds command...
 }
 for section in "$@"; do
   case $section in
-    tests) run tests 100 python3 -m pytest -q -m gpu tests/engine -n 3 -p no:cacheprovider -rfE --durations=10 ;;
+    tests) run tests 100 python3 -m pytest -q -m gpu tests/engine tests/clef -n 3 -p no:cacheprovider -rfE --durations=10 ;;
     engine) run engine 170 python3 bench/engine.py --json "$out/engine.json" ;;
     spec) run spec 110 python3 bench/spec.py --fitted .bench_models/tiny-spec --json "$out/spec.json" ;;
     prefix) run prefix 165 python3 bench/prefix.py --dir /tmp/qv-prefix-models --presets 0.5b ;;
-    clef) run clef 200 python3 bench/clef.py ;;
+    prefix27) run prefix27 240 python3 bench/prefix.py --dir /tmp/qv-prefix-models --presets 27b ;;
+    clef) run clef 420 python3 bench/clef.py --dir /tmp/qv-clef-models ;;
     kernels) run kernels 200 python3 bench/kernels.py --json "$out/kernels.json" ;;
   esac
 done
