@@ -1,47 +1,44 @@
 """Incremental detokenization that is correct when a multi-byte UTF-8 character is split across
 tokens, plus stop-string detection on the decoded text.
 
-Like vLLM's: decode a short window of recent tokens, emit only the text past what the window
-already showed, and hold text back while it ends in an incomplete character (U+FFFD).
+The decoding itself is `tokenizers`' DecodeStream (Rust; what vLLM uses for fast tokenizers): it
+keeps a window of recent ids, emits only text past what the window already showed and holds
+text back while it ends in an incomplete character. About 5 us a token against ~35 us for the
+same algorithm over `tokenizer.decode` in Python (two decodes a token), which matters at batch 32.
 """
 
 from __future__ import annotations
 
-REPLACEMENT = "\ufffd"
+from tokenizers.decoders import DecodeStream
+
+PROMPT_CONTEXT = 6  # prompt ids the stream sees first: byte-level tokenizers render a leading space
+# relative to the previous token, so the first output token decodes with context
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True,
                  stop: list[str] | None = None, include_stop_str_in_output: bool = False):
         self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        if self._backend is None:
+            raise TypeError(f"{type(tokenizer).__name__} is not a fast tokenizer (no backend_tokenizer): qv needs "
+                            "the checkpoint's tokenizer.json")
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        for t in prompt_ids[-PROMPT_CONTEXT:]:
+            self._stream.step(self._backend, t)
         self.stop = stop or []
         self.include_stop = include_stop_str_in_output
-        # The window starts a few prompt tokens back so the first output token decodes with context
-        # (byte-level tokenizers render a leading space relative to the previous token).
-        self.ids: list[int] = list(prompt_ids[-6:])
-        self.prefix_offset = 0
-        self.read_offset = len(self.ids)
         self.text = ""  # full decoded output text (stop string removed once hit)
         self.stop_hold = max((len(s) for s in self.stop), default=1) - 1
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
-                                     clean_up_tokenization_spaces=False)
-
     def add_token(self, token_id: int) -> str | None:
         """Append one token; returns the stop string if the text now contains one (text is cut there)."""
-        self.ids.append(token_id)
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset:])
-        if len(full) > len(prefix) and not full.endswith(REPLACEMENT):
-            new_text = full[len(prefix):]
-            self.prefix_offset = self.read_offset
-            self.read_offset = len(self.ids)
-            start = max(0, len(self.text) - self.stop_hold)
-            self.text += new_text
-            return self._check_stop(start)
-        return None
+        new_text = self._stream.step(self._backend, token_id)
+        if not new_text:
+            return None
+        start = max(0, len(self.text) - self.stop_hold)
+        self.text += new_text
+        return self._check_stop(start) if self.stop else None
 
     def _check_stop(self, search_from: int) -> str | None:
         for s in self.stop:
