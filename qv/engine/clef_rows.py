@@ -63,30 +63,8 @@ class _Job:
         self.result: ClefResult | None = None
 
 
-class _RowBuffer:
-    """Pinned host + device buffer for the delta row indices; an event keeps the host side from
-    being rewritten while its last copy may still be in flight."""
-
-    def __init__(self, n: int, device: torch.device):
-        cuda = device.type == "cuda"
-        self.host = torch.zeros(n, dtype=torch.int64, pin_memory=cuda)
-        self.dev = torch.zeros(n, dtype=torch.int64, device=device)
-        self.event = torch.cuda.Event() if cuda else None
-
-    def upload(self, rows: np.ndarray) -> torch.Tensor:
-        if self.event is not None:
-            self.event.synchronize()
-        n = rows.size
-        self.host.numpy()[:n] = rows
-        self.dev[:n].copy_(self.host[:n], non_blocking=True)
-        if self.event is not None:
-            self.event.record()
-        return self.dev[:n]
-
-
 class ClefRows:
-    def __init__(self, head: JointHead, output_embedding, slots: int, cap: int, cap_name: str,
-                 max_rows: int, has_deltas: bool, device: torch.device):
+    def __init__(self, head: JointHead, output_embedding, slots: int, cap: int, cap_name: str, has_deltas: bool):
         self.head, self.output_embedding = head, output_embedding
         self.slots, self.cap, self.cap_name = slots, cap, cap_name
         self.has_deltas = has_deltas
@@ -94,7 +72,6 @@ class ClefRows:
         self.by_request: dict[str, _Job] = {}
         self.pending: deque[_Job] = deque()  # records waiting for a Clef slot
         self.active: list[_Job] = []  # records in the scheduler
-        self.rows = _RowBuffer(max_rows, device)
         self.num_restarts = 0
 
     # -- requests ------------------------------------------------------------------------------
@@ -158,13 +135,19 @@ class ClefRows:
         return job.result
 
     # -- the step ------------------------------------------------------------------------------
-    def delta_rows(self, seqs: list[Sequence], cu: np.ndarray) -> torch.Tensor | None:
-        """Flat rows of the step's records (batch order `seqs`, row offsets `cu`); None when the
-        step has none or there are no deltas (the release layout: Clef's weights are the served ones)."""
+    def delta_rows(self, seqs: list[Sequence], cu: np.ndarray, alloc) -> torch.Tensor | None:
+        """Flat rows of the step's records (batch order `seqs`, row offsets `cu`), in the step's
+        upload (`alloc`, the runner's); None when the step has none or there are no deltas (the
+        release layout: Clef's weights are the served ones)."""
         if not self.has_deltas:
             return None
         parts = [np.arange(cu[i], cu[i + 1]) for i, s in enumerate(seqs) if s in self.jobs]
-        return self.rows.upload(np.concatenate(parts)) if parts else None
+        if not parts:
+            return None
+        rows = np.concatenate(parts)
+        host, device = alloc(rows.size, torch.int64)
+        host[:] = rows
+        return device
 
     def take_hidden(self, seqs: list[Sequence], cu: np.ndarray, hidden: torch.Tensor, ids: np.ndarray) -> None:
         """Feed each record's final-norm hidden rows (and the token ids that ran) to its head."""
@@ -226,7 +209,7 @@ def clef_sequence(seq_id: int, request_id: str, record: EncodedRecord, params, d
                     cache_salt=f"{CLEF_SALT_PREFIX}{request_id}", mm_hashes=mm_hashes, media=media)
 
 
-def make_clef_rows(assets, model, slots: int, nmax: int, max_model_len: int, max_rows: int) -> ClefRows | None:
+def make_clef_rows(assets, model, slots: int, nmax: int, max_model_len: int) -> ClefRows | None:
     """ClefRows for loaded Clef assets (qv.clef.adapters.ClefAssets); None when Clef is not served."""
     if assets is None:
         return None
@@ -235,8 +218,7 @@ def make_clef_rows(assets, model, slots: int, nmax: int, max_model_len: int, max
         log.warning("Clef records are capped at max_model_len=%d tokens (QV_CLEF_NMAX is %d)", max_model_len, nmax)
     log.info("Clef: %s layout, %d slots, records up to %d tokens, deltas %.1f MiB (%d LoRA, %d deabl modules)",
              assets.layout, slots, cap, assets.delta_bytes / 2**20, assets.lora_modules, assets.deabl_modules)
-    return ClefRows(assets.head, model.lm_head.weight, slots, cap, cap_name, max_rows, assets.delta_bytes > 0,
-                    model.device)
+    return ClefRows(assets.head, model.lm_head.weight, slots, cap, cap_name, assets.delta_bytes > 0)
 
 
 def clef_reserve_bytes(assets, slots: int, nmax: int) -> int:

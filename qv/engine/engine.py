@@ -97,8 +97,7 @@ class LLMEngine:
         if cfg.cuda_graphs and parts.model.device.type == "cuda" and get_backend() != "reference":
             self.runner.enable_decode_graphs(scratch_slot)
         self.requests: dict[str, _Request] = {}
-        self.clef = make_clef_rows(parts.clef, parts.model, cfg.clef_slots, cfg.clef_nmax, self.max_model_len,
-                                   cfg.max_num_batched_tokens)
+        self.clef = make_clef_rows(parts.clef, parts.model, cfg.clef_slots, cfg.clef_nmax, self.max_model_len)
         self.runner.clef = self.clef
         self._seq_ids = itertools.count()
         self._rng = random.Random(cfg.seed)

@@ -31,33 +31,42 @@ class StepResult:
     next_mtp_drafts: list[int] | None = None
 
 
-class _Buffers:
-    """Host (pinned) and device buffers sized once for the largest step; steps use prefixes."""
+_NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32, torch.bool: np.bool_}
 
-    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device):
-        pin = device.type == "cuda"
 
-        def pair(n: int, dtype: torch.dtype):
-            host = torch.zeros(n, dtype=dtype, pin_memory=pin)
-            return host, host.numpy(), torch.zeros(n, dtype=dtype, device=device)
+class _Upload:
+    """All of a step's host-to-device traffic in one copy. `alloc` lays the step's arrays out one
+    after another (8-byte aligned) in a pinned host byte buffer and returns the NumPy view to fill
+    and the device view to read once `send` has run (stream order puts the copy before the step's
+    kernels). A step without a device-to-host sync (a prefill chunk that samples nothing) can leave
+    its copy queued behind the GPU's work, so `begin` waits for the last copy before the host
+    buffer is written again."""
 
-        self.ids = pair(max_tokens, torch.int64)
-        self.next_ids = pair(max_tokens, torch.int64)
-        self.positions = pair(max_tokens, torch.int64)
-        self.slot_mapping = pair(max_tokens, torch.int64)
-        self.cu_seqlens = pair(max_seqs + 1, torch.int32)
-        self.cu_rest = pair(max_seqs + 1, torch.int32)
-        self.seq_lens = pair(max_seqs, torch.int32)
-        self.state_slots = pair(max_seqs, torch.int64)
-        self.has_init = pair(max_seqs, torch.bool)
-        self.logits_idx = pair(max_tokens, torch.int64)
-        self.block_tables = pair(max_seqs * max_blocks, torch.int32)
+    def __init__(self, nbytes: int, device: torch.device):
+        cuda = device.type == "cuda"
+        self.host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=cuda)
+        self._host_np = self.host.numpy()
+        self.dev = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        self.copied = torch.cuda.Event() if cuda else None
+        self.used = 0
 
-    @staticmethod
-    def upload(buf, n: int) -> torch.Tensor:
-        host, _, dev = buf
-        dev[:n].copy_(host[:n], non_blocking=True)
-        return dev[:n]
+    def begin(self) -> None:
+        if self.copied is not None:
+            self.copied.synchronize()
+        self.used = 0
+
+    def alloc(self, n: int, dtype: torch.dtype) -> tuple[np.ndarray, torch.Tensor]:
+        off = self.used
+        end = off + n * dtype.itemsize
+        if end > self.host.numel():
+            raise RuntimeError(f"a step needs more than the {self.host.numel()}-byte upload buffer (a sizing bug)")
+        self.used = -(-end // 8) * 8
+        return self._host_np[off:end].view(_NUMPY[dtype]), self.dev[off:end].view(dtype)
+
+    def send(self) -> None:
+        self.dev[:self.used].copy_(self.host[:self.used], non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
 
 
 @dataclass
@@ -70,6 +79,11 @@ class _Step:
     cu: np.ndarray
     num_spec: int  # the first num_spec sequences verify drafts (k+1 rows each, all with logits)
     samplers: list[int]  # indices of the other sequences that sample one token this step
+    host_ids: np.ndarray  # the step's token ids as uploaded (Clef checks what ran; valid until the next step)
+    next_ids: torch.Tensor  # [T] the token after each row (MTP input; sampled rows' filled in on the device)
+    sample_batch: SamplingBatch | None  # settings of the `samplers` rows
+    verify_batch: SamplingBatch | None  # settings of the verification rows (k+1 per sequence)
+    drafts: torch.Tensor | None  # [num_spec, k] the drafts being verified
     rope: torch.Tensor | None = None  # rotary positions when they are not the token indices (images: mRoPE)
     embeds: torch.Tensor | None = None  # input embeddings with vision rows, when a chunk holds media pads
 
@@ -82,15 +96,20 @@ class ModelRunner:
         self.block_size = cache.block_size
         lookahead = 2 * speculator.k + 2 if speculator else 1
         max_blocks = -(-(max_model_len + lookahead) // self.block_size) + 1
-        self.buf = _Buffers(max_num_batched_tokens + (speculator.k if speculator else 0) * max_num_seqs,
-                            max_num_seqs, max_blocks, self.device)
+        k1 = speculator.k + 1 if speculator else 1
+        max_tokens = max_num_batched_tokens + (k1 - 1) * max_num_seqs
+        # per token (int64): ids, next ids, positions, slots, logits rows, Clef delta rows; per
+        # sequence: cu/rest/lens/slots/init and drafts, plus up to 10 sampling settings per logits
+        # row (k+1 rows for a verified sequence); the block tables; alignment slack
+        self.upload = _Upload(6 * 8 * max_tokens + (96 * k1 + 64) * (max_num_seqs + 1)
+                              + 4 * max_num_seqs * max_blocks + 8 * 64, self.device)
         self.vocab_size = model.cfg.vocab_size
-        self.max_blocks, self.max_model_len = max_blocks, max_model_len
+        self.max_seqs, self.max_blocks, self.max_model_len = max_num_seqs, max_blocks, max_model_len
         self.graphs: DecodeGraphs | None = None
         self.clef = None  # qv.engine.clef_rows.ClefRows when Clef records are served (set by the engine)
 
     def enable_decode_graphs(self, scratch_slot: int) -> None:
-        graphs = DecodeGraphs(self.model, self.cache, self.buf.cu_seqlens[0].shape[0] - 1, self.max_blocks,
+        graphs = DecodeGraphs(self.model, self.cache, self.max_seqs, self.max_blocks,
                               self.max_model_len, scratch_slot)
         self.graphs = graphs if graphs.capture() else None
 
@@ -104,7 +123,8 @@ class ModelRunner:
 
     # -- batch construction --------------------------------------------------------------------
     def prepare(self, plan: StepPlan) -> _Step:
-        b = self.buf
+        up = self.upload
+        up.begin()
         # verification rows first, so the GDN layers can keep their per-position states as a prefix
         sched = sorted(plan.scheduled, key=lambda sn: not sn[0].draft_token_ids)
         seqs = [s for s, _ in sched]
@@ -112,20 +132,28 @@ class ModelRunner:
         q_lens = np.fromiter((n for _, n in sched), dtype=np.int64, count=len(seqs))
         starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=len(seqs))
         nseq, ntok = len(seqs), int(q_lens.sum())
-        cu = b.cu_seqlens[1]
-        cu[0] = 0
-        np.cumsum(q_lens, out=cu[1:nseq + 1])
-        ends = starts + q_lens
-        b.seq_lens[1][:nseq] = ends
-        b.has_init[1][:nseq] = starts > 0
         width = max(1, max(len(s.block_ids) for s in seqs))
-        tables = b.block_tables[1][:nseq * width].reshape(nseq, width)
-        ids, next_ids, logits_idx = b.ids[1], b.next_ids[1], b.logits_idx[1]
+        cu, cu_d = up.alloc(nseq + 1, torch.int32)
+        seq_lens, seq_lens_d = up.alloc(nseq, torch.int32)
+        has_init, has_init_d = up.alloc(nseq, torch.bool)
+        slots, slots_d = up.alloc(nseq, torch.int64)
+        tables, tables_d = up.alloc(nseq * width, torch.int32)
+        tables, tables_d = tables.reshape(nseq, width), tables_d.view(nseq, width)
+        ids, ids_d = up.alloc(ntok, torch.int64)
+        next_ids, next_ids_d = up.alloc(ntok, torch.int64)
+        positions, positions_d = up.alloc(ntok, torch.int64)
+        slot_mapping, slot_mapping_d = up.alloc(ntok, torch.int64)
+        logits_idx, logits_idx_d = up.alloc(ntok, torch.int64)
+        cu[0] = 0
+        np.cumsum(q_lens, out=cu[1:])
+        ends = starts + q_lens
+        seq_lens[:] = ends
+        has_init[:] = starts > 0
         samplers, n_logits = [], 0
         for i, (seq, n) in enumerate(sched):
             tables[i, :len(seq.block_ids)] = seq.block_ids
             tables[i, len(seq.block_ids):] = 0
-            b.state_slots[1][i] = seq.state_slot
+            slots[i] = seq.state_slot
             start, c0 = int(starts[i]), int(cu[i])
             known = min(n, seq.num_tokens - start)
             ids[c0:c0 + known] = seq.token_slice(start, start + known)
@@ -143,24 +171,32 @@ class ModelRunner:
             n_logits += 1
         row_of = np.repeat(np.arange(nseq), q_lens)
         pos = np.arange(ntok) - cu[row_of] + starts[row_of]
-        b.positions[1][:ntok] = pos
-        b.slot_mapping[1][:ntok] = tables[row_of, pos // self.block_size] * self.block_size + pos % self.block_size
-        up = _Buffers.upload
-        slots, has_init = up(b.state_slots, nseq), up(b.has_init, nseq)
+        positions[:] = pos
+        slot_mapping[:] = tables[row_of, pos // self.block_size] * self.block_size + pos % self.block_size
         if num_spec:
-            rest = b.cu_rest[1]
-            rest[:nseq - num_spec + 1] = cu[num_spec:nseq + 1] - cu[num_spec]
-            gdn = self.spec.gdn_meta(slots, has_init, num_spec, int(cu[num_spec]), up(b.cu_rest, nseq - num_spec + 1))
+            rest, rest_d = up.alloc(nseq - num_spec + 1, torch.int32)
+            rest[:] = cu[num_spec:nseq + 1] - cu[num_spec]
+            gdn = self.spec.gdn_meta(slots_d, has_init_d, num_spec, int(cu[num_spec]), rest_d)
         else:
-            gdn = GDNMeta(slots, has_init)
+            gdn = GDNMeta(slots_d, has_init_d)
+        k1 = self.spec.k + 1 if self.spec else 1
+        specs = seqs[:num_spec]
+        verify_batch = self.sampling_batch([(s, j) for s in specs for j in range(k1)]) if num_spec else None
+        drafts = None
+        if num_spec:
+            drafts_h, drafts = up.alloc(num_spec * (k1 - 1), torch.int64)
+            drafts_h[:] = [t for s in specs for t in s.draft_token_ids]
+            drafts = drafts.view(num_spec, k1 - 1)
+        sample_batch = self.sampling_batch([(seqs[i], 0) for i in samplers]) if samplers else None
         batch = StepBatch(
-            cu_seqlens_q=up(b.cu_seqlens, nseq + 1), max_query_len=int(q_lens.max()),
-            attn=AttentionMeta(slot_mapping=up(b.slot_mapping, ntok),
-                               block_tables=up(b.block_tables, nseq * width).view(nseq, width),
-                               seq_lens=up(b.seq_lens, nseq), max_seq_len=int(ends.max())),
-            gdn=gdn, logits_indices=up(b.logits_idx, n_logits),
-            delta_rows=self.clef.delta_rows(seqs, cu) if self.clef else None)  # Clef rows: low-rank deltas
-        st = _Step(up(b.ids, ntok), up(b.positions, ntok), batch, seqs, q_lens, cu[:nseq + 1].copy(), num_spec, samplers)
+            cu_seqlens_q=cu_d, max_query_len=int(q_lens.max()),
+            attn=AttentionMeta(slot_mapping=slot_mapping_d, block_tables=tables_d, seq_lens=seq_lens_d,
+                               max_seq_len=int(ends.max())),
+            gdn=gdn, logits_indices=logits_idx_d[:n_logits],
+            delta_rows=self.clef.delta_rows(seqs, cu, up.alloc) if self.clef else None)  # Clef rows: low-rank deltas
+        up.send()  # the step's one host-to-device copy
+        st = _Step(ids_d, positions_d, batch, seqs, q_lens, cu.copy(), num_spec, samplers, ids, next_ids_d,
+                   sample_batch, verify_batch, drafts)
         if self.media is not None:  # images/videos: encode what the step needs, mRoPE positions, vision rows
             st.rope, st.embeds = self.media.step_inputs(self.model, seqs, starts, q_lens, cu, pos, st.ids)
         return st
@@ -170,7 +206,7 @@ class ModelRunner:
         st = self.prepare(plan)
         hidden = self._forward(st)
         if self.clef is not None:  # Clef records: their rows into the joint head, chunk by chunk
-            self.clef.take_hidden(st.seqs, st.cu, hidden, self.buf.ids[1])
+            self.clef.take_hidden(st.seqs, st.cu, hidden, st.host_ids)
         if st.batch.logits_indices.numel() == 0:
             if self.spec and self.spec.uses_mtp:  # the head's KV must still catch up with these rows
                 self._draft(st, hidden, None, None, None)
@@ -181,8 +217,7 @@ class ModelRunner:
         packed: list[torch.Tensor] = []
         sampled = None
         if st.samplers:
-            rows = [st.seqs[i] for i in st.samplers]
-            sb = self.sampling_batch([(s, 0) for s in rows], logits.shape[-1])
+            sb = st.sample_batch
             out = sample(logits[n_spec_rows:], sb)
             sampled = out.token_ids
             packed += [sampled] + _logprob_parts(out.logprobs, out.ranks, out.top_ids, out.top_logprobs, sb)
@@ -197,13 +232,10 @@ class ModelRunner:
         return self._unpack(st, host, k1, drafts is not None)
 
     def _verify(self, st: _Step, logits: torch.Tensor, k1: int):
-        specs = st.seqs[:st.num_spec]
-        rows = [(s, j) for s in specs for j in range(k1)]
-        sb = self.sampling_batch(rows, logits.shape[-1])
+        sb = st.verify_batch
         greedy_ids, probs = process(logits, sb)
-        drafts = torch.tensor([s.draft_token_ids for s in specs], dtype=torch.int64).to(self.device)
-        greedy_rows = torch.tensor([s.params.greedy for s in specs], dtype=torch.bool).to(self.device)
-        res = verify(greedy_ids.view(-1, k1), None if probs is None else probs.view(len(specs), k1, -1), drafts,
+        greedy_rows = sb.temperature.view(-1, k1)[:, 0] == 0
+        res = verify(greedy_ids.view(-1, k1), None if probs is None else probs.view(st.num_spec, k1, -1), st.drafts,
                      greedy_rows, sb.seeds.view(-1, k1)[:, 0], sb.positions.view(-1, k1)[:, 0])
         self.spec.commit(st.batch.gdn.state_slots[:st.num_spec], res.num_accepted)
         parts = []
@@ -213,17 +245,15 @@ class ModelRunner:
 
     def _draft(self, st: _Step, hidden, sampled, tokens, n_acc) -> torch.Tensor | None:
         """MTP drafts for every sequence that got a new token this step (on the device, no sync)."""
-        b = self.buf
-        next_ids = _Buffers.upload(b.next_ids, int(st.cu[-1]))
-        rows = []
+        next_ids, rows = st.next_ids, []
+        rows_with_logits = st.batch.logits_indices  # verified sequences' k+1 rows each, then each sampler's last row
         if st.num_spec:  # verified rows see the emitted tokens; the last valid row is row n_accepted
             k1 = tokens.shape[1]
-            spec_rows = torch.from_numpy(st.cu[:st.num_spec]).to(self.device)[:, None] + torch.arange(
-                k1, device=self.device)
+            spec_rows = rows_with_logits[:st.num_spec * k1].view(st.num_spec, k1)
             next_ids[spec_rows.reshape(-1)] = tokens.reshape(-1)
             rows.append(spec_rows[:, 0] + n_acc)
         if st.samplers:
-            last = torch.from_numpy(st.cu[np.asarray(st.samplers) + 1] - 1).to(self.device)
+            last = rows_with_logits[st.num_spec * (tokens.shape[1] if st.num_spec else 0):]
             next_ids[last] = sampled
             rows.append(last)
         draft_seqs = np.asarray(list(range(st.num_spec)) + st.samplers, dtype=np.int64)
@@ -260,12 +290,18 @@ class ModelRunner:
         return results
 
     # -- sampling settings ---------------------------------------------------------------------
-    def sampling_batch(self, rows: list[tuple[Sequence, int]], vocab: int) -> SamplingBatch:
-        """Settings per logits row; row (seq, j) decides the seq's output token number len(outputs) + j,
-        with drafts d_1..d_j counted as already generated (penalties, min_tokens)."""
-        dev = self.device
+    def sampling_batch(self, rows: list[tuple[Sequence, int]]) -> SamplingBatch:
+        """Settings per logits row, in the step's upload; row (seq, j) decides the seq's output token
+        number len(outputs) + j, with drafts d_1..d_j counted as already generated (penalties,
+        min_tokens). The rare [rows, vocab] penalty and min_tokens masks are built on the device."""
+        dev, vocab, alloc = self.device, self.vocab_size, self.upload.alloc
         ps = [s.params for s, _ in rows]
-        t = lambda xs, dt: torch.tensor(xs, dtype=dt).to(dev, non_blocking=True)  # noqa: E731
+
+        def t(xs, dtype):
+            host, device = alloc(len(xs), dtype)
+            host[:] = xs
+            return device
+
         outputs = [s.output_token_ids + s.draft_token_ids[:j] for s, j in rows]
         under_min = [len(o) < s.params.min_tokens for o, (s, _) in zip(outputs, rows)]
         b = SamplingBatch(
