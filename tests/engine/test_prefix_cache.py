@@ -243,3 +243,26 @@ def test_async_engine_resets_between_steps(tiny_dirs):
         assert asyncio.run(scenario()) == [0, 64, True, 0]
     finally:
         eng.shutdown()
+
+
+def test_block_digests_chain_by_key_digest(tiny_dirs):
+    """The text-only fast path of the digest chain gives what key_digest gives for each block's key,
+    and media hashes change the digests from their block on."""
+    from qv.engine.prefix_cache import key_digest
+    from qv.engine.sequence import Sequence
+
+    llm = _llm(str(tiny_dirs("tiny")))
+    cache = llm.engine.prefix_cache
+    rng = random.Random(5)
+    ids = [rng.randrange(3, 300) for _ in range(cache.bs * 7 + 5)]
+    text = Sequence(0, "a", 0, ids, SamplingParams(), 1, 0, None, 0)
+    chain = cache._full_chain(text)
+    assert len(chain) == 7
+    parent = cache._root(text)
+    for digest, key in chain:
+        assert key[0] == parent and digest == key_digest(key)
+        parent = digest
+    media = Sequence(1, "b", 0, ids, SamplingParams(), 1, 0, None, 1, mm_hashes=[(cache.bs * 3 + 2, "f" * 32)])
+    with_media = cache._full_chain(media)
+    assert [d for d, _ in with_media[:3]] == [d for d, _ in chain[:3]]
+    assert all(a[0] != b[0] for a, b in zip(with_media[3:], chain[3:]))
