@@ -66,7 +66,7 @@ class _Upload:
     def send(self) -> None:
         self.dev[:self.used].copy_(self.host[:self.used], non_blocking=True)
         if self.copied is not None:
-            self.copied.record()
+            self.copied.record(torch.cuda.current_stream(self.dev.device))
 
 
 @dataclass
