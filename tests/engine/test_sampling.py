@@ -137,3 +137,32 @@ def test_stop_string_inside_text(tiny_dirs):
     inc = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, stop=stop,
                                               include_stop_str_in_output=True))[0].outputs[0]
     assert inc.text == text[:text.index(stop) + len(stop)]
+
+
+def test_one_upload_per_step(tiny_dirs, monkeypatch):
+    """Each step sends its batch and its sampling settings to the device in one copy, also with
+    chunked prefill, penalties and logprobs in the batch; the settings read back equal the requests'."""
+    from qv.engine.runner import _Upload
+
+    llm = LLM(str(tiny_dirs("tiny")), max_num_batched_tokens=32)
+    sends, seen = [], []
+    real_send = _Upload.send
+    monkeypatch.setattr(_Upload, "send", lambda self: (sends.append(self.used), real_send(self)))
+    import qv.engine.runner as runner_module
+
+    real_sample = runner_module.sample
+
+    def spy(logits, sb):  # settings as the device sees them, once the step's copy has run
+        seen.append((sb.temperature.tolist(), sb.top_k.tolist(), sb.presence.tolist() if sb.presence is not None else None))
+        return real_sample(logits, sb)
+
+    monkeypatch.setattr(runner_module, "sample", spy)
+    params = [SamplingParams(temperature=0.0, max_tokens=5),
+              SamplingParams(temperature=0.7, top_k=5, seed=3, max_tokens=5, presence_penalty=0.5, logprobs=2)]
+    llm.generate(["a " * 50, "b"], params)
+    assert len(sends) == llm.engine._steps and min(sends) > 0
+    requested = {(0.0, 0, 0.0), (0.7, 5, 0.5)}  # (temperature, top_k, presence) of the two requests
+    for temps, top_ks, presence in seen:
+        rows = zip((round(t, 6) for t in temps), top_ks, presence or [0.0] * len(temps))
+        assert set(rows) <= requested, seen
+    assert any(len(t) == 2 for t, _, _ in seen)
