@@ -36,7 +36,7 @@ _NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float3
 
 class _Upload:
     """All of a step's host-to-device traffic in one copy. `alloc` lays the step's arrays out one
-    after another (8-byte aligned) in a pinned host byte buffer and returns the NumPy view to fill
+    after another (16-byte aligned) in a pinned host byte buffer and returns the NumPy view to fill
     and the device view to read once `send` has run (stream order puts the copy before the step's
     kernels). A step without a device-to-host sync (a prefill chunk that samples nothing) can leave
     its copy queued behind the GPU's work, so `begin` waits for the last copy before the host
@@ -60,7 +60,7 @@ class _Upload:
         end = off + n * dtype.itemsize
         if end > self.host.numel():
             raise RuntimeError(f"a step needs more than the {self.host.numel()}-byte upload buffer (a sizing bug)")
-        self.used = -(-end // 8) * 8
+        self.used = -(-end // 16) * 16  # Triton specializes kernels on 16-byte aligned pointers
         return self._host_np[off:end].view(_NUMPY[dtype]), self.dev[off:end].view(dtype)
 
     def send(self) -> None:
@@ -102,7 +102,7 @@ class ModelRunner:
         # sequence: cu/rest/lens/slots/init and drafts, plus up to 10 sampling settings per logits
         # row (k+1 rows for a verified sequence); the block tables; alignment slack
         self.upload = _Upload(6 * 8 * max_tokens + (96 * k1 + 64) * (max_num_seqs + 1)
-                              + 4 * max_num_seqs * max_blocks + 8 * 64, self.device)
+                              + 4 * max_num_seqs * max_blocks + 16 * 64, self.device)
         self.vocab_size = model.cfg.vocab_size
         self.max_seqs, self.max_blocks, self.max_model_len = max_num_seqs, max_blocks, max_model_len
         self.graphs: DecodeGraphs | None = None
