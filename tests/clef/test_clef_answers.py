@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from clef_records import answer_cases
+from clef_systemone import systemone_with_probabilities
 from qv.clef.offline import decide
 
 BOUND = 1e-4  # on probabilities, CPU fp32 both sides
@@ -48,17 +49,6 @@ def compare(ours: dict, ref: dict, raw_ours: list[list[float]], raw_ref: list[li
     return dp
 
 
-def reference(jsm, model, processor, record) -> tuple[dict, list[list[float]]]:
-    """systemone() itself, with its logits caught on the way for the unrounded probabilities."""
-    caught = []
-    hook = model.register_forward_hook(lambda m, args, out: caught.append(out[0]))
-    try:
-        response = jsm.systemone(model, processor, record)
-    finally:
-        hook.remove()
-    return response, [q.float().softmax(-1).tolist() for q in caught[0]]
-
-
 @pytest.mark.parametrize("layout", ["release", "adapters"])
 def test_answers_match_clef_systemone(jsm, references, qv_clef, tokenizers, layout):
     # 64 questions (8.5K tokens here: the tiny tokenizer is nearly byte-level) where the deltas are;
@@ -71,7 +61,7 @@ def test_answers_match_clef_systemone(jsm, references, qv_clef, tokenizers, layo
         (layout, layout == "adapters", layout == "adapters")
     worst, spread = 0.0, []
     for i, record in enumerate(records):
-        ref, raw_ref = reference(jsm, ref_model, processor, record)
+        ref, raw_ref = systemone_with_probabilities(jsm, ref_model, processor, record)
         ours, raw_ours = decide_raw(model, assets.head, tokenizers[layout], record)
         try:
             worst = max(worst, compare(ours, ref, raw_ours, raw_ref))

@@ -30,15 +30,10 @@ def main(release: str, tv_dir: str, in_path: str, out_path: str) -> None:
     processor = AutoProcessor.from_pretrained(folder)
     with open(in_path, "rb") as f:
         bodies = pickle.load(f)
-    results = []
-    for body in bodies:
-        caught = []
-        hook = model.register_forward_hook(lambda m, args, out: caught.append(out[0]))
-        try:
-            response = jsm.systemone(model, processor, body)
-        finally:
-            hook.remove()
-        results.append((response, [q.float().softmax(-1).tolist() for q in caught[0]]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
+    from clef_systemone import systemone_with_probabilities
+
+    results = [systemone_with_probabilities(jsm, model, processor, body) for body in bodies]
     with open(out_path, "wb") as f:
         pickle.dump(results, f)
 
