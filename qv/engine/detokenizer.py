@@ -23,13 +23,24 @@ class IncrementalDetokenizer:
         if self._backend is None:
             raise TypeError(f"{type(tokenizer).__name__} is not a fast tokenizer (no backend_tokenizer): qv needs "
                             "the checkpoint's tokenizer.json")
-        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-        for t in prompt_ids[-PROMPT_CONTEXT:]:
-            self._stream.step(self._backend, t)
+        self._skip = skip_special_tokens
+        window = list(prompt_ids[-PROMPT_CONTEXT:])
+        self._stream, shown = self._primed(window)
+        if shown < len(window):  # the prompt ends inside a character: keep its bytes out of the output
+            self._stream, _ = self._primed(window[:shown])
         self.stop = stop or []
         self.include_stop = include_stop_str_in_output
         self.text = ""  # full decoded output text (stop string removed once hit)
         self.stop_hold = max((len(s) for s in self.stop), default=1) - 1
+
+    def _primed(self, ids: list[int]) -> tuple[DecodeStream, int]:
+        """A stream that has seen `ids`, and how many of them it has shown as text (the rest may be
+        bytes of an unfinished character, held back)."""
+        stream, shown = DecodeStream(skip_special_tokens=self._skip), 0
+        for i, t in enumerate(ids):
+            if stream.step(self._backend, t) is not None:
+                shown = i + 1
+        return stream, shown
 
     def add_token(self, token_id: int) -> str | None:
         """Append one token; returns the stop string if the text now contains one (text is cut there)."""

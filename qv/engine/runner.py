@@ -39,8 +39,9 @@ class _Upload:
     after another (16-byte aligned) in a pinned host byte buffer and returns the NumPy view to fill
     and the device view to read once `send` has run (stream order puts the copy before the step's
     kernels). A step without a device-to-host sync (a prefill chunk that samples nothing) can leave
-    its copy queued behind the GPU's work, so `begin` waits for the last copy before the host
-    buffer is written again."""
+    its copy queued behind the GPU's work, so `begin` waits for the event `mark` recorded after the
+    step's last copy (the vision steps' own pinned buffers included) before any of them is written
+    again."""
 
     def __init__(self, nbytes: int, device: torch.device):
         cuda = device.type == "cuda"
@@ -65,6 +66,10 @@ class _Upload:
 
     def send(self) -> None:
         self.dev[:self.used].copy_(self.host[:self.used], non_blocking=True)
+
+    def mark(self) -> None:
+        """After the step's last host-to-device copy (media positions come after `send`): what the
+        next `begin` waits for."""
         if self.copied is not None:
             self.copied.record(torch.cuda.current_stream(self.dev.device))
 
@@ -199,6 +204,7 @@ class ModelRunner:
                    sample_batch, verify_batch, drafts)
         if self.media is not None:  # images/videos: encode what the step needs, mRoPE positions, vision rows
             st.rope, st.embeds = self.media.step_inputs(self.model, seqs, starts, q_lens, cu, pos, st.ids)
+        up.mark()  # the media's pinned buffers are rewritten next step too: one event covers both
         return st
 
     # -- the step ------------------------------------------------------------------------------

@@ -38,3 +38,17 @@ def test_stop_string_split_across_tokens(tiny_dirs):
         if hit:
             break
     assert hit == "мир!" and d.text == " Привет, "
+
+
+def test_prompt_ending_inside_a_character_stays_out_of_the_output(tiny_dirs):
+    """A token-id prompt may stop mid-character (a client continuing a generation cut inside an
+    emoji): those bytes belong to the prompt and never show in the output text."""
+    tok = AutoTokenizer.from_pretrained(str(tiny_dirs("tiny")))
+    emoji = tok.encode("😀", add_special_tokens=False)
+    assert len(emoji) > 1, "the fixture must split the emoji across tokens"
+    prompt = tok.encode("Say hi", add_special_tokens=False) + emoji[:1]
+    out = tok.encode(" there", add_special_tokens=False)
+    d = IncrementalDetokenizer(tok, prompt)
+    for i in out:
+        d.add_token(i)
+    assert d.text == " there"
