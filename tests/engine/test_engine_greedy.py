@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from engine_oracle import assert_same_greedy, hf_greedy
+from engine_oracle import assert_logprob_close, assert_same_greedy, hf_greedy
 from qv import LLM, SamplingParams
 
 LENGTHS = [1, 2, 17, 64, 65, 130, 211, 300]
@@ -47,7 +47,8 @@ def test_batched_greedy_equals_transformers(case, levers):
         for j, (tok, lp_ref) in enumerate(zip(comp.token_ids, ref_lp)):
             if tok != ref_tokens[j]:
                 break
-            assert abs(comp.logprobs[j][tok].logprob - lp_ref) < 1e-4, (i, j)
+            assert_logprob_close(f"prompt {i} token {j} (seed {seed})", prompts[i] + ref_tokens[:j], tok,
+                                 comp.logprobs[j][tok].logprob, lp_ref, model_dir)
 
 
 def test_chunk1_and_alone(case):
