@@ -105,8 +105,7 @@ class ClefRows:
         """Move waiting records into the scheduler while fewer than `slots` are in it. Returns the
         request ids of records that failed on admission (their head state could not be made):
         finished with an error at once, without running a chunk."""
-        self.active = [j for j in self.active if not j.seq.finished]
-        self.pending = deque(j for j in self.pending if not j.seq.finished)  # aborted while they waited
+        self.active = [j for j in self.active if not j.seq.finished]  # (aborted waiting ones left in pop_result)
         failed = []
         while self.pending and len(self.active) < self.slots:
             job = self.pending.popleft()
