@@ -186,12 +186,7 @@ def _decode_attention(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, max_q
     if q.stride(-1) != 1:
         q = q.contiguous()
     out = torch.empty_like(q)
-    if splits > 1:
-        po = torch.empty((splits, t, hq, d), dtype=torch.float32, device=q.device)
-        plse = torch.empty((splits, t, hq), dtype=torch.float32, device=q.device)
-        o_t, o_s, o_h, o_x = po, po.stride(0), po.stride(1), po.stride(2)
-    else:
-        plse, o_t, o_s, o_h, o_x = out, out, 0, out.stride(0), out.stride(1)
+    o_t, plse, o_s, o_h, o_x = _split_outputs(out, splits)
     sc = ks if quant else k
     paged_decode_kernel[(n_seq, hkv, splits)](
         q, k, v, sc, vs if quant else v, o_t, plse, block_tables, cu_q, kv_lens, scale * LOG2E, t, hq,
@@ -201,10 +196,22 @@ def _decode_attention(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, max_q
         SPLIT=splits > 1, WORDS=words, ASM=words and not interpreting(q.device), num_stages=1, **cfg)
     if splits > 1:
         bd = min(next_pow2(d), 64)
-        decode_reduce_kernel[(t, hq, triton.cdiv(d, bd))](po, plse, out, cu_q, kv_lens, n_seq, t, hq, out.stride(0),
+        decode_reduce_kernel[(t, hq, triton.cdiv(d, bd))](o_t, plse, out, cu_q, kv_lens, n_seq, t, hq, out.stride(0),
                                                           out.stride(1), split_len, D=d, BLOCK_D=bd,
                                                           BLOCK_S=min(next_pow2(splits), 64))
     return out
+
+
+def _split_outputs(out: torch.Tensor, splits: int):
+    """Where the attention kernels write: with split-K, fp32 partials [splits, T, Hq, D] and their
+    log-sum-exps [splits, T, Hq] for the reduce pass; else `out` itself (the lse pointer unused).
+    Returns (output, lse, split stride, token stride, head stride)."""
+    if splits == 1:
+        return out, out, 0, out.stride(0), out.stride(1)
+    t, hq, d = out.shape
+    po = torch.empty((splits, t, hq, d), dtype=torch.float32, device=out.device)
+    plse = torch.empty((splits, t, hq), dtype=torch.float32, device=out.device)
+    return po, plse, po.stride(0), po.stride(1), po.stride(2)
 
 
 def _attention(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, causal, paged, max_q, max_kv, config=None):
@@ -244,12 +251,7 @@ def _attention(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, causal, page
         bt, stride_bt, bs = cu_q, 0, 1
     sc = ks if quant else k
     stride_sb, stride_ss = (ks.stride(0), ks.stride(1)) if quant else (0, 0)
-    if splits > 1:
-        po = torch.empty((splits, t, hq, d), dtype=torch.float32, device=q.device)
-        plse = torch.empty((splits, t, hq), dtype=torch.float32, device=q.device)
-        o_t, o_s, o_h, o_x = po, po.stride(0), po.stride(1), po.stride(2)
-    else:
-        plse, o_t, o_s, o_h, o_x = out, out, 0, out.stride(0), out.stride(1)
+    o_t, plse, o_s, o_h, o_x = _split_outputs(out, splits)
     attn_fwd_kernel[(grid0, hkv, splits)](
         q, k, v, sc, vs if quant else v, o_t, plse, bt, cu_q, kv_lens if paged else cu_q,
         scale * LOG2E, n_seq, t, hq, q.stride(0), q.stride(1), o_h, o_x, o_s,
@@ -257,7 +259,7 @@ def _attention(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, causal, page
         D=d, REP=rep, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=next_pow2(d, 16), PAGED=paged, QUANT=quant,
         CAUSAL=causal, DECODE=decode, SPLIT=splits > 1, **cfg)
     if splits > 1:
-        attn_reduce_kernel[(t, hq)](po, plse, out, cu_q, kv_lens if paged else cu_q, n_seq, t, hq, out.stride(0),
+        attn_reduce_kernel[(t, hq)](o_t, plse, out, cu_q, kv_lens if paged else cu_q, n_seq, t, hq, out.stride(0),
                                     out.stride(1), split_len, D=d, BLOCK_D=next_pow2(d))
     return out
 
