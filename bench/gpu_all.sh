@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the engine-level GPU checks and benchmarks; logs under $OUT.
-#   bash bench/gpu_all.sh SECTION...    sections: tests engine spec prefix prefix27 clef kernels
+#   bash bench/gpu_all.sh SECTION...    sections: tests oracles engine spec prefix prefix27 clef kernels
+# BENCH_KERNELS_ARGS passes options to bench/kernels.py (e.g. "--only attn,gdn --sweep attn,gdn").
 set -u
 out=${OUT:-/tmp/qv-out}
 mkdir -p "$out"
@@ -21,13 +22,14 @@ run() {  # name seconds command...
 for section in "$@"; do
   case $section in
     tests) run tests 100 python3 -m pytest -q -m gpu tests/engine tests/clef -n 3 -p no:cacheprovider -rfE --durations=10 ;;
+    oracles) run oracles 150 python3 -m pytest -q -m gpu tests/oracles -n 8 -p no:cacheprovider -rfE --durations=5 ;;
     engine) run engine 170 python3 bench/engine.py --json "$out/engine.json" ;;
     spec) run spec 110 python3 bench/spec.py --fitted .bench_models/tiny-spec --json "$out/spec.json" ;;
-    prefix) run prefix 165 python3 bench/prefix.py --dir /tmp/qv-prefix-models --presets 0.5b ;;
-    prefix27) run prefix27 240 python3 bench/prefix.py --dir /tmp/qv-prefix-models --presets 27b ;;
+    prefix) run prefix 165 python3 bench/prefix.py --dir /tmp/qv-prefix-models --presets 0.5b --profile ;;
+    prefix27) run prefix27 200 python3 bench/prefix.py --dir /tmp/qv-prefix-models --presets 27b ;;
     clef) run clef 420 python3 bench/clef.py --dir /tmp/qv-clef-models ;;
-    kernels) run kernels 200 python3 bench/kernels.py --json "$out/kernels.json" ;;
+    kernels) run kernels 240 python3 bench/kernels.py --json "$out/kernels.json" ${BENCH_KERNELS_ARGS:-} ;;
   esac
 done
 cat "$out/env.txt"
-for f in "$out"/*.log; do echo "=== $f"; grep -E "^\||FAILED|Error|passed|failed" "$f" | tail -25; done
+for f in "$out"/*.log; do echo "=== $f"; grep -E "^\||FAILED|Error|passed|failed|^    |ms\)" "$f" | tail -40; done

@@ -28,7 +28,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernel_inputs import attention_inputs, decode_inputs, gdn_inputs, gptq_inputs  # noqa: E402
-from qv.kernels.attention import _paged_attention_triton  # noqa: E402
+from qv.kernels.attention import _paged_attention_triton, _varlen_attention_triton  # noqa: E402
 from qv.kernels.gdn import _gated_delta_rule_triton  # noqa: E402
 from qv.kernels.gdn_chunk import chunk_prep  # noqa: E402
 from qv.kernels.linear_gptq import _linear_triton  # noqa: E402
@@ -73,6 +73,28 @@ def graph_ms(fns) -> float | None:
     except Exception as e:
         print(f"    graph timing failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)
         return None
+
+
+def kernel_breakdown(fn, reps: int = 5) -> str:
+    """GPU time per call of each kernel fn launches (torch.profiler), largest first: where a
+    composite op's time goes, measured rather than guessed."""
+    from torch.profiler import ProfilerActivity, profile
+    try:
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                fn()
+            torch.cuda.synchronize()
+    except Exception as e:
+        return f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    times: dict[str, float] = {}
+    for ev in prof.key_averages():
+        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time_total > 0:
+            times[ev.key[:60]] = times.get(ev.key[:60], 0.) + ev.device_time_total / reps / 1e3
+    total = sum(times.values())
+    parts = sorted(times.items(), key=lambda kv: -kv[1])
+    return f"{total:.3f} ms = " + " + ".join(f"{name} {ms:.3f}" for name, ms in parts)
 
 
 def try_time(fn, rep_ms=150):
@@ -132,11 +154,41 @@ def bench_prefill_attention(lim, sweep):
             ke, ve = k.repeat_interleave(6, 1), v.repeat_interleave(6, 1)
             t_sdpa = median_ms(lambda: F.scaled_dot_product_attention(q, ke, ve, is_causal=True), 500)
             note = "SDPA on expanded K/V"
+        if sweep and n == 8192:
+            attention_variants(inp, flops, best[1])
         t = best[0]
         row("prefill attn bf16 24q/4kv d256 causal", f"{n // 1024}K", t, t_sdpa, "SDPA",
             f"{lim['mm_tflops']:.0f} TFLOP/s", f"{flops / t / 1e9:.0f} vs {flops / t_sdpa / 1e9:.0f} TFLOP/s",
             ">= 0.9x SDPA", t_sdpa / t >= 0.9, f"{t_sdpa / t:.2f}x; {note}; cfg {best[1]}")
         del inp
+
+
+def attention_variants(inp, flops, cfg):
+    """Where the prefill-attention gap to SDPA comes from: our kernel on contiguous (unpaged) K/V,
+    without the causal mask, at head_dim 128, and each SDPA backend on its own (which one the
+    default picks, and how a flash-attention-2 class kernel compares)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    q, kc, vc, bt, cu, sl, scale = inp["paged"][:7]
+    n = q.shape[0]
+    qs, ks, vs = inp["sdpa"]
+    k_dense, v_dense = ks[0].transpose(0, 1).contiguous(), vs[0].transpose(0, 1).contiguous()  # [n, 4, 256]
+    report = lambda name, t, fl=flops: print(f"    attn 8K {name}: {t:.3f} ms ({fl / t / 1e9:.0f} TFLOP/s)",  # noqa: E731
+                                             flush=True)
+    report("ours, contiguous K/V (varlen path)", try_time(lambda: _varlen_attention_triton(
+        q, k_dense, v_dense, cu, scale, causal=True, max_seqlen=n, config=cfg), 500))
+    report("ours, not causal (all keys)", try_time(lambda: _varlen_attention_triton(
+        q, k_dense, v_dense, cu, scale, causal=False, max_seqlen=n, config=cfg), 500), 2 * flops)
+    q128, k128, v128 = q[..., :128].contiguous(), k_dense[..., :128].contiguous(), v_dense[..., :128].contiguous()
+    report("ours, head_dim 128", try_time(lambda: _varlen_attention_triton(
+        q128, k128, v128, cu, scale, causal=True, max_seqlen=n), 500), flops / 2)
+    qs128, ks128, vs128 = (x[..., :128].contiguous() for x in (qs, ks, vs))
+    ke, ve = ks.repeat_interleave(6, 1), vs.repeat_interleave(6, 1)
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+        with sdpa_kernel([backend]):
+            report(f"SDPA {backend.name} (K/V expanded to 24 heads)", try_time(lambda: F.scaled_dot_product_attention(
+                qs, ke, ve, is_causal=True), 500))
+    report("SDPA default, head_dim 128", try_time(lambda: F.scaled_dot_product_attention(
+        qs128, ks128, vs128, is_causal=True, enable_gqa=True), 500), flops / 2)
 
 
 def bench_gdn_chunk(lim, sweep, fla):
@@ -158,9 +210,13 @@ def bench_gdn_chunk(lim, sweep, fla):
         ik = inp["ours"]
         t_prep = median_ms(lambda: chunk_prep(ik[1], ik[2], ik[3], ik[4], ik[5], ik[6], ik[8], 48))
         print(f"    gdn chunk {n // 1024}K: prep kernel alone {t_prep:.3f} ms", flush=True)
+        print(f"    gdn chunk {n // 1024}K ours by kernel: "
+              f"{kernel_breakdown(lambda: _gated_delta_rule_triton(*inp['ours'], max_query_len=n, config=best[1]))}",
+              flush=True)
         t_fla, note = None, "fla not installed"
         if fla is not None:
             t_fla, note = fla_chunk_time(fla, inp)
+            print(f"    gdn chunk {n // 1024}K FLA by kernel: {kernel_breakdown(fla_chunk_call(fla, inp))}", flush=True)
         t = best[0]
         ratio = t_fla / t if t_fla else None
         row("GDN chunked prefill bf16 16k/48v d128", f"{n // 1024}K", t, t_fla, "FLA chunk", "-",
@@ -169,12 +225,17 @@ def bench_gdn_chunk(lim, sweep, fla):
         del inp
 
 
+def fla_chunk_call(fla, inp):
+    q, k, v, a, b, A_log, dt_bias, _ = inp["fla"]
+    return lambda: fla.chunk_gated_delta_rule(
+        q, k, v, a, b, initial_state=None, output_final_state=True, use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True)
+
+
 def fla_chunk_time(fla, inp):
     q, k, v, a, b, A_log, dt_bias, _ = inp["fla"]
     try:
-        fn = lambda: fla.chunk_gated_delta_rule(  # noqa: E731
-            q, k, v, a, b, initial_state=None, output_final_state=True, use_qk_l2norm_in_kernel=True,
-            use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True)
+        fn = fla_chunk_call(fla, inp)
         fn()
         return median_ms(fn), "FLA with fused gate/beta/l2norm"
     except Exception as e:

@@ -96,6 +96,24 @@ def run_pairs(llm: LLM, prefix_len: int, suffix_len: int, reps: int, seed: int, 
     return {"cold": statistics.median(cold), "warm": statistics.median(warm), "cached": min(cached)}
 
 
+def profile_warm(llm: LLM, prefix_len: int, suffix_len: int, seed: int, top: int = 25) -> None:
+    """cProfile of one warm request (after its cold twin): where the warm TTFT goes on the host."""
+    import cProfile
+    import io
+    import pstats
+    rng = random.Random(seed + 1)
+    prefix = _tokens(rng, prefix_len)
+    ttft(llm, prefix + _tokens(rng, suffix_len))
+    ids = prefix + _tokens(rng, suffix_len)
+    prof = cProfile.Profile()
+    prof.enable()
+    t, _ = ttft(llm, ids)
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    print(f"profile of one warm request ({t * 1e3:.1f} ms), by own time:\n{buf.getvalue()}", flush=True)
+
+
 def snapshot_copy_ms(llm: LLM) -> tuple[float, float]:
     """Measured ms to take one snapshot (slot -> pool) and to restore one (pool -> slot)."""
     pc = llm.engine.prefix_cache
@@ -121,6 +139,8 @@ def measure(model_dir: Path, args, levers: dict) -> dict:
     llm = LLM(model=str(model_dir), max_model_len=max_len, **levers)
     pc = llm.engine.prefix_cache
     row = run_pairs(llm, args.prefix, args.suffix, args.reps, args.seed, warm_len=2 * pc.interval + 50)
+    if args.profile:
+        profile_warm(llm, args.prefix, args.suffix, args.seed)
     row["interval"], row["snapshots"] = pc.interval, pc.snaps.num_snapshots
     row["snap_bytes"] = sum(t[0].numel() * t.element_size() for t in slot_tensors(llm.engine.runner.cache))
     row["block_bytes"] = sum(t[0].numel() * t.element_size() for t in block_tensors(llm.engine.runner.cache))
@@ -167,6 +187,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens")
     ap.add_argument("--kv-bytes", type=int, default=16 << 30, help="kv_cache_bytes (blocks + snapshots)")
     ap.add_argument("--dir", default="", help="where model folders are written (default: a temp dir)")
+    ap.add_argument("--profile", action="store_true", help="also print a cProfile of one warm request")
     args = ap.parse_args()
     levers = dict(gdn_snapshot_interval=args.interval, max_num_batched_tokens=args.chunk,
                   kv_cache_bytes=args.kv_bytes)
