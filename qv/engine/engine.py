@@ -16,6 +16,7 @@ import queue
 import random
 import threading
 import time
+from array import array
 from dataclasses import dataclass, field
 
 from qv.config import EngineConfig
@@ -111,9 +112,14 @@ class LLMEngine:
         if n == 0:
             raise InvalidRequestError("the prompt is empty")
         vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        try:  # C-speed check (a 32K prompt took 8 ms as a Python loop); the loop names the bad id
+            ids = array("q", prompt_token_ids)
+            ok = 0 <= min(ids) and max(ids) < vocab
+        except (TypeError, OverflowError):
+            ok = False
+        if not ok:
+            bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), prompt_token_ids[0])
+            raise InvalidRequestError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
         if n >= self.max_model_len:
             raise InvalidRequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 
@@ -54,8 +55,9 @@ def test_prompt_errors_and_engine_keeps_serving(tiny_dirs):
         llm.generate({"prompt_token_ids": [1] * 70}, ok)
     with pytest.raises(InvalidRequestError, match=r"60 \+ 10 = 70 > 64"):
         llm.generate({"prompt_token_ids": [1] * 60}, SamplingParams(max_tokens=10))
-    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
-        llm.generate({"prompt_token_ids": [1, 10**9]}, ok)
+    for bad in (10**9, -1, 2**70, 1.5, "7", None):  # the message names the offending id
+        with pytest.raises(InvalidRequestError, match=rf"token id {re.escape(repr(bad))} is outside the vocabulary"):
+            llm.generate({"prompt_token_ids": [1, 2, bad, 3]}, ok)
     with pytest.raises(InvalidRequestError, match="empty"):
         llm.generate({"prompt_token_ids": []}, ok)
     with pytest.raises(InvalidRequestError, match="a prompt is a string or a dict"):
