@@ -172,6 +172,11 @@ def run_case(eng: LLMEngine, records: list, chats: int, chat_prompt: int, chat_w
             "chat_tok_s": chat_tokens / wall if chats else float("nan"), "restarts": restarts}
 
 
+def table_row(name: str, length, chats: int, r: dict) -> str:
+    return (f"| {name} | {length} | {chats} | {r['records']} | {r['records_s']:.2f} | {r['p50']:.3f} | "
+            f"{r['p95']:.3f} | {r['chat_tok_s']:.1f} | {r['restarts']} | {r.get('peak_gib', float('nan')):.1f} |")
+
+
 def bench_model(model_dir: Path, preset: str, args) -> list[tuple]:
     levers = dict(max_model_len=max(args.lengths) + 64, max_num_batched_tokens=args.chunk, clef_slots=args.slots,
                   clef_nmax=max(args.lengths))
@@ -197,6 +202,7 @@ def bench_model(model_dir: Path, preset: str, args) -> list[tuple]:
             r = run_case(eng, records, chats, args.chat_prompt)
             r["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
             rows.append((name, length, chats, r))
+            print("  " + table_row(*rows[-1]), flush=True)  # kept in the log if a later case runs out of time
     del eng
     gc.collect()
     if torch.cuda.is_available():
@@ -242,9 +248,8 @@ def main() -> None:
     print("| model | record tokens | chats | records | records/s | p50 latency (s) | p95 latency (s) | "
           "chat tok/s | restarts | peak GiB |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for name, length, chats, r in rows:
-        print(f"| {name} | {length} | {chats} | {r['records']} | {r['records_s']:.2f} | {r['p50']:.3f} | "
-              f"{r['p95']:.3f} | {r['chat_tok_s']:.1f} | {r['restarts']} | {r.get('peak_gib', float('nan')):.1f} |")
+    for row in rows:
+        print(table_row(*row))
 
 
 if __name__ == "__main__":
