@@ -3,8 +3,9 @@ final state per slot). Three kernels:
 
 1. prep, parallel over (chunk, value head): gating g, beta and the in-chunk cumulative decay
    gc; the WY form W = T (beta exp(gc) k), U = T (beta v) with T = (I + A)^-1,
-   A[t, s] = beta_t exp(gc_t - gc_s) k_t.k_s (s < t), solved block-row by block-row over 16-row
-   sub-blocks (each diagonal block inverted by forward substitution, the rest on tl.dot).
+   A[t, s] = beta_t exp(gc_t - gc_s) k_t.k_s (s < t), all in registers on the chunk's four
+   16-row sub-blocks: the blocks of A on tl.dot, the diagonal blocks of T by forward
+   substitution (the four in one chain), the others by block forward substitution (fp32).
 2. scan, parallel over (sequence, value head, BV columns), sequential over chunks: with H the
    state at the chunk start, v_new = U - W H and H <- exp(gc_last) H + (exp(gc_last - gc) k)^T v_new.
    It stores each chunk's start state and v_new (SPLIT_O, the default on the GPU: measured faster)
@@ -27,15 +28,23 @@ from qv.kernels.triton_utils import interpreting, next_pow2
 
 
 @triton.jit
-def _tril_inverse(b_A, BS: tl.constexpr):
-    """(I + A)^-1 for strictly lower-triangular A [BS, BS] by forward substitution over rows."""
-    o_r = tl.arange(0, BS)
-    b_T = (o_r[:, None] == o_r[None, :]).to(tl.float32)
+def _tril_inverse4(b_A1, b_A2, b_A3, b_A4, BS: tl.constexpr):
+    """(I + A)^-1 of four strictly lower-triangular [BS, BS] blocks (fp32) by forward substitution
+    over rows, the four stacked as [BS, BS, 2, 2] so they share one chain of BS - 1 steps. The
+    chain runs on T^T: row r of T = e_r - A[r, :] T is a reduction along the second axis, and
+    extracting A[r, :] does not depend on T (off the chain)."""
+    b_A = tl.join(tl.join(b_A1, b_A2), tl.join(b_A3, b_A4))
+    o_r = tl.arange(0, BS)[:, None, None, None]
+    o_c = tl.arange(0, BS)[None, :, None, None]
+    b_Tt = tl.where(o_r == o_c, 1., tl.zeros_like(b_A))  # T^T, starting from I
     for r in range(1, BS):
-        b_a = tl.sum(tl.where(o_r[:, None] == r, b_A, 0.), axis=0)  # row r of A, indexed by s
-        b_row = tl.sum(b_a[:, None] * b_T, axis=0)  # sum_s A[r, s] T[s, :]
-        b_T = tl.where(o_r[:, None] == r, (o_r == r).to(tl.float32)[None, :] - b_row[None, :], b_T)
-    return b_T
+        b_a = tl.sum(tl.where(o_r == r, b_A, 0.), axis=0)  # A[r, s], indexed by s
+        b_x = tl.sum(b_Tt * b_a[None, :, :, :], axis=1)  # sum_s T[s, c] A[r, s], indexed by c
+        b_Tt = tl.where(o_c == r, (o_r == r).to(tl.float32) - b_x[:, None, :, :], b_Tt)
+    b_T12, b_T34 = tl.split(tl.permute(b_Tt, (1, 0, 2, 3)))
+    b_T1, b_T2 = tl.split(b_T12)
+    b_T3, b_T4 = tl.split(b_T34)
+    return b_T1, b_T2, b_T3, b_T4
 
 
 @triton.jit
@@ -46,11 +55,74 @@ def _load_k_rows(k_ptr, rows, m_t, hk, stride_kt, stride_kh, o_k, DK):
 
 
 @triton.jit
+def _prep_rows(k_ptr, a_ptr, b_ptr, gc_ptr, rows, m, g_off, hk, hv, HV, neg_A, dt_bias, o_k, DK,
+               stride_kt, stride_kh, stride_at, stride_bt):
+    """One 16-row sub-block of a chunk: raw k [16, BK] (zeros past DK and in padding rows), the
+    inverse l2 norms of its rows, beta, and the cumulative decay gc continuing from g_off (the
+    decay of the earlier sub-blocks; stored) with the decay up to its end. Padding rows get g = 0
+    (they carry the last decay, so exponent differences stay <= 0) and beta = 0."""
+    b_k = tl.load(k_ptr + rows[:, None] * stride_kt + hk * stride_kh + o_k[None, :],
+                  mask=m[:, None] & (o_k[None, :] < DK), other=0.)
+    b_kf = b_k.to(tl.float32)
+    b_rn = tl.math.rsqrt(tl.sum(b_kf * b_kf, axis=1) + 1e-6)  # as l2norm_rows
+    b_g, b_beta = gdn_gate(tl.load(a_ptr + rows * stride_at + hv, mask=m, other=0.).to(tl.float32),
+                           tl.load(b_ptr + rows * stride_bt + hv, mask=m, other=0.).to(tl.float32),
+                           neg_A, dt_bias)
+    b_g = tl.where(m, b_g, 0.)
+    b_gc = g_off + tl.cumsum(b_g, axis=0)
+    tl.store(gc_ptr + rows * HV + hv, b_gc, mask=m)
+    return b_k, b_rn, tl.where(m, b_beta, 0.), b_gc, g_off + tl.sum(b_g, axis=0)
+
+
+@triton.jit
+def _load_v_rows(v_ptr, rows, m, hv, stride_vt, stride_vh, o_v, DV):
+    return tl.load(v_ptr + rows[:, None] * stride_vt + hv * stride_vh + o_v[None, :],
+                   mask=m[:, None] & (o_v[None, :] < DV), other=0.)
+
+
+@triton.jit
+def _kkt_block(b_k_i, b_rn_i, b_beta_i, b_gc_i, b_k_j, b_rn_j, b_gc_j, DIAG: tl.constexpr):
+    """A_ij = beta_i exp(gc_i - gc_j) k_i k_j^T / (|k_i| |k_j|) [16, 16] (fp32) of sub-blocks
+    i >= j from raw k; strictly lower on the diagonal (DIAG), where the exponent is masked to
+    stay <= 0."""
+    b_A = tl.dot(b_k_i, tl.trans(b_k_j), input_precision="ieee") * (b_beta_i * b_rn_i)[:, None] * b_rn_j[None, :]
+    b_d = b_gc_i[:, None] - b_gc_j[None, :]
+    if DIAG:
+        o_s = tl.arange(0, b_A.shape[0])
+        lower = o_s[:, None] > o_s[None, :]
+        return tl.where(lower, b_A * tl.exp(tl.where(lower, b_d, 0.)), 0.)
+    return b_A * tl.exp(b_d)
+
+
+@triton.jit
+def _mm(b_x, b_y):
+    """fp32 product of two [16, 16] blocks (the merge of T stays in fp32)."""
+    return tl.dot(b_x, b_y, input_precision="ieee")
+
+
+@triton.jit
+def _tdot(b_T, b_s, b_x, acc):
+    """acc + T_ij diag(s_j) x_j: the column scale s_j goes on the [16, 16] block T_ij (fp32),
+    which is then rounded to the dtype of x_j (the activation dtype) for the dot."""
+    return tl.dot((b_T * b_s[None, :]).to(b_x.dtype), b_x, acc, input_precision="ieee")
+
+
+@triton.jit
+def _store_rows(p, rows, m, stride_t, b_x):
+    tl.store(p + rows[:, None] * stride_t, b_x.to(p.dtype.element_ty), mask=m[:, None])
+
+
+@triton.jit
 def gdn_chunk_prep_kernel(
     k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, gc_ptr, cu_ptr, B, DK, DV, HV,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt, stride_wt, stride_wh, stride_ut, stride_uh,
     REP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
 ):
+    """W = T diag(beta exp(gc)) k, U = T diag(beta) v of one (chunk, value head), k l2-normalised,
+    T = (I + A)^-1, all in registers on the chunk's four 16-row sub-blocks (BT = 4 BS): T_ii by
+    forward substitution, then block forward substitution T_ij = -T_ii sum_{j <= l < i} A_il T_lj
+    (1-based block indices). The l2 norms of k scale A and W's columns instead of k itself."""
+    tl.static_assert(BT == 4 * BS)
     tile = tl.program_id(0)
     hv = tl.program_id(1).to(tl.int64)
     i_b = _find_seq(cu_ptr, tile, B, BT, True)
@@ -62,51 +134,62 @@ def gdn_chunk_prep_kernel(
     hk = hv // REP
     o_k = tl.arange(0, BK)
     o_v = tl.arange(0, BV)
-    o_s = tl.arange(0, BS)
+    r1 = c0 + tl.arange(0, BS)
+    r2, r3, r4 = r1 + BS, r1 + 2 * BS, r1 + 3 * BS
+    m1, m2, m3, m4 = r1 < L, r2 < L, r3 < L, r4 < L  # rows past the sequence end are padding
+    rows1, rows2, rows3, rows4 = bos + r1, bos + r2, bos + r3, bos + r4
     neg_A = -tl.exp(tl.load(alog_ptr + hv).to(tl.float32))
     dt_bias = tl.load(dtb_ptr + hv).to(tl.float32)
-    dt = w_ptr.dtype.element_ty
-    g_off = tl.zeros([], dtype=tl.float32)
-    for i in range(0, tl.cdiv(tl.minimum(L - c0, BT), BS)):
-        r_i = c0 + i * BS + o_s
-        m_i = r_i < L
-        rows_i = bos + r_i
-        b_k = _load_k_rows(k_ptr, rows_i, m_i, hk, stride_kt, stride_kh, o_k, DK)
-        b_g, b_beta = gdn_gate(tl.load(a_ptr + rows_i * stride_at + hv, mask=m_i, other=0.).to(tl.float32),
-                               tl.load(b_ptr + rows_i * stride_bt + hv, mask=m_i, other=0.).to(tl.float32),
-                               neg_A, dt_bias)
-        b_g = tl.where(m_i, b_g, 0.)  # padding rows carry the last decay: exp differences stay <= 0
-        b_beta = tl.where(m_i, b_beta, 0.)
-        b_gc = g_off + tl.cumsum(b_g, axis=0)
-        g_off += tl.sum(b_g, axis=0)
-        tl.store(gc_ptr + rows_i * HV + hv, b_gc, mask=m_i)
-        b_kb = (b_k * b_beta[:, None]).to(dt)
-        b_rw = b_k * (b_beta * tl.exp(b_gc))[:, None]  # [BS, BK]
-        b_ru = tl.load(v_ptr + rows_i[:, None] * stride_vt + hv * stride_vh + o_v[None, :],
-                       mask=m_i[:, None] & (o_v[None, :] < DV), other=0.).to(tl.float32) * b_beta[:, None]
-        tl.debug_barrier()  # W, U and gc of earlier sub-blocks were stored by other threads
-        for j in range(0, i):
-            r_j = c0 + j * BS + o_s
-            rows_j = bos + r_j
-            b_kj = _load_k_rows(k_ptr, rows_j, r_j < L, hk, stride_kt, stride_kh, o_k, DK)
-            b_gcj = tl.load(gc_ptr + rows_j * HV + hv)  # earlier sub-blocks are full
-            b_A = tl.dot(b_kb, tl.trans(b_kj.to(dt)), input_precision="ieee") * tl.exp(b_gc[:, None] - b_gcj[None, :])
-            b_A = b_A.to(dt)
-            b_wj = tl.load(w_ptr + rows_j[:, None] * stride_wt + hv * stride_wh + o_k[None, :])
-            b_uj = tl.load(u_ptr + rows_j[:, None] * stride_ut + hv * stride_uh + o_v[None, :])
-            b_rw -= tl.dot(b_A, b_wj, input_precision="ieee")
-            b_ru -= tl.dot(b_A, b_uj, input_precision="ieee")
-        b_A = tl.dot(b_kb, tl.trans(b_k.to(dt)), input_precision="ieee")
-        lower = o_s[:, None] > o_s[None, :]
-        b_A = tl.where(lower, b_A * tl.exp(tl.where(lower, b_gc[:, None] - b_gc[None, :], 0.)), 0.)
-        b_T = _tril_inverse(b_A, BS).to(dt)
-        b_w = tl.dot(b_T, b_rw.to(dt), input_precision="ieee")
-        b_u = tl.dot(b_T, b_ru.to(dt), input_precision="ieee")
-        # padding columns are stored as zeros so later sub-blocks can load whole tiles
-        tl.store(w_ptr + rows_i[:, None] * stride_wt + hv * stride_wh + o_k[None, :], b_w.to(dt),
-                 mask=m_i[:, None])
-        tl.store(u_ptr + rows_i[:, None] * stride_ut + hv * stride_uh + o_v[None, :], b_u.to(dt),
-                 mask=m_i[:, None])
+    g0 = tl.zeros([], dtype=tl.float32)
+    k1, rn1, beta1, gc1, g1 = _prep_rows(k_ptr, a_ptr, b_ptr, gc_ptr, rows1, m1, g0, hk, hv, HV, neg_A, dt_bias, o_k,
+                                         DK, stride_kt, stride_kh, stride_at, stride_bt)
+    k2, rn2, beta2, gc2, g2 = _prep_rows(k_ptr, a_ptr, b_ptr, gc_ptr, rows2, m2, g1, hk, hv, HV, neg_A, dt_bias, o_k,
+                                         DK, stride_kt, stride_kh, stride_at, stride_bt)
+    k3, rn3, beta3, gc3, g3 = _prep_rows(k_ptr, a_ptr, b_ptr, gc_ptr, rows3, m3, g2, hk, hv, HV, neg_A, dt_bias, o_k,
+                                         DK, stride_kt, stride_kh, stride_at, stride_bt)
+    k4, rn4, beta4, gc4, g4 = _prep_rows(k_ptr, a_ptr, b_ptr, gc_ptr, rows4, m4, g3, hk, hv, HV, neg_A, dt_bias, o_k,
+                                         DK, stride_kt, stride_kh, stride_at, stride_bt)
+    # A, block row by block row
+    A11 = _kkt_block(k1, rn1, beta1, gc1, k1, rn1, gc1, True)
+    A21 = _kkt_block(k2, rn2, beta2, gc2, k1, rn1, gc1, False)
+    A22 = _kkt_block(k2, rn2, beta2, gc2, k2, rn2, gc2, True)
+    A31 = _kkt_block(k3, rn3, beta3, gc3, k1, rn1, gc1, False)
+    A32 = _kkt_block(k3, rn3, beta3, gc3, k2, rn2, gc2, False)
+    A33 = _kkt_block(k3, rn3, beta3, gc3, k3, rn3, gc3, True)
+    A41 = _kkt_block(k4, rn4, beta4, gc4, k1, rn1, gc1, False)
+    A42 = _kkt_block(k4, rn4, beta4, gc4, k2, rn2, gc2, False)
+    A43 = _kkt_block(k4, rn4, beta4, gc4, k3, rn3, gc3, False)
+    A44 = _kkt_block(k4, rn4, beta4, gc4, k4, rn4, gc4, True)
+    # T = (I + A)^-1 (fp32): diagonal blocks, then block forward substitution
+    T11, T22, T33, T44 = _tril_inverse4(A11, A22, A33, A44, BS)
+    T21 = -_mm(T22, _mm(A21, T11))
+    T32 = -_mm(T33, _mm(A32, T22))
+    T43 = -_mm(T44, _mm(A43, T33))
+    T31 = -_mm(T33, _mm(A31, T11) + _mm(A32, T21))
+    T42 = -_mm(T44, _mm(A42, T22) + _mm(A43, T32))
+    T41 = -_mm(T44, _mm(A41, T11) + _mm(A42, T21) + _mm(A43, T31))
+    # W_i = sum_j T_ij diag(beta_j exp(gc_j) / |k_j|) k_j and U_i = sum_j T_ij diag(beta_j) v_j;
+    # padding columns of k and v are zeros, so those of W and U are too
+    s1, s2, s3, s4 = beta1 * tl.exp(gc1) * rn1, beta2 * tl.exp(gc2) * rn2, beta3 * tl.exp(gc3) * rn3, \
+        beta4 * tl.exp(gc4) * rn4
+    v1 = _load_v_rows(v_ptr, rows1, m1, hv, stride_vt, stride_vh, o_v, DV)
+    v2 = _load_v_rows(v_ptr, rows2, m2, hv, stride_vt, stride_vh, o_v, DV)
+    v3 = _load_v_rows(v_ptr, rows3, m3, hv, stride_vt, stride_vh, o_v, DV)
+    v4 = _load_v_rows(v_ptr, rows4, m4, hv, stride_vt, stride_vh, o_v, DV)
+    p_w = w_ptr + hv * stride_wh + o_k[None, :]
+    p_u = u_ptr + hv * stride_uh + o_v[None, :]
+    zw = tl.zeros([BS, BK], dtype=tl.float32)
+    zu = tl.zeros([BS, BV], dtype=tl.float32)
+    _store_rows(p_w, rows1, m1, stride_wt, _tdot(T11, s1, k1, zw))
+    _store_rows(p_w, rows2, m2, stride_wt, _tdot(T22, s2, k2, _tdot(T21, s1, k1, zw)))
+    _store_rows(p_w, rows3, m3, stride_wt, _tdot(T33, s3, k3, _tdot(T32, s2, k2, _tdot(T31, s1, k1, zw))))
+    _store_rows(p_w, rows4, m4, stride_wt,
+                _tdot(T44, s4, k4, _tdot(T43, s3, k3, _tdot(T42, s2, k2, _tdot(T41, s1, k1, zw)))))
+    _store_rows(p_u, rows1, m1, stride_ut, _tdot(T11, beta1, v1, zu))
+    _store_rows(p_u, rows2, m2, stride_ut, _tdot(T22, beta2, v2, _tdot(T21, beta1, v1, zu)))
+    _store_rows(p_u, rows3, m3, stride_ut, _tdot(T33, beta3, v3, _tdot(T32, beta2, v2, _tdot(T31, beta1, v1, zu))))
+    _store_rows(p_u, rows4, m4, stride_ut,
+                _tdot(T44, beta4, v4, _tdot(T43, beta3, v3, _tdot(T42, beta2, v2, _tdot(T41, beta1, v1, zu)))))
 
 
 @triton.jit
@@ -226,7 +309,12 @@ def _scan_bv(device, n_seq, hv, dv, split_o):
 
 
 def chunk_prep(k, v, a, b, A_log, dt_bias, cu_seqlens, hv, warps=4):
-    """W [T, Hv, BK], U [T, Hv, BV] (activation dtype) and gc [T, Hv] (fp32) of every chunk."""
+    """W [T, Hv, BK], U [T, Hv, BV] (activation dtype) and gc [T, Hv] (fp32) of every chunk.
+
+    warps: at dk = dv = 128 (bf16, sm_90) a program holds four 16 x 128 sub-blocks each of k and
+    v plus the fp32 blocks of A and T: about 255 registers a thread with 4 warps (a few spills),
+    so two programs share an SM and one's loads and stores overlap the other's barrier-bound
+    solve; 8 warps fit without spills but leave one program per SM (to be measured)."""
     t, hk, dk = k.shape
     dv, n_seq = v.shape[2], cu_seqlens.shape[0] - 1
     bk, bvf = next_pow2(dk, 16), next_pow2(dv, 16)

@@ -78,6 +78,16 @@ def test_chunked_prefill(dtype, state_dtype, hk, rep, dk, dv, lens):
     _case(dtype, state_dtype, hk, rep, dk, dv, lens, [i % 2 == 0 for i in range(len(lens))], max_q=None)
 
 
+@pytest.mark.parametrize("dtype,lens", [
+    (torch.float32, [16, 80, 31, 48]),  # last chunk of exactly 16, 17..31, 48 rows (one sub-block empty)
+    (torch.float32, [127, 60, 33, 113]),  # 48..63 rows, 33..47, 49
+    (torch.bfloat16, [64 + 7, 96, 52]),  # < 16, 32, 48..63
+])
+def test_chunked_ragged_last_chunk(dtype, lens):
+    """Every fill of the last chunk's four 16-row sub-blocks (fresh random inputs each run)."""
+    _case(dtype, torch.float32, 1, 2, 16, 16, lens, [i % 2 == 1 for i in range(len(lens))], max_q=None)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,state_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.float32),
                                                (torch.bfloat16, torch.int16), (torch.float16, torch.float16)])
