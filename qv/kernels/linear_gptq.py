@@ -270,13 +270,23 @@ def lora_delta_kernel(y_ptr, x_ptr, rows_ptr, a_ptr, b_ptr, scale, N, K, R,
     tl.store(p_y, (b_y + b_d).to(y_ptr.dtype.element_ty), mask=m_n)
 
 
+LORA_GEMM_ROWS = 16  # from this many delta rows on, two tensor-core GEMMs beat the per-row kernel
+
+
 def _lora_delta_triton(y, x, rows, a, b, scale):
-    """In place on y (rows must be distinct); returns y."""
+    """In place on y (rows must be distinct); returns y. Few rows (decode): one program per (row,
+    column block) recomputes x[row] A^T, cheap at small K * r. Many rows (a Clef record's prefill
+    chunk): that recompute costs N/256 * K * r multiply-adds per row on CUDA cores (rank 256 on the
+    27B shapes ran Clef prefill 25x slower than chat prefill on the H200), so gather the rows and
+    run (x_rows A^T) B^T as two GEMMs, adding to y in fp32."""
     n, k = y.shape[-1], x.shape[-1]
     r = a.shape[0]
     if y.stride(-1) != 1 or x.stride(-1) != 1 or a.stride(-1) != 1 or b.stride(-1) != 1:
         raise ValueError("lora_delta: tensors need a unit inner stride")
-    if rows.numel():
+    if rows.numel() >= LORA_GEMM_ROWS:
+        d = (x.index_select(0, rows) @ a.to(x.dtype).t()) @ b.to(x.dtype).t()
+        y.index_copy_(0, rows, (y.index_select(0, rows).float() + d.float() * scale).to(y.dtype))
+    elif rows.numel():
         block_n = min(next_pow2(n), 32 if interpreting(y.device) else 256)
         lora_delta_kernel[(rows.numel(), triton.cdiv(n, block_n))](
             y, x, rows, a, b, float(scale), n, k, r, y.stride(0), x.stride(0), a.stride(0), b.stride(0),

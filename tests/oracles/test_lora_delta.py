@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kernel_cases import BOUND, DEV, K, randn, run_reference, run_triton
+from qv.kernels.linear_gptq import LORA_GEMM_ROWS
 from util import assert_close
 
 
@@ -28,6 +29,16 @@ def test_lora_delta(dtype):
     _case(dtype, 9, 70, 10, 47, 40, 4, [7, 0, 3])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_delta_many_rows(dtype):
+    """From LORA_GEMM_ROWS rows on, the GEMM path (a prefill chunk of a Clef record)."""
+    rows = torch.randperm(40)[:LORA_GEMM_ROWS + 3].tolist()
+    _case(dtype, 40, 70, 10, 47, 40, 8, rows)
+
+
 @pytest.mark.gpu
-def test_lora_delta_real_shapes():
-    _case(torch.bfloat16, 64, 12288 + 2048, 0, 12288, 5120, 16, list(range(3, 64, 5)))
+@pytest.mark.parametrize("n_rows", [13, 2000])
+def test_lora_delta_real_shapes(n_rows):
+    """27B down_proj with the original stack's rank 256, few rows (per-row kernel) and a chunk's worth."""
+    rows = torch.randperm(2048)[:n_rows].tolist()
+    _case(torch.bfloat16, 2048, 5120 + 64, 0, 5120, 17408, 256, rows)
