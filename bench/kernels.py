@@ -134,7 +134,7 @@ def ceilings() -> dict:
 def bench_prefill_attention(lim, sweep):
     configs = [None]
     if sweep:
-        configs += [dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=1)]
+        configs += [dict(PREFETCH=False), dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)]
     for n in (8192, 32768):
         inp = attention_inputs(n, DEV)
         flops = 4 * n * n * 256 * 24 / 2
@@ -196,7 +196,7 @@ def bench_gdn_chunk(lim, sweep, fla):
     if sweep:
         configs += [dict(split_o=False, bv=64, scan_warps=8), dict(split_o=True, bv=32, scan_warps=4),
                     dict(split_o=True, bv=64, scan_warps=8, out_bv=32), dict(split_o=True, bv=64, scan_warps=4),
-                    dict(split_o=True, bv=64, scan_warps=8, prep_warps=8)]
+                    dict(split_o=True, bv=64, scan_warps=8, prep_warps=8), dict(prep_warps=8)]
     for n in (8192, 32768):
         inp = gdn_inputs(n, 1, DEV, torch.bfloat16)
         best = (float("inf"), None)
