@@ -275,4 +275,7 @@ def test_deltas_in_host_memory_give_the_same_answers(clef_dirs, records):
         probs[host] = run(eng, {"r0": records["r0"]})["r0"].clef.probabilities
         del eng
     dp = max(abs(a - b) for qa, qb in zip(probs[False], probs[True]) for a, b in zip(qa, qb))
-    assert dp <= 1e-6, dp
+    # the same values, in fresh device buffers each use: cuBLAS may pick another fp32 reduction
+    # order for them (H200, 2026-12-01: 1.04e-6), so not bit-identical; a wrong or stale delta moves
+    # the answers by > 1e-3 (test_clef_answers.py::test_deltas_change_clef_rows_only)
+    assert dp <= 1e-5, dp
