@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call for the engine-level GPU checks and benchmarks; logs under $OUT.
-#   bash bench/gpu_all.sh SECTION...    sections: tests oracles engine spec prefix prefix27 clef kernels
+#   bash bench/gpu_all.sh SECTION...    sections: tests oracles engine spec prefix prefix27 clef clef27 kernels
 # BENCH_KERNELS_ARGS passes options to bench/kernels.py (e.g. "--only attn,gdn --sweep attn,gdn").
 set -u
 out=${OUT:-/tmp/qv-out}
@@ -28,6 +28,7 @@ for section in "$@"; do
     prefix) run prefix 165 python3 bench/prefix.py --dir /tmp/qv-prefix-models --presets 0.5b --profile ;;
     prefix27) run prefix27 200 python3 bench/prefix.py --dir /tmp/qv-prefix-models --presets 27b ;;
     clef) run clef 420 python3 bench/clef.py --dir /tmp/qv-clef-models ;;
+    clef27) run clef27 150 python3 bench/clef.py --dir /tmp/qv-clef-models --presets 27b ;;
     kernels) run kernels 240 python3 bench/kernels.py --json "$out/kernels.json" ${BENCH_KERNELS_ARGS:-} ;;
   esac
 done
