@@ -194,9 +194,8 @@ def attention_variants(inp, flops, cfg):
 def bench_gdn_chunk(lim, sweep, fla):
     configs = [None]
     if sweep:
-        configs += [dict(split_o=False, bv=64, scan_warps=8), dict(split_o=True, bv=32, scan_warps=4),
-                    dict(split_o=True, bv=64, scan_warps=8, out_bv=32), dict(split_o=True, bv=64, scan_warps=4),
-                    dict(split_o=True, bv=64, scan_warps=8, prep_warps=8), dict(prep_warps=8)]
+        configs += [dict(prenorm=True), dict(prenorm=True, bv=64, scan_warps=4), dict(prenorm=True, out_bv=128),
+                    dict(split_o=True, bv=64, scan_warps=4)]
     for n in (8192, 32768):
         inp = gdn_inputs(n, 1, DEV, torch.bfloat16)
         best = (float("inf"), None)
