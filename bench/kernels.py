@@ -134,7 +134,7 @@ def ceilings() -> dict:
 def bench_prefill_attention(lim, sweep):
     configs = [None]
     if sweep:
-        configs += [dict(PREFETCH=False), dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)]
+        configs += [dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=1)]
     for n in (8192, 32768):
         inp = attention_inputs(n, DEV)
         flops = 4 * n * n * 256 * 24 / 2
@@ -194,8 +194,8 @@ def attention_variants(inp, flops, cfg):
 def bench_gdn_chunk(lim, sweep, fla):
     configs = [None]
     if sweep:
-        configs += [dict(prenorm=True), dict(prenorm=True, bv=64, scan_warps=4), dict(prenorm=True, out_bv=128),
-                    dict(split_o=True, bv=64, scan_warps=4)]
+        configs += [dict(split_o=True, bv=64, scan_warps=4), dict(split_o=False, bv=64, scan_warps=8),
+                    dict(prep_warps=8)]
     for n in (8192, 32768):
         inp = gdn_inputs(n, 1, DEV, torch.bfloat16)
         best = (float("inf"), None)

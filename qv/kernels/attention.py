@@ -231,7 +231,7 @@ def _attention(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, causal, page
     if decode and config.pop("kind", "split") == "split":
         cfg = dict(_decode_config(q.device, q.dtype, d, rep, max_q, n_seq, hkv), **config)
         return _decode_attention(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, max_q, max_kv, cfg)
-    cfg = {**_attn_config(q.device, q.dtype, d, rep, decode, max_q, n_seq, hkv), "PREFETCH": paged, **config}
+    cfg = dict(_attn_config(q.device, q.dtype, d, rep, decode, max_q, n_seq, hkv), **(config or {}))
     block_m, block_n = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
     bq = block_m // rep
     grid0 = n_seq if decode else t // bq + n_seq

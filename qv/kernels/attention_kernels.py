@@ -60,14 +60,16 @@ def _kv_codes(b_x, dtype: tl.constexpr, QUANT: tl.constexpr):
 
 
 @triton.jit
-def _attn_tile(acc, m_i, l_i, b_q, qpos, start, kv_len, kv_off, s_off, k_ptr, v_ptr, ks_ptr, vs_ptr, qk_scale,
-               D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr,
-               CAUSAL: tl.constexpr, MASK: tl.constexpr):
-    """One BLOCK_N-key step of the online softmax; kv_off / s_off locate the keys (_kv_offsets)."""
+def _attn_tile(acc, m_i, l_i, b_q, qpos, start, kv_len, b, kvh, kv_start, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr,
+               stride_bt, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, BS, qk_scale,
+               D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGED: tl.constexpr,
+               QUANT: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr):
     o_n = start + tl.arange(0, BLOCK_N)
     o_d = tl.arange(0, BLOCK_D)
     m_n = o_n < kv_len
     m_kd = m_n[:, None] & (o_d[None, :] < D)
+    kv_off, s_off = _kv_offsets(o_n, kv_len, b, kvh, kv_start, bt_ptr, stride_bt, stride_kb, stride_ks, stride_kh,
+                                stride_sb, stride_ss, BS, PAGED)
     b_k = _kv_codes(tl.load(k_ptr + kv_off[:, None] + o_d[None, :], mask=m_kd, other=0.), b_q.dtype, QUANT)
     b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")  # [BM, BN]
     if QUANT:
@@ -99,7 +101,6 @@ def attn_fwd_kernel(
     stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, stride_bt, BS, SPLIT_LEN,
     D: tl.constexpr, REP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGED: tl.constexpr, QUANT: tl.constexpr, CAUSAL: tl.constexpr, DECODE: tl.constexpr, SPLIT: tl.constexpr,
-    PREFETCH: tl.constexpr = False,
 ):
     BQ: tl.constexpr = BLOCK_M // REP
     kvh = tl.program_id(1).to(tl.int64)
@@ -149,29 +150,15 @@ def attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    o_nb = tl.arange(0, BLOCK_N)
-    # PREFETCH: each tile's block-table entries are loaded one step ahead, so its K/V loads never
-    # wait on them (paged prefill read 18% slower than contiguous K/V without it: bench/kernels.py)
-    kv_off, s_off = _kv_offsets(k_lo + o_nb, kv_len, b, kvh, q_start, bt_ptr, stride_bt, stride_kb, stride_ks,
-                                stride_kh, stride_sb, stride_ss, BS, PAGED)
+    kv_start = q_start
     for start in range(k_lo, k_mid, BLOCK_N):
-        if not PREFETCH:
-            kv_off, s_off = _kv_offsets(start + o_nb, kv_len, b, kvh, q_start, bt_ptr, stride_bt, stride_kb,
-                                        stride_ks, stride_kh, stride_sb, stride_ss, BS, PAGED)
-        acc, m_i, l_i = _attn_tile(acc, m_i, l_i, b_q, qpos, start, kv_len, kv_off, s_off, k_ptr, v_ptr, ks_ptr,
-                                   vs_ptr, qk_scale, D, BLOCK_N, BLOCK_D, QUANT, CAUSAL, False)
-        if PREFETCH:
-            kv_off, s_off = _kv_offsets(start + BLOCK_N + o_nb, kv_len, b, kvh, q_start, bt_ptr, stride_bt,
-                                        stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, BS, PAGED)
+        acc, m_i, l_i = _attn_tile(acc, m_i, l_i, b_q, qpos, start, kv_len, b, kvh, kv_start, k_ptr, v_ptr, ks_ptr,
+                                   vs_ptr, bt_ptr, stride_bt, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss,
+                                   BS, qk_scale, D, BLOCK_N, BLOCK_D, PAGED, QUANT, CAUSAL, False)
     for start in range(k_mid, k_end, BLOCK_N):
-        if not PREFETCH:
-            kv_off, s_off = _kv_offsets(start + o_nb, kv_len, b, kvh, q_start, bt_ptr, stride_bt, stride_kb,
-                                        stride_ks, stride_kh, stride_sb, stride_ss, BS, PAGED)
-        acc, m_i, l_i = _attn_tile(acc, m_i, l_i, b_q, qpos, start, kv_len, kv_off, s_off, k_ptr, v_ptr, ks_ptr,
-                                   vs_ptr, qk_scale, D, BLOCK_N, BLOCK_D, QUANT, CAUSAL, True)
-        if PREFETCH:
-            kv_off, s_off = _kv_offsets(start + BLOCK_N + o_nb, kv_len, b, kvh, q_start, bt_ptr, stride_bt,
-                                        stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, BS, PAGED)
+        acc, m_i, l_i = _attn_tile(acc, m_i, l_i, b_q, qpos, start, kv_len, b, kvh, kv_start, k_ptr, v_ptr, ks_ptr,
+                                   vs_ptr, bt_ptr, stride_bt, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss,
+                                   BS, qk_scale, D, BLOCK_N, BLOCK_D, PAGED, QUANT, CAUSAL, True)
 
     b_o = acc / tl.where(l_i == 0., 1., l_i)[:, None]
     p_o = o_ptr + rows[:, None] * stride_ot + o_h[:, None] * stride_oh + o_d[None, :]

@@ -48,13 +48,12 @@ def _tril_inverse4(b_A1, b_A2, b_A3, b_A4, BS: tl.constexpr):
 
 
 @triton.jit
-def _load_k_rows(k_ptr, rows, m_t, hk, stride_kt, stride_kh, o_k, DK, NORM: tl.constexpr):
-    """q or k rows in fp32, l2-normalized here unless the caller normalized them (NORM false)."""
+def _load_k_rows(k_ptr, rows, m_t, hk, stride_kt, stride_kh, o_k, DK):
+    """q or k rows in fp32, l2-normalized. (Normalizing q and k once before the scan and out
+    kernels instead was measured slower on the H200: 1.57 vs 1.23 ms at 8K tokens.)"""
     b_k = tl.load(k_ptr + rows[:, None] * stride_kt + hk * stride_kh + o_k[None, :],
                   mask=m_t[:, None] & (o_k[None, :] < DK), other=0.).to(tl.float32)
-    if NORM:
-        b_k = l2norm_rows(b_k)
-    return b_k
+    return l2norm_rows(b_k)
 
 
 @triton.jit
@@ -218,7 +217,7 @@ def gdn_chunk_scan_kernel(
     stride_qt, stride_qh, stride_wt, stride_wh, stride_ut, stride_uh, stride_ot, stride_oh,
     stride_hn, stride_hh, stride_hk, stride_ss, stride_sh, stride_sk, stride_cs, stride_ch,
     REP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, INT16: tl.constexpr,
-    SPLIT_O: tl.constexpr, NORM: tl.constexpr = True,
+    SPLIT_O: tl.constexpr,
 ):
     """SPLIT_O: store each chunk's start state and v_new (into U) for gdn_chunk_out_kernel instead of
     producing the output here, which keeps only the two state dots on the sequential path."""
@@ -244,7 +243,7 @@ def gdn_chunk_scan_kernel(
         r = c0 + o_t
         m_t = r < L
         rows = bos + r
-        b_k = _load_k_rows(k_ptr, rows, m_t, hk, stride_qt, stride_qh, o_k, DK, NORM)
+        b_k = _load_k_rows(k_ptr, rows, m_t, hk, stride_qt, stride_qh, o_k, DK)
         b_gc, g_last = _chunk_gc(gc_ptr, bos, c0, L, rows, m_t, hv, HV, BT)
         b_w = tl.load(w_ptr + rows[:, None] * stride_wt + hv * stride_wh + o_k[None, :], mask=m_t[:, None], other=0.)
         p_u = u_ptr + rows[:, None] * stride_ut + hv * stride_uh + o_v[None, :]
@@ -257,7 +256,7 @@ def gdn_chunk_scan_kernel(
             tl.store(p_h, b_hd, mask=m_v[None, :])
             tl.store(p_u, b_vnd, mask=m_u)
         else:
-            b_q = _load_k_rows(q_ptr, rows, m_t, hk, stride_qt, stride_qh, o_k, DK, NORM) * scale
+            b_q = _load_k_rows(q_ptr, rows, m_t, hk, stride_qt, stride_qh, o_k, DK) * scale
             b_o = _chunk_out(b_q, b_k, b_gc, b_hd, b_vnd, causal, dt)
             tl.store(o_ptr + rows[:, None] * stride_ot + hv * stride_oh + o_v[None, :],
                      b_o.to(o_ptr.dtype.element_ty), mask=m_u)
@@ -271,7 +270,7 @@ def gdn_chunk_scan_kernel(
 def gdn_chunk_out_kernel(
     q_ptr, k_ptr, u_ptr, gc_ptr, h_ptr, o_ptr, cu_ptr, B, scale, DK, DV, HV,
     stride_qt, stride_qh, stride_ut, stride_uh, stride_ot, stride_oh, stride_hn, stride_hh, stride_hk,
-    REP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NORM: tl.constexpr = True,
+    REP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
 ):
     """Outputs of every (chunk, value head, BV columns) in parallel from the scan's chunk-start
     states and v_new."""
@@ -292,8 +291,8 @@ def gdn_chunk_out_kernel(
     m_t = r < L
     rows = bos + r
     dt = u_ptr.dtype.element_ty
-    b_q = _load_k_rows(q_ptr, rows, m_t, hk, stride_qt, stride_qh, o_k, DK, NORM) * scale
-    b_k = _load_k_rows(k_ptr, rows, m_t, hk, stride_qt, stride_qh, o_k, DK, NORM)
+    b_q = _load_k_rows(q_ptr, rows, m_t, hk, stride_qt, stride_qh, o_k, DK) * scale
+    b_k = _load_k_rows(k_ptr, rows, m_t, hk, stride_qt, stride_qh, o_k, DK)
     b_gc, g_last = _chunk_gc(gc_ptr, bos, c0, L, rows, m_t, hv, HV, BT)
     b_hd = tl.load(h_ptr + tile.to(tl.int64) * stride_hn + hv * stride_hh + o_k[:, None] * stride_hk + o_v[None, :],
                    mask=m_v[None, :], other=0.)
@@ -331,11 +330,6 @@ def chunk_prep(k, v, a, b, A_log, dt_bias, cu_seqlens, hv, warps=4):
     return w, u, gc
 
 
-def _l2norm_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + 1e-6)).to(dtype)
-
-
 def gdn_chunked(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, state_slots, has_initial_state, scale,
                 state_scale, config=None):
     t, hk, dk = q.shape
@@ -357,16 +351,13 @@ def gdn_chunked(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, state_slots, h
     int16 = state.dtype == torch.int16
     sc = state_scale if int16 else state
     n_tiles = t // bt + n_seq
-    norm = not cfg.get("prenorm", False)
-    if not norm:  # q and k normalized once here instead of in every scan / out program that loads them
-        q, k = (_l2norm_rows(x, dt) for x in (q, k))
     h_all = torch.empty((n_tiles, hv, bk, bvf), dtype=dt, device=q.device) if split_o else w
     gdn_chunk_scan_kernel[(n_seq, hv, triton.cdiv(dv, bv))](
         q, k, w, u, gc, out, h_all, state, sc, cu_seqlens, state_slots, has_initial_state, scale, dk, dv, hv,
         q.stride(0), q.stride(1), w.stride(0), w.stride(1), u.stride(0), u.stride(1), out.stride(0), out.stride(1),
         h_all.stride(0), h_all.stride(1), h_all.stride(2) if split_o else 0,
         state.stride(0), state.stride(1), state.stride(2), sc.stride(0) if int16 else 0, sc.stride(1) if int16 else 0,
-        REP=hv // hk, BK=bk, BV=bv, BT=bt, INT16=int16, SPLIT_O=split_o, NORM=norm,
+        REP=hv // hk, BK=bk, BV=bv, BT=bt, INT16=int16, SPLIT_O=split_o,
         num_warps=cfg.get("scan_warps", 4 if interpreting(q.device) or bv < 64 or split_o else 8),
         num_stages=cfg.get("scan_stages", 2))
     if split_o:
@@ -374,5 +365,5 @@ def gdn_chunked(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, state_slots, h
         gdn_chunk_out_kernel[(n_tiles, hv, triton.cdiv(dv, bvo))](
             q, k, u, gc, h_all, out, cu_seqlens, n_seq, scale, dk, dv, hv, q.stride(0), q.stride(1), u.stride(0),
             u.stride(1), out.stride(0), out.stride(1), h_all.stride(0), h_all.stride(1), h_all.stride(2),
-            REP=hv // hk, BK=bk, BV=bvo, BT=bt, NORM=norm, num_warps=cfg.get("out_warps", 4), num_stages=1)
+            REP=hv // hk, BK=bk, BV=bvo, BT=bt, num_warps=cfg.get("out_warps", 4), num_stages=1)
     return out
