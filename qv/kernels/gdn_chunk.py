@@ -316,7 +316,8 @@ def chunk_prep(k, v, a, b, A_log, dt_bias, cu_seqlens, hv, warps=4):
     warps: at dk = dv = 128 (bf16, sm_90) a program holds four 16 x 128 sub-blocks each of k and
     v plus the fp32 blocks of A and T: about 255 registers a thread with 4 warps (a few spills),
     so two programs share an SM and one's loads and stores overlap the other's barrier-bound
-    solve; 8 warps fit without spills but leave one program per SM (to be measured)."""
+    solve; 8 warps fit without spills but leave one program per SM, and were slower on the H200
+    (whole op at 8K tokens: 1.675 vs 1.229 ms, bench/kernels.py --sweep gdn)."""
     t, hk, dk = k.shape
     dv, n_seq = v.shape[2], cu_seqlens.shape[0] - 1
     bk, bvf = next_pow2(dk, 16), next_pow2(dv, 16)
