@@ -44,7 +44,23 @@ def kernel_time_ms(prof) -> float:
     return total / 1e3
 
 
-def run_case(model_dir: Path, kernels: str, batch: int, prompt_len: int, decode_steps: int) -> dict:
+def kernel_table(prof, steps: int, top: int = 15) -> str:
+    """GPU time and launches per decode step of the largest kernels: what the GPU part of a step is."""
+    times: dict[str, list] = {}
+    for evt in prof.key_averages():
+        if evt.device_type == torch.autograd.DeviceType.CUDA and evt.device_time_total > 0:
+            t = times.setdefault(evt.key[:70], [0.0, 0])
+            t[0] += evt.device_time_total / steps
+            t[1] += evt.count / steps
+    rows = sorted(times.items(), key=lambda kv: -kv[1][0])
+    lines = [f"    {name:<70} {us:8.1f} us {n:6.1f} launches" for name, (us, n) in rows[:top]]
+    total = sum(us for us, _ in times.values())
+    launches = sum(n for _, n in times.values())
+    return "\n".join(lines + [f"    total {total:.1f} us of GPU time, {launches:.0f} kernels per step"])
+
+
+def run_case(model_dir: Path, kernels: str, batch: int, prompt_len: int, decode_steps: int,
+             show_kernels: bool = False) -> dict:
     cfg = EngineConfig.from_env(environ={}, model=str(model_dir), kernels=kernels, max_num_seqs=batch,
                                 max_num_batched_tokens=max(2048, batch * prompt_len), max_model_len=4096,
                                 gpu_memory_utilization=0.3)
@@ -71,6 +87,8 @@ def run_case(model_dir: Path, kernels: str, batch: int, prompt_len: int, decode_
         torch.cuda.synchronize()
         prof_wall = (time.perf_counter() - t1) * 1e3
     gpu_ms = kernel_time_ms(prof)
+    if show_kernels:
+        print(kernel_table(prof, prof_steps), flush=True)
     del eng, prof
     gc.collect()  # the engine's parts reference each other: free its cache before the next case
     torch.cuda.empty_cache()
@@ -86,6 +104,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--kernel-table", action="store_true", help="also print each case's largest GPU kernels per step")
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -94,7 +113,7 @@ def main() -> None:
             for kernels in args.kernels.split(","):
                 for batch in (int(b) for b in args.batches.split(",")):
                     steps = args.steps if kernels != "reference" else max(3, args.steps // 4)
-                    r = run_case(path, kernels, batch, args.prompt_len, steps)
+                    r = run_case(path, kernels, batch, args.prompt_len, steps, args.kernel_table)
                     r.update(model=preset + ("" if preset == "tiny" else " gptq-int8"), kernels=kernels, batch=batch)
                     rows.append(r)
                     print(f"{r['model']:>16} {kernels:>9} b={batch:<3} {r['step_ms']:8.2f} ms/step "
