@@ -95,4 +95,3 @@ def test_real_shapes(dtype, state_dtype):
     _case(dtype, state_dtype, 16, 3, 128, 128, [700, 1, 0, 130], [True, True, False, False])  # chunked
     _case(dtype, state_dtype, 16, 3, 128, 128, [1] * 32, [True] * 31 + [False])  # decode batch 32
     _case(dtype, state_dtype, 16, 3, 128, 128, [4] * 4, [True] * 4, inter=True)  # verification, k = 3
-
