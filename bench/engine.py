@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from gpu_profile import kernel_times
 from qv.config import EngineConfig
 from qv.engine.engine import LLMEngine
 from qv.engine.request import SamplingParams
@@ -36,27 +37,12 @@ def make_model(preset: str, root: Path) -> Path:
     return path
 
 
-def kernel_time_ms(prof) -> float:
-    total = 0.0
-    for evt in prof.events():
-        if evt.device_type == torch.autograd.DeviceType.CUDA:
-            total += evt.device_time_total if hasattr(evt, "device_time_total") else evt.cuda_time_total
-    return total / 1e3
-
-
 def kernel_table(prof, steps: int, top: int = 15) -> str:
     """GPU time and launches per decode step of the largest kernels: what the GPU part of a step is."""
-    times: dict[str, list] = {}
-    for evt in prof.key_averages():
-        if evt.device_type == torch.autograd.DeviceType.CUDA and evt.device_time_total > 0:
-            t = times.setdefault(evt.key[:70], [0.0, 0])
-            t[0] += evt.device_time_total / steps
-            t[1] += evt.count / steps
-    rows = sorted(times.items(), key=lambda kv: -kv[1][0])
-    lines = [f"    {name:<70} {us:8.1f} us {n:6.1f} launches" for name, (us, n) in rows[:top]]
-    total = sum(us for us, _ in times.values())
-    launches = sum(n for _, n in times.values())
-    return "\n".join(lines + [f"    total {total:.1f} us of GPU time, {launches:.0f} kernels per step"])
+    times = kernel_times(prof, steps)
+    lines = [f"    {name[:70]:<70} {ms * 1e3:8.1f} us {n:6.1f} launches" for name, ms, n in times[:top]]
+    total, launches = sum(ms for _, ms, _ in times), sum(n for _, _, n in times)
+    return "\n".join(lines + [f"    total {total * 1e3:.1f} us of GPU time, {launches:.0f} kernels per step"])
 
 
 def run_case(model_dir: Path, kernels: str, batch: int, prompt_len: int, decode_steps: int,
@@ -86,7 +72,7 @@ def run_case(model_dir: Path, kernels: str, batch: int, prompt_len: int, decode_
             eng.step()
         torch.cuda.synchronize()
         prof_wall = (time.perf_counter() - t1) * 1e3
-    gpu_ms = kernel_time_ms(prof)
+    gpu_ms = sum(ms for _, ms, _ in kernel_times(prof, 1))
     if show_kernels:
         print(kernel_table(prof, prof_steps), flush=True)
     del eng, prof

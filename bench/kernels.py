@@ -27,6 +27,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gpu_profile import kernel_times  # noqa: E402
 from kernel_inputs import attention_inputs, decode_inputs, gdn_inputs, gptq_inputs  # noqa: E402
 from qv.kernels.attention import _paged_attention_triton, _varlen_attention_triton  # noqa: E402
 from qv.kernels.gdn import _gated_delta_rule_triton  # noqa: E402
@@ -88,13 +89,8 @@ def kernel_breakdown(fn, reps: int = 5) -> str:
             torch.cuda.synchronize()
     except Exception as e:
         return f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
-    times: dict[str, float] = {}
-    for ev in prof.key_averages():
-        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time_total > 0:
-            times[ev.key[:60]] = times.get(ev.key[:60], 0.) + ev.device_time_total / reps / 1e3
-    total = sum(times.values())
-    parts = sorted(times.items(), key=lambda kv: -kv[1])
-    return f"{total:.3f} ms = " + " + ".join(f"{name} {ms:.3f}" for name, ms in parts)
+    times = kernel_times(prof, reps)
+    return f"{sum(ms for _, ms, _ in times):.3f} ms = " + " + ".join(f"{name[:60]} {ms:.3f}" for name, ms, _ in times)
 
 
 def try_time(fn, rep_ms=150):
