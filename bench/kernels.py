@@ -31,6 +31,7 @@ from gpu_profile import kernel_times  # noqa: E402
 from kernel_inputs import attention_inputs, decode_inputs, gdn_inputs, gptq_inputs  # noqa: E402
 from qv.kernels.attention import _paged_attention_triton, _varlen_attention_triton  # noqa: E402
 from qv.kernels.gdn import _gated_delta_rule_triton  # noqa: E402
+from qv.kernels.gdn_chunk import SWEEP_CONFIGS as GDN_CHUNK_SWEEP  # noqa: E402
 from qv.kernels.gdn_chunk import chunk_prep  # noqa: E402
 from qv.kernels.linear_gptq import _linear_triton  # noqa: E402
 from qv.kernels.reference import dequantize_gptq  # noqa: E402
@@ -188,10 +189,7 @@ def attention_variants(inp, flops, cfg):
 
 
 def bench_gdn_chunk(lim, sweep, fla):
-    configs = [None]
-    if sweep:
-        configs += [dict(split_o=True, bv=64, scan_warps=4), dict(split_o=False, bv=64, scan_warps=8),
-                    dict(prep_warps=8)]
+    configs = [None] + (GDN_CHUNK_SWEEP if sweep else [])
     for n in (8192, 32768):
         inp = gdn_inputs(n, 1, DEV, torch.bfloat16)
         best = (float("inf"), None)
@@ -281,9 +279,14 @@ def fla_step_time(fla, nxt):
         return None, "FLA call failed"
 
 
-DECODE_SWEEP = [dict(kind="generic")] + [dict(BLOCK_N=bn, num_warps=w, waves=wv) for bn, w, wv in
-                                         ((32, 8, 6), (32, 4, 6), (32, 4, 12), (32, 4, 24), (32, 8, 12))] + [
-    dict(BLOCK_N=32, num_warps=4, waves=12, maxnreg=128)]
+# paged_decode_kernel variants over the default (_decode_config): stages=5 pipelines K/V through cp.async
+# (two tiles in flight per program instead of one; maxnreg=168 keeps 3 programs per SM, no spills offline);
+# combine=True merges the splits in the decode launch (no reduce kernel); partials="half" halves the
+# partial traffic; waves trades split count against per-program prologue/epilogue; 64-key tiles: 2 per SM
+DECODE_SWEEP = [dict(stages=5, maxnreg=168), dict(stages=5, maxnreg=168, combine=True),
+                dict(stages=5, maxnreg=168, combine=True, waves=3), dict(stages=5, maxnreg=168, partials="half"),
+                dict(stages=5, maxnreg=168, waves=12), dict(BLOCK_N=64, stages=5),
+                dict(combine=True, maxnreg=168), dict(partials="half", maxnreg=168)]
 
 
 def bench_decode(lim, sweep):

@@ -6,11 +6,16 @@ final state per slot). Three kernels:
    A[t, s] = beta_t exp(gc_t - gc_s) k_t.k_s (s < t), all in registers on the chunk's four
    16-row sub-blocks: the blocks of A on tl.dot, the diagonal blocks of T by forward
    substitution (the four in one chain), the others by block forward substitution (fp32).
+   It also stores gc and the inverse l2 norms of k per (token, value head).
 2. scan, parallel over (sequence, value head, BV columns), sequential over chunks: with H the
-   state at the chunk start, v_new = U - W H and H <- exp(gc_last) H + (exp(gc_last - gc) k)^T v_new.
+   state at the chunk start, v_new = U - W H and H <- exp(gc_last) H + k^T diag(rk exp(gc_last - gc)) v_new:
+   the norms and decays scale the [BT, BV] tile of v_new, so the raw k tile feeds the dot as loaded
+   (no fp32 copy and row reduction of a [BT, dk] tile per chunk on the sequential path).
    It stores each chunk's start state and v_new (SPLIT_O, the default on the GPU: measured faster)
    or computes the output itself.
-3. out, parallel over (chunk, value head, BV columns): o = exp(gc) q H + tril(q k^T exp(gc_t - gc_s)) v_new.
+3. out, parallel over (chunk, value head, BV columns): o = scale (exp(gc) q_n H + tril(q_n k_n^T
+   exp(gc_t - gc_s)) v_new) from raw q and k: q's inverse norms (computed here) and rk scale the rows
+   of q H and the entries of q k^T.
 
 Chunks are "virtual tiles" (sequence b owns cu[b] // BT + b ..), found by binary search, so no
 host sync is needed. Exponents are always of non-positive differences (masked with where).
@@ -48,21 +53,20 @@ def _tril_inverse4(b_A1, b_A2, b_A3, b_A4, BS: tl.constexpr):
 
 
 @triton.jit
-def _load_k_rows(k_ptr, rows, m_t, hk, stride_kt, stride_kh, o_k, DK):
-    """q or k rows in fp32, l2-normalized. (Normalizing q and k once before the scan and out
-    kernels instead was measured slower on the H200: 1.57 vs 1.23 ms at 8K tokens.)"""
-    b_k = tl.load(k_ptr + rows[:, None] * stride_kt + hk * stride_kh + o_k[None, :],
-                  mask=m_t[:, None] & (o_k[None, :] < DK), other=0.).to(tl.float32)
-    return l2norm_rows(b_k)
+def _load_kt(k_ptr, rows, m_t, hk, stride_kt, stride_kh, o_k, DK):
+    """Raw q or k rows, transposed to [BK, BT] (activation dtype): the operand of k^T v_new and q k^T
+    as loaded, so no fp32 copy of the tile is needed; the l2 norms are applied as scales instead."""
+    return tl.load(k_ptr + rows[None, :] * stride_kt + hk * stride_kh + o_k[:, None],
+                   mask=m_t[None, :] & (o_k[:, None] < DK), other=0.)
 
 
 @triton.jit
-def _prep_rows(k_ptr, a_ptr, b_ptr, gc_ptr, rows, m, g_off, hk, hv, HV, neg_A, dt_bias, o_k, DK,
-               stride_kt, stride_kh, stride_at, stride_bt):
+def _prep_rows(k_ptr, a_ptr, b_ptr, gc_ptr, rk_ptr, rows, m, g_off, hk, hv, HV, neg_A, dt_bias, o_k,
+               DK, stride_kt, stride_kh, stride_at, stride_bt):
     """One 16-row sub-block of a chunk: raw k [16, BK] (zeros past DK and in padding rows), the
     inverse l2 norms of its rows, beta, and the cumulative decay gc continuing from g_off (the
-    decay of the earlier sub-blocks; stored) with the decay up to its end. Padding rows get g = 0
-    (they carry the last decay, so exponent differences stay <= 0) and beta = 0."""
+    decay of the earlier sub-blocks; stored, as are the inverse norms) with the decay up to its end.
+    Padding rows get g = 0 (they carry the last decay, so exponent differences stay <= 0) and beta = 0."""
     b_k = tl.load(k_ptr + rows[:, None] * stride_kt + hk * stride_kh + o_k[None, :],
                   mask=m[:, None] & (o_k[None, :] < DK), other=0.)
     b_kf = b_k.to(tl.float32)
@@ -73,6 +77,7 @@ def _prep_rows(k_ptr, a_ptr, b_ptr, gc_ptr, rows, m, g_off, hk, hv, HV, neg_A, d
     b_g = tl.where(m, b_g, 0.)
     b_gc = g_off + tl.cumsum(b_g, axis=0)
     tl.store(gc_ptr + rows * HV + hv, b_gc, mask=m)
+    tl.store(rk_ptr + rows * HV + hv, b_rn, mask=m)
     return b_k, b_rn, tl.where(m, b_beta, 0.), b_gc, g_off + tl.sum(b_g, axis=0)
 
 
@@ -116,7 +121,7 @@ def _store_rows(p, rows, m, stride_t, b_x):
 
 @triton.jit
 def gdn_chunk_prep_kernel(
-    k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, gc_ptr, cu_ptr, B, DK, DV, HV,
+    k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, gc_ptr, rk_ptr, cu_ptr, B, DK, DV, HV,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt, stride_wt, stride_wh, stride_ut, stride_uh,
     REP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
 ):
@@ -143,14 +148,14 @@ def gdn_chunk_prep_kernel(
     neg_A = -tl.exp(tl.load(alog_ptr + hv).to(tl.float32))
     dt_bias = tl.load(dtb_ptr + hv).to(tl.float32)
     g0 = tl.zeros([], dtype=tl.float32)
-    k1, rn1, beta1, gc1, g1 = _prep_rows(k_ptr, a_ptr, b_ptr, gc_ptr, rows1, m1, g0, hk, hv, HV, neg_A, dt_bias, o_k,
-                                         DK, stride_kt, stride_kh, stride_at, stride_bt)
-    k2, rn2, beta2, gc2, g2 = _prep_rows(k_ptr, a_ptr, b_ptr, gc_ptr, rows2, m2, g1, hk, hv, HV, neg_A, dt_bias, o_k,
-                                         DK, stride_kt, stride_kh, stride_at, stride_bt)
-    k3, rn3, beta3, gc3, g3 = _prep_rows(k_ptr, a_ptr, b_ptr, gc_ptr, rows3, m3, g2, hk, hv, HV, neg_A, dt_bias, o_k,
-                                         DK, stride_kt, stride_kh, stride_at, stride_bt)
-    k4, rn4, beta4, gc4, g4 = _prep_rows(k_ptr, a_ptr, b_ptr, gc_ptr, rows4, m4, g3, hk, hv, HV, neg_A, dt_bias, o_k,
-                                         DK, stride_kt, stride_kh, stride_at, stride_bt)
+    k1, rn1, beta1, gc1, g1 = _prep_rows(k_ptr, a_ptr, b_ptr, gc_ptr, rk_ptr, rows1, m1, g0, hk, hv, HV, neg_A,
+                                         dt_bias, o_k, DK, stride_kt, stride_kh, stride_at, stride_bt)
+    k2, rn2, beta2, gc2, g2 = _prep_rows(k_ptr, a_ptr, b_ptr, gc_ptr, rk_ptr, rows2, m2, g1, hk, hv, HV, neg_A,
+                                         dt_bias, o_k, DK, stride_kt, stride_kh, stride_at, stride_bt)
+    k3, rn3, beta3, gc3, g3 = _prep_rows(k_ptr, a_ptr, b_ptr, gc_ptr, rk_ptr, rows3, m3, g2, hk, hv, HV, neg_A,
+                                         dt_bias, o_k, DK, stride_kt, stride_kh, stride_at, stride_bt)
+    k4, rn4, beta4, gc4, g4 = _prep_rows(k_ptr, a_ptr, b_ptr, gc_ptr, rk_ptr, rows4, m4, g3, hk, hv, HV, neg_A,
+                                         dt_bias, o_k, DK, stride_kt, stride_kh, stride_at, stride_bt)
     # A, block row by block row
     A11 = _kkt_block(k1, rn1, beta1, gc1, k1, rn1, gc1, True)
     A21 = _kkt_block(k2, rn2, beta2, gc2, k1, rn1, gc1, False)
@@ -195,32 +200,40 @@ def gdn_chunk_prep_kernel(
 
 
 @triton.jit
-def _chunk_out(b_q, b_k, b_gc, b_hd, b_vnd, causal, dt: tl.constexpr):
-    """o = exp(gc) q H + tril(q k^T exp(gc_t - gc_s)) v_new for one chunk [BT, BV] (fp32)."""
-    b_o = tl.dot((b_q * tl.exp(b_gc)[:, None]).to(dt), b_hd, input_precision="ieee")
-    b_s = tl.dot(b_q.to(dt), tl.trans(b_k.to(dt)), input_precision="ieee")
+def _chunk_out(b_q, b_kt, b_gc, b_rk, b_hd, b_vnd, causal, scale):
+    """o = scale (exp(gc) q_n H + tril(q_n k_n^T exp(gc_t - gc_s)) v_new) for one chunk [BT, BV]
+    (fp32) from raw q [BT, BK] and k^T [BK, BT]: the inverse norms of q (computed here) and of k (b_rk,
+    from the prep) scale the rows of q H and the entries of q k^T, which then lie in [-1, 1] before
+    they are rounded for the second dot."""
+    b_rq = tl.math.rsqrt(tl.sum(b_q.to(tl.float32) * b_q.to(tl.float32), axis=1) + 1e-6)  # as l2norm_rows
+    b_o = tl.dot(b_q, b_hd, input_precision="ieee") * (b_rq * scale * tl.exp(b_gc))[:, None]
+    b_s = tl.dot(b_q, b_kt, input_precision="ieee") * b_rq[:, None] * b_rk[None, :]
     b_s = tl.where(causal, b_s * tl.exp(tl.where(causal, b_gc[:, None] - b_gc[None, :], 0.)), 0.)
-    return b_o + tl.dot(b_s.to(dt), b_vnd, input_precision="ieee")
+    return b_o + scale * tl.dot(b_s.to(b_vnd.dtype), b_vnd, input_precision="ieee")
 
 
 @triton.jit
-def _chunk_gc(gc_ptr, bos, c0, L, rows, m_t, hv, HV, BT: tl.constexpr):
-    """In-chunk cumulative decay of the chunk's rows (padding rows carry the last) and that last."""
+def _chunk_gc(gc_ptr, rk_ptr, bos, c0, L, rows, m_t, hv, HV, BT: tl.constexpr):
+    """In-chunk cumulative decay of the chunk's rows (padding rows carry the last), that last, and
+    the rows' inverse k norms (0 in padding rows)."""
     g_last = tl.load(gc_ptr + (bos + tl.minimum(c0 + BT, L) - 1) * HV + hv)
     b_gc = tl.load(gc_ptr + rows * HV + hv, mask=m_t, other=0.)
-    return tl.where(m_t, b_gc, g_last), g_last
+    b_rk = tl.load(rk_ptr + rows * HV + hv, mask=m_t, other=0.)
+    return tl.where(m_t, b_gc, g_last), g_last, b_rk
 
 
 @triton.jit
 def gdn_chunk_scan_kernel(
-    q_ptr, k_ptr, w_ptr, u_ptr, gc_ptr, o_ptr, h_ptr, st_ptr, sc_ptr, cu_ptr, slot_ptr, init_ptr, scale, DK, DV, HV,
-    stride_qt, stride_qh, stride_wt, stride_wh, stride_ut, stride_uh, stride_ot, stride_oh,
+    q_ptr, k_ptr, w_ptr, u_ptr, gc_ptr, rk_ptr, o_ptr, h_ptr, st_ptr, sc_ptr, cu_ptr, slot_ptr, init_ptr, scale,
+    DK, DV, HV, stride_qt, stride_qh, stride_wt, stride_wh, stride_ut, stride_uh, stride_ot, stride_oh,
     stride_hn, stride_hh, stride_hk, stride_ss, stride_sh, stride_sk, stride_cs, stride_ch,
     REP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, INT16: tl.constexpr,
     SPLIT_O: tl.constexpr,
 ):
     """SPLIT_O: store each chunk's start state and v_new (into U) for gdn_chunk_out_kernel instead of
-    producing the output here, which keeps only the two state dots on the sequential path."""
+    producing the output here, which keeps only the two state dots on the sequential path. The state
+    update H <- exp(gc_last) H + k_n^T diag(exp(gc_last - gc)) v_new puts the decay and k's norm on
+    the [BT, BV] tile of v_new, so the raw k tile goes to the dot as loaded."""
     i_b = tl.program_id(0)
     hv = tl.program_id(1).to(tl.int64)
     o_v = tl.program_id(2) * BV + tl.arange(0, BV)
@@ -243,8 +256,8 @@ def gdn_chunk_scan_kernel(
         r = c0 + o_t
         m_t = r < L
         rows = bos + r
-        b_k = _load_k_rows(k_ptr, rows, m_t, hk, stride_qt, stride_qh, o_k, DK)
-        b_gc, g_last = _chunk_gc(gc_ptr, bos, c0, L, rows, m_t, hv, HV, BT)
+        b_kt = _load_kt(k_ptr, rows, m_t, hk, stride_qt, stride_qh, o_k, DK)
+        b_gc, g_last, b_rk = _chunk_gc(gc_ptr, rk_ptr, bos, c0, L, rows, m_t, hv, HV, BT)
         b_w = tl.load(w_ptr + rows[:, None] * stride_wt + hv * stride_wh + o_k[None, :], mask=m_t[:, None], other=0.)
         p_u = u_ptr + rows[:, None] * stride_ut + hv * stride_uh + o_v[None, :]
         m_u = m_t[:, None] & m_v[None, :]
@@ -256,19 +269,20 @@ def gdn_chunk_scan_kernel(
             tl.store(p_h, b_hd, mask=m_v[None, :])
             tl.store(p_u, b_vnd, mask=m_u)
         else:
-            b_q = _load_k_rows(q_ptr, rows, m_t, hk, stride_qt, stride_qh, o_k, DK) * scale
-            b_o = _chunk_out(b_q, b_k, b_gc, b_hd, b_vnd, causal, dt)
+            b_q = tl.load(q_ptr + rows[:, None] * stride_qt + hk * stride_qh + o_k[None, :],
+                          mask=m_t[:, None] & (o_k[None, :] < DK), other=0.)
+            b_o = _chunk_out(b_q, b_kt, b_gc, b_rk, b_hd, b_vnd, causal, scale)
             tl.store(o_ptr + rows[:, None] * stride_ot + hv * stride_oh + o_v[None, :],
                      b_o.to(o_ptr.dtype.element_ty), mask=m_u)
-        b_kd = (b_k * tl.exp(g_last - b_gc)[:, None]).to(dt)
-        b_h = b_h * tl.exp(g_last) + tl.dot(tl.trans(b_kd), b_vnd, input_precision="ieee")
+        b_vs = (b_vn * (b_rk * tl.exp(g_last - b_gc))[:, None]).to(dt)
+        b_h = b_h * tl.exp(g_last) + tl.dot(b_kt, b_vs, input_precision="ieee")
     store_state(st_ptr, sc_ptr, b_h, slot, hv, o_k, o_v, DK, DV, stride_ss, stride_sh, stride_sk, stride_cs,
                 stride_ch, INT16)
 
 
 @triton.jit
 def gdn_chunk_out_kernel(
-    q_ptr, k_ptr, u_ptr, gc_ptr, h_ptr, o_ptr, cu_ptr, B, scale, DK, DV, HV,
+    q_ptr, k_ptr, u_ptr, gc_ptr, rk_ptr, h_ptr, o_ptr, cu_ptr, B, scale, DK, DV, HV,
     stride_qt, stride_qh, stride_ut, stride_uh, stride_ot, stride_oh, stride_hn, stride_hh, stride_hk,
     REP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
 ):
@@ -290,17 +304,27 @@ def gdn_chunk_out_kernel(
     r = c0 + o_t
     m_t = r < L
     rows = bos + r
-    dt = u_ptr.dtype.element_ty
-    b_q = _load_k_rows(q_ptr, rows, m_t, hk, stride_qt, stride_qh, o_k, DK) * scale
-    b_k = _load_k_rows(k_ptr, rows, m_t, hk, stride_qt, stride_qh, o_k, DK)
-    b_gc, g_last = _chunk_gc(gc_ptr, bos, c0, L, rows, m_t, hv, HV, BT)
+    b_q = tl.load(q_ptr + rows[:, None] * stride_qt + hk * stride_qh + o_k[None, :],
+                  mask=m_t[:, None] & (o_k[None, :] < DK), other=0.)
+    b_kt = _load_kt(k_ptr, rows, m_t, hk, stride_qt, stride_qh, o_k, DK)
+    b_gc, g_last, b_rk = _chunk_gc(gc_ptr, rk_ptr, bos, c0, L, rows, m_t, hv, HV, BT)
     b_hd = tl.load(h_ptr + tile.to(tl.int64) * stride_hn + hv * stride_hh + o_k[:, None] * stride_hk + o_v[None, :],
                    mask=m_v[None, :], other=0.)
     m_u = m_t[:, None] & m_v[None, :]
     b_vnd = tl.load(u_ptr + rows[:, None] * stride_ut + hv * stride_uh + o_v[None, :], mask=m_u, other=0.)
-    b_o = _chunk_out(b_q, b_k, b_gc, b_hd, b_vnd, o_t[:, None] >= o_t[None, :], dt)
+    b_o = _chunk_out(b_q, b_kt, b_gc, b_rk, b_hd, b_vnd, o_t[:, None] >= o_t[None, :], scale)
     tl.store(o_ptr + rows[:, None] * stride_ot + hv * stride_oh + o_v[None, :], b_o.to(o_ptr.dtype.element_ty),
              mask=m_u)
+
+
+# config= variants of gdn_chunked that only a measurement can rank (bench/kernels.py --sweep gdn times
+# them on the GPU; tests/oracles/test_gated_delta_rule.py runs each). Offline sm_90 (triton 3.9) at
+# dk = dv = 128: scan BV 32 / 4 warps / 2 stages 168 regs, 78 KB shared (the default); 3 stages 206
+# regs, 116 KB (one program per SM); BV 64 255 regs (4 warps) or 246 (8), no spills; out BV 64 / 4
+# warps 157 regs (default), BV 128 / 8 warps 182, BV 32 167; prep 4 warps 255 + 28 B spilled, 8 warps
+# 255 without.
+SWEEP_CONFIGS = [dict(scan_stages=3), dict(bv=64), dict(bv=64, scan_warps=8), dict(out_bv=128, out_warps=8),
+                 dict(out_bv=32), dict(prep_warps=8), dict(split_o=False, bv=64, scan_warps=8)]
 
 
 def _scan_bv(device, n_seq, hv, dv, split_o):
@@ -311,7 +335,8 @@ def _scan_bv(device, n_seq, hv, dv, split_o):
 
 
 def chunk_prep(k, v, a, b, A_log, dt_bias, cu_seqlens, hv, warps=4):
-    """W [T, Hv, BK], U [T, Hv, BV] (activation dtype) and gc [T, Hv] (fp32) of every chunk.
+    """W [T, Hv, BK], U [T, Hv, BV] (activation dtype), gc [T, Hv] and the inverse l2 norms of k
+    per value head rk [T, Hv] (fp32) of every chunk.
 
     warps: at dk = dv = 128 (bf16, sm_90) a program holds four 16 x 128 sub-blocks each of k and
     v plus the fp32 blocks of A and T: about 255 registers a thread with 4 warps (a few spills),
@@ -324,11 +349,12 @@ def chunk_prep(k, v, a, b, A_log, dt_bias, cu_seqlens, hv, warps=4):
     w = torch.empty((t, hv, bk), dtype=k.dtype, device=k.device)
     u = torch.empty((t, hv, bvf), dtype=k.dtype, device=k.device)
     gc = torch.empty((t, hv), dtype=torch.float32, device=k.device)
+    rk = torch.empty((t, hv), dtype=torch.float32, device=k.device)
     gdn_chunk_prep_kernel[(t // 64 + n_seq, hv)](
-        k, v, a, b, A_log, dt_bias, w, u, gc, cu_seqlens, n_seq, dk, dv, hv, k.stride(0), k.stride(1), v.stride(0),
-        v.stride(1), a.stride(0), b.stride(0), w.stride(0), w.stride(1), u.stride(0), u.stride(1),
+        k, v, a, b, A_log, dt_bias, w, u, gc, rk, cu_seqlens, n_seq, dk, dv, hv, k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), a.stride(0), b.stride(0), w.stride(0), w.stride(1), u.stride(0), u.stride(1),
         REP=hv // hk, BK=bk, BV=bvf, BT=64, BS=16, num_warps=warps, num_stages=1)
-    return w, u, gc
+    return w, u, gc, rk
 
 
 def gdn_chunked(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, state_slots, has_initial_state, scale,
@@ -346,7 +372,7 @@ def gdn_chunked(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, state_slots, h
     bt = 64
     bk, bvf = next_pow2(dk, 16), next_pow2(dv, 16)
     dt = q.dtype
-    w, u, gc = chunk_prep(k, v, a, b, A_log, dt_bias, cu_seqlens, hv, cfg.get("prep_warps", 4))
+    w, u, gc, rk = chunk_prep(k, v, a, b, A_log, dt_bias, cu_seqlens, hv, cfg.get("prep_warps", 4))
     split_o = cfg.get("split_o", not interpreting(q.device) or t > 2 * bt)
     bv = cfg.get("bv") or _scan_bv(q.device, n_seq, hv, dv, split_o)
     int16 = state.dtype == torch.int16
@@ -354,7 +380,7 @@ def gdn_chunked(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, state_slots, h
     n_tiles = t // bt + n_seq
     h_all = torch.empty((n_tiles, hv, bk, bvf), dtype=dt, device=q.device) if split_o else w
     gdn_chunk_scan_kernel[(n_seq, hv, triton.cdiv(dv, bv))](
-        q, k, w, u, gc, out, h_all, state, sc, cu_seqlens, state_slots, has_initial_state, scale, dk, dv, hv,
+        q, k, w, u, gc, rk, out, h_all, state, sc, cu_seqlens, state_slots, has_initial_state, scale, dk, dv, hv,
         q.stride(0), q.stride(1), w.stride(0), w.stride(1), u.stride(0), u.stride(1), out.stride(0), out.stride(1),
         h_all.stride(0), h_all.stride(1), h_all.stride(2) if split_o else 0,
         state.stride(0), state.stride(1), state.stride(2), sc.stride(0) if int16 else 0, sc.stride(1) if int16 else 0,
@@ -364,7 +390,7 @@ def gdn_chunked(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, state_slots, h
     if split_o:
         bvo = cfg.get("out_bv", min(bvf, 64))
         gdn_chunk_out_kernel[(n_tiles, hv, triton.cdiv(dv, bvo))](
-            q, k, u, gc, h_all, out, cu_seqlens, n_seq, scale, dk, dv, hv, q.stride(0), q.stride(1), u.stride(0),
+            q, k, u, gc, rk, h_all, out, cu_seqlens, n_seq, scale, dk, dv, hv, q.stride(0), q.stride(1), u.stride(0),
             u.stride(1), out.stride(0), out.stride(1), h_all.stride(0), h_all.stride(1), h_all.stride(2),
-            REP=hv // hk, BK=bk, BV=bvo, BT=bt, num_warps=cfg.get("out_warps", 4), num_stages=1)
+            REP=hv // hk, BK=bk, BV=bvo, BT=bt, num_warps=cfg.get("out_warps", 4), num_stages=cfg.get("out_stages", 1))
     return out

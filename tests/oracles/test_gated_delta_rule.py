@@ -5,10 +5,14 @@ fp32 / fp16 / int16 state pools whose other slots must stay untouched."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from kernel_cases import BOUND, DEV, K, cu_seqlens, randn, run_reference, run_triton
+from qv.kernels.gdn import _gated_delta_rule_triton
+from qv.kernels.gdn_chunk import SWEEP_CONFIGS
 from qv.kernels.reference import load_state
 from util import assert_close
 
@@ -23,7 +27,7 @@ def _pool(n_slots, hv, dk, dv, state_dtype):
     return torch.round(h / scale[:, :, None, :]).to(torch.int16), scale
 
 
-def _case(dtype, state_dtype, hk, rep, dk, dv, lens, init, max_q="auto", inter=False):
+def _case(dtype, state_dtype, hk, rep, dk, dv, lens, init, max_q="auto", inter=False, config=None):
     hv, t, n = hk * rep, sum(lens), len(lens)
     q, k = randn(t, hk, dk, dtype=dtype), randn(t, hk, dk, dtype=dtype)
     v, a, b = randn(t, hv, dv, dtype=dtype), randn(t, hv, dtype=dtype), randn(t, hv, dtype=dtype)
@@ -37,8 +41,10 @@ def _case(dtype, state_dtype, hk, rep, dk, dv, lens, init, max_q="auto", inter=F
     if inter:
         inters = [torch.full((n, max(lens), hv, dk, dv), float("nan"), device=DEV) for _ in range(2)]
     outs = []
-    for run, st, sc, it in zip((run_triton, run_reference), states, scales, inters):
-        outs.append(run(K.gated_delta_rule, q, k, v, a, b, A_log, dt_bias, st, cu_seqlens(lens), slots,
+    # a config is a gdn_chunked variant (bench/kernels.py --sweep gdn), passed to the triton entry
+    ours = K.gated_delta_rule if config is None else functools.partial(_gated_delta_rule_triton, config=config)
+    for run, fn, st, sc, it in zip((run_triton, run_reference), (ours, K.gated_delta_rule), states, scales, inters):
+        outs.append(run(fn, q, k, v, a, b, A_log, dt_bias, st, cu_seqlens(lens), slots,
                         torch.tensor(init, device=DEV), None, sc, it, max(lens) if max_q == "auto" else max_q))
     if t:
         assert_close("o", outs[0], outs[1], BOUND[dtype])
@@ -86,6 +92,12 @@ def test_chunked_prefill(dtype, state_dtype, hk, rep, dk, dv, lens):
 def test_chunked_ragged_last_chunk(dtype, lens):
     """Every fill of the last chunk's four 16-row sub-blocks (fresh random inputs each run)."""
     _case(dtype, torch.float32, 1, 2, 16, 16, lens, [i % 2 == 1 for i in range(len(lens))], max_q=None)
+
+
+@pytest.mark.parametrize("config", SWEEP_CONFIGS, ids=str)
+def test_chunked_variants(config):
+    """Each swept gdn_chunked config: two chunked sequences (one ragged, one with an initial state), bf16."""
+    _case(torch.bfloat16, torch.float32, 1, 2, 16, 24, [150, 70], [True, False], max_q=None, config=config)
 
 
 @pytest.mark.gpu
