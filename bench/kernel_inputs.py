@@ -36,9 +36,10 @@ def attention_inputs(n: int, dev):
     # SDPA peer: the same keys as dense [1, H, n, D]
     pos = torch.arange(n, device=dev)
     rows = bt[0, pos // BS].long() * BS + pos % BS
-    k = kc.view(-1, HKV, D)[rows].transpose(0, 1)[None].contiguous()
-    v = vc.view(-1, HKV, D)[rows].transpose(0, 1)[None].contiguous()
-    return dict(paged=(q, kc, vc, bt, cu, sl, D ** -0.5, None, None, n, n),
+    k_new, v_new = kc.view(-1, HKV, D)[rows], vc.view(-1, HKV, D)[rows]  # [n, HKV, D]: what write_kv was given
+    k, v = k_new.transpose(0, 1)[None].contiguous(), v_new.transpose(0, 1)[None].contiguous()
+    # the engine's call: the cache plus the chunk's own K/V (read contiguously by the prefill kernel)
+    return dict(paged=(q, kc, vc, bt, cu, sl, D ** -0.5, None, None, n, n, k_new, v_new),
                 sdpa=(q.transpose(0, 1)[None].contiguous(), k, v))
 
 

@@ -130,8 +130,10 @@ def ceilings() -> dict:
 
 def bench_prefill_attention(lim, sweep):
     configs = [None]
-    if sweep:
-        configs += [dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=1)]
+    if sweep:  # pages only (the path before k_new), TMA bulk copies of the new keys, other tiles
+        configs += [dict(new_kv=False), dict(tma=True), dict(tma=True, BLOCK_N=32, num_stages=3),
+                    dict(BLOCK_N=32, num_stages=3), dict(BLOCK_N=128, num_warps=8, num_stages=2),
+                    dict(tma=True, BLOCK_N=128, num_stages=1)]
     for n in (8192, 32768):
         inp = attention_inputs(n, DEV)
         flops = 4 * n * n * 256 * 24 / 2

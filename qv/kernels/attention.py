@@ -29,7 +29,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                    max_query_len: int | None = None, max_seq_len: int | None = None) -> torch.Tensor:
+                    max_query_len: int | None = None, max_seq_len: int | None = None,
+                    k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None) -> torch.Tensor:
     """Causal GQA attention of packed queries over each sequence's cached keys (new ones included).
 
     q [T, Hq, D]; caches [NB, BS, Hkv, D] (+ int8 scales [NB, BS, Hkv]); block_tables [B, MB] int32;
@@ -45,11 +46,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     fixed B, max_query_len and an upper bound for max_seq_len (e.g. the model's max length) stays
     valid for every replay whose seq_lens stay under that bound; only block_tables, cu_seqlens_q,
     seq_lens and q change between replays (in place).
+
+    k_new / v_new [T, Hkv, D] (optional): the keys and values this step wrote with write_kv, rows
+    packed like q. They must equal what the cache holds for those positions; a kernel may read the
+    chunk's own keys from them (contiguous) instead of from the pages. Ignored where the cache
+    stores another dtype (int8).
     """
     if q.shape[1] % k_cache.shape[2] or q.shape[2] != k_cache.shape[3]:
         raise ValueError(f"paged_attention: q {tuple(q.shape)} vs cache {tuple(k_cache.shape)}")
+    if k_new is not None and (k_new.shape != (q.shape[0], *k_cache.shape[2:]) or v_new is None
+                              or v_new.shape != k_new.shape):
+        raise ValueError(f"paged_attention: k_new/v_new must be [T, Hkv, D] = {(q.shape[0], *k_cache.shape[2:])}")
     return impl("paged_attention", q.device)(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-                                             k_scale, v_scale, max_query_len, max_seq_len)
+                                             k_scale, v_scale, max_query_len, max_seq_len, k_new, v_new)
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
@@ -168,13 +177,18 @@ def _decode_config(device, dtype, d, rep, max_q, n_seq, hkv):
 
 def _decode_attention(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, max_q, max_kv, cfg):
     """Decode / speculative rows: split-K over the context with one program per (sequence, KV head,
-    split) and a reduce pass. The split count depends only on the batch size, the head counts and
-    max_kv (an upper bound of seq_lens, max_seq_len from the caller), never on device values."""
+    split), then the splits are merged by a reduce pass or (combine=True) by the last program of each
+    (sequence, KV head) inside the same launch. The split count depends only on the batch size, the
+    head counts and max_kv (an upper bound of seq_lens, max_seq_len from the caller), never on device
+    values. cfg (from _decode_config, overridable for the sweep): BLOCK_M, BLOCK_N, num_warps; waves
+    (programs per multiprocessor the splits aim at) or splits; stages (0: register prefetch, >= 2:
+    cp.async pipeline depth); combine; partials ("fp32", or "half": in q's 16-bit dtype); words."""
     t, hq, d = q.shape
     hkv, bs = k.shape[-2], k.shape[1]
     n_seq = cu_q.shape[0] - 1
     cfg = dict(cfg)
     block_m, block_n, waves = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("waves")
+    stages, combine, partials = cfg.pop("stages", 0), cfg.pop("combine", False), cfg.pop("partials", "fp32")
     splits = max(1, min(triton.cdiv(waves * num_sms(q.device), n_seq * hkv), triton.cdiv(max_kv, 2 * block_n)))
     splits = cfg.pop("splits", splits)
     split_len = triton.cdiv(triton.cdiv(max_kv, splits), block_n) * block_n
@@ -186,20 +200,44 @@ def _decode_attention(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, max_q
     if q.stride(-1) != 1:
         q = q.contiguous()
     out = torch.empty_like(q)
-    o_t, plse, o_s, o_h, o_x = _split_outputs(out, splits)
+    if splits > 1:  # partials [splits, T, Hq, D] and their base-2 log-sum-exps [splits, T, Hq]
+        half = partials == "half" and q.dtype in (torch.float16, torch.bfloat16)
+        o_t = torch.empty((splits, t, hq, d), dtype=q.dtype if half else torch.float32, device=q.device)
+        plse = torch.empty((splits, t, hq), dtype=torch.float32, device=q.device)
+        o_s, o_h, o_x = o_t.stride(0), o_t.stride(1), o_t.stride(2)
+    else:
+        o_t, plse, o_s, o_h, o_x = out, out, 0, out.stride(0), out.stride(1)
+    combine = combine and splits > 1
+    tickets = _decode_tickets(q.device, n_seq * hkv) if combine else kv_lens
     sc = ks if quant else k
     paged_decode_kernel[(n_seq, hkv, splits)](
-        q, k, v, sc, vs if quant else v, o_t, plse, block_tables, cu_q, kv_lens, scale * LOG2E, t, hq,
-        q.stride(0), q.stride(1), o_h, o_x, o_s, k.stride(0), k.stride(1), k.stride(2),
-        ks.stride(0) if quant else 0, ks.stride(1) if quant else 0, block_tables.stride(0), split_len,
+        q, k, v, sc, vs if quant else v, o_t, plse, block_tables, cu_q, kv_lens, out, tickets, scale * LOG2E, t,
+        hq, hkv, q.stride(0), q.stride(1), o_h, o_x, o_s, out.stride(0), out.stride(1), k.stride(0), k.stride(1),
+        k.stride(2), ks.stride(0) if quant else 0, ks.stride(1) if quant else 0, block_tables.stride(0), split_len,
         D=d, REP=hq // hkv, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=next_pow2(d, 16), BS=bs, QUANT=quant,
-        SPLIT=splits > 1, WORDS=words, ASM=words and not interpreting(q.device), num_stages=1, **cfg)
-    if splits > 1:
+        SPLIT=splits > 1, WORDS=words, ASM=words and not interpreting(q.device), STAGES=stages, COMBINE=combine,
+        num_stages=1, **cfg)
+    if splits > 1 and not combine:
         bd = min(next_pow2(d), 64)
         decode_reduce_kernel[(t, hq, triton.cdiv(d, bd))](o_t, plse, out, cu_q, kv_lens, n_seq, t, hq, out.stride(0),
                                                           out.stride(1), split_len, D=d, BLOCK_D=bd,
                                                           BLOCK_S=min(next_pow2(splits), 64))
     return out
+
+
+_DECODE_TICKETS: list[torch.Tensor] = []
+
+
+def _decode_tickets(device, n):
+    """Zeroed int32 counters for paged_decode_kernel's combine (it leaves them zero again). Kept for
+    the process and never freed, since a captured CUDA graph holds their address; one decode launch
+    per device at a time may use them (the engine runs one stream)."""
+    for buf in _DECODE_TICKETS:
+        if buf.device == device and buf.numel() >= n:
+            return buf
+    buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    _DECODE_TICKETS.append(buf)
+    return buf
 
 
 def _split_outputs(out: torch.Tensor, splits: int):
@@ -214,7 +252,8 @@ def _split_outputs(out: torch.Tensor, splits: int):
     return po, plse, po.stride(0), po.stride(1), po.stride(2)
 
 
-def _attention(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, causal, paged, max_q, max_kv, config=None):
+def _attention(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, causal, paged, max_q, max_kv, config=None,
+               k_new=None, v_new=None):
     t, hq, d = q.shape
     hkv = k.shape[-2]
     rep = hq // hkv
@@ -251,13 +290,24 @@ def _attention(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, causal, page
         bt, stride_bt, bs = cu_q, 0, 1
     sc = ks if quant else k
     stride_sb, stride_ss = (ks.stride(0), ks.stride(1)) if quant else (0, 0)
+    # a prefill chunk reads its own keys from the K/V it wrote (contiguous rows) where the cache holds
+    # them unchanged; config new_kv=False forces the pages (benchmarks)
+    new_kv = cfg.pop("new_kv", True) and k_new is not None and paged and not decode and k_new.dtype == k.dtype
+    if new_kv and (k_new.stride() != v_new.stride() or k_new.stride(-1) != 1):  # one layout for both (a small copy)
+        k_new, v_new = k_new.contiguous(), v_new.contiguous()
+    kn, vn = (k_new, v_new) if new_kv else (k, v)
+    tma = (cfg.pop("tma", False) and new_kv and next_pow2(d, 16) == d and not interpreting(q.device)
+           and all(x.data_ptr() % 16 == 0 and x.stride(0) * x.element_size() % 16 == 0 for x in (k_new, v_new)))
+    if tma:  # tensor descriptors over the rows [T, Hkv * D]; one box = one K or V tile of a head
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        kn, vn = (TensorDescriptor.from_tensor(x.reshape(t, hkv * d), [block_n, d]) for x in (k_new, v_new))
     o_t, plse, o_s, o_h, o_x = _split_outputs(out, splits)
     attn_fwd_kernel[(grid0, hkv, splits)](
-        q, k, v, sc, vs if quant else v, o_t, plse, bt, cu_q, kv_lens if paged else cu_q,
+        q, k, v, sc, vs if quant else v, o_t, plse, bt, cu_q, kv_lens if paged else cu_q, kn, vn,
         scale * LOG2E, n_seq, t, hq, q.stride(0), q.stride(1), o_h, o_x, o_s,
-        stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, stride_bt, bs, split_len,
-        D=d, REP=rep, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=next_pow2(d, 16), PAGED=paged, QUANT=quant,
-        CAUSAL=causal, DECODE=decode, SPLIT=splits > 1, **cfg)
+        stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, stride_bt, bs, split_len, k_new.stride(0) if new_kv else 0,
+        k_new.stride(1) if new_kv else 0, D=d, REP=rep, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=next_pow2(d, 16),
+        PAGED=paged, QUANT=quant, CAUSAL=causal, DECODE=decode, SPLIT=splits > 1, NEW_KV=new_kv, TMA=tma, **cfg)
     if splits > 1:
         attn_reduce_kernel[(t, hq)](o_t, plse, out, cu_q, kv_lens if paged else cu_q, n_seq, t, hq, out.stride(0),
                                     out.stride(1), split_len, D=d, BLOCK_D=next_pow2(d))
@@ -265,13 +315,14 @@ def _attention(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, causal, page
 
 
 def _paged_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, k_scale=None,
-                            v_scale=None, max_query_len=None, max_seq_len=None, *, config=None):
+                            v_scale=None, max_query_len=None, max_seq_len=None, k_new=None, v_new=None, *,
+                            config=None):
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError("paged_attention: K and V caches must share one layout with a unit inner stride")
     if k_cache.dtype == torch.int8 and k_scale.stride() != v_scale.stride():
         raise ValueError("paged_attention: K and V scale tables must share one layout")
     return _attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_seqlens_q, seq_lens, scale, True, True,
-                      max_query_len, max_seq_len, config)
+                      max_query_len, max_seq_len, config, k_new, v_new)
 
 
 def _varlen_attention_triton(q, k, v, cu_seqlens, scale, causal=False, max_seqlen=None, *, config=None):

@@ -63,45 +63,85 @@ def _kv_codes(b_x, dtype: tl.constexpr, QUANT: tl.constexpr):
 def _attn_tile(acc, m_i, l_i, b_q, qpos, start, kv_len, b, kvh, kv_start, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr,
                stride_bt, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, BS, qk_scale,
                D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGED: tl.constexpr,
-               QUANT: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr):
+               QUANT: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr, TMA: tl.constexpr):
+    """One BLOCK_N-key tile of online softmax. TMA: k_ptr/v_ptr are tensor descriptors over the
+    contiguous rows [T, Hkv * D] (rows past kv_len are masked below; past the tensor, zero-filled)."""
     o_n = start + tl.arange(0, BLOCK_N)
     o_d = tl.arange(0, BLOCK_D)
     m_n = o_n < kv_len
     m_kd = m_n[:, None] & (o_d[None, :] < D)
-    kv_off, s_off = _kv_offsets(o_n, kv_len, b, kvh, kv_start, bt_ptr, stride_bt, stride_kb, stride_ks, stride_kh,
-                                stride_sb, stride_ss, BS, PAGED)
-    b_k = _kv_codes(tl.load(k_ptr + kv_off[:, None] + o_d[None, :], mask=m_kd, other=0.), b_q.dtype, QUANT)
+    if TMA:
+        row0 = (kv_start + start).to(tl.int32)
+        b_k = k_ptr.load([row0, (kvh * D).to(tl.int32)])
+    else:
+        kv_off, s_off = _kv_offsets(o_n, kv_len, b, kvh, kv_start, bt_ptr, stride_bt, stride_kb, stride_ks, stride_kh,
+                                    stride_sb, stride_ss, BS, PAGED)
+        b_k = _kv_codes(tl.load(k_ptr + kv_off[:, None] + o_d[None, :], mask=m_kd, other=0.), b_q.dtype, QUANT)
     b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")  # [BM, BN]
-    if QUANT:
-        b_s = b_s * tl.load(ks_ptr + s_off, mask=m_n, other=0.)[None, :]
-    b_s = b_s * qk_scale
-    if MASK:
-        vis = m_n[None, :]
-        if CAUSAL:
-            vis = vis & (o_n[None, :] <= qpos[:, None])
-        b_s = tl.where(vis, b_s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(b_s, axis=1))
-    # a row may see no key in this tile (split-K over speculative rows): keep exp2 finite
-    m_safe = tl.where(m_new == float("-inf"), 0., m_new)
-    b_p = tl.math.exp2(b_s - m_safe[:, None])
+    if MASK or QUANT:
+        if QUANT:
+            b_s = b_s * tl.load(ks_ptr + s_off, mask=m_n, other=0.)[None, :]
+        b_s = b_s * qk_scale
+        if MASK:
+            vis = m_n[None, :]
+            if CAUSAL:
+                vis = vis & (o_n[None, :] <= qpos[:, None])
+            b_s = tl.where(vis, b_s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(b_s, axis=1))
+        # a row may see no key in this tile (split-K over speculative rows): keep exp2 finite
+        m_safe = tl.where(m_new == float("-inf"), 0., m_new)
+        b_p = tl.math.exp2(b_s - m_safe[:, None])
+    else:  # every score finite: the scale folds into one FMA with the max
+        m_new = tl.maximum(m_i, tl.max(b_s, axis=1) * qk_scale)
+        m_safe = m_new
+        b_p = tl.math.exp2(b_s * qk_scale - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(b_p, axis=1)
-    b_v = _kv_codes(tl.load(v_ptr + kv_off[:, None] + o_d[None, :], mask=m_kd, other=0.), b_q.dtype, QUANT)
+    if TMA:
+        b_v = v_ptr.load([row0, (kvh * D).to(tl.int32)])
+    else:
+        b_v = _kv_codes(tl.load(v_ptr + kv_off[:, None] + o_d[None, :], mask=m_kd, other=0.), b_q.dtype, QUANT)
     if QUANT:
         b_p = b_p * tl.load(vs_ptr + s_off, mask=m_n, other=0.)[None, :]
-    acc = acc * alpha[:, None] + tl.dot(b_p.to(b_q.dtype), b_v, input_precision="ieee")
+    acc = tl.dot(b_p.to(b_q.dtype), b_v, acc * alpha[:, None], input_precision="ieee")
     return acc, m_new, l_i
 
 
 @triton.jit
+def _attn_span(acc, m_i, l_i, b_q, qpos, lo, hi, free, kv_len, b, kvh, kv_start, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr,
+               stride_bt, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, BS, qk_scale,
+               D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGED: tl.constexpr,
+               QUANT: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr = False, WS: tl.constexpr = False):
+    """Keys lo..hi-1 (positions; key row kv_start + position when not PAGED, mask n < kv_len): whole
+    tiles below `free` (keys every row sees) skip the mask, the rest are masked. WS asks Triton to
+    warp-specialize the unmasked loop."""
+    mid = tl.minimum(free, hi)
+    mid = tl.where(mid > lo, lo + (mid - lo) // BLOCK_N * BLOCK_N, lo)
+    for start in tl.range(lo, mid, BLOCK_N, warp_specialize=WS):
+        acc, m_i, l_i = _attn_tile(acc, m_i, l_i, b_q, qpos, start, kv_len, b, kvh, kv_start, k_ptr, v_ptr, ks_ptr,
+                                   vs_ptr, bt_ptr, stride_bt, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss,
+                                   BS, qk_scale, D, BLOCK_N, BLOCK_D, PAGED, QUANT, CAUSAL, False, TMA)
+    for start in range(mid, hi, BLOCK_N):
+        acc, m_i, l_i = _attn_tile(acc, m_i, l_i, b_q, qpos, start, kv_len, b, kvh, kv_start, k_ptr, v_ptr, ks_ptr,
+                                   vs_ptr, bt_ptr, stride_bt, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss,
+                                   BS, qk_scale, D, BLOCK_N, BLOCK_D, PAGED, QUANT, CAUSAL, True, TMA)
+    return acc, m_i, l_i
+
+
+@triton.jit
 def attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, lse_ptr, bt_ptr, cu_q_ptr, kv_len_ptr,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, lse_ptr, bt_ptr, cu_q_ptr, kv_len_ptr, kn_ptr, vn_ptr,
     qk_scale, B, T, HQ,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_os,
-    stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, stride_bt, BS, SPLIT_LEN,
+    stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, stride_bt, BS, SPLIT_LEN, stride_nt, stride_nh,
     D: tl.constexpr, REP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGED: tl.constexpr, QUANT: tl.constexpr, CAUSAL: tl.constexpr, DECODE: tl.constexpr, SPLIT: tl.constexpr,
+    NEW_KV: tl.constexpr, TMA: tl.constexpr = False, WS: tl.constexpr = False,
 ):
+    """NEW_KV (paged prefill): the chunk's own keys (positions kv_len - q_len ..) are read from the
+    packed K/V it was written from (kn_ptr/vn_ptr [T, Hkv, D], rows like q's), contiguous rows
+    instead of 16-token pages; only the cached prefix comes from the pages. TMA: kn_ptr/vn_ptr are
+    tensor descriptors of them (Hopper's bulk copies; sm_90+)."""
     BQ: tl.constexpr = BLOCK_M // REP
     kvh = tl.program_id(1).to(tl.int64)
     if DECODE:  # one program per sequence holds all its (few) query rows
@@ -144,21 +184,24 @@ def attn_fwd_kernel(
         k_end = tl.minimum(k_end, k_lo + SPLIT_LEN)
         if k_lo >= k_end:  # no row of this tile reaches this split; the reduce pass skips it
             return
-    k_mid = tl.minimum(k_free, k_end)
-    k_mid = tl.where(k_mid > k_lo, k_lo + (k_mid - k_lo) // BLOCK_N * BLOCK_N, k_lo)
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    kv_start = q_start
-    for start in range(k_lo, k_mid, BLOCK_N):
-        acc, m_i, l_i = _attn_tile(acc, m_i, l_i, b_q, qpos, start, kv_len, b, kvh, kv_start, k_ptr, v_ptr, ks_ptr,
-                                   vs_ptr, bt_ptr, stride_bt, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss,
-                                   BS, qk_scale, D, BLOCK_N, BLOCK_D, PAGED, QUANT, CAUSAL, False)
-    for start in range(k_mid, k_end, BLOCK_N):
-        acc, m_i, l_i = _attn_tile(acc, m_i, l_i, b_q, qpos, start, kv_len, b, kvh, kv_start, k_ptr, v_ptr, ks_ptr,
-                                   vs_ptr, bt_ptr, stride_bt, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss,
-                                   BS, qk_scale, D, BLOCK_N, BLOCK_D, PAGED, QUANT, CAUSAL, True)
+    if NEW_KV:
+        prefix = kv_len - q_len
+        acc, m_i, l_i = _attn_span(acc, m_i, l_i, b_q, qpos, k_lo, tl.minimum(k_end, prefix), prefix, prefix, b,
+                                   kvh, 0, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, stride_bt, stride_kb, stride_ks,
+                                   stride_kh, stride_sb, stride_ss, BS, qk_scale, D, BLOCK_N, BLOCK_D, True, QUANT,
+                                   CAUSAL)
+        acc, m_i, l_i = _attn_span(acc, m_i, l_i, b_q, qpos, tl.maximum(k_lo, prefix), k_end, k_free, kv_len, b,
+                                   kvh, q_start - prefix, kn_ptr, vn_ptr, ks_ptr, vs_ptr, bt_ptr, 0, stride_nt, 0,
+                                   stride_nh, 0, 0, 1, qk_scale, D, BLOCK_N, BLOCK_D, False, False, CAUSAL, TMA, WS)
+    else:
+        acc, m_i, l_i = _attn_span(acc, m_i, l_i, b_q, qpos, k_lo, k_end, k_free, kv_len, b, kvh, q_start, k_ptr,
+                                   v_ptr, ks_ptr, vs_ptr, bt_ptr, stride_bt, stride_kb, stride_ks, stride_kh,
+                                   stride_sb, stride_ss, BS, qk_scale, D, BLOCK_N, BLOCK_D, PAGED, QUANT, CAUSAL,
+                                   False, WS)
 
     b_o = acc / tl.where(l_i == 0., 1., l_i)[:, None]
     p_o = o_ptr + rows[:, None] * stride_ot + o_h[:, None] * stride_oh + o_d[None, :]
@@ -259,22 +302,48 @@ def _decode_tile_load(n, pg, k_end, kvh, k_ptr, v_ptr, ks_ptr, vs_ptr, stride_kb
 
 
 @triton.jit
+def _decode_tile_step(b_q, b_k, b_v, b_ks, b_vs, n, k_end, qpos, acc, m_i, l_i, qk_scale, QUANT: tl.constexpr,
+                      WORDS: tl.constexpr, ASM: tl.constexpr):
+    """Online softmax over one K/V tile (keys n): returns the updated (acc, row max, row sum)."""
+    b_s = tl.dot(b_q, tl.trans(_decode_codes(b_k, b_q.dtype, QUANT, WORDS, ASM)), input_precision="ieee")  # [BM, BN]
+    b_s = b_s * (b_ks * qk_scale)[None, :]
+    vis = (n[None, :] < k_end) & (n[None, :] <= qpos[:, None])
+    b_s = tl.where(vis, b_s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(b_s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0., m_new)
+    b_p = tl.math.exp2(b_s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(b_p, axis=1)
+    b_p = b_p * b_vs[None, :]
+    acc = acc * alpha[:, None] + tl.dot(b_p.to(b_q.dtype), _decode_codes(b_v, b_q.dtype, QUANT, WORDS, ASM),
+                                        input_precision="ieee")
+    return acc, m_new, l_i
+
+
+@triton.jit
 def paged_decode_kernel(
-    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, lse_ptr, bt_ptr, cu_q_ptr, kv_len_ptr, qk_scale, T, HQ,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_os, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss,
-    stride_bt, SPLIT_LEN,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, lse_ptr, bt_ptr, cu_q_ptr, kv_len_ptr, out_ptr, ticket_ptr,
+    qk_scale, T, HQ, HKV, stride_qt, stride_qh, stride_ot, stride_oh, stride_os, stride_out_t, stride_out_h,
+    stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, stride_bt, SPLIT_LEN,
     D: tl.constexpr, REP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BS: tl.constexpr, QUANT: tl.constexpr, SPLIT: tl.constexpr, WORDS: tl.constexpr,
-    ASM: tl.constexpr,
+    BS: tl.constexpr, QUANT: tl.constexpr, SPLIT: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr,
+    STAGES: tl.constexpr, COMBINE: tl.constexpr,
 ):
     """Decode and speculative rows (few queries per sequence) over the paged cache: program
     (sequence b, KV head, split) holds the b's query rows of that KV head's GQA group and the keys
     split*SPLIT_LEN .. +SPLIT_LEN. The grid may be larger than the work (splits sized from an upper
     bound of seq_lens, so a captured CUDA graph stays valid): programs past seq_lens[b] return at once.
 
-    The K/V tile for the next step is loaded into registers before the current one is used (and the
-    block-table entries one step earlier still), so one tile per program is always in flight; no
-    loop-carried dependence runs through a load issued in the same step."""
+    STAGES 0: the K/V tile for the next step is loaded into registers before the current one is used
+    (and the block-table entries one step earlier still), so one tile per program is always in flight;
+    no loop-carried dependence runs through a load issued in the same step. STAGES >= 2: Triton's
+    software pipeliner keeps STAGES - 1 tiles in flight through cp.async into shared memory (no
+    registers held per tile in flight; the block-table load is pipelined one stage ahead of K/V).
+
+    SPLIT: o_ptr/lse_ptr are per-split partials (o_ptr fp32 or 16-bit) and their base-2 log-sum-exps.
+    COMBINE: no reduce pass; the last program of each (sequence, KV head) to finish, found by an atomic
+    ticket (ticket_ptr[b * HKV + kvh], zero between launches: that program resets it), combines the
+    splits in split order into out_ptr (deterministic, and a replayed CUDA graph finds zeros again)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1).to(tl.int64)
     q_start = tl.load(cu_q_ptr + b)
@@ -301,41 +370,75 @@ def paged_decode_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     o_n = tl.arange(0, BLOCK_N)
     p_bt = bt_ptr + b.to(tl.int64) * stride_bt
-    n = k_lo + o_n
-    pg = tl.load(p_bt + n // BS, mask=n < k_end, other=0)
-    b_k, b_v, b_ks, b_vs = _decode_tile_load(n, pg, k_end, kvh, k_ptr, v_ptr, ks_ptr, vs_ptr, stride_kb, stride_ks,
-                                             stride_kh, stride_sb, stride_ss, D, BLOCK_D, BS, QUANT, WORDS)
-    pg = tl.load(p_bt + (n + BLOCK_N) // BS, mask=n + BLOCK_N < k_end, other=0)
-    for start in range(k_lo, k_end, BLOCK_N):
-        n = start + o_n
-        n_k, n_v, n_ks, n_vs = _decode_tile_load(n + BLOCK_N, pg, k_end, kvh, k_ptr, v_ptr, ks_ptr, vs_ptr,
-                                                 stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, D, BLOCK_D,
-                                                 BS, QUANT, WORDS)
-        pg = tl.load(p_bt + (n + 2 * BLOCK_N) // BS, mask=n + 2 * BLOCK_N < k_end, other=0)
-        b_s = tl.dot(b_q, tl.trans(_decode_codes(b_k, b_q.dtype, QUANT, WORDS, ASM)), input_precision="ieee")  # [BM, BN]
-        b_s = b_s * (b_ks * qk_scale)[None, :]
-        vis = (n[None, :] < k_end) & (n[None, :] <= qpos[:, None])
-        b_s = tl.where(vis, b_s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(b_s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0., m_new)
-        b_p = tl.math.exp2(b_s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(b_p, axis=1)
-        b_p = b_p * b_vs[None, :]
-        acc = acc * alpha[:, None] + tl.dot(b_p.to(b_q.dtype), _decode_codes(b_v, b_q.dtype, QUANT, WORDS, ASM),
-                                            input_precision="ieee")
-        m_i = m_new
-        b_k, b_v, b_ks, b_vs = n_k, n_v, n_ks, n_vs
+    if STAGES == 0:
+        n = k_lo + o_n
+        pg = tl.load(p_bt + n // BS, mask=n < k_end, other=0)
+        b_k, b_v, b_ks, b_vs = _decode_tile_load(n, pg, k_end, kvh, k_ptr, v_ptr, ks_ptr, vs_ptr, stride_kb,
+                                                 stride_ks, stride_kh, stride_sb, stride_ss, D, BLOCK_D, BS, QUANT,
+                                                 WORDS)
+        pg = tl.load(p_bt + (n + BLOCK_N) // BS, mask=n + BLOCK_N < k_end, other=0)
+        for start in range(k_lo, k_end, BLOCK_N):
+            n = start + o_n
+            n_k, n_v, n_ks, n_vs = _decode_tile_load(n + BLOCK_N, pg, k_end, kvh, k_ptr, v_ptr, ks_ptr, vs_ptr,
+                                                     stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, D,
+                                                     BLOCK_D, BS, QUANT, WORDS)
+            pg = tl.load(p_bt + (n + 2 * BLOCK_N) // BS, mask=n + 2 * BLOCK_N < k_end, other=0)
+            acc, m_i, l_i = _decode_tile_step(b_q, b_k, b_v, b_ks, b_vs, n, k_end, qpos, acc, m_i, l_i, qk_scale,
+                                              QUANT, WORDS, ASM)
+            b_k, b_v, b_ks, b_vs = n_k, n_v, n_ks, n_vs
+    else:
+        for start in tl.range(k_lo, k_end, BLOCK_N, num_stages=STAGES):
+            n = start + o_n
+            pg = tl.load(p_bt + n // BS, mask=n < k_end, other=0)
+            b_k, b_v, b_ks, b_vs = _decode_tile_load(n, pg, k_end, kvh, k_ptr, v_ptr, ks_ptr, vs_ptr, stride_kb,
+                                                     stride_ks, stride_kh, stride_sb, stride_ss, D, BLOCK_D, BS,
+                                                     QUANT, WORDS)
+            acc, m_i, l_i = _decode_tile_step(b_q, b_k, b_v, b_ks, b_vs, n, k_end, qpos, acc, m_i, l_i, qk_scale,
+                                              QUANT, WORDS, ASM)
 
     b_o = acc / tl.where(l_i == 0., 1., l_i)[:, None]
     p_o = o_ptr + rows[:, None] * stride_ot + o_h[:, None] * stride_oh + o_d[None, :]
     if SPLIT:
         split = tl.program_id(2).to(tl.int64)
-        tl.store(p_o + split * stride_os, b_o, mask=m_q)
+        tl.store(p_o + split * stride_os, b_o.to(o_ptr.dtype.element_ty), mask=m_q)
         b_lse = tl.where(l_i == 0., float("-inf"), m_i + tl.math.log2(tl.where(l_i == 0., 1., l_i)))
-        tl.store(lse_ptr + (split * T + rows) * HQ + o_h, b_lse, mask=row_ok)
+        p_lse = lse_ptr + rows * HQ + o_h
+        tl.store(p_lse + split * T * HQ, b_lse, mask=row_ok)
+        if COMBINE:
+            tl.debug_barrier()  # every thread's partial stores precede the ticket (released by the atomic)
+            p_ticket = ticket_ptr + b * HKV + kvh
+            n_split = tl.cdiv(kv_len, SPLIT_LEN)
+            if tl.atomic_add(p_ticket, 1, sem="acq_rel") == n_split - 1:
+                _decode_combine(o_ptr, p_lse, out_ptr, rows, o_h, o_d, m_q, row_ok, n_split, T * HQ, stride_ot,
+                                stride_oh, stride_os, stride_out_t, stride_out_h, BLOCK_M)
+                tl.atomic_xchg(p_ticket, 0)
     else:
         tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=m_q)
+
+
+@triton.jit
+def _decode_combine(po_ptr, p_lse, out_ptr, rows, o_h, o_d, m_q, row_ok, n_split, stride_lse_s, stride_ot, stride_oh,
+                    stride_os, stride_out_t, stride_out_h, BLOCK_M: tl.constexpr):
+    """Merge the n_split partials of these rows in split order (loads bypass L1: other SMs wrote them).
+    A split a row cannot see has lse -inf and weight 0; split 0 is seen by every real row. The loads
+    are pipelined (cp.async, several splits in flight): one program reads them all, so latency counts."""
+    p_po = po_ptr + rows[:, None] * stride_ot + o_h[:, None] * stride_oh + o_d[None, :]
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    w = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, o_d.shape[0]], dtype=tl.float32)
+    for s in tl.range(0, n_split, num_stages=4):
+        lse = tl.load(p_lse + s * stride_lse_s, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        b_o = tl.load(p_po + s * stride_os, mask=m_q, other=0., cache_modifier=".cg").to(tl.float32)
+        m_new = tl.maximum(m, lse)
+        m_safe = tl.where(m_new == float("-inf"), 0., m_new)
+        alpha = tl.math.exp2(m - m_safe)
+        beta = tl.math.exp2(lse - m_safe)
+        acc = acc * alpha[:, None] + b_o * beta[:, None]
+        w = w * alpha + beta
+        m = m_new
+    b_o = acc / tl.where(w == 0., 1., w)[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_out_t + o_h[:, None] * stride_out_h + o_d[None, :],
+             b_o.to(out_ptr.dtype.element_ty), mask=m_q)
 
 
 @triton.jit
@@ -363,7 +466,8 @@ def decode_reduce_kernel(po_ptr, lse_ptr, o_ptr, cu_q_ptr, kv_len_ptr, B, T, HQ,
         m_new = tl.maximum(m, tl.max(lse, axis=0))
         alpha = tl.math.exp2(m - m_new)
         beta = tl.math.exp2(lse - m_new)
-        b_o = tl.load(po_ptr + p_s[:, None] * D + o_d[None, :], mask=m_s[:, None] & m_d[None, :], other=0.)
+        b_o = tl.load(po_ptr + p_s[:, None] * D + o_d[None, :], mask=m_s[:, None] & m_d[None, :],
+                      other=0.).to(tl.float32)
         acc = acc * alpha + tl.sum(b_o * beta[:, None], axis=0)
         w = w * alpha + tl.sum(beta, axis=0)
         m = m_new

@@ -240,8 +240,9 @@ def gather_kv(cache, scale, block_table, length):
 @_ref
 def paged_attention(
     q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-    k_scale=None, v_scale=None, max_query_len=None, max_seq_len=None,
+    k_scale=None, v_scale=None, max_query_len=None, max_seq_len=None, k_new=None, v_new=None,
 ):
+    # k_new / v_new repeat what the cache holds (a kernel may read them instead): the oracle reads the cache
     hq, hkv, d = q.shape[1], k_cache.shape[2], q.shape[2]
     rep = hq // hkv
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -114,7 +114,7 @@ class GatedAttention:
         a = batch.attn
         K.write_kv(k, v, kv.k, kv.v, a.slot_mapping, kv.k_scale, kv.v_scale)
         o = K.paged_attention(q, kv.k, kv.v, a.block_tables, batch.cu_seqlens_q, a.seq_lens, self.scale,
-                              kv.k_scale, kv.v_scale, batch.max_query_len, a.max_seq_len)
+                              kv.k_scale, kv.v_scale, batch.max_query_len, a.max_seq_len, k_new=k, v_new=v)
         return self.o_proj(K.sigmoid_mul(o.view(t, hq * d), gate), batch.delta_rows)
 
 

@@ -30,15 +30,26 @@ def _cache(act_dtype, kv_dtype, hkv, d, seq_lens, block_size, bt_tables, nb):
     return kc, vc, ks, vs, k, v
 
 
-def _case(act_dtype, kv_dtype, hkv, rep, d, q_lens, ctx, block_size=16, bound=None):
+def _case(act_dtype, kv_dtype, hkv, rep, d, q_lens, ctx, block_size=16, bound=None, new_kv=False):
+    """new_kv: also pass the chunk's own K/V (k_new/v_new) and poison those positions in the cache
+    with NaN afterwards (where they are read from k_new), so a kernel reading them from the pages fails."""
     seq_lens = [c + q for q, c in zip(q_lens, ctx)]
     bt, tables, nb = paged_layout(seq_lens, block_size)
-    kc, vc, ks, vs, _, _ = _cache(act_dtype, kv_dtype, hkv, d, seq_lens, block_size, tables, nb)
+    kc, vc, ks, vs, k, v = _cache(act_dtype, kv_dtype, hkv, d, seq_lens, block_size, tables, nb)
     q = randn(sum(q_lens), hkv * rep, d, dtype=act_dtype)
     args = (q, kc, vc, bt, cu_seqlens(q_lens), torch.tensor(seq_lens, dtype=torch.int32, device=DEV), d ** -0.5,
             ks, vs, max(q_lens), max(seq_lens))
-    out = run_triton(K.paged_attention, *args)
     ref = run_reference(K.paged_attention, *args)
+    kw = {}
+    if new_kv:
+        starts = [0] + torch.tensor(seq_lens).cumsum(0).tolist()[:-1]
+        rows = torch.cat([torch.arange(s + c, s + c + n) for s, c, n in zip(starts, ctx, q_lens)]).to(DEV)
+        kw = dict(k_new=k[rows], v_new=v[rows])
+        if kv_dtype != torch.int8:
+            new_slots = slots_for(tables, ctx, seq_lens, block_size)
+            kc.view(-1, hkv, d)[new_slots] = float("nan")
+            vc.view(-1, hkv, d)[new_slots] = float("nan")
+    out = run_triton(K.paged_attention, *args, **kw)
     return assert_close("paged_attention", out, ref, bound or BOUND[act_dtype])
 
 
@@ -53,6 +64,49 @@ def _case(act_dtype, kv_dtype, hkv, rep, d, q_lens, ctx, block_size=16, bound=No
 ])
 def test_paged_attention(act_dtype, kv_dtype, rep, d, q_lens, ctx):
     _case(act_dtype, kv_dtype, 2, rep, d, q_lens, ctx)
+
+
+@pytest.mark.parametrize("act_dtype,kv_dtype,rep,d,q_lens,ctx", [
+    (torch.float32, torch.float32, 3, 32, [5, 0, 17, 1, 40], [0, 3, 20, 40, 37]),  # prefix tile boundaries
+    (torch.bfloat16, torch.bfloat16, 6, 64, [33, 18], [16, 0]),
+    (torch.bfloat16, torch.int8, 6, 64, [20, 9], [5, 0]),  # int8 cache: k_new ignored, pages read
+])
+def test_paged_attention_new_kv(act_dtype, kv_dtype, rep, d, q_lens, ctx):
+    """Prefill chunks reading their own keys from k_new/v_new: the new positions of the cache hold NaN."""
+    _case(act_dtype, kv_dtype, 2, rep, d, q_lens, ctx, new_kv=True)
+
+
+# paged_decode_kernel variants (config= of _decode_attention, swept on the GPU by bench/kernels.py):
+# forced split counts so the interpreter's tiny grid still crosses split, tile and page boundaries
+DECODE_VARIANTS = [None, dict(splits=5, stages=5), dict(splits=7, combine=True),
+                   dict(splits=5, partials="half"), dict(splits=6, stages=5, combine=True, partials="half"),
+                   dict(BLOCK_N=32, splits=3, stages=4, combine=True)]
+
+
+@pytest.mark.parametrize("config", DECODE_VARIANTS, ids=str)
+@pytest.mark.parametrize("act_dtype,kv_dtype,rep,q_lens,ctx", [
+    (torch.bfloat16, torch.int8, 6, [1, 1, 1], [90, 37, 0]),  # batch 3, odd lengths, a one-key sequence
+    (torch.float16, torch.int8, 3, [4, 1, 2], [61, 100, 9]),  # speculative rows (k = 3, 0, 1)
+    (torch.bfloat16, torch.bfloat16, 1, [1, 1], [101, 40]),  # GQA 1, 16-bit cache
+])
+def test_paged_decode_variants(config, act_dtype, kv_dtype, rep, q_lens, ctx):
+    """Each decode variant against the reference (output poisoned with NaN first); a second call gives
+    the same bits (fixed combine order) and the combine leaves its tickets at zero (graph replay)."""
+    from qv.kernels.attention import _DECODE_TICKETS, _paged_attention_triton
+
+    hkv, d, bs = 2, 64, 16
+    seq_lens = [c + q for q, c in zip(q_lens, ctx)]
+    bt, tables, nb = paged_layout(seq_lens, bs)
+    kc, vc, ks, vs, _, _ = _cache(act_dtype, kv_dtype, hkv, d, seq_lens, bs, tables, nb)
+    q = randn(sum(q_lens), hkv * rep, d, dtype=act_dtype)
+    args = (q, kc, vc, bt, cu_seqlens(q_lens), torch.tensor(seq_lens, dtype=torch.int32, device=DEV), d ** -0.5,
+            ks, vs, max(q_lens), max(seq_lens) + 5)  # max_seq_len is an upper bound (graph capture)
+    ref = run_reference(K.paged_attention, *args)
+    out = run_triton(_paged_attention_triton, *args, config=config)
+    assert_close("paged_attention decode", out, ref, BOUND[act_dtype])
+    again = run_triton(_paged_attention_triton, *args, config=config)
+    assert torch.equal(again, out)
+    assert all(int(t.abs().sum()) == 0 for t in _DECODE_TICKETS)
 
 
 def test_int8_kv_format_error():
@@ -79,5 +133,6 @@ def test_int8_kv_format_error():
 def test_paged_attention_real_shapes(act_dtype, kv_dtype, rep, d):
     hkv = 4 if rep == 6 else 2
     _case(act_dtype, kv_dtype, hkv, rep, d, [1000, 777, 1, 0], [500, 0, 3000, 5])  # prefill over prefixes
+    _case(act_dtype, kv_dtype, hkv, rep, d, [1000, 777, 9, 0], [500, 0, 3000, 5], new_kv=True)  # new keys from k_new
     _case(act_dtype, kv_dtype, hkv, rep, d, [1] * 16, [9000 - 555 * i for i in range(16)])  # decode batch
     _case(act_dtype, kv_dtype, hkv, rep, d, [4, 4, 4], [33000, 17, 4100])  # speculative rows (k=3)
