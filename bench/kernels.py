@@ -320,13 +320,8 @@ def bench_decode(lim, sweep):
         del inp, sets
 
 
-# CUDA-core GEMV variants (linear_gemv.py): fused = split-K reduce in the GEMV (no second launch),
-# PREFETCH = next step's loads before this step's math, VEC=16 = 16-byte code loads, split=1 = no split-K
-_FP = dict(kind="fma", fused=True, PREFETCH=True)
-GEMV_SWEEP = [dict(kind="dot"), dict(kind="fma"), dict(kind="fma", fused=True), _FP,
-              dict(_FP, NW=8, BK=8, waves=4), dict(_FP, NW=4, BK=8, waves=8), dict(_FP, NW=4, BK=8, waves=4),
-              dict(_FP, waves=16), dict(_FP, VEC=16, NW=8, BK=4, waves=4),
-              dict(kind="fma", PREFETCH=True, NW=8, BK=8, split=1)]
+GEMV_SWEEP = [dict(kind="dot"), dict(kind="fma"), dict(kind="fma", NW=4, BK=8, waves=8), dict(kind="fma", NW=8, BK=8, waves=4),
+              dict(kind="fma", ASM=False)]
 GEMM_SWEEP = [dict(kind="dot", dequant_min_m=1 << 30, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=st,
                    GROUP_M=8) for bm, bn, bk, nw, st in ((128, 128, 64, 8, 4), (128, 256, 64, 8, 3))]
 

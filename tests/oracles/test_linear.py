@@ -38,31 +38,6 @@ def test_gptq_gemv(dtype, m):
     _case(dtype, m, 70, 96, 32, zeros=m == 4, bias=m == 13)
 
 
-# the CUDA-core GEMV's variants (bench/kernels.py GEMV_SWEEP times them): fused split-K reduce (also
-# in several chunks), prefetch (int32 code words, and bytes), 16 codes per thread, no split
-GEMV_VARIANTS = [dict(fused=True), dict(fused=True, REDUCE_BLOCK=2), dict(PREFETCH=True), dict(PREFETCH=True, WORDS=False),
-                 dict(VEC=16, PREFETCH=True, fused=True), dict(split=1, PREFETCH=True), dict(NW=1, BK=8, fused=True)]
-
-
-@pytest.mark.parametrize("variant", GEMV_VARIANTS, ids=str)
-def test_gptq_gemv_variants(variant):
-    """Odd and word-aligned widths, one and several column tiles, 1-4 rows, zeros and bias; the fused
-    reduce is bitwise repeatable and leaves its tile counters at zero for the next launch."""
-    from qv.kernels import linear_gemv
-    from qv.kernels.linear_gptq import _linear_triton
-
-    for dtype, m, n, k, group, zeros, bias in ((torch.bfloat16, 1, 70, 128, 32, False, True),
-                                               (torch.float32, 3, 72, 96, 32, True, False),
-                                               (torch.bfloat16, 4, 300, 64, 32, True, True)):
-        w = gptq_weight(n, k, group, zeros, False, dtype)
-        x, b = randn(m, k, dtype=dtype), (randn(n, dtype=dtype) if bias else None)
-        cfg = dict(kind="fma", **variant)
-        out = run_triton(_linear_triton, x, w, b, config=cfg)
-        assert_close(f"gemv {variant} m{m} n{n}", out, run_reference(K.linear, x, w, b), BOUND[dtype])
-        assert torch.equal(out, run_triton(_linear_triton, x, w, b, config=cfg))
-        assert all(not c.any() for c in linear_gemv._TILE_COUNTERS.values())
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gptq_gemm(dtype):
     _case(dtype, 37, 50, 128, 64, zeros=True, bias=True)
