@@ -194,7 +194,8 @@ def attn_fwd_kernel(
                                    kvh, 0, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, stride_bt, stride_kb, stride_ks,
                                    stride_kh, stride_sb, stride_ss, BS, qk_scale, D, BLOCK_N, BLOCK_D, True, QUANT,
                                    CAUSAL)
-        acc, m_i, l_i = _attn_span(acc, m_i, l_i, b_q, qpos, tl.maximum(k_lo, prefix), k_end, k_free, kv_len, b,
+        # its tiles start at `prefix`, off the split grid: keys past k_end belong to the next split
+        acc, m_i, l_i = _attn_span(acc, m_i, l_i, b_q, qpos, tl.maximum(k_lo, prefix), k_end, k_free, k_end, b,
                                    kvh, q_start - prefix, kn_ptr, vn_ptr, ks_ptr, vs_ptr, bt_ptr, 0, stride_nt, 0,
                                    stride_nh, 0, 0, 1, qk_scale, D, BLOCK_N, BLOCK_D, False, False, CAUSAL, TMA, WS)
     else:

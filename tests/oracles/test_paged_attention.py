@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kernel_cases import BOUND, DEV, K, cu_seqlens, paged_layout, randn, run_reference, run_triton, slots_for
+from qv.kernels.attention import _paged_attention_triton
 from util import assert_close, rel_err
 
 INT8_FORMAT_BOUND = 2e-2  # int8 K/V (scale per token and head) vs unquantized, random normal data
@@ -30,8 +31,9 @@ def _cache(act_dtype, kv_dtype, hkv, d, seq_lens, block_size, bt_tables, nb):
     return kc, vc, ks, vs, k, v
 
 
-def _case(act_dtype, kv_dtype, hkv, rep, d, q_lens, ctx, block_size=16, bound=None, new_kv=False):
-    """new_kv: also pass the chunk's own K/V (k_new/v_new) and poison those positions in the cache
+def _case(act_dtype, kv_dtype, hkv, rep, d, q_lens, ctx, block_size=16, bound=None, new_kv=False, config=None):
+    """config: kernel settings (through _paged_attention_triton, e.g. a forced split count).
+    new_kv: also pass the chunk's own K/V (k_new/v_new) and poison those positions in the cache
     with NaN afterwards (where they are read from k_new), so a kernel reading them from the pages fails."""
     seq_lens = [c + q for q, c in zip(q_lens, ctx)]
     bt, tables, nb = paged_layout(seq_lens, block_size)
@@ -49,7 +51,10 @@ def _case(act_dtype, kv_dtype, hkv, rep, d, q_lens, ctx, block_size=16, bound=No
             new_slots = slots_for(tables, ctx, seq_lens, block_size)
             kc.view(-1, hkv, d)[new_slots] = float("nan")
             vc.view(-1, hkv, d)[new_slots] = float("nan")
-    out = run_triton(K.paged_attention, *args, **kw)
+    if config is None:
+        out = run_triton(K.paged_attention, *args, **kw)
+    else:
+        out = run_triton(_paged_attention_triton, *args, **kw, config=config)
     return assert_close("paged_attention", out, ref, bound or BOUND[act_dtype])
 
 
@@ -66,14 +71,17 @@ def test_paged_attention(act_dtype, kv_dtype, rep, d, q_lens, ctx):
     _case(act_dtype, kv_dtype, 2, rep, d, q_lens, ctx)
 
 
-@pytest.mark.parametrize("act_dtype,kv_dtype,rep,d,q_lens,ctx", [
-    (torch.float32, torch.float32, 3, 32, [5, 0, 17, 1, 40], [0, 3, 20, 40, 37]),  # prefix tile boundaries
-    (torch.bfloat16, torch.bfloat16, 6, 64, [33, 18], [16, 0]),
-    (torch.bfloat16, torch.int8, 6, 64, [20, 9], [5, 0]),  # int8 cache: k_new ignored, pages read
+@pytest.mark.parametrize("act_dtype,kv_dtype,rep,d,q_lens,ctx,config", [
+    (torch.float32, torch.float32, 3, 32, [5, 0, 17, 1, 40], [0, 3, 20, 40, 37], None),  # prefix tile boundaries
+    (torch.bfloat16, torch.bfloat16, 6, 64, [33, 18], [16, 0], None),
+    (torch.bfloat16, torch.int8, 6, 64, [20, 9], [5, 0], None),  # int8 cache: k_new ignored, pages read
+    # split-K over the keys: split boundaries fall inside the new keys' tiles (which start at the prefix)
+    (torch.float32, torch.float32, 1, 32, [40, 9, 23], [7, 50, 0], dict(splits=3)),
+    (torch.bfloat16, torch.bfloat16, 3, 64, [30, 17], [21, 5], dict(splits=4)),
 ])
-def test_paged_attention_new_kv(act_dtype, kv_dtype, rep, d, q_lens, ctx):
+def test_paged_attention_new_kv(act_dtype, kv_dtype, rep, d, q_lens, ctx, config):
     """Prefill chunks reading their own keys from k_new/v_new: the new positions of the cache hold NaN."""
-    _case(act_dtype, kv_dtype, 2, rep, d, q_lens, ctx, new_kv=True)
+    _case(act_dtype, kv_dtype, 2, rep, d, q_lens, ctx, new_kv=True, config=config)
 
 
 # paged_decode_kernel variants (config= of _decode_attention, swept on the GPU by bench/kernels.py):
@@ -92,7 +100,7 @@ DECODE_VARIANTS = [None, dict(splits=5, stages=5), dict(splits=7, combine=True),
 def test_paged_decode_variants(config, act_dtype, kv_dtype, rep, q_lens, ctx):
     """Each decode variant against the reference (output poisoned with NaN first); a second call gives
     the same bits (fixed combine order) and the combine leaves its tickets at zero (graph replay)."""
-    from qv.kernels.attention import _DECODE_TICKETS, _paged_attention_triton
+    from qv.kernels.attention import _DECODE_TICKETS
 
     hkv, d, bs = 2, 64, 16
     seq_lens = [c + q for q, c in zip(q_lens, ctx)]
