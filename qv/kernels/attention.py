@@ -148,9 +148,11 @@ def _attn_config(device, dtype, d, rep, decode, max_q, n_seq, hkv):
                     num_warps=4, num_stages=(3 if long_splits else 4) if wide else 2)
     if not wide:  # fp32 runs its dots on FMA units (ieee): small tiles
         return dict(BLOCK_M=max(m_floor, 32 if d > 128 else 64), BLOCK_N=32, num_warps=4, num_stages=1)
+    # Hopper+: the chunk's new keys by TMA bulk copies (H200, 8K d256: 1.61 vs 1.69 ms; docs/BENCHMARKS.md)
+    tma = torch.cuda.get_device_capability(device)[0] >= 9
     if d <= 64:
-        return dict(BLOCK_M=max(m_floor, 128), BLOCK_N=64, num_warps=4, num_stages=3)
-    return dict(BLOCK_M=max(m_floor, 128), BLOCK_N=64, num_warps=8, num_stages=3 if d <= 128 else 2)
+        return dict(BLOCK_M=max(m_floor, 128), BLOCK_N=64, num_warps=4, num_stages=3, tma=tma)
+    return dict(BLOCK_M=max(m_floor, 128), BLOCK_N=64, num_warps=8, num_stages=3 if d <= 128 else 2, tma=tma)
 
 
 def _num_splits(device, programs, max_kv, block_n, min_keys):
@@ -172,7 +174,10 @@ def _decode_config(device, dtype, d, rep, max_q, n_seq, hkv):
         return dict(BLOCK_M=m, BLOCK_N=16, num_warps=4, waves=6)
     # measured on the H200 (bench/kernels.py --sweep decode, CUDA-graph replay): 32-key tiles, 4 warps;
     # few (sequence, KV head) pairs: about 6 programs per SM; many pairs: more, shorter splits (24)
-    return dict(BLOCK_M=m, BLOCK_N=32, num_warps=4, waves=6 if n_seq * hkv < num_sms(device) // 8 else 24)
+    # many pairs also pipeline K/V through cp.async (stages=5: two tiles in flight; 0.50 vs 0.52 ms at 32K x 16)
+    if n_seq * hkv < num_sms(device) // 8:
+        return dict(BLOCK_M=m, BLOCK_N=32, num_warps=4, waves=6)
+    return dict(BLOCK_M=m, BLOCK_N=32, num_warps=4, waves=24, stages=5, maxnreg=168)
 
 
 def _decode_attention(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, max_q, max_kv, cfg):
