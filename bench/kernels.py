@@ -293,14 +293,11 @@ def fla_step_time(fla, sets):
         return None, "FLA call failed"
 
 
-# paged_decode_kernel variants over the default (_decode_config): stages=5 pipelines K/V through cp.async
-# (two tiles in flight per program instead of one; maxnreg=168 keeps 3 programs per SM, no spills offline);
-# combine=True merges the splits in the decode launch (no reduce kernel); partials="half" halves the
-# partial traffic; waves trades split count against per-program prologue/epilogue; 64-key tiles: 2 per SM
-DECODE_SWEEP = [dict(stages=5, maxnreg=168), dict(stages=5, maxnreg=168, combine=True),
-                dict(stages=5, maxnreg=168, combine=True, waves=3), dict(stages=5, maxnreg=168, partials="half"),
-                dict(stages=5, maxnreg=168, waves=12), dict(BLOCK_N=64, stages=5),
-                dict(combine=True, maxnreg=168), dict(partials="half", maxnreg=168)]
+# paged_decode_kernel variants over the default (_decode_config): stages pipelines K/V through cp.async
+# (stages=5: two tiles in flight per program instead of one; maxnreg=168 keeps 3 programs per SM);
+# waves trades split count against per-program prologue/epilogue; 64-key tiles: 2 programs per SM
+DECODE_SWEEP = [dict(stages=0, waves=6), dict(stages=5, maxnreg=168), dict(stages=5, maxnreg=168, waves=6),
+                dict(stages=5, maxnreg=168, waves=12), dict(BLOCK_N=64, stages=5)]
 
 
 def bench_decode(lim, sweep):

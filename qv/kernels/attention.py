@@ -182,18 +182,17 @@ def _decode_config(device, dtype, d, rep, max_q, n_seq, hkv):
 
 def _decode_attention(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, max_q, max_kv, cfg):
     """Decode / speculative rows: split-K over the context with one program per (sequence, KV head,
-    split), then the splits are merged by a reduce pass or (combine=True) by the last program of each
-    (sequence, KV head) inside the same launch. The split count depends only on the batch size, the
+    split), then the splits are merged by a reduce pass. The split count depends only on the batch size, the
     head counts and max_kv (an upper bound of seq_lens, max_seq_len from the caller), never on device
     values. cfg (from _decode_config, overridable for the sweep): BLOCK_M, BLOCK_N, num_warps; waves
     (programs per multiprocessor the splits aim at) or splits; stages (0: register prefetch, >= 2:
-    cp.async pipeline depth); combine; partials ("fp32", or "half": in q's 16-bit dtype); words."""
+    cp.async pipeline depth); words."""
     t, hq, d = q.shape
     hkv, bs = k.shape[-2], k.shape[1]
     n_seq = cu_q.shape[0] - 1
     cfg = dict(cfg)
     block_m, block_n, waves = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("waves")
-    stages, combine, partials = cfg.pop("stages", 0), cfg.pop("combine", False), cfg.pop("partials", "fp32")
+    stages = cfg.pop("stages", 0)
     splits = max(1, min(triton.cdiv(waves * num_sms(q.device), n_seq * hkv), triton.cdiv(max_kv, 2 * block_n)))
     splits = cfg.pop("splits", splits)
     split_len = triton.cdiv(triton.cdiv(max_kv, splits), block_n) * block_n
@@ -205,44 +204,21 @@ def _decode_attention(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, max_q
     if q.stride(-1) != 1:
         q = q.contiguous()
     out = torch.empty_like(q)
-    if splits > 1:  # partials [splits, T, Hq, D] and their base-2 log-sum-exps [splits, T, Hq]
-        half = partials == "half" and q.dtype in (torch.float16, torch.bfloat16)
-        o_t = torch.empty((splits, t, hq, d), dtype=q.dtype if half else torch.float32, device=q.device)
-        plse = torch.empty((splits, t, hq), dtype=torch.float32, device=q.device)
-        o_s, o_h, o_x = o_t.stride(0), o_t.stride(1), o_t.stride(2)
-    else:
-        o_t, plse, o_s, o_h, o_x = out, out, 0, out.stride(0), out.stride(1)
-    combine = combine and splits > 1
-    tickets = _decode_tickets(q.device, n_seq * hkv) if combine else kv_lens
+    o_t, plse, o_s, o_h, o_x = _split_outputs(out, splits)
     sc = ks if quant else k
     paged_decode_kernel[(n_seq, hkv, splits)](
-        q, k, v, sc, vs if quant else v, o_t, plse, block_tables, cu_q, kv_lens, out, tickets, scale * LOG2E, t,
-        hq, hkv, q.stride(0), q.stride(1), o_h, o_x, o_s, out.stride(0), out.stride(1), k.stride(0), k.stride(1),
-        k.stride(2), ks.stride(0) if quant else 0, ks.stride(1) if quant else 0, block_tables.stride(0), split_len,
+        q, k, v, sc, vs if quant else v, o_t, plse, block_tables, cu_q, kv_lens, scale * LOG2E, t,
+        hq, q.stride(0), q.stride(1), o_h, o_x, o_s, k.stride(0), k.stride(1), k.stride(2),
+        ks.stride(0) if quant else 0, ks.stride(1) if quant else 0, block_tables.stride(0), split_len,
         D=d, REP=hq // hkv, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=next_pow2(d, 16), BS=bs, QUANT=quant,
-        SPLIT=splits > 1, WORDS=words, ASM=words and not interpreting(q.device), STAGES=stages, COMBINE=combine,
+        SPLIT=splits > 1, WORDS=words, ASM=words and not interpreting(q.device), STAGES=stages,
         num_stages=1, **cfg)
-    if splits > 1 and not combine:
+    if splits > 1:
         bd = min(next_pow2(d), 64)
         decode_reduce_kernel[(t, hq, triton.cdiv(d, bd))](o_t, plse, out, cu_q, kv_lens, n_seq, t, hq, out.stride(0),
                                                           out.stride(1), split_len, D=d, BLOCK_D=bd,
                                                           BLOCK_S=min(next_pow2(splits), 64))
     return out
-
-
-_DECODE_TICKETS: list[torch.Tensor] = []
-
-
-def _decode_tickets(device, n):
-    """Zeroed int32 counters for paged_decode_kernel's combine (it leaves them zero again). Kept for
-    the process and never freed, since a captured CUDA graph holds their address; one decode launch
-    per device at a time may use them (the engine runs one stream)."""
-    for buf in _DECODE_TICKETS:
-        if buf.device == device and buf.numel() >= n:
-            return buf
-    buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    _DECODE_TICKETS.append(buf)
-    return buf
 
 
 def _split_outputs(out: torch.Tensor, splits: int):

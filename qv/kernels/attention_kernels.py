@@ -323,12 +323,12 @@ def _decode_tile_step(b_q, b_k, b_v, b_ks, b_vs, n, k_end, qpos, acc, m_i, l_i, 
 
 @triton.jit
 def paged_decode_kernel(
-    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, lse_ptr, bt_ptr, cu_q_ptr, kv_len_ptr, out_ptr, ticket_ptr,
-    qk_scale, T, HQ, HKV, stride_qt, stride_qh, stride_ot, stride_oh, stride_os, stride_out_t, stride_out_h,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, lse_ptr, bt_ptr, cu_q_ptr, kv_len_ptr,
+    qk_scale, T, HQ, stride_qt, stride_qh, stride_ot, stride_oh, stride_os,
     stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, stride_bt, SPLIT_LEN,
     D: tl.constexpr, REP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BS: tl.constexpr, QUANT: tl.constexpr, SPLIT: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr,
-    STAGES: tl.constexpr, COMBINE: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """Decode and speculative rows (few queries per sequence) over the paged cache: program
     (sequence b, KV head, split) holds the b's query rows of that KV head's GQA group and the keys
@@ -341,10 +341,9 @@ def paged_decode_kernel(
     software pipeliner keeps STAGES - 1 tiles in flight through cp.async into shared memory (no
     registers held per tile in flight; the block-table load is pipelined one stage ahead of K/V).
 
-    SPLIT: o_ptr/lse_ptr are per-split partials (o_ptr fp32 or 16-bit) and their base-2 log-sum-exps.
-    COMBINE: no reduce pass; the last program of each (sequence, KV head) to finish, found by an atomic
-    ticket (ticket_ptr[b * HKV + kvh], zero between launches: that program resets it), combines the
-    splits in split order into out_ptr (deterministic, and a replayed CUDA graph finds zeros again)."""
+    SPLIT: o_ptr/lse_ptr are per-split fp32 partials and their base-2 log-sum-exps (decode_reduce_kernel
+    merges them). Merging in the same launch (the last program per head, found by an atomic ticket) and
+    16-bit partials were measured slower or equal on the H200 and removed (docs/BENCHMARKS.md)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1).to(tl.int64)
     q_start = tl.load(cu_q_ptr + b)
@@ -403,43 +402,9 @@ def paged_decode_kernel(
         split = tl.program_id(2).to(tl.int64)
         tl.store(p_o + split * stride_os, b_o.to(o_ptr.dtype.element_ty), mask=m_q)
         b_lse = tl.where(l_i == 0., float("-inf"), m_i + tl.math.log2(tl.where(l_i == 0., 1., l_i)))
-        p_lse = lse_ptr + rows * HQ + o_h
-        tl.store(p_lse + split * T * HQ, b_lse, mask=row_ok)
-        if COMBINE:
-            tl.debug_barrier()  # every thread's partial stores precede the ticket (released by the atomic)
-            p_ticket = ticket_ptr + b * HKV + kvh
-            n_split = tl.cdiv(kv_len, SPLIT_LEN)
-            if tl.atomic_add(p_ticket, 1, sem="acq_rel") == n_split - 1:
-                _decode_combine(o_ptr, p_lse, out_ptr, rows, o_h, o_d, m_q, row_ok, n_split, T * HQ, stride_ot,
-                                stride_oh, stride_os, stride_out_t, stride_out_h, BLOCK_M)
-                tl.atomic_xchg(p_ticket, 0)
+        tl.store(lse_ptr + (split * T + rows) * HQ + o_h, b_lse, mask=row_ok)
     else:
         tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=m_q)
-
-
-@triton.jit
-def _decode_combine(po_ptr, p_lse, out_ptr, rows, o_h, o_d, m_q, row_ok, n_split, stride_lse_s, stride_ot, stride_oh,
-                    stride_os, stride_out_t, stride_out_h, BLOCK_M: tl.constexpr):
-    """Merge the n_split partials of these rows in split order (loads bypass L1: other SMs wrote them).
-    A split a row cannot see has lse -inf and weight 0; split 0 is seen by every real row. The loads
-    are pipelined (cp.async, several splits in flight): one program reads them all, so latency counts."""
-    p_po = po_ptr + rows[:, None] * stride_ot + o_h[:, None] * stride_oh + o_d[None, :]
-    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    w = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, o_d.shape[0]], dtype=tl.float32)
-    for s in tl.range(0, n_split, num_stages=4):
-        lse = tl.load(p_lse + s * stride_lse_s, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-        b_o = tl.load(p_po + s * stride_os, mask=m_q, other=0., cache_modifier=".cg").to(tl.float32)
-        m_new = tl.maximum(m, lse)
-        m_safe = tl.where(m_new == float("-inf"), 0., m_new)
-        alpha = tl.math.exp2(m - m_safe)
-        beta = tl.math.exp2(lse - m_safe)
-        acc = acc * alpha[:, None] + b_o * beta[:, None]
-        w = w * alpha + beta
-        m = m_new
-    b_o = acc / tl.where(w == 0., 1., w)[:, None]
-    tl.store(out_ptr + rows[:, None] * stride_out_t + o_h[:, None] * stride_out_h + o_d[None, :],
-             b_o.to(out_ptr.dtype.element_ty), mask=m_q)
 
 
 @triton.jit

@@ -86,9 +86,8 @@ def test_paged_attention_new_kv(act_dtype, kv_dtype, rep, d, q_lens, ctx, config
 
 # paged_decode_kernel variants (config= of _decode_attention, swept on the GPU by bench/kernels.py):
 # forced split counts so the interpreter's tiny grid still crosses split, tile and page boundaries
-DECODE_VARIANTS = [None, dict(splits=5, stages=5), dict(splits=7, combine=True),
-                   dict(splits=5, partials="half"), dict(splits=6, stages=5, combine=True, partials="half"),
-                   dict(BLOCK_N=32, splits=3, stages=4, combine=True)]
+DECODE_VARIANTS = [None, dict(splits=5), dict(splits=5, stages=5), dict(BLOCK_N=32, splits=3, stages=4),
+                   dict(waves=24, stages=5, maxnreg=168)]
 
 
 @pytest.mark.parametrize("config", DECODE_VARIANTS, ids=str)
@@ -99,9 +98,7 @@ DECODE_VARIANTS = [None, dict(splits=5, stages=5), dict(splits=7, combine=True),
 ])
 def test_paged_decode_variants(config, act_dtype, kv_dtype, rep, q_lens, ctx):
     """Each decode variant against the reference (output poisoned with NaN first); a second call gives
-    the same bits (fixed combine order) and the combine leaves its tickets at zero (graph replay)."""
-    from qv.kernels.attention import _DECODE_TICKETS
-
+    the same bits (the reduce merges the splits in a fixed order)."""
     hkv, d, bs = 2, 64, 16
     seq_lens = [c + q for q, c in zip(q_lens, ctx)]
     bt, tables, nb = paged_layout(seq_lens, bs)
@@ -114,7 +111,6 @@ def test_paged_decode_variants(config, act_dtype, kv_dtype, rep, q_lens, ctx):
     assert_close("paged_attention decode", out, ref, BOUND[act_dtype])
     again = run_triton(_paged_attention_triton, *args, config=config)
     assert torch.equal(again, out)
-    assert all(int(t.abs().sum()) == 0 for t in _DECODE_TICKETS)
 
 
 def test_int8_kv_format_error():
