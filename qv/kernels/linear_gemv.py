@@ -6,7 +6,7 @@ vector loads of 8 codes per thread, all loads of a step issued before any use, n
 (with M <= 4 their layout shuffles through shared memory cost more than the FMAs), fp32 FMAs
 straight into per-thread partial sums; split-K over a (column tile, K range) grid whose column tile
 varies fastest, so programs running together read whole rows of the weight; the partials are summed
-by split_sum_kernel (deterministic, no atomics). Used for M = 1 by default: at M = 4 the FMAs
+by split_sum_kernel (deterministic, no atomics), or (fused) by the last program of each column tile. Used for M = 1 by default: at M = 4 the FMAs
 (about 7 instructions per weight byte) make it issue-bound and the tensor-core kernel is faster
 (docs/BENCHMARKS.md).
 """
@@ -51,17 +51,22 @@ def _codes_f32(b_q, b_z, HAS_ZERO: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def gptq_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, o_ptr, M, N, K, K_SPLIT, GROUP,
-                     stride_xm, stride_qk, stride_sg, stride_os, stride_om,
+def gptq_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, o_ptr, y_ptr, ticket_ptr, M, N, K, K_SPLIT, GROUP,
+                     SPLITS, stride_xm, stride_qk, stride_sg, stride_os, stride_om, stride_ym,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NW: tl.constexpr,
                      VEC: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                     ASM: tl.constexpr):
+                     ASM: tl.constexpr, FUSED: tl.constexpr, BLOCK_S: tl.constexpr):
     """Program (column tile, K range): BLOCK_N = 32*VEC columns (VEC contiguous codes per thread) and
     NW warps; each step warp w takes rows k0 + w*BLOCK_K + i, i < BLOCK_K (unrolled), and accumulates
     x * (c - z) with FMAs into its own partial sums [NW, BLOCK_N]: the sum over K stays in each thread
     until one cross-warp sum at the end. Scales, zeros and x are loaded as [NW, BLOCK_N] broadcasts so
     they get the codes' layout (VEC=8: fp16 scales fill one 16-byte load) and nothing in the loop goes
-    through shared memory. A step (NW*BLOCK_K rows) lies in one group: the host makes it divide GROUP."""
+    through shared memory. A step (NW*BLOCK_K rows) lies in one group: the host makes it divide GROUP.
+
+    FUSED (split-K): no second launch. After storing its partials a program takes a ticket for its
+    column tile (ticket_ptr[tile], zero between launches); the last of the SPLITS programs sums the
+    partials in split order, adds the bias, writes y and puts the ticket back to zero (deterministic;
+    a replayed CUDA graph finds zeros)."""
     o_n = tl.max_contiguous(tl.multiple_of(tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N), VEC), VEC)
     m_n = o_n < N
     k_lo = tl.program_id(1) * K_SPLIT
@@ -106,6 +111,28 @@ def gptq_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, o_ptr, M, N, K, K_SPL
     if BLOCK_M > 2:
         _gemv_store(p_o + 2 * stride_om, acc2, bias_ptr, o_n, m_n & (o_n * 0 + 2 < M), HAS_BIAS, SPLIT)
         _gemv_store(p_o + 3 * stride_om, acc3, bias_ptr, o_n, m_n & (o_n * 0 + 3 < M), HAS_BIAS, SPLIT)
+    if FUSED:
+        tl.debug_barrier()  # every thread's partial stores precede the ticket (released by the atomic)
+        p_ticket = ticket_ptr + tl.program_id(0)
+        if tl.atomic_add(p_ticket, 1, sem="acq_rel") == SPLITS - 1:
+            for r in tl.static_range(BLOCK_M):
+                _sum_splits(o_ptr + r * stride_om, bias_ptr, y_ptr + r * stride_ym, o_n, m_n & (o_n * 0 + r < M),
+                            SPLITS, stride_os, HAS_BIAS, BLOCK_S)
+            tl.atomic_xchg(p_ticket, 0)
+
+
+@triton.jit
+def _sum_splits(p_part, bias_ptr, p_y, o_n, m_n, SPLITS, stride_os, HAS_BIAS: tl.constexpr, BLOCK_S: tl.constexpr):
+    """y[o_n] = sum over splits of the partials (other programs wrote them: loads bypass L1)."""
+    o_s = tl.arange(0, BLOCK_S)
+    acc = tl.zeros([o_n.shape[0]], dtype=tl.float32)
+    for s0 in range(0, SPLITS, BLOCK_S):
+        m = ((s0 + o_s) < SPLITS)[:, None] & m_n[None, :]
+        acc += tl.sum(tl.load(p_part + (s0 + o_s).to(tl.int64)[:, None] * stride_os + o_n[None, :], mask=m, other=0.,
+                              cache_modifier=".cg"), axis=0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + o_n, mask=m_n, other=0.).to(tl.float32)
+    tl.store(p_y + o_n, acc.to(p_y.dtype.element_ty), mask=m_n)
 
 
 @triton.jit
@@ -123,10 +150,24 @@ def gemv_config(device, m, n, k):
     """CUDA-core GEMV settings, measured on the H200 (bench/kernels.py --sweep gemv, docs/BENCHMARKS.md):
     wide outputs (>= 64 column tiles) take 4-warp programs over 8 waves, narrow ones 8-warp programs."""
     if interpreting(device):
-        return dict(NW=2, BK=4, waves=2, ASM=False)
+        return dict(NW=2, BK=4, waves=2, ASM=False, fused=True)
     if triton.cdiv(n, 256) >= 64:
-        return dict(NW=4, BK=8, waves=8, ASM=True)
-    return dict(NW=8, BK=8, waves=4, ASM=True)
+        return dict(NW=4, BK=8, waves=8, ASM=True, fused=False)
+    return dict(NW=8, BK=8, waves=4, ASM=True, fused=False)
+
+
+_TICKETS: dict[torch.device, torch.Tensor] = {}
+_MAX_TILES = 4096
+
+
+def _tickets(device):
+    """Zeroed per-column-tile counters for the fused split-K reduce (the kernel leaves them zero).
+    Kept for the process: a captured CUDA graph holds their address. None while a graph is being
+    captured before they exist (the caller then takes the two-launch path). One stream at a time."""
+    buf = _TICKETS.get(device)
+    if buf is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        buf = _TICKETS[device] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
+    return buf
 
 
 def gemv_fma(x2, w, bias, out, cfg):
@@ -148,14 +189,15 @@ def gemv_fma(x2, w, bias, out, cfg):
     k_split = triton.cdiv(triton.cdiv(k, split), step) * step
     split = triton.cdiv(k, k_split)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x2.device) if split > 1 else out
+    tickets = _tickets(x2.device) if cfg.get("fused") and split > 1 and tiles <= _MAX_TILES else None
     gptq_gemv_kernel[(tiles, split)](
         x2, w.qweight, w.scales, w.zeros if w.zeros is not None else w.scales, bias if bias is not None else w.scales,
-        part, m, n, k, k_split, w.group_size, x2.stride(0), w.qweight.stride(0), w.scales.stride(0),
-        part.stride(0) if split > 1 else 0, part.stride(-2),
+        part, out, tickets if tickets is not None else part, m, n, k, k_split, w.group_size, split, x2.stride(0),
+        w.qweight.stride(0), w.scales.stride(0), part.stride(0) if split > 1 else 0, part.stride(-2), out.stride(0),
         BLOCK_M=next_pow2(m), BLOCK_N=32 * vec, BLOCK_K=bk, NW=nw, VEC=vec, HAS_ZERO=w.zeros is not None,
         HAS_BIAS=bias is not None, SPLIT=split > 1, ASM=cfg["ASM"] and not interpreting(x2.device),
-        num_warps=nw, num_stages=1)
-    if split > 1:
+        FUSED=tickets is not None, BLOCK_S=min(next_pow2(split), 32), num_warps=nw, num_stages=1)
+    if split > 1 and tickets is None:
         block = 1024
         split_sum_kernel[(triton.cdiv(m * n, block),)](part, bias if bias is not None else part, out, n, m * n, split,
                                                        part.stride(0), out.stride(0), HAS_BIAS=bias is not None,

@@ -83,3 +83,25 @@ def test_gptq_dequant_cublas(dtype, act_order):
 def test_gptq_large_m_real_shapes(dtype):
     _case(dtype, 1100, 5120, 17408, 128, zeros=True, bias=True)
     _case(dtype, 1024, 1000, 5120, 128, act_order=True)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("dtype,m,zeros,bias", [(torch.float32, 1, True, True), (torch.bfloat16, 3, False, True),
+                                                (torch.float16, 4, True, False)])
+def test_gptq_gemv_split_reduce(fused, dtype, m, zeros, bias):
+    """The CUDA-core GEMV's split-K reduce: a second launch, or (fused) the last program of each column
+    tile summing the partials. Two column tiles, many splits; a rerun gives the same bits and the fused
+    path leaves its tickets at zero (so a replayed CUDA graph starts from zeros)."""
+    from qv.kernels import linear_gemv
+    from qv.kernels.linear_gptq import _linear_triton
+
+    w = gptq_weight(300, 256, 32, zeros, False, dtype)
+    x = randn(m, 256, dtype=dtype)
+    b = randn(300, dtype=dtype) if bias else None
+    cfg = dict(kind="fma", fused=fused, waves=64)
+    out = run_triton(_linear_triton, x, w, b, config=cfg)
+    assert_close("linear (CUDA-core GEMV, split-K)", out, run_reference(K.linear, x, w, b), BOUND[dtype])
+    assert torch.equal(run_triton(_linear_triton, x, w, b, config=cfg), out)
+    assert all(int(t.abs().sum()) == 0 for t in linear_gemv._TICKETS.values())
+    if fused:
+        assert linear_gemv._TICKETS, "the fused reduce did not run"
