@@ -32,7 +32,7 @@ from kernel_inputs import attention_inputs, decode_inputs, gdn_inputs, gptq_inpu
 from qv.kernels.attention import _paged_attention_triton, _varlen_attention_triton  # noqa: E402
 from qv.kernels.gdn import _gated_delta_rule_triton  # noqa: E402
 from qv.kernels.gdn_chunk import SWEEP_CONFIGS as GDN_CHUNK_SWEEP  # noqa: E402
-from qv.kernels.gdn_chunk import chunk_prep  # noqa: E402
+from qv.kernels.gdn_chunk import chunk_prep, chunk_prep_split  # noqa: E402
 from qv.kernels.linear_gptq import _linear_triton  # noqa: E402
 from qv.kernels.reference import dequantize_gptq  # noqa: E402
 
@@ -205,7 +205,9 @@ def bench_gdn_chunk(lim, sweep, fla):
             best_cfg["gdn"] = best[1]
         ik = inp["ours"]
         t_prep = median_ms(lambda: chunk_prep(ik[1], ik[2], ik[3], ik[4], ik[5], ik[6], ik[8], 48))
-        print(f"    gdn chunk {n // 1024}K: prep kernel alone {t_prep:.3f} ms", flush=True)
+        t_split = median_ms(lambda: chunk_prep_split(ik[1], ik[2], ik[3], ik[4], ik[5], ik[6], ik[8], 48))
+        print(f"    gdn chunk {n // 1024}K: prep kernel alone {t_prep:.3f} ms, split prep (config prep=split) "
+              f"{t_split:.3f} ms", flush=True)
         gpu_ours, text = kernel_breakdown(lambda: _gated_delta_rule_triton(*inp["ours"], max_query_len=n,
                                                                            config=best[1]))
         print(f"    gdn chunk {n // 1024}K ours by kernel: {text}", flush=True)

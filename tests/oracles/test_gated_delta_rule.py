@@ -12,7 +12,7 @@ import torch
 
 from kernel_cases import BOUND, DEV, K, cu_seqlens, randn, run_reference, run_triton
 from qv.kernels.gdn import _gated_delta_rule_triton
-from qv.kernels.gdn_chunk import SWEEP_CONFIGS
+from qv.kernels.gdn_chunk import SWEEP_CONFIGS, chunk_prep, chunk_prep_split
 from qv.kernels.reference import load_state
 from util import assert_close
 
@@ -98,6 +98,34 @@ def test_chunked_ragged_last_chunk(dtype, lens):
 def test_chunked_variants(config):
     """Each swept gdn_chunked config: two chunked sequences (one ragged, one with an initial state), bf16."""
     _case(torch.bfloat16, torch.float32, 1, 2, 16, 24, [150, 70], [True, False], max_q=None, config=config)
+
+
+@pytest.mark.parametrize("dtype,state_dtype,hk,rep,dk,dv,lens", [
+    (torch.float32, torch.float32, 2, 2, 16, 24, [70, 1, 0, 20]),  # varlen, ragged, empty, single token
+    (torch.float32, torch.float16, 1, 3, 40, 20, [16, 80, 31, 48]),  # dk 40: k k^T over three slices; GQA 3
+    (torch.bfloat16, torch.float32, 1, 2, 16, 16, [127, 60, 33, 113]),  # last chunk fills 48..63, 33..47, 49
+    (torch.float16, torch.int16, 1, 2, 16, 16, [64 + 7, 96, 52]),  # < 16, 32, 48..63
+])
+def test_chunked_split_prep(dtype, state_dtype, hk, rep, dk, dv, lens):
+    """The split prep (config prep="split") on the prefill cases: initial states on every other sequence."""
+    _case(dtype, state_dtype, hk, rep, dk, dv, lens, [i % 2 == 0 for i in range(len(lens))], max_q=None,
+          config=dict(prep="split", solve_bk=16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_prep_matches_fused(dtype):
+    """chunk_prep_split stores what chunk_prep stores (W, U, gc, k's inverse norms per value head),
+    padding columns of W and U included: the scan and out kernels read either."""
+    hk, rep, dk, dv, lens = 2, 3, 24, 40, [100, 17, 64]
+    t, hv = sum(lens), hk * rep
+    k, v = randn(t, hk, dk, dtype=dtype), randn(t, hv, dv, dtype=dtype)
+    a, b = randn(t, hv, dtype=dtype), randn(t, hv, dtype=dtype)
+    A_log, dt_bias = randn(hv, scale=0.5), randn(hv, scale=0.5)
+    args = (k, v, a, b, A_log, dt_bias, cu_seqlens(lens), hv)
+    fused, split = chunk_prep(*args), chunk_prep_split(*args, solve_bk=16, wy_bv=16)
+    for name, x, y in zip(("w", "u", "gc", "rk"), fused, split):
+        assert_close(name, y.float(), x.float(), 1e-5 if x.dtype == torch.float32 and name in ("gc", "rk")
+                     else BOUND[dtype])
 
 
 @pytest.mark.gpu
