@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qv.kernels.triton_utils import interpreting, next_pow2
+from qv.kernels.triton_utils import interpreting, next_pow2, num_sms
 
 
 @triton.jit
@@ -117,8 +117,13 @@ def gdn_recurrent(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, state_slots,
     if n_seq == 0:
         return out
     cfg = config or {}
-    bv = cfg.get("bv") or min(next_pow2(dv), 8 if interpreting(v.device) else 64)  # 64: measured on the H200
     int16 = state.dtype == torch.int16
+    # measured on the H200 (graph replay, bench/kernels.py --sweep step): 64 columns a program where
+    # that fills the GPU; below one program per SM (batch 1 at 27B: 96) 16-column programs, 5.6 vs 6.8 us
+    bv = cfg.get("bv") or min(next_pow2(dv), 8 if interpreting(v.device) else 64)
+    warps = 4 if dk * bv >= 2048 else 2
+    if not cfg.get("bv") and not interpreting(v.device) and n_seq * hv * triton.cdiv(dv, 64) < num_sms(v.device):
+        bv, warps = 16, 2 if int16 else 1
     sc = state_scale if int16 else state
     inter = intermediate_states if intermediate_states is not None else state
     gdn_recurrent_kernel[(n_seq, hv, triton.cdiv(dv, bv))](
@@ -127,5 +132,5 @@ def gdn_recurrent(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, state_slots,
         out.stride(1), state.stride(0), state.stride(1), state.stride(2), sc.stride(0) if int16 else 0,
         sc.stride(1) if int16 else 0, inter.stride(0), inter.stride(1), inter.stride(2), inter.stride(3),
         REP=hv // hk, BK=next_pow2(dk), BV=bv, INT16=int16, INTER=intermediate_states is not None,
-        num_warps=cfg.get("warps") or (4 if dk * bv >= 2048 else 2))
+        num_warps=cfg.get("warps") or warps)
     return out
