@@ -39,6 +39,25 @@ from qv.kernels.triton_utils import interpreting, next_pow2
 
 
 @triton.jit
+def _chunk_of_tile(cu_ptr, tile, B, BT: tl.constexpr):
+    """Start row and length of the sequence that owns virtual tile `tile`, and the tile's first row
+    within it (c0 >= L: a tile past the sequence end, nothing to do)."""
+    i_b = _find_seq(cu_ptr, tile, B, BT, True)
+    bos = tl.load(cu_ptr + i_b).to(tl.int64)
+    L = tl.load(cu_ptr + i_b + 1).to(tl.int64) - bos
+    c0 = (tile - (tl.load(cu_ptr + i_b) // BT + i_b)).to(tl.int64) * BT
+    return bos, L, c0
+
+
+@triton.jit
+def _sub_block_rows(bos, L, c0, BS: tl.constexpr):
+    """Rows of the chunk's four BS-row sub-blocks and their masks (rows past the sequence end are padding)."""
+    r1 = c0 + tl.arange(0, BS)
+    r2, r3, r4 = r1 + BS, r1 + 2 * BS, r1 + 3 * BS
+    return bos + r1, bos + r2, bos + r3, bos + r4, r1 < L, r2 < L, r3 < L, r4 < L
+
+
+@triton.jit
 def _tril_inverse4(b_A1, b_A2, b_A3, b_A4, BS: tl.constexpr):
     """(I + A)^-1 of four strictly lower-triangular [BS, BS] blocks (fp32) by forward substitution
     over rows, the four stacked as [BS, BS, 2, 2] so they share one chain of BS - 1 steps. The
@@ -175,19 +194,13 @@ def gdn_chunk_prep_kernel(
     tl.static_assert(BT == 4 * BS)
     tile = tl.program_id(0)
     hv = tl.program_id(1).to(tl.int64)
-    i_b = _find_seq(cu_ptr, tile, B, BT, True)
-    bos = tl.load(cu_ptr + i_b).to(tl.int64)
-    L = tl.load(cu_ptr + i_b + 1).to(tl.int64) - bos
-    c0 = (tile - (tl.load(cu_ptr + i_b) // BT + i_b)).to(tl.int64) * BT
+    bos, L, c0 = _chunk_of_tile(cu_ptr, tile, B, BT)
     if c0 >= L:
         return
     hk = hv // REP
     o_k = tl.arange(0, BK)
     o_v = tl.arange(0, BV)
-    r1 = c0 + tl.arange(0, BS)
-    r2, r3, r4 = r1 + BS, r1 + 2 * BS, r1 + 3 * BS
-    m1, m2, m3, m4 = r1 < L, r2 < L, r3 < L, r4 < L  # rows past the sequence end are padding
-    rows1, rows2, rows3, rows4 = bos + r1, bos + r2, bos + r3, bos + r4
+    rows1, rows2, rows3, rows4, m1, m2, m3, m4 = _sub_block_rows(bos, L, c0, BS)
     neg_A = -tl.exp(tl.load(alog_ptr + hv).to(tl.float32))
     dt_bias = tl.load(dtb_ptr + hv).to(tl.float32)
     g0 = tl.zeros([], dtype=tl.float32)
@@ -281,17 +294,11 @@ def gdn_chunk_solve_kernel(
     tl.static_assert(BT == 4 * BS)
     tile = tl.program_id(0)
     hv = tl.program_id(1).to(tl.int64)
-    i_b = _find_seq(cu_ptr, tile, B, BT, True)
-    bos = tl.load(cu_ptr + i_b).to(tl.int64)
-    L = tl.load(cu_ptr + i_b + 1).to(tl.int64) - bos
-    c0 = (tile - (tl.load(cu_ptr + i_b) // BT + i_b)).to(tl.int64) * BT
+    bos, L, c0 = _chunk_of_tile(cu_ptr, tile, B, BT)
     if c0 >= L:
         return
     hk = hv // REP
-    r1 = c0 + tl.arange(0, BS)
-    r2, r3, r4 = r1 + BS, r1 + 2 * BS, r1 + 3 * BS
-    m1, m2, m3, m4 = r1 < L, r2 < L, r3 < L, r4 < L  # rows past the sequence end are padding
-    rows1, rows2, rows3, rows4 = bos + r1, bos + r2, bos + r3, bos + r4
+    rows1, rows2, rows3, rows4, m1, m2, m3, m4 = _sub_block_rows(bos, L, c0, BS)
     neg_A = -tl.exp(tl.load(alog_ptr + hv).to(tl.float32))
     dt_bias = tl.load(dtb_ptr + hv).to(tl.float32)
     g0 = tl.zeros([], dtype=tl.float32)
@@ -370,10 +377,7 @@ def gdn_chunk_wy_kernel(
     tile = tl.program_id(0)
     hv = tl.program_id(1).to(tl.int64)
     i_v = tl.program_id(2)
-    i_b = _find_seq(cu_ptr, tile, B, BT, True)
-    bos = tl.load(cu_ptr + i_b).to(tl.int64)
-    L = tl.load(cu_ptr + i_b + 1).to(tl.int64) - bos
-    c0 = (tile - (tl.load(cu_ptr + i_b) // BT + i_b)).to(tl.int64) * BT
+    bos, L, c0 = _chunk_of_tile(cu_ptr, tile, B, BT)
     if c0 >= L:
         return
     hk = hv // REP
@@ -492,10 +496,7 @@ def gdn_chunk_out_kernel(
     tile = tl.program_id(0)
     hv = tl.program_id(1).to(tl.int64)
     o_v = tl.program_id(2) * BV + tl.arange(0, BV)
-    i_b = _find_seq(cu_ptr, tile, B, BT, True)
-    bos = tl.load(cu_ptr + i_b).to(tl.int64)
-    L = tl.load(cu_ptr + i_b + 1).to(tl.int64) - bos
-    c0 = (tile - (tl.load(cu_ptr + i_b) // BT + i_b)).to(tl.int64) * BT
+    bos, L, c0 = _chunk_of_tile(cu_ptr, tile, B, BT)
     if c0 >= L:
         return
     o_k = tl.arange(0, BK)
