@@ -565,7 +565,7 @@ def chunk_prep(k, v, a, b, A_log, dt_bias, cu_seqlens, hv, warps=4):
     return w, u, gc, rk
 
 
-def chunk_prep_split(k, v, a, b, A_log, dt_bias, cu_seqlens, hv, solve_warps=1, solve_bk=32, wy_warps=4, wy_bv=None,
+def chunk_prep_split(k, v, a, b, A_log, dt_bias, cu_seqlens, hv, solve_warps=1, solve_bk=32, wy_warps=8, wy_bv=None,
                      solve_precision=None, solve_stages=1):
     """chunk_prep's outputs from two kernels in the style of FLA's kkt_solve and recompute_w_u:
     gdn_chunk_solve_kernel stores gc, the inverse norms of k and T = (I + A)^-1 [T, Hv, 64]
