@@ -32,7 +32,7 @@ from kernel_inputs import attention_inputs, decode_inputs, gdn_inputs, gptq_inpu
 from qv.kernels.attention import _paged_attention_triton, _varlen_attention_triton  # noqa: E402
 from qv.kernels.gdn import _gated_delta_rule_triton  # noqa: E402
 from qv.kernels.gdn_chunk import SWEEP_CONFIGS as GDN_CHUNK_SWEEP  # noqa: E402
-from qv.kernels.gdn_chunk import chunk_prep, chunk_prep_split  # noqa: E402
+from qv.kernels.gdn_prep import chunk_prep, chunk_prep_split  # noqa: E402
 from qv.kernels.linear_gptq import _linear_triton  # noqa: E402
 from qv.kernels.reference import dequantize_gptq  # noqa: E402
 

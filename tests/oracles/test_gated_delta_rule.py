@@ -12,7 +12,8 @@ import torch
 
 from kernel_cases import BOUND, DEV, K, cu_seqlens, randn, run_reference, run_triton
 from qv.kernels.gdn import _gated_delta_rule_triton
-from qv.kernels.gdn_chunk import SWEEP_CONFIGS, chunk_prep, chunk_prep_split
+from qv.kernels.gdn_chunk import SWEEP_CONFIGS
+from qv.kernels.gdn_prep import chunk_prep, chunk_prep_split
 from qv.kernels.reference import load_state
 from util import assert_close
 
