@@ -111,13 +111,12 @@ def _attn_tile(acc, m_i, l_i, b_q, qpos, start, kv_len, b, kvh, kv_start, k_ptr,
 def _attn_span(acc, m_i, l_i, b_q, qpos, lo, hi, free, kv_len, b, kvh, kv_start, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr,
                stride_bt, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, BS, qk_scale,
                D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGED: tl.constexpr,
-               QUANT: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr = False, WS: tl.constexpr = False):
+               QUANT: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr = False):
     """Keys lo..hi-1 (positions; key row kv_start + position when not PAGED, mask n < kv_len): whole
-    tiles below `free` (keys every row sees) skip the mask, the rest are masked. WS asks Triton to
-    warp-specialize the unmasked loop."""
+    tiles below `free` (keys every row sees) skip the mask, the rest are masked."""
     mid = tl.minimum(free, hi)
     mid = tl.where(mid > lo, lo + (mid - lo) // BLOCK_N * BLOCK_N, lo)
-    for start in tl.range(lo, mid, BLOCK_N, warp_specialize=WS):
+    for start in range(lo, mid, BLOCK_N):
         acc, m_i, l_i = _attn_tile(acc, m_i, l_i, b_q, qpos, start, kv_len, b, kvh, kv_start, k_ptr, v_ptr, ks_ptr,
                                    vs_ptr, bt_ptr, stride_bt, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss,
                                    BS, qk_scale, D, BLOCK_N, BLOCK_D, PAGED, QUANT, CAUSAL, False, TMA)
@@ -136,7 +135,7 @@ def attn_fwd_kernel(
     stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, stride_bt, BS, SPLIT_LEN, stride_nt, stride_nh,
     D: tl.constexpr, REP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGED: tl.constexpr, QUANT: tl.constexpr, CAUSAL: tl.constexpr, DECODE: tl.constexpr, SPLIT: tl.constexpr,
-    NEW_KV: tl.constexpr, TMA: tl.constexpr = False, WS: tl.constexpr = False,
+    NEW_KV: tl.constexpr, TMA: tl.constexpr = False,
 ):
     """NEW_KV (paged prefill): the chunk's own keys (positions kv_len - q_len ..) are read from the
     packed K/V it was written from (kn_ptr/vn_ptr [T, Hkv, D], rows like q's), contiguous rows
@@ -197,12 +196,11 @@ def attn_fwd_kernel(
         # its tiles start at `prefix`, off the split grid: keys past k_end belong to the next split
         acc, m_i, l_i = _attn_span(acc, m_i, l_i, b_q, qpos, tl.maximum(k_lo, prefix), k_end, k_free, k_end, b,
                                    kvh, q_start - prefix, kn_ptr, vn_ptr, ks_ptr, vs_ptr, bt_ptr, 0, stride_nt, 0,
-                                   stride_nh, 0, 0, 1, qk_scale, D, BLOCK_N, BLOCK_D, False, False, CAUSAL, TMA, WS)
+                                   stride_nh, 0, 0, 1, qk_scale, D, BLOCK_N, BLOCK_D, False, False, CAUSAL, TMA)
     else:
         acc, m_i, l_i = _attn_span(acc, m_i, l_i, b_q, qpos, k_lo, k_end, k_free, kv_len, b, kvh, q_start, k_ptr,
                                    v_ptr, ks_ptr, vs_ptr, bt_ptr, stride_bt, stride_kb, stride_ks, stride_kh,
-                                   stride_sb, stride_ss, BS, qk_scale, D, BLOCK_N, BLOCK_D, PAGED, QUANT, CAUSAL,
-                                   False, WS)
+                                   stride_sb, stride_ss, BS, qk_scale, D, BLOCK_N, BLOCK_D, PAGED, QUANT, CAUSAL)
 
     b_o = acc / tl.where(l_i == 0., 1., l_i)[:, None]
     p_o = o_ptr + rows[:, None] * stride_ot + o_h[:, None] * stride_oh + o_d[None, :]
@@ -342,8 +340,7 @@ def paged_decode_kernel(
     registers held per tile in flight; the block-table load is pipelined one stage ahead of K/V).
 
     SPLIT: o_ptr/lse_ptr are per-split fp32 partials and their base-2 log-sum-exps (decode_reduce_kernel
-    merges them). Merging in the same launch (the last program per head, found by an atomic ticket) and
-    16-bit partials were measured slower or equal on the H200 and removed (docs/BENCHMARKS.md)."""
+    merges them; merging in this launch measured slower on the H200, docs/BENCHMARKS.md)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1).to(tl.int64)
     q_start = tl.load(cu_q_ptr + b)
@@ -400,7 +397,7 @@ def paged_decode_kernel(
     p_o = o_ptr + rows[:, None] * stride_ot + o_h[:, None] * stride_oh + o_d[None, :]
     if SPLIT:
         split = tl.program_id(2).to(tl.int64)
-        tl.store(p_o + split * stride_os, b_o.to(o_ptr.dtype.element_ty), mask=m_q)
+        tl.store(p_o + split * stride_os, b_o, mask=m_q)
         b_lse = tl.where(l_i == 0., float("-inf"), m_i + tl.math.log2(tl.where(l_i == 0., 1., l_i)))
         tl.store(lse_ptr + (split * T + rows) * HQ + o_h, b_lse, mask=row_ok)
     else:
@@ -432,8 +429,7 @@ def decode_reduce_kernel(po_ptr, lse_ptr, o_ptr, cu_q_ptr, kv_len_ptr, B, T, HQ,
         m_new = tl.maximum(m, tl.max(lse, axis=0))
         alpha = tl.math.exp2(m - m_new)
         beta = tl.math.exp2(lse - m_new)
-        b_o = tl.load(po_ptr + p_s[:, None] * D + o_d[None, :], mask=m_s[:, None] & m_d[None, :],
-                      other=0.).to(tl.float32)
+        b_o = tl.load(po_ptr + p_s[:, None] * D + o_d[None, :], mask=m_s[:, None] & m_d[None, :], other=0.)
         acc = acc * alpha + tl.sum(b_o * beta[:, None], axis=0)
         w = w * alpha + tl.sum(beta, axis=0)
         m = m_new

@@ -6,9 +6,9 @@ vector loads of 8 codes per thread, all loads of a step issued before any use, n
 (with M <= 4 their layout shuffles through shared memory cost more than the FMAs), fp32 FMAs
 straight into per-thread partial sums; split-K over a (column tile, K range) grid whose column tile
 varies fastest, so programs running together read whole rows of the weight; the partials are summed
-by split_sum_kernel (deterministic, no atomics), or (fused) by the last program of each column tile. Used for M = 1 by default: at M = 4 the FMAs
-(about 7 instructions per weight byte) make it issue-bound and the tensor-core kernel is faster
-(docs/BENCHMARKS.md).
+by the last program of each column tile (fused, the default) or by split_sum_kernel, both in split
+order (deterministic). Used for M = 1 by default: at M = 4 the FMAs (about 7 instructions per
+weight byte) make it issue-bound and the tensor-core kernel is faster (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
