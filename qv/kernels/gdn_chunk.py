@@ -191,12 +191,14 @@ def gdn_chunked(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, state_slots, h
     bt = 64
     bk, bvf = next_pow2(dk, 16), next_pow2(dv, 16)
     dt = q.dtype
+    # the prep settings' defaults live in chunk_prep_split / chunk_prep; config overrides them
     if cfg.get("prep", "split") == "split":
-        w, u, gc, rk = chunk_prep_split(k, v, a, b, A_log, dt_bias, cu_seqlens, hv, cfg.get("solve_warps", 1),
-                                        cfg.get("solve_bk", 32), cfg.get("wy_warps", 8), cfg.get("wy_bv"),
-                                        cfg.get("solve_precision"), cfg.get("solve_stages", 1))
+        keys = ("solve_warps", "solve_bk", "wy_warps", "wy_bv", "solve_precision", "solve_stages")
+        w, u, gc, rk = chunk_prep_split(k, v, a, b, A_log, dt_bias, cu_seqlens, hv,
+                                        **{key: cfg[key] for key in keys if key in cfg})
     else:
-        w, u, gc, rk = chunk_prep(k, v, a, b, A_log, dt_bias, cu_seqlens, hv, cfg.get("prep_warps", 4))
+        w, u, gc, rk = chunk_prep(k, v, a, b, A_log, dt_bias, cu_seqlens, hv,
+                                  **({"warps": cfg["prep_warps"]} if "prep_warps" in cfg else {}))
     split_o = cfg.get("split_o", not interpreting(q.device) or t > 2 * bt)
     bv = cfg.get("bv") or _scan_bv(q.device, n_seq, hv, dv, split_o)
     int16 = state.dtype == torch.int16

@@ -382,6 +382,16 @@ def gdn_chunk_wy_kernel(
                  mask=m_t[:, None])
 
 
+def _prep_outputs(k, hv, bk, bv):
+    """What either prep stores: W [T, Hv, bk], U [T, Hv, bv] (activation dtype), gc and k's inverse
+    norms [T, Hv] (fp32)."""
+    t = k.shape[0]
+    return (torch.empty((t, hv, bk), dtype=k.dtype, device=k.device),
+            torch.empty((t, hv, bv), dtype=k.dtype, device=k.device),
+            torch.empty((t, hv), dtype=torch.float32, device=k.device),
+            torch.empty((t, hv), dtype=torch.float32, device=k.device))
+
+
 def chunk_prep(k, v, a, b, A_log, dt_bias, cu_seqlens, hv, warps=4):
     """W [T, Hv, BK], U [T, Hv, BV] (activation dtype), gc [T, Hv] and the inverse l2 norms of k
     per value head rk [T, Hv] (fp32) of every chunk.
@@ -394,10 +404,7 @@ def chunk_prep(k, v, a, b, A_log, dt_bias, cu_seqlens, hv, warps=4):
     t, hk, dk = k.shape
     dv, n_seq = v.shape[2], cu_seqlens.shape[0] - 1
     bk, bvf = next_pow2(dk, 16), next_pow2(dv, 16)
-    w = torch.empty((t, hv, bk), dtype=k.dtype, device=k.device)
-    u = torch.empty((t, hv, bvf), dtype=k.dtype, device=k.device)
-    gc = torch.empty((t, hv), dtype=torch.float32, device=k.device)
-    rk = torch.empty((t, hv), dtype=torch.float32, device=k.device)
+    w, u, gc, rk = _prep_outputs(k, hv, bk, bvf)
     gdn_chunk_prep_kernel[(t // 64 + n_seq, hv)](
         k, v, a, b, A_log, dt_bias, w, u, gc, rk, cu_seqlens, n_seq, dk, dv, hv, k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), a.stride(0), b.stride(0), w.stride(0), w.stride(1), u.stride(0), u.stride(1),
@@ -420,10 +427,7 @@ def chunk_prep_split(k, v, a, b, A_log, dt_bias, cu_seqlens, hv, solve_warps=1, 
     dv, n_seq = v.shape[2], cu_seqlens.shape[0] - 1
     bk, bvf = next_pow2(dk, 16), next_pow2(dv, 16)
     bt, n_tiles = 64, t // 64 + n_seq
-    w = torch.empty((t, hv, bk), dtype=k.dtype, device=k.device)
-    u = torch.empty((t, hv, bvf), dtype=k.dtype, device=k.device)
-    gc = torch.empty((t, hv), dtype=torch.float32, device=k.device)
-    rk = torch.empty((t, hv), dtype=torch.float32, device=k.device)
+    w, u, gc, rk = _prep_outputs(k, hv, bk, bvf)
     tinv = torch.empty((t, hv, bt), dtype=k.dtype, device=k.device)
     gdn_chunk_solve_kernel[(n_tiles, hv)](
         k, a, b, A_log, dt_bias, tinv, gc, rk, cu_seqlens, n_seq, dk, hv, k.stride(0), k.stride(1), a.stride(0),
