@@ -31,8 +31,11 @@ def _cache(act_dtype, kv_dtype, hkv, d, seq_lens, block_size, bt_tables, nb):
     return kc, vc, ks, vs, k, v
 
 
-def _case(act_dtype, kv_dtype, hkv, rep, d, q_lens, ctx, block_size=16, bound=None, new_kv=False, config=None):
+def _case(act_dtype, kv_dtype, hkv, rep, d, q_lens, ctx, block_size=16, bound=None, new_kv=False, config=None,
+          max_seq_slack=0, rerun=False):
     """config: kernel settings (through _paged_attention_triton, e.g. a forced split count).
+    max_seq_slack: max_seq_len passed this much above the longest sequence (an upper bound, as under
+    CUDA-graph capture). rerun: a second call must give the same bits.
     new_kv: also pass the chunk's own K/V (k_new/v_new) and poison those positions in the cache
     with NaN afterwards (where they are read from k_new), so a kernel reading them from the pages fails."""
     seq_lens = [c + q for q, c in zip(q_lens, ctx)]
@@ -40,7 +43,7 @@ def _case(act_dtype, kv_dtype, hkv, rep, d, q_lens, ctx, block_size=16, bound=No
     kc, vc, ks, vs, k, v = _cache(act_dtype, kv_dtype, hkv, d, seq_lens, block_size, tables, nb)
     q = randn(sum(q_lens), hkv * rep, d, dtype=act_dtype)
     args = (q, kc, vc, bt, cu_seqlens(q_lens), torch.tensor(seq_lens, dtype=torch.int32, device=DEV), d ** -0.5,
-            ks, vs, max(q_lens), max(seq_lens))
+            ks, vs, max(q_lens), max(seq_lens) + max_seq_slack)
     ref = run_reference(K.paged_attention, *args)
     kw = {}
     if new_kv:
@@ -55,7 +58,11 @@ def _case(act_dtype, kv_dtype, hkv, rep, d, q_lens, ctx, block_size=16, bound=No
         out = run_triton(K.paged_attention, *args, **kw)
     else:
         out = run_triton(_paged_attention_triton, *args, **kw, config=config)
-    return assert_close("paged_attention", out, ref, bound or BOUND[act_dtype])
+    err = assert_close("paged_attention", out, ref, bound or BOUND[act_dtype])
+    if rerun:
+        again = run_triton(_paged_attention_triton, *args, **kw, config=config)
+        assert torch.equal(again, out), "paged_attention: a second call gave other bits"
+    return err
 
 
 @pytest.mark.parametrize("act_dtype,kv_dtype,rep,d,q_lens,ctx", [
@@ -99,18 +106,7 @@ DECODE_VARIANTS = [None, dict(splits=5), dict(splits=5, stages=5), dict(BLOCK_N=
 def test_paged_decode_variants(config, act_dtype, kv_dtype, rep, q_lens, ctx):
     """Each decode variant against the reference (output poisoned with NaN first); a second call gives
     the same bits (the reduce merges the splits in a fixed order)."""
-    hkv, d, bs = 2, 64, 16
-    seq_lens = [c + q for q, c in zip(q_lens, ctx)]
-    bt, tables, nb = paged_layout(seq_lens, bs)
-    kc, vc, ks, vs, _, _ = _cache(act_dtype, kv_dtype, hkv, d, seq_lens, bs, tables, nb)
-    q = randn(sum(q_lens), hkv * rep, d, dtype=act_dtype)
-    args = (q, kc, vc, bt, cu_seqlens(q_lens), torch.tensor(seq_lens, dtype=torch.int32, device=DEV), d ** -0.5,
-            ks, vs, max(q_lens), max(seq_lens) + 5)  # max_seq_len is an upper bound (graph capture)
-    ref = run_reference(K.paged_attention, *args)
-    out = run_triton(_paged_attention_triton, *args, config=config)
-    assert_close("paged_attention decode", out, ref, BOUND[act_dtype])
-    again = run_triton(_paged_attention_triton, *args, config=config)
-    assert torch.equal(again, out)
+    _case(act_dtype, kv_dtype, 2, rep, 64, q_lens, ctx, config=config, max_seq_slack=5, rerun=True)
 
 
 def test_int8_kv_format_error():
