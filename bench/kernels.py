@@ -206,8 +206,8 @@ def bench_gdn_chunk(lim, sweep, fla):
         ik = inp["ours"]
         t_prep = median_ms(lambda: chunk_prep(ik[1], ik[2], ik[3], ik[4], ik[5], ik[6], ik[8], 48))
         t_split = median_ms(lambda: chunk_prep_split(ik[1], ik[2], ik[3], ik[4], ik[5], ik[6], ik[8], 48))
-        print(f"    gdn chunk {n // 1024}K: prep kernel alone {t_prep:.3f} ms, split prep (config prep=split) "
-              f"{t_split:.3f} ms", flush=True)
+        print(f"    gdn chunk {n // 1024}K: prep alone: split (the default) {t_split:.3f} ms, fused (prep=fused) "
+              f"{t_prep:.3f} ms", flush=True)
         gpu_ours, text = kernel_breakdown(lambda: _gated_delta_rule_triton(*inp["ours"], max_query_len=n,
                                                                            config=best[1]))
         print(f"    gdn chunk {n // 1024}K ours by kernel: {text}", flush=True)
@@ -332,8 +332,9 @@ def bench_decode(lim, sweep):
         del inp, sets
 
 
-# fused: the split-K partials summed by the last program of each column tile (no second launch)
-GEMV_SWEEP = [dict(kind="dot"), dict(kind="fma"), dict(kind="fma", fused=True),
+# fused (the default): the split-K partials summed by the last program of each column tile (no second
+# launch); fused=False: split_sum_kernel after the GEMV
+GEMV_SWEEP = [dict(kind="dot"), dict(kind="fma"), dict(kind="fma", fused=False),
               dict(kind="fma", fused=True, NW=4, BK=8, waves=8), dict(kind="fma", fused=True, NW=8, BK=8, waves=4),
               dict(kind="fma", fused=True, waves=2)]
 GDN_STEP_SWEEP = [dict(bv=16, warps=1), dict(bv=16, warps=2), dict(bv=32, warps=2), dict(bv=32, warps=4),
