@@ -199,7 +199,8 @@ def bench_gdn_chunk(lim, sweep, fla):
         for cfg in (configs if n == 8192 else [best_cfg.get("gdn")]):
             t = try_time(lambda: _gated_delta_rule_triton(*inp["ours"], max_query_len=n, config=cfg))
             if sweep and n == 8192:
-                print(f"    gdn chunk 8K {cfg}: {t:.3f} ms", flush=True)
+                _, text = kernel_breakdown(lambda: _gated_delta_rule_triton(*inp["ours"], max_query_len=n, config=cfg))
+                print(f"    gdn chunk 8K {cfg}: {t:.3f} ms; {text}", flush=True)
             best = min(best, (t, cfg), key=lambda x: x[0])
         if n == 8192:
             best_cfg["gdn"] = best[1]
@@ -336,7 +337,9 @@ def bench_decode(lim, sweep):
 # launch); fused=False: split_sum_kernel after the GEMV
 GEMV_SWEEP = [dict(kind="dot"), dict(kind="fma"), dict(kind="fma", fused=False),
               dict(kind="fma", fused=True, NW=4, BK=8, waves=8), dict(kind="fma", fused=True, NW=8, BK=8, waves=4),
-              dict(kind="fma", fused=True, waves=2)]
+              dict(kind="fma", fused=True, waves=2), dict(kind="dot", swap=True), dict(kind="dot", swap=True, num_warps=8),
+              dict(kind="dot", swap=True, BLOCK_N=128), dict(kind="dot", swap=True, BLOCK_N=128, num_stages=6),
+              dict(kind="fma", BK=16), dict(kind="fma", NW=4, BK=16, waves=8)]
 GDN_STEP_SWEEP = [dict(bv=16, warps=1), dict(bv=16, warps=2), dict(bv=32, warps=2), dict(bv=32, warps=4),
                   dict(bv=64, warps=4), dict(bv=128, warps=8)]
 GEMM_SWEEP = [dict(kind="dot", dequant_min_m=1 << 30, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=st,

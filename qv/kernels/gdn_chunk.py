@@ -39,16 +39,24 @@ def _load_kt(k_ptr, rows, m_t, hk, stride_kt, stride_kh, o_k, DK):
 
 
 @triton.jit
-def _chunk_out(b_q, b_kt, b_gc, b_rk, b_hd, b_vnd, causal, scale):
+def _chunk_out(b_qh, b_qk, b_qq, b_gc, b_rk, b_vnd, causal, scale):
     """o = scale (exp(gc) q_n H + tril(q_n k_n^T exp(gc_t - gc_s)) v_new) for one chunk [BT, BV]
-    (fp32) from raw q [BT, BK] and k^T [BK, BT]: the inverse norms of q (computed here) and of k (b_rk,
-    from the prep) scale the rows of q H and the entries of q k^T, which then lie in [-1, 1] before
-    they are rounded for the second dot."""
-    b_rq = tl.math.rsqrt(tl.sum(b_q.to(tl.float32) * b_q.to(tl.float32), axis=1) + 1e-6)  # as l2norm_rows
-    b_o = tl.dot(b_q, b_hd, input_precision="ieee") * (b_rq * scale * tl.exp(b_gc))[:, None]
-    b_s = tl.dot(b_q, b_kt, input_precision="ieee") * b_rq[:, None] * b_rk[None, :]
+    (fp32) from the raw products q H [BT, BV] and q k^T [BT, BT] and q's squared row norms: the
+    inverse norms of q and of k (b_rk, from the prep) scale the rows of q H and the entries of
+    q k^T, which then lie in [-1, 1] before they are rounded for the last dot."""
+    b_rq = tl.math.rsqrt(b_qq + 1e-6)  # as l2norm_rows
+    b_o = b_qh * (b_rq * scale * tl.exp(b_gc))[:, None]
+    b_s = b_qk * b_rq[:, None] * b_rk[None, :]
     b_s = tl.where(causal, b_s * tl.exp(tl.where(causal, b_gc[:, None] - b_gc[None, :], 0.)), 0.)
     return b_o + scale * tl.dot(b_s.to(b_vnd.dtype), b_vnd, input_precision="ieee")
+
+
+@triton.jit
+def _q_products(b_q, b_hd, b_kt):
+    """q H, q k^T (fp32, from the raw 16-bit tiles) and q's squared row norms."""
+    b_qf = b_q.to(tl.float32)
+    return (tl.dot(b_q, b_hd, input_precision="ieee"), tl.dot(b_q, b_kt, input_precision="ieee"),
+            tl.sum(b_qf * b_qf, axis=1))
 
 
 @triton.jit
@@ -62,12 +70,28 @@ def _chunk_gc(gc_ptr, rk_ptr, bos, c0, L, rows, m_t, hv, HV, BT: tl.constexpr):
 
 
 @triton.jit
+def _scan_rows(c0, bos, L, o_t):
+    r = c0 + o_t
+    return bos + r, r < L
+
+
+@triton.jit
+def _scan_small(u_ptr, gc_ptr, rk_ptr, bos, c0, L, o_t, o_v, m_v, hv, HV, stride_ut, stride_uh, BT: tl.constexpr):
+    """The scan's small reads for the chunk at c0: U's [BT, BV] tile, gc, g_last, k's inverse norms."""
+    rows, m_t = _scan_rows(c0, bos, L, o_t)
+    b_u = tl.load(u_ptr + rows[:, None] * stride_ut + hv * stride_uh + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
+                  other=0.)
+    b_gc, g_last, b_rk = _chunk_gc(gc_ptr, rk_ptr, bos, c0, L, rows, m_t, hv, HV, BT)
+    return b_u, b_gc, g_last, b_rk
+
+
+@triton.jit
 def gdn_chunk_scan_kernel(
     q_ptr, k_ptr, w_ptr, u_ptr, gc_ptr, rk_ptr, o_ptr, h_ptr, st_ptr, sc_ptr, cu_ptr, slot_ptr, init_ptr, scale,
     DK, DV, HV, stride_qt, stride_qh, stride_wt, stride_wh, stride_ut, stride_uh, stride_ot, stride_oh,
     stride_hn, stride_hh, stride_hk, stride_ss, stride_sh, stride_sk, stride_cs, stride_ch,
     REP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, INT16: tl.constexpr,
-    SPLIT_O: tl.constexpr,
+    SPLIT_O: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """SPLIT_O: store each chunk's start state and v_new (into U) for gdn_chunk_out_kernel instead of
     producing the output here, which keeps only the two state dots on the sequential path. The state
@@ -91,17 +115,21 @@ def gdn_chunk_scan_kernel(
         b_h = tl.zeros([BK, BV], dtype=tl.float32)
     dt = w_ptr.dtype.element_ty
     causal = o_t[:, None] >= o_t[None, :]
+    nxt = _scan_small(u_ptr, gc_ptr, rk_ptr, bos, 0, L, o_t, o_v, m_v, hv, HV, stride_ut, stride_uh, BT)
     for c0 in range(0, L, BT):
-        r = c0 + o_t
-        m_t = r < L
-        rows = bos + r
+        rows, m_t = _scan_rows(c0, bos, L, o_t)
         b_kt = _load_kt(k_ptr, rows, m_t, hk, stride_qt, stride_qh, o_k, DK)
-        b_gc, g_last, b_rk = _chunk_gc(gc_ptr, rk_ptr, bos, c0, L, rows, m_t, hv, HV, BT)
         b_w = tl.load(w_ptr + rows[:, None] * stride_wt + hv * stride_wh + o_k[None, :], mask=m_t[:, None], other=0.)
+        if PREFETCH:  # the next chunk's small reads fly while this one computes (masked off past the end)
+            b_u, b_gc, g_last, b_rk = nxt
+            nxt = _scan_small(u_ptr, gc_ptr, rk_ptr, bos, c0 + BT, L, o_t, o_v, m_v, hv, HV, stride_ut, stride_uh, BT)
+        else:
+            b_u, b_gc, g_last, b_rk = _scan_small(u_ptr, gc_ptr, rk_ptr, bos, c0, L, o_t, o_v, m_v, hv, HV, stride_ut,
+                                                  stride_uh, BT)
         p_u = u_ptr + rows[:, None] * stride_ut + hv * stride_uh + o_v[None, :]
         m_u = m_t[:, None] & m_v[None, :]
         b_hd = b_h.to(dt)
-        b_vn = tl.load(p_u, mask=m_u, other=0.).to(tl.float32) - tl.dot(b_w, b_hd, input_precision="ieee")
+        b_vn = b_u.to(tl.float32) - tl.dot(b_w, b_hd, input_precision="ieee")
         b_vnd = b_vn.to(dt)
         if SPLIT_O:
             p_h = h_ptr + (vt0 + c0 // BT) * stride_hn + hv * stride_hh + o_k[:, None] * stride_hk + o_v[None, :]
@@ -110,7 +138,8 @@ def gdn_chunk_scan_kernel(
         else:
             b_q = tl.load(q_ptr + rows[:, None] * stride_qt + hk * stride_qh + o_k[None, :],
                           mask=m_t[:, None] & (o_k[None, :] < DK), other=0.)
-            b_o = _chunk_out(b_q, b_kt, b_gc, b_rk, b_hd, b_vnd, causal, scale)
+            b_qh, b_qk, b_qq = _q_products(b_q, b_hd, b_kt)
+            b_o = _chunk_out(b_qh, b_qk, b_qq, b_gc, b_rk, b_vnd, causal, scale)
             tl.store(o_ptr + rows[:, None] * stride_ot + hv * stride_oh + o_v[None, :],
                      b_o.to(o_ptr.dtype.element_ty), mask=m_u)
         b_vs = (b_vn * (b_rk * tl.exp(g_last - b_gc))[:, None]).to(dt)
@@ -123,7 +152,7 @@ def gdn_chunk_scan_kernel(
 def gdn_chunk_out_kernel(
     q_ptr, k_ptr, u_ptr, gc_ptr, rk_ptr, h_ptr, o_ptr, cu_ptr, B, scale, DK, DV, HV,
     stride_qt, stride_qh, stride_ut, stride_uh, stride_ot, stride_oh, stride_hn, stride_hh, stride_hk,
-    REP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    REP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, BKO: tl.constexpr,
 ):
     """Outputs of every (chunk, value head, BV columns) in parallel from the scan's chunk-start
     states and v_new."""
@@ -133,22 +162,29 @@ def gdn_chunk_out_kernel(
     bos, L, c0 = _chunk_of_tile(cu_ptr, tile, B, BT)
     if c0 >= L:
         return
-    o_k = tl.arange(0, BK)
     o_t = tl.arange(0, BT)
     m_v = o_v < DV
     hk = hv // REP
     r = c0 + o_t
     m_t = r < L
     rows = bos + r
-    b_q = tl.load(q_ptr + rows[:, None] * stride_qt + hk * stride_qh + o_k[None, :],
-                  mask=m_t[:, None] & (o_k[None, :] < DK), other=0.)
-    b_kt = _load_kt(k_ptr, rows, m_t, hk, stride_qt, stride_qh, o_k, DK)
+    b_qh = tl.zeros([BT, BV], dtype=tl.float32)
+    b_qk = tl.zeros([BT, BT], dtype=tl.float32)
+    b_qq = tl.zeros([BT], dtype=tl.float32)
+    p_h = h_ptr + tile.to(tl.int64) * stride_hn + hv * stride_hh + o_v[None, :]
+    for k0 in range(0, BK, BKO):  # K slices: with stages > 1 their loads go straight to shared memory
+        o_k = k0 + tl.arange(0, BKO)
+        b_q = tl.load(q_ptr + rows[:, None] * stride_qt + hk * stride_qh + o_k[None, :],
+                      mask=m_t[:, None] & (o_k[None, :] < DK), other=0.)
+        b_hd = tl.load(p_h + o_k[:, None] * stride_hk, mask=m_v[None, :], other=0.)
+        d_qh, d_qk, d_qq = _q_products(b_q, b_hd, _load_kt(k_ptr, rows, m_t, hk, stride_qt, stride_qh, o_k, DK))
+        b_qh += d_qh
+        b_qk += d_qk
+        b_qq += d_qq
     b_gc, g_last, b_rk = _chunk_gc(gc_ptr, rk_ptr, bos, c0, L, rows, m_t, hv, HV, BT)
-    b_hd = tl.load(h_ptr + tile.to(tl.int64) * stride_hn + hv * stride_hh + o_k[:, None] * stride_hk + o_v[None, :],
-                   mask=m_v[None, :], other=0.)
     m_u = m_t[:, None] & m_v[None, :]
     b_vnd = tl.load(u_ptr + rows[:, None] * stride_ut + hv * stride_uh + o_v[None, :], mask=m_u, other=0.)
-    b_o = _chunk_out(b_q, b_kt, b_gc, b_rk, b_hd, b_vnd, o_t[:, None] >= o_t[None, :], scale)
+    b_o = _chunk_out(b_qh, b_qk, b_qq, b_gc, b_rk, b_vnd, o_t[:, None] >= o_t[None, :], scale)
     tl.store(o_ptr + rows[:, None] * stride_ot + hv * stride_oh + o_v[None, :], b_o.to(o_ptr.dtype.element_ty),
              mask=m_u)
 
@@ -162,11 +198,11 @@ def gdn_chunk_out_kernel(
 # solve 1 warp / 32-column k slices 240 regs (default), 2 stages (cp.async) 255, 2 warps 207, 4 warps /
 # 64 columns 244, "ieee" merges at 4 warps 242 (at 1 or 2 warps they spill 112-1096 B); wy 4 warps
 # 130 regs (default), 8 warps 70, two wgmma each; the fused prep 255 regs + 96 B spilled there.
-SWEEP_CONFIGS = [dict(scan_stages=3), dict(bv=64), dict(bv=64, scan_warps=8), dict(out_bv=128, out_warps=8),
-                 dict(out_bv=32), dict(prep="fused"), dict(prep="fused", prep_warps=8),
-                 dict(split_o=False, bv=64, scan_warps=8), dict(wy_warps=4), dict(solve_stages=2),
-                 dict(solve_warps=2), dict(solve_warps=4, solve_bk=64),
-                 dict(solve_warps=4, solve_bk=64, solve_precision="ieee")]
+SWEEP_CONFIGS = [dict(scan_prefetch=False, scan_stages=2, out_bk=128, out_stages=1),  # the 2026-12-01 defaults
+                 dict(scan_prefetch=False, scan_stages=2), dict(out_bk=128, out_stages=1), dict(scan_stages=2),
+                 dict(scan_prefetch=False), dict(out_warps=8), dict(out_bk=32, out_stages=3), dict(out_stages=3),
+                 dict(out_bv=32), dict(out_bv=128, out_warps=8), dict(bv=64, scan_warps=8),
+                 dict(prep="fused"), dict(split_o=False, bv=64, scan_warps=8), dict(solve_stages=2)]
 
 
 def _scan_bv(device, n_seq, hv, dv, split_o):
@@ -210,13 +246,14 @@ def gdn_chunked(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, state_slots, h
         q.stride(0), q.stride(1), w.stride(0), w.stride(1), u.stride(0), u.stride(1), out.stride(0), out.stride(1),
         h_all.stride(0), h_all.stride(1), h_all.stride(2) if split_o else 0,
         state.stride(0), state.stride(1), state.stride(2), sc.stride(0) if int16 else 0, sc.stride(1) if int16 else 0,
-        REP=hv // hk, BK=bk, BV=bv, BT=bt, INT16=int16, SPLIT_O=split_o,
+        REP=hv // hk, BK=bk, BV=bv, BT=bt, INT16=int16, SPLIT_O=split_o, PREFETCH=cfg.get("scan_prefetch", True),
         num_warps=cfg.get("scan_warps", 4 if interpreting(q.device) or bv < 64 or split_o else 8),
-        num_stages=cfg.get("scan_stages", 2))
+        num_stages=cfg.get("scan_stages", 3))
     if split_o:
         bvo = cfg.get("out_bv", min(bvf, 64))
         gdn_chunk_out_kernel[(n_tiles, hv, triton.cdiv(dv, bvo))](
             q, k, u, gc, rk, h_all, out, cu_seqlens, n_seq, scale, dk, dv, hv, q.stride(0), q.stride(1), u.stride(0),
             u.stride(1), out.stride(0), out.stride(1), h_all.stride(0), h_all.stride(1), h_all.stride(2),
-            REP=hv // hk, BK=bk, BV=bvo, BT=bt, num_warps=cfg.get("out_warps", 4), num_stages=cfg.get("out_stages", 1))
+            REP=hv // hk, BK=bk, BV=bvo, BT=bt, BKO=min(cfg.get("out_bk", 64), bk), num_warps=cfg.get("out_warps", 4),
+            num_stages=cfg.get("out_stages", 2))
     return out

@@ -25,17 +25,34 @@ def gptq_weight(n, k, group, zeros, act_order, dtype):
         g, group)
 
 
-def _case(dtype, m, n, k, group, zeros=False, act_order=False, bias=False):
+def _case(dtype, m, n, k, group, zeros=False, act_order=False, bias=False, config=None):
+    from qv.kernels.linear_gptq import _linear_triton
+
     w = gptq_weight(n, k, group, zeros, act_order, dtype)
     x = randn(m, k, dtype=dtype)
     b = randn(n, dtype=dtype) if bias else None
-    assert_close("linear", run_triton(K.linear, x, w, b), run_reference(K.linear, x, w, b), BOUND[dtype])
+    out = run_triton(K.linear, x, w, b) if config is None else run_triton(_linear_triton, x, w, b, config=config)
+    assert_close("linear", out, run_reference(K.linear, x, w, b), BOUND[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 4, 13])
 def test_gptq_gemv(dtype, m):
     _case(dtype, m, 70, 96, 32, zeros=m == 4, bias=m == 13)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [2, 4, 13])
+def test_gptq_gemv_swapped(dtype, m):
+    """The tensor-core GEMV with the product taken as W^T x^T (config swap=True)."""
+    _case(dtype, m, 70, 96, 32, zeros=m == 4, bias=m == 13, config=dict(kind="dot", swap=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gptq_gemv_swapped_real_shapes(dtype):
+    _case(dtype, 4, 34816, 5120, 128, zeros=True, config=dict(kind="dot", swap=True))
+    _case(dtype, 4, 5120, 17408, 128, bias=True, config=dict(kind="dot", swap=True, num_warps=8))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
