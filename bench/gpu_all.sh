@@ -29,7 +29,7 @@ for section in "$@"; do
     prefix27) run prefix27 200 python3 bench/prefix.py --dir /tmp/qv-prefix-models --presets 27b ;;
     clef) run clef 420 python3 bench/clef.py --dir /tmp/qv-clef-models ;;
     clef27) run clef27 150 python3 bench/clef.py --dir /tmp/qv-clef-models --presets 27b ;;
-    kernels) run kernels 240 python3 bench/kernels.py --json "$out/kernels.json" ${BENCH_KERNELS_ARGS:-} ;;
+    kernels) run kernels ${KERNELS_S:-240} python3 bench/kernels.py --json "$out/kernels.json" ${BENCH_KERNELS_ARGS:-} ;;
   esac
 done
 cat "$out/env.txt"
