@@ -216,7 +216,7 @@ def bench_gdn_chunk(lim, sweep, fla):
         if fla is not None:
             t_fla, note = fla_chunk_time(fla, inp)
             gpu_fla, text = kernel_breakdown(fla_chunk_call(fla, inp))
-            print(f"    gdn chunk {n // 1024}K FLA by kernel: {text}", flush=True)
+            print(f"    gdn chunk {n // 1024}K FLA by kernel: {text}; {fla_tuned()}", flush=True)
         t = best[0]
         # FLA launches ~9 kernels from Python: at 8K its wall time can be host-bound (1.5 ms against
         # 0.72 ms of GPU work), so the ratio compares GPU time (sum of each side's kernels)
@@ -225,6 +225,16 @@ def bench_gdn_chunk(lim, sweep, fla):
             f"GPU time {gpu_ours or 0:.3f} vs {gpu_fla or 0:.3f} ms = {ratio:.2f}x FLA" if ratio else "-",
             ">= 1.0x FLA", None if ratio is None else ratio >= 1.0, f"{note}; cfg {best[1]}")
         del inp
+
+
+def fla_tuned() -> str:
+    """The configs FLA's autotuner picked for its state and output kernels (what wins on this GPU)."""
+    try:
+        from fla.ops.common import chunk_delta_h, chunk_o
+        kernels = (chunk_delta_h.chunk_gated_delta_rule_fwd_kernel_h_blockdim64, chunk_o.chunk_fwd_kernel_o)
+        return "FLA tuned: " + "; ".join(f"{k.fn.__name__} {getattr(k, 'best_config', None)}" for k in kernels)
+    except Exception as e:  # layout of FLA's modules differs by version
+        return f"FLA tuned: unknown ({type(e).__name__})"
 
 
 def fla_chunk_call(fla, inp):
@@ -337,9 +347,7 @@ def bench_decode(lim, sweep):
 # launch); fused=False: split_sum_kernel after the GEMV
 GEMV_SWEEP = [dict(kind="dot"), dict(kind="fma"), dict(kind="fma", fused=False),
               dict(kind="fma", fused=True, NW=4, BK=8, waves=8), dict(kind="fma", fused=True, NW=8, BK=8, waves=4),
-              dict(kind="fma", fused=True, waves=2), dict(kind="dot", swap=True), dict(kind="dot", swap=True, num_warps=8),
-              dict(kind="dot", swap=True, BLOCK_N=128), dict(kind="dot", swap=True, BLOCK_N=128, num_stages=6),
-              dict(kind="fma", BK=16), dict(kind="fma", NW=4, BK=16, waves=8)]
+              dict(kind="fma", fused=True, waves=2), dict(kind="fma", NW=4, BK=16, waves=8)]
 GDN_STEP_SWEEP = [dict(bv=16, warps=1), dict(bv=16, warps=2), dict(bv=32, warps=2), dict(bv=32, warps=4),
                   dict(bv=64, warps=4), dict(bv=128, warps=8)]
 GEMM_SWEEP = [dict(kind="dot", dequant_min_m=1 << 30, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=st,

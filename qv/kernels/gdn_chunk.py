@@ -62,8 +62,9 @@ def _q_products(b_q, b_hd, b_kt):
 @triton.jit
 def _chunk_gc(gc_ptr, rk_ptr, bos, c0, L, rows, m_t, hv, HV, BT: tl.constexpr):
     """In-chunk cumulative decay of the chunk's rows (padding rows carry the last), that last, and
-    the rows' inverse k norms (0 in padding rows)."""
-    g_last = tl.load(gc_ptr + (bos + tl.minimum(c0 + BT, L) - 1) * HV + hv)
+    the rows' inverse k norms (0 in padding rows). A chunk at or past the end (c0 >= L: the scan's
+    read-ahead) reads nothing."""
+    g_last = tl.load(gc_ptr + (bos + tl.minimum(c0 + BT, L) - 1) * HV + hv, mask=c0 < L, other=0.)
     b_gc = tl.load(gc_ptr + rows * HV + hv, mask=m_t, other=0.)
     b_rk = tl.load(rk_ptr + rows * HV + hv, mask=m_t, other=0.)
     return tl.where(m_t, b_gc, g_last), g_last, b_rk
@@ -153,12 +154,18 @@ def gdn_chunk_out_kernel(
     q_ptr, k_ptr, u_ptr, gc_ptr, rk_ptr, h_ptr, o_ptr, cu_ptr, B, scale, DK, DV, HV,
     stride_qt, stride_qh, stride_ut, stride_uh, stride_ot, stride_oh, stride_hn, stride_hh, stride_hk,
     REP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, BKO: tl.constexpr,
+    V_FAST: tl.constexpr,
 ):
     """Outputs of every (chunk, value head, BV columns) in parallel from the scan's chunk-start
     states and v_new."""
-    tile = tl.program_id(0)
-    hv = tl.program_id(1).to(tl.int64)
-    o_v = tl.program_id(2) * BV + tl.arange(0, BV)
+    if V_FAST:  # the column tiles of a chunk run side by side (their q and k tiles shared in L2)
+        tile = tl.program_id(1)
+        hv = tl.program_id(2).to(tl.int64)
+        o_v = tl.program_id(0) * BV + tl.arange(0, BV)
+    else:
+        tile = tl.program_id(0)
+        hv = tl.program_id(1).to(tl.int64)
+        o_v = tl.program_id(2) * BV + tl.arange(0, BV)
     bos, L, c0 = _chunk_of_tile(cu_ptr, tile, B, BT)
     if c0 >= L:
         return
@@ -200,9 +207,11 @@ def gdn_chunk_out_kernel(
 # 130 regs (default), 8 warps 70, two wgmma each; the fused prep 255 regs + 96 B spilled there.
 SWEEP_CONFIGS = [dict(scan_prefetch=False, scan_stages=2, out_bk=128, out_stages=1),  # the 2026-12-01 defaults
                  dict(scan_prefetch=False, scan_stages=2), dict(out_bk=128, out_stages=1), dict(scan_stages=2),
-                 dict(scan_prefetch=False), dict(out_warps=8), dict(out_bk=32, out_stages=3), dict(out_stages=3),
-                 dict(out_bv=32), dict(out_bv=128, out_warps=8), dict(bv=64, scan_warps=8),
-                 dict(prep="fused"), dict(split_o=False, bv=64, scan_warps=8), dict(solve_stages=2)]
+                 dict(bv=64, scan_warps=8), dict(bv=64, scan_warps=8, scan_stages=2), dict(bv=64, scan_warps=4),
+                 dict(out_stages=3), dict(out_v_fast=True), dict(out_v_fast=True, out_stages=3),
+                 dict(out_bv=128, out_bk=128, out_warps=8, out_stages=3), dict(out_v_fast=True, out_bk=32, out_bv=32,
+                                                                              out_warps=2, out_stages=3),
+                 dict(solve_stages=2), dict(prep="fused"), dict(split_o=False, bv=64, scan_warps=8)]
 
 
 def _scan_bv(device, n_seq, hv, dv, split_o):
@@ -251,9 +260,11 @@ def gdn_chunked(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, state_slots, h
         num_stages=cfg.get("scan_stages", 3))
     if split_o:
         bvo = cfg.get("out_bv", min(bvf, 64))
-        gdn_chunk_out_kernel[(n_tiles, hv, triton.cdiv(dv, bvo))](
+        v_fast = cfg.get("out_v_fast", False)
+        n_v = triton.cdiv(dv, bvo)
+        gdn_chunk_out_kernel[(n_v, n_tiles, hv) if v_fast else (n_tiles, hv, n_v)](
             q, k, u, gc, rk, h_all, out, cu_seqlens, n_seq, scale, dk, dv, hv, q.stride(0), q.stride(1), u.stride(0),
             u.stride(1), out.stride(0), out.stride(1), h_all.stride(0), h_all.stride(1), h_all.stride(2),
-            REP=hv // hk, BK=bk, BV=bvo, BT=bt, BKO=min(cfg.get("out_bk", 64), bk), num_warps=cfg.get("out_warps", 4),
-            num_stages=cfg.get("out_stages", 2))
+            REP=hv // hk, BK=bk, BV=bvo, BT=bt, BKO=min(cfg.get("out_bk", 64), bk), V_FAST=v_fast,
+            num_warps=cfg.get("out_warps", 4), num_stages=cfg.get("out_stages", 2))
     return out

@@ -27,16 +27,13 @@ from qv.kernels.triton_utils import interpreting, next_pow2, num_sms
 
 
 @triton.jit
-def _f16_tile(b_x, b_q, s_ptr, z_ptr, g_off, o_n, m_n, HAS_ZERO: tl.constexpr, TILE_SCALE: tl.constexpr,
-              SWAP: tl.constexpr):
+def _f16_tile(b_x, b_q, s_ptr, z_ptr, g_off, o_n, m_n, HAS_ZERO: tl.constexpr, TILE_SCALE: tl.constexpr):
     """x [BM, BK] times one group's codes [BK, BN] on fp16 tensor cores, scaled after the dot.
 
     Codes become fp16 without int->float conversions (a quarter-rate unit that would bound the
     GEMV): the bits 0x6400 | c read as fp16 are 1024 + c exactly, and the 1024 + zero offset is
     removed with the row sums of x: sum_k x (c - z) s = s (x.(1024 + c) - (1024 + z) sum_k x).
-    TILE_SCALE: bf16 activations are scaled per row and tile by a power of two into fp16 range.
-    SWAP: the product as W^T x^T, so the weight tile is the wide operand (sm_90's warpgroup MMA
-    takes 64+ rows; x's few rows would be padded to them) and x the narrow one."""
+    TILE_SCALE: bf16 activations are scaled per row and tile by a power of two into fp16 range."""
     b_s = tl.load(s_ptr + g_off + o_n, mask=m_n, other=0.).to(tl.float32)
     if HAS_ZERO:
         b_z = tl.load(z_ptr + g_off + o_n, mask=m_n, other=0.).to(tl.float32)
@@ -47,10 +44,7 @@ def _f16_tile(b_x, b_q, s_ptr, z_ptr, g_off, o_n, m_n, HAS_ZERO: tl.constexpr, T
         b_xf = b_x.to(tl.float32)
         b_r = tl.exp2(tl.maximum(tl.ceil(tl.log2(tl.max(tl.abs(b_xf), axis=1) / 16384.)), 0.))
         b_x = (b_xf / b_r[:, None]).to(tl.float16)
-    if SWAP:
-        b_d = tl.trans(tl.dot(tl.trans(b_w), tl.trans(b_x)))
-    else:
-        b_d = tl.dot(b_x, b_w)
+    b_d = tl.dot(b_x, b_w)
     b_d = b_d * b_s[None, :] - tl.sum(b_x.to(tl.float32), axis=1)[:, None] * ((1024. + b_z) * b_s)[None, :]
     if TILE_SCALE:
         b_d *= b_r[:, None]
@@ -63,7 +57,7 @@ def gptq_matmul_kernel(
     stride_xm, stride_qk, stride_sg, stride_om, stride_os,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, GATHER: tl.constexpr, F16: tl.constexpr,  # 0, 1 or 2
-    TILE_SCALE: tl.constexpr, ROW_SCALE: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr,
+    TILE_SCALE: tl.constexpr, ROW_SCALE: tl.constexpr, SPLIT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_m, n_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
@@ -87,7 +81,7 @@ def gptq_matmul_kernel(
                       other=0)
         if F16 == 1:
             acc += _f16_tile(b_x, b_q, s_ptr, z_ptr, (k0 // GROUP).to(tl.int64) * stride_sg, o_n, m_n, HAS_ZERO,
-                             TILE_SCALE, SWAP)
+                             TILE_SCALE)
         elif F16 == 2:  # GEMM: the tile itself dequantized in fp16 ((1024 + c) - (1024 + z) is exact)
             g_off = (k0 // GROUP).to(tl.int64) * stride_sg
             b_s = tl.load(s_ptr + g_off + o_n, mask=m_n, other=0.).to(tl.float16)
@@ -219,7 +213,6 @@ def gptq_linear(x, w, bias=None, config=None):
         x2 = (x2.float() / rows[:, None]).to(torch.float16)
     # fp16 tensor cores: scale after the dot for the GEMV (few rows), dequantized tiles for the GEMM
     f16_mode = cfg.pop("f16_mode", 1 if m <= 16 else 2) if f16 else 0
-    swap = cfg.pop("swap", False)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     split = cfg.pop("split")
     if split is None:  # about four waves of programs over the SMs
@@ -236,7 +229,7 @@ def gptq_linear(x, w, bias=None, config=None):
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.pop("GROUP_M"), HAS_ZERO=w.zeros is not None,
         HAS_BIAS=bias is not None, GATHER=gather, F16=f16_mode,
         TILE_SCALE=f16_mode == 1 and x2.dtype == torch.bfloat16,
-        ROW_SCALE=rows is not None, SPLIT=split > 1, SWAP=swap and f16_mode == 1, **cfg)
+        ROW_SCALE=rows is not None, SPLIT=split > 1, **cfg)
     if split > 1:
         block = 1024
         split_sum_kernel[(triton.cdiv(m * n, block),)](part, bias if bias is not None else part, out, n, m * n, split,

@@ -131,6 +131,13 @@ def test_split_prep_matches_fused(dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", SWEEP_CONFIGS, ids=str)
+def test_real_shape_variants(config):
+    """Each swept gdn_chunked config at the 27B head shapes on the GPU (bf16: tensor-core dots)."""
+    _case(torch.bfloat16, torch.float32, 16, 3, 128, 128, [700, 1, 0, 130], [True, True, False, False], config=config)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype,state_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.float32),
                                                (torch.bfloat16, torch.int16), (torch.float16, torch.float16)])
 def test_real_shapes(dtype, state_dtype):

@@ -41,20 +41,6 @@ def test_gptq_gemv(dtype, m):
     _case(dtype, m, 70, 96, 32, zeros=m == 4, bias=m == 13)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", [2, 4, 13])
-def test_gptq_gemv_swapped(dtype, m):
-    """The tensor-core GEMV with the product taken as W^T x^T (config swap=True)."""
-    _case(dtype, m, 70, 96, 32, zeros=m == 4, bias=m == 13, config=dict(kind="dot", swap=True))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gptq_gemv_swapped_real_shapes(dtype):
-    _case(dtype, 4, 34816, 5120, 128, zeros=True, config=dict(kind="dot", swap=True))
-    _case(dtype, 4, 5120, 17408, 128, bias=True, config=dict(kind="dot", swap=True, num_warps=8))
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gptq_gemm(dtype):
     _case(dtype, 37, 50, 128, 64, zeros=True, bias=True)
