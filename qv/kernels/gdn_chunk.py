@@ -153,8 +153,7 @@ def gdn_chunk_scan_kernel(
 def gdn_chunk_out_kernel(
     q_ptr, k_ptr, u_ptr, gc_ptr, rk_ptr, h_ptr, o_ptr, cu_ptr, B, scale, DK, DV, HV,
     stride_qt, stride_qh, stride_ut, stride_uh, stride_ot, stride_oh, stride_hn, stride_hh, stride_hk,
-    REP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, BKO: tl.constexpr,
-    V_FAST: tl.constexpr,
+    REP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, V_FAST: tl.constexpr,
 ):
     """Outputs of every (chunk, value head, BV columns) in parallel from the scan's chunk-start
     states and v_new."""
@@ -175,19 +174,15 @@ def gdn_chunk_out_kernel(
     r = c0 + o_t
     m_t = r < L
     rows = bos + r
-    b_qh = tl.zeros([BT, BV], dtype=tl.float32)
-    b_qk = tl.zeros([BT, BT], dtype=tl.float32)
-    b_qq = tl.zeros([BT], dtype=tl.float32)
-    p_h = h_ptr + tile.to(tl.int64) * stride_hn + hv * stride_hh + o_v[None, :]
-    for k0 in range(0, BK, BKO):  # K slices: with stages > 1 their loads go straight to shared memory
-        o_k = k0 + tl.arange(0, BKO)
-        b_q = tl.load(q_ptr + rows[:, None] * stride_qt + hk * stride_qh + o_k[None, :],
-                      mask=m_t[:, None] & (o_k[None, :] < DK), other=0.)
-        b_hd = tl.load(p_h + o_k[:, None] * stride_hk, mask=m_v[None, :], other=0.)
-        d_qh, d_qk, d_qq = _q_products(b_q, b_hd, _load_kt(k_ptr, rows, m_t, hk, stride_qt, stride_qh, o_k, DK))
-        b_qh += d_qh
-        b_qk += d_qk
-        b_qq += d_qq
+    o_k = tl.arange(0, BK)
+    b_q = tl.load(q_ptr + rows[:, None] * stride_qt + hk * stride_qh + o_k[None, :],
+                  mask=m_t[:, None] & (o_k[None, :] < DK), other=0.)
+    b_hd = tl.load(h_ptr + tile.to(tl.int64) * stride_hn + hv * stride_hh + o_k[:, None] * stride_hk + o_v[None, :],
+                   mask=m_v[None, :], other=0.)
+    # one shot over K: a loop of K slices through cp.async (2 stages, 4 warps) measured 0.30 vs 0.33 ms
+    # at 8K but gave wrong outputs on the H200 (3-5% error with bf16; right with 2-warp programs and
+    # in the interpreter), so it is not used
+    b_qh, b_qk, b_qq = _q_products(b_q, b_hd, _load_kt(k_ptr, rows, m_t, hk, stride_qt, stride_qh, o_k, DK))
     b_gc, g_last, b_rk = _chunk_gc(gc_ptr, rk_ptr, bos, c0, L, rows, m_t, hv, HV, BT)
     m_u = m_t[:, None] & m_v[None, :]
     b_vnd = tl.load(u_ptr + rows[:, None] * stride_ut + hv * stride_uh + o_v[None, :], mask=m_u, other=0.)
@@ -205,20 +200,19 @@ def gdn_chunk_out_kernel(
 # solve 1 warp / 32-column k slices 240 regs (default), 2 stages (cp.async) 255, 2 warps 207, 4 warps /
 # 64 columns 244, "ieee" merges at 4 warps 242 (at 1 or 2 warps they spill 112-1096 B); wy 4 warps
 # 130 regs (default), 8 warps 70, two wgmma each; the fused prep 255 regs + 96 B spilled there.
-SWEEP_CONFIGS = [dict(scan_prefetch=False, scan_stages=2, out_bk=128, out_stages=1),  # the 2026-12-01 defaults
-                 dict(scan_prefetch=False, scan_stages=2), dict(out_bk=128, out_stages=1), dict(scan_stages=2),
-                 dict(bv=64, scan_warps=8), dict(bv=64, scan_warps=8, scan_stages=2), dict(bv=64, scan_warps=4),
-                 dict(out_stages=3), dict(out_v_fast=True), dict(out_v_fast=True, out_stages=3),
-                 dict(out_bv=128, out_bk=128, out_warps=8, out_stages=3), dict(out_v_fast=True, out_bk=32, out_bv=32,
-                                                                              out_warps=2, out_stages=3),
-                 dict(solve_stages=2), dict(prep="fused"), dict(split_o=False, bv=64, scan_warps=8)]
+SWEEP_CONFIGS = [dict(scan_prefetch=False, scan_stages=2, bv=32, scan_warps=4),  # the scan before 2026-12-01 noon
+                 dict(bv=32, scan_warps=4), dict(bv=64, scan_warps=8, scan_stages=2), dict(solve_stages=1),
+                 dict(out_v_fast=True), dict(out_bv=128, out_warps=8), dict(prep="fused"),
+                 dict(split_o=False, bv=64, scan_warps=8)]
 
 
 def _scan_bv(device, n_seq, hv, dv, split_o):
-    """Value columns per scan program (measured on the H200: wider tiles beat more programs)."""
+    """Value columns per scan program. H200, 8K tokens, 48 value heads: 64 columns, 8 warps and
+    3 stages (one program per SM, 96 programs) 0.289 ms against 0.33 for 32 columns / 4 warps (192
+    programs, two per SM); at 2 stages the 64-column program takes 0.381."""
     if interpreting(device):
         return 16
-    return min(next_pow2(dv, 16), 32 if split_o else 64)
+    return min(next_pow2(dv, 16), 64)
 
 
 def gdn_chunked(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, state_slots, has_initial_state, scale,
@@ -256,7 +250,7 @@ def gdn_chunked(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, state_slots, h
         h_all.stride(0), h_all.stride(1), h_all.stride(2) if split_o else 0,
         state.stride(0), state.stride(1), state.stride(2), sc.stride(0) if int16 else 0, sc.stride(1) if int16 else 0,
         REP=hv // hk, BK=bk, BV=bv, BT=bt, INT16=int16, SPLIT_O=split_o, PREFETCH=cfg.get("scan_prefetch", True),
-        num_warps=cfg.get("scan_warps", 4 if interpreting(q.device) or bv < 64 or split_o else 8),
+        num_warps=cfg.get("scan_warps", 4 if interpreting(q.device) or bv < 64 else 8),
         num_stages=cfg.get("scan_stages", 3))
     if split_o:
         bvo = cfg.get("out_bv", min(bvf, 64))
@@ -265,6 +259,6 @@ def gdn_chunked(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, state_slots, h
         gdn_chunk_out_kernel[(n_v, n_tiles, hv) if v_fast else (n_tiles, hv, n_v)](
             q, k, u, gc, rk, h_all, out, cu_seqlens, n_seq, scale, dk, dv, hv, q.stride(0), q.stride(1), u.stride(0),
             u.stride(1), out.stride(0), out.stride(1), h_all.stride(0), h_all.stride(1), h_all.stride(2),
-            REP=hv // hk, BK=bk, BV=bvo, BT=bt, BKO=min(cfg.get("out_bk", 64), bk), V_FAST=v_fast,
-            num_warps=cfg.get("out_warps", 4), num_stages=cfg.get("out_stages", 2))
+            REP=hv // hk, BK=bk, BV=bvo, BT=bt, V_FAST=v_fast, num_warps=cfg.get("out_warps", 4),
+            num_stages=1)
     return out

@@ -413,7 +413,7 @@ def chunk_prep(k, v, a, b, A_log, dt_bias, cu_seqlens, hv, warps=4):
 
 
 def chunk_prep_split(k, v, a, b, A_log, dt_bias, cu_seqlens, hv, solve_warps=1, solve_bk=32, wy_warps=8, wy_bv=None,
-                     solve_precision=None, solve_stages=1):
+                     solve_precision=None, solve_stages=2):
     """chunk_prep's outputs from two kernels in the style of FLA's kkt_solve and recompute_w_u:
     gdn_chunk_solve_kernel stores gc, the inverse norms of k and T = (I + A)^-1 [T, Hv, 64]
     (activation dtype), gdn_chunk_wy_kernel forms W and U from it with 64-row dots.
