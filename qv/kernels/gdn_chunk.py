@@ -39,24 +39,16 @@ def _load_kt(k_ptr, rows, m_t, hk, stride_kt, stride_kh, o_k, DK):
 
 
 @triton.jit
-def _chunk_out(b_qh, b_qk, b_qq, b_gc, b_rk, b_vnd, causal, scale):
+def _chunk_out(b_q, b_kt, b_gc, b_rk, b_hd, b_vnd, causal, scale):
     """o = scale (exp(gc) q_n H + tril(q_n k_n^T exp(gc_t - gc_s)) v_new) for one chunk [BT, BV]
-    (fp32) from the raw products q H [BT, BV] and q k^T [BT, BT] and q's squared row norms: the
-    inverse norms of q and of k (b_rk, from the prep) scale the rows of q H and the entries of
-    q k^T, which then lie in [-1, 1] before they are rounded for the last dot."""
-    b_rq = tl.math.rsqrt(b_qq + 1e-6)  # as l2norm_rows
-    b_o = b_qh * (b_rq * scale * tl.exp(b_gc))[:, None]
-    b_s = b_qk * b_rq[:, None] * b_rk[None, :]
+    (fp32) from raw q [BT, BK] and k^T [BK, BT]: the inverse norms of q (computed here) and of k (b_rk,
+    from the prep) scale the rows of q H and the entries of q k^T, which then lie in [-1, 1] before
+    they are rounded for the second dot."""
+    b_rq = tl.math.rsqrt(tl.sum(b_q.to(tl.float32) * b_q.to(tl.float32), axis=1) + 1e-6)  # as l2norm_rows
+    b_o = tl.dot(b_q, b_hd, input_precision="ieee") * (b_rq * scale * tl.exp(b_gc))[:, None]
+    b_s = tl.dot(b_q, b_kt, input_precision="ieee") * b_rq[:, None] * b_rk[None, :]
     b_s = tl.where(causal, b_s * tl.exp(tl.where(causal, b_gc[:, None] - b_gc[None, :], 0.)), 0.)
     return b_o + scale * tl.dot(b_s.to(b_vnd.dtype), b_vnd, input_precision="ieee")
-
-
-@triton.jit
-def _q_products(b_q, b_hd, b_kt):
-    """q H, q k^T (fp32, from the raw 16-bit tiles) and q's squared row norms."""
-    b_qf = b_q.to(tl.float32)
-    return (tl.dot(b_q, b_hd, input_precision="ieee"), tl.dot(b_q, b_kt, input_precision="ieee"),
-            tl.sum(b_qf * b_qf, axis=1))
 
 
 @triton.jit
@@ -139,8 +131,7 @@ def gdn_chunk_scan_kernel(
         else:
             b_q = tl.load(q_ptr + rows[:, None] * stride_qt + hk * stride_qh + o_k[None, :],
                           mask=m_t[:, None] & (o_k[None, :] < DK), other=0.)
-            b_qh, b_qk, b_qq = _q_products(b_q, b_hd, b_kt)
-            b_o = _chunk_out(b_qh, b_qk, b_qq, b_gc, b_rk, b_vnd, causal, scale)
+            b_o = _chunk_out(b_q, b_kt, b_gc, b_rk, b_hd, b_vnd, causal, scale)
             tl.store(o_ptr + rows[:, None] * stride_ot + hv * stride_oh + o_v[None, :],
                      b_o.to(o_ptr.dtype.element_ty), mask=m_u)
         b_vs = (b_vn * (b_rk * tl.exp(g_last - b_gc))[:, None]).to(dt)
@@ -168,25 +159,22 @@ def gdn_chunk_out_kernel(
     bos, L, c0 = _chunk_of_tile(cu_ptr, tile, B, BT)
     if c0 >= L:
         return
+    o_k = tl.arange(0, BK)
     o_t = tl.arange(0, BT)
     m_v = o_v < DV
     hk = hv // REP
     r = c0 + o_t
     m_t = r < L
     rows = bos + r
-    o_k = tl.arange(0, BK)
     b_q = tl.load(q_ptr + rows[:, None] * stride_qt + hk * stride_qh + o_k[None, :],
                   mask=m_t[:, None] & (o_k[None, :] < DK), other=0.)
+    b_kt = _load_kt(k_ptr, rows, m_t, hk, stride_qt, stride_qh, o_k, DK)
+    b_gc, g_last, b_rk = _chunk_gc(gc_ptr, rk_ptr, bos, c0, L, rows, m_t, hv, HV, BT)
     b_hd = tl.load(h_ptr + tile.to(tl.int64) * stride_hn + hv * stride_hh + o_k[:, None] * stride_hk + o_v[None, :],
                    mask=m_v[None, :], other=0.)
-    # one shot over K: a loop of K slices through cp.async (2 stages, 4 warps) measured 0.30 vs 0.33 ms
-    # at 8K but gave wrong outputs on the H200 (3-5% error with bf16; right with 2-warp programs and
-    # in the interpreter), so it is not used
-    b_qh, b_qk, b_qq = _q_products(b_q, b_hd, _load_kt(k_ptr, rows, m_t, hk, stride_qt, stride_qh, o_k, DK))
-    b_gc, g_last, b_rk = _chunk_gc(gc_ptr, rk_ptr, bos, c0, L, rows, m_t, hv, HV, BT)
     m_u = m_t[:, None] & m_v[None, :]
     b_vnd = tl.load(u_ptr + rows[:, None] * stride_ut + hv * stride_uh + o_v[None, :], mask=m_u, other=0.)
-    b_o = _chunk_out(b_qh, b_qk, b_qq, b_gc, b_rk, b_vnd, o_t[:, None] >= o_t[None, :], scale)
+    b_o = _chunk_out(b_q, b_kt, b_gc, b_rk, b_hd, b_vnd, o_t[:, None] >= o_t[None, :], scale)
     tl.store(o_ptr + rows[:, None] * stride_ot + hv * stride_oh + o_v[None, :], b_o.to(o_ptr.dtype.element_ty),
              mask=m_u)
 

@@ -137,6 +137,19 @@ def test_real_shape_variants(config):
     _case(torch.bfloat16, torch.float32, 16, 3, 128, 128, [700, 1, 0, 130], [True, True, False, False], config=config)
 
 
+SMALL_HEAD_CONFIGS = [None, dict(scan_prefetch=False, scan_stages=2), dict(scan_stages=2), dict(scan_prefetch=False),
+                      dict(solve_stages=1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", SMALL_HEAD_CONFIGS, ids=str)
+@pytest.mark.parametrize("hk,rep,dk,dv", [(1, 3, 32, 16), (2, 2, 8, 20)])
+def test_small_heads_gpu(config, hk, rep, dk, dv):
+    """The tiny models' GDN geometries (gqa3, mixed) on the GPU in bf16: tiles narrower than the
+    warpgroup MMA's 64 rows, where the compiled kernels differ from the 27B ones."""
+    _case(torch.bfloat16, torch.float32, hk, rep, dk, dv, [300, 1, 0, 130], [True, True, False, False], config=config)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,state_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.float32),
                                                (torch.bfloat16, torch.int16), (torch.float16, torch.float16)])
