@@ -228,13 +228,14 @@ def bench_gdn_chunk(lim, sweep, fla):
 
 
 def fla_tuned() -> str:
-    """The configs FLA's autotuner picked for its state and output kernels (what wins on this GPU)."""
+    """The configs FLA's autotuners picked for its state and output kernels (what wins on this GPU)."""
     try:
         from fla.ops.common import chunk_delta_h, chunk_o
-        kernels = (chunk_delta_h.chunk_gated_delta_rule_fwd_kernel_h_blockdim64, chunk_o.chunk_fwd_kernel_o)
-        return "FLA tuned: " + "; ".join(f"{k.fn.__name__} {getattr(k, 'best_config', None)}" for k in kernels)
     except Exception as e:  # layout of FLA's modules differs by version
         return f"FLA tuned: unknown ({type(e).__name__})"
+    picked = [f"{name} {obj.best_config}" for mod in (chunk_delta_h, chunk_o) for name, obj in vars(mod).items()
+              if getattr(obj, "best_config", None) is not None]
+    return "FLA tuned: " + ("; ".join(picked) or "none recorded")
 
 
 def fla_chunk_call(fla, inp):
