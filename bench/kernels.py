@@ -346,9 +346,9 @@ def bench_decode(lim, sweep):
 
 # fused (the default): the split-K partials summed by the last program of each column tile (no second
 # launch); fused=False: split_sum_kernel after the GEMV
-GEMV_SWEEP = [dict(kind="dot"), dict(kind="dot", cvt_asm=False), dict(kind="dot", num_stages=2),
-              dict(kind="dot", num_stages=3), dict(kind="dot", num_warps=8), dict(kind="dot", BLOCK_N=128),
-              dict(kind="fma"), dict(kind="fma", fused=False), dict(kind="fma", NW=4, BK=16, waves=8)]
+GEMV_SWEEP = [dict(kind="dot"), dict(kind="fma"), dict(kind="fma", fused=False),
+              dict(kind="fma", fused=True, NW=4, BK=8, waves=8), dict(kind="fma", fused=True, NW=8, BK=8, waves=4),
+              dict(kind="fma", fused=True, waves=2), dict(kind="fma", NW=4, BK=16, waves=8)]
 GDN_STEP_SWEEP = [dict(bv=16, warps=1), dict(bv=16, warps=2), dict(bv=32, warps=2), dict(bv=32, warps=4),
                   dict(bv=64, warps=4), dict(bv=128, warps=8)]
 GEMM_SWEEP = [dict(kind="dot", dequant_min_m=1 << 30, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=st,

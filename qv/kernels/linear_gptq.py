@@ -27,8 +27,7 @@ from qv.kernels.triton_utils import interpreting, next_pow2, num_sms
 
 
 @triton.jit
-def _f16_tile(b_x, b_q, s_ptr, z_ptr, g_off, o_n, m_n, HAS_ZERO: tl.constexpr, TILE_SCALE: tl.constexpr,
-              CVT_ASM: tl.constexpr):
+def _f16_tile(b_x, b_q, s_ptr, z_ptr, g_off, o_n, m_n, HAS_ZERO: tl.constexpr, TILE_SCALE: tl.constexpr):
     """x [BM, BK] times one group's codes [BK, BN] on fp16 tensor cores, scaled after the dot.
 
     Codes become fp16 without int->float conversions (a quarter-rate unit that would bound the
@@ -40,11 +39,7 @@ def _f16_tile(b_x, b_q, s_ptr, z_ptr, g_off, o_n, m_n, HAS_ZERO: tl.constexpr, T
         b_z = tl.load(z_ptr + g_off + o_n, mask=m_n, other=0.).to(tl.float32)
     else:
         b_z = tl.full(b_s.shape, 128., dtype=tl.float32)
-    if CVT_ASM:  # converted as loaded, so the tile goes to shared memory as fp16 (see gptq_matmul_kernel)
-        b_w = tl.inline_asm_elementwise("prmt.b32 $0, $2, 0x64646464, 0x4140; prmt.b32 $1, $2, 0x64646464, 0x4342;",
-                                        "=r,=r,r", [b_q], dtype=tl.float16, is_pure=False, pack=4)
-    else:
-        b_w = (b_q.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True)
+    b_w = (b_q.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True)
     if TILE_SCALE:
         b_xf = b_x.to(tl.float32)
         b_r = tl.exp2(tl.maximum(tl.ceil(tl.log2(tl.max(tl.abs(b_xf), axis=1) / 16384.)), 0.))
@@ -62,7 +57,7 @@ def gptq_matmul_kernel(
     stride_xm, stride_qk, stride_sg, stride_om, stride_os,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, GATHER: tl.constexpr, F16: tl.constexpr,  # 0, 1 or 2
-    TILE_SCALE: tl.constexpr, ROW_SCALE: tl.constexpr, SPLIT: tl.constexpr, CVT_ASM: tl.constexpr = False,
+    TILE_SCALE: tl.constexpr, ROW_SCALE: tl.constexpr, SPLIT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_m, n_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
@@ -86,7 +81,7 @@ def gptq_matmul_kernel(
                       other=0)
         if F16 == 1:
             acc += _f16_tile(b_x, b_q, s_ptr, z_ptr, (k0 // GROUP).to(tl.int64) * stride_sg, o_n, m_n, HAS_ZERO,
-                             TILE_SCALE, CVT_ASM)
+                             TILE_SCALE)
         elif F16 == 2:  # GEMM: the tile itself dequantized in fp16 ((1024 + c) - (1024 + z) is exact)
             g_off = (k0 // GROUP).to(tl.int64) * stride_sg
             b_s = tl.load(s_ptr + g_off + o_n, mask=m_n, other=0.).to(tl.float16)
@@ -218,7 +213,6 @@ def gptq_linear(x, w, bias=None, config=None):
         x2 = (x2.float() / rows[:, None]).to(torch.float16)
     # fp16 tensor cores: scale after the dot for the GEMV (few rows), dequantized tiles for the GEMM
     f16_mode = cfg.pop("f16_mode", 1 if m <= 16 else 2) if f16 else 0
-    cvt_asm = cfg.pop("cvt_asm", True) and f16_mode == 1 and not interpreting(x.device)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     split = cfg.pop("split")
     if split is None:  # about four waves of programs over the SMs
@@ -235,7 +229,7 @@ def gptq_linear(x, w, bias=None, config=None):
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.pop("GROUP_M"), HAS_ZERO=w.zeros is not None,
         HAS_BIAS=bias is not None, GATHER=gather, F16=f16_mode,
         TILE_SCALE=f16_mode == 1 and x2.dtype == torch.bfloat16,
-        ROW_SCALE=rows is not None, SPLIT=split > 1, CVT_ASM=cvt_asm, **cfg)
+        ROW_SCALE=rows is not None, SPLIT=split > 1, **cfg)
     if split > 1:
         block = 1024
         split_sum_kernel[(triton.cdiv(m * n, block),)](part, bias if bias is not None else part, out, n, m * n, split,

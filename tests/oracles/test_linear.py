@@ -41,18 +41,6 @@ def test_gptq_gemv(dtype, m):
     _case(dtype, m, 70, 96, 32, zeros=m == 4, bias=m == 13)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("cvt_asm", [True, False])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", [1, 4, 13])
-def test_gptq_gemv_tensor_cores_gpu(cvt_asm, dtype, m):
-    """The tensor-core GEMV (M <= 16) with the codes converted to fp16 as loaded (cvt_asm, the GPU
-    default: inline PTX, which the interpreter cannot run) or in the dot's operand layout, at odd sizes."""
-    cfg = dict(kind="dot", cvt_asm=cvt_asm)
-    _case(dtype, m, 70, 96, 32, zeros=m == 4, bias=m == 13, config=cfg)
-    _case(dtype, m, 1000, 5120, 128, zeros=m != 4, config=cfg)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gptq_gemm(dtype):
     _case(dtype, 37, 50, 128, 64, zeros=True, bias=True)
