@@ -216,7 +216,7 @@ def bench_gdn_chunk(lim, sweep, fla):
         if fla is not None:
             t_fla, note = fla_chunk_time(fla, inp)
             gpu_fla, text = kernel_breakdown(fla_chunk_call(fla, inp))
-            print(f"    gdn chunk {n // 1024}K FLA by kernel: {text}; {fla_tuned()}", flush=True)
+            print(f"    gdn chunk {n // 1024}K FLA by kernel: {text}", flush=True)
         t = best[0]
         # FLA launches ~9 kernels from Python: at 8K its wall time can be host-bound (1.5 ms against
         # 0.72 ms of GPU work), so the ratio compares GPU time (sum of each side's kernels)
@@ -225,17 +225,6 @@ def bench_gdn_chunk(lim, sweep, fla):
             f"GPU time {gpu_ours or 0:.3f} vs {gpu_fla or 0:.3f} ms = {ratio:.2f}x FLA" if ratio else "-",
             ">= 1.0x FLA", None if ratio is None else ratio >= 1.0, f"{note}; cfg {best[1]}")
         del inp
-
-
-def fla_tuned() -> str:
-    """The configs FLA's autotuners picked for its state and output kernels (what wins on this GPU)."""
-    try:
-        from fla.ops.common import chunk_delta_h, chunk_o
-    except Exception as e:  # layout of FLA's modules differs by version
-        return f"FLA tuned: unknown ({type(e).__name__})"
-    picked = [f"{name} {obj.best_config}" for mod in (chunk_delta_h, chunk_o) for name, obj in vars(mod).items()
-              if getattr(obj, "best_config", None) is not None]
-    return "FLA tuned: " + ("; ".join(picked) or "none recorded")
 
 
 def fla_chunk_call(fla, inp):
@@ -346,9 +335,8 @@ def bench_decode(lim, sweep):
 
 # fused (the default): the split-K partials summed by the last program of each column tile (no second
 # launch); fused=False: split_sum_kernel after the GEMV
-GEMV_SWEEP = [dict(kind="dot"), dict(kind="fma"), dict(kind="fma", fused=False),
-              dict(kind="fma", fused=True, NW=4, BK=8, waves=8), dict(kind="fma", fused=True, NW=8, BK=8, waves=4),
-              dict(kind="fma", fused=True, waves=2), dict(kind="fma", NW=4, BK=16, waves=8)]
+GEMV_SWEEP = [dict(kind="dot"), dict(kind="dot", num_stages=3), dict(kind="fma"), dict(kind="fma", fused=False),
+              dict(kind="fma", NW=8, BK=8, waves=4), dict(kind="fma", NW=4, BK=8, waves=8)]
 GDN_STEP_SWEEP = [dict(bv=16, warps=1), dict(bv=16, warps=2), dict(bv=32, warps=2), dict(bv=32, warps=4),
                   dict(bv=64, warps=4), dict(bv=128, warps=8)]
 GEMM_SWEEP = [dict(kind="dot", dequant_min_m=1 << 30, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=st,

@@ -148,13 +148,15 @@ def _gemv_store(p_o, acc, bias_ptr, o_n, m_n, HAS_BIAS: tl.constexpr, SPLIT: tl.
 
 def gemv_config(device, m, n, k):
     """CUDA-core GEMV settings, measured on the H200 (bench/kernels.py --sweep gemv, docs/BENCHMARKS.md):
-    wide outputs (>= 64 column tiles) take 4-warp programs over 8 waves, narrow ones 8-warp programs;
-    the split-K partials are summed by the last program of each column tile (fused)."""
+    4-warp programs over 8 waves of the SMs; narrow outputs (< 64 column tiles, so long K ranges per
+    program) take 16 rows a warp per step (33.5-34.2 vs 34.9-35.2 us at 17408->5120 against 8-warp
+    programs of 8 rows over 4 waves; at 5120->34816 16 rows measured 64.7 vs 59 us). The split-K
+    partials are summed by the last program of each column tile (fused)."""
     if interpreting(device):
         return dict(NW=2, BK=4, waves=2, ASM=False, fused=True)
     if triton.cdiv(n, 256) >= 64:  # fused split-K reduce: 59 vs 62 us at 5120->34816, 35.5 vs 38.6 at 17408->5120
         return dict(NW=4, BK=8, waves=8, ASM=True, fused=True)
-    return dict(NW=8, BK=8, waves=4, ASM=True, fused=True)
+    return dict(NW=4, BK=16, waves=8, ASM=True, fused=True)
 
 
 _TICKETS: dict[torch.device, torch.Tensor] = {}

@@ -41,6 +41,26 @@ def test_gptq_gemv(dtype, m):
     _case(dtype, m, 70, 96, 32, zeros=m == 4, bias=m == 13)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 4, 13])
+def test_gptq_gemv_tensor_cores_gpu(dtype, m):
+    """The tensor-core GEMV (M <= 16; the M = 1 default is the CUDA-core kernel) at odd sizes."""
+    cfg = dict(kind="dot")
+    _case(dtype, m, 70, 96, 32, zeros=m == 4, bias=m == 13, config=cfg)
+    _case(dtype, m, 1000, 5120, 128, zeros=m != 4, config=cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gptq_gemv_cuda_cores_gpu(dtype):
+    """The CUDA-core GEMV's narrow-output settings (8 waves of 4-warp programs, 16 rows a warp) at odd
+    sizes, fused split-K reduce."""
+    _case(dtype, 1, 70, 96, 32, bias=True, config=dict(kind="fma"))
+    _case(dtype, 1, 1000, 17408, 128, zeros=True, config=dict(kind="fma"))
+    _case(dtype, 3, 5120, 17408, 128, config=dict(kind="fma"))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gptq_gemm(dtype):
     _case(dtype, 37, 50, 128, 64, zeros=True, bias=True)
