@@ -10,7 +10,7 @@ final state per slot). Three stages:
    the norms and decays scale the [BT, BV] tile of v_new, so the raw k tile feeds the dot as loaded
    (no fp32 copy and row reduction of a [BT, dk] tile per chunk on the sequential path).
    It stores each chunk's start state and v_new (SPLIT_O, the default on the GPU: measured faster)
-   or computes the output itself.
+   or computes the output itself. The next chunk's small reads are loaded a step ahead (PREFETCH).
 3. out, parallel over (chunk, value head, BV columns): o = scale (exp(gc) q_n H + tril(q_n k_n^T
    exp(gc_t - gc_s)) v_new) from raw q and k: q's inverse norms (computed here) and rk scale the rows
    of q H and the entries of q k^T.
@@ -64,6 +64,7 @@ def _chunk_gc(gc_ptr, rk_ptr, bos, c0, L, rows, m_t, hv, HV, BT: tl.constexpr):
 
 @triton.jit
 def _scan_rows(c0, bos, L, o_t):
+    """Rows of the chunk at c0 and which of them lie in the sequence."""
     r = c0 + o_t
     return bos + r, r < L
 
@@ -89,7 +90,12 @@ def gdn_chunk_scan_kernel(
     """SPLIT_O: store each chunk's start state and v_new (into U) for gdn_chunk_out_kernel instead of
     producing the output here, which keeps only the two state dots on the sequential path. The state
     update H <- exp(gc_last) H + k_n^T diag(exp(gc_last - gc)) v_new puts the decay and k's norm on
-    the [BT, BV] tile of v_new, so the raw k tile goes to the dot as loaded."""
+    the [BT, BV] tile of v_new, so the raw k tile goes to the dot as loaded.
+
+    PREFETCH: the next chunk's U tile, gc and k norms are loaded into registers while this chunk
+    computes. Triton's pipeliner issues a stage's copies after the step's last dot, so with two
+    stages every chunk waited a full load latency; the read-ahead keeps these small tiles out of the
+    pipeline buffers, which leaves room for three stages of W and k^T."""
     i_b = tl.program_id(0)
     hv = tl.program_id(1).to(tl.int64)
     o_v = tl.program_id(2) * BV + tl.arange(0, BV)
@@ -216,6 +222,10 @@ def gdn_chunked(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, state_slots, h
     bt = 64
     bk, bvf = next_pow2(dk, 16), next_pow2(dv, 16)
     dt = q.dtype
+    n_tiles = t // bt + n_seq
+    if n_tiles > 65535:  # the output kernel's grid axis (checked before any state is touched)
+        raise ValueError(f"gdn_chunked: {t} tokens in {n_seq} sequences make {n_tiles} chunks of {bt} (at most "
+                         "65535 a call); split the batch")
     # the prep settings' defaults live in chunk_prep_split / chunk_prep; config overrides them
     if cfg.get("prep", "split") == "split":
         keys = ("solve_warps", "solve_bk", "wy_warps", "wy_bv", "solve_precision", "solve_stages")
@@ -228,7 +238,6 @@ def gdn_chunked(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, state_slots, h
     bv = cfg.get("bv") or _scan_bv(q.device, n_seq, hv, dv, split_o)
     int16 = state.dtype == torch.int16
     sc = state_scale if int16 else state
-    n_tiles = t // bt + n_seq
     h_all = torch.empty((n_tiles, hv, bk, bvf), dtype=dt, device=q.device) if split_o else w
     gdn_chunk_scan_kernel[(n_seq, hv, triton.cdiv(dv, bv))](
         q, k, w, u, gc, rk, out, h_all, state, sc, cu_seqlens, state_slots, has_initial_state, scale, dk, dv, hv,
@@ -240,8 +249,6 @@ def gdn_chunked(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, state_slots, h
         num_stages=cfg.get("scan_stages", 3))
     if split_o:
         bvo = cfg.get("out_bv", min(bvf, 64))
-        if n_tiles > 65535:  # the grid's second axis
-            raise ValueError(f"gdn_chunked: {t} tokens in {n_seq} sequences make {n_tiles} chunks (at most 65535)")
         gdn_chunk_out_kernel[(triton.cdiv(dv, bvo), n_tiles, hv)](
             q, k, u, gc, rk, h_all, out, cu_seqlens, n_seq, scale, dk, dv, hv, q.stride(0), q.stride(1), u.stride(0),
             u.stride(1), out.stride(0), out.stride(1), h_all.stride(0), h_all.stride(1), h_all.stride(2),
