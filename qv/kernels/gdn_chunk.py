@@ -194,11 +194,10 @@ def gdn_chunk_out_kernel(
 SWEEP_CONFIGS = [dict(scan_prefetch=False, scan_stages=2, bv=32, scan_warps=4),  # the scan before 2026-12-01 noon
                  dict(bv=32, scan_warps=4), dict(bv=64, scan_warps=8, scan_stages=2), dict(scan_stages=4),
                  dict(solve_stages=1), dict(solve_stages=3), dict(out_warps=8), dict(out_bv=128, out_warps=8),
-                 dict(prep="fused"),
-                 dict(split_o=False, bv=64, scan_warps=8)]
+                 dict(prep="fused"), dict(split_o=False, bv=64, scan_warps=8)]
 
 
-def _scan_bv(device, n_seq, hv, dv, split_o):
+def _scan_bv(device, dv):
     """Value columns per scan program. H200, 8K tokens, 48 value heads: 64 columns, 8 warps and
     3 stages (one program per SM, 96 programs) 0.289 ms against 0.33 for 32 columns / 4 warps (192
     programs, two per SM); at 2 stages the 64-column program takes 0.381."""
@@ -223,7 +222,8 @@ def gdn_chunked(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, state_slots, h
     bk, bvf = next_pow2(dk, 16), next_pow2(dv, 16)
     dt = q.dtype
     n_tiles = t // bt + n_seq
-    if n_tiles > 65535:  # the output kernel's grid axis (checked before any state is touched)
+    split_o = cfg.get("split_o", not interpreting(q.device) or t > 2 * bt)
+    if split_o and n_tiles > 65535:  # the output kernel's grid axis (checked before any state is touched)
         raise ValueError(f"gdn_chunked: {t} tokens in {n_seq} sequences make {n_tiles} chunks of {bt} (at most "
                          "65535 a call); split the batch")
     # the prep settings' defaults live in chunk_prep_split / chunk_prep; config overrides them
@@ -234,8 +234,7 @@ def gdn_chunked(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, state_slots, h
     else:
         w, u, gc, rk = chunk_prep(k, v, a, b, A_log, dt_bias, cu_seqlens, hv,
                                   **({"warps": cfg["prep_warps"]} if "prep_warps" in cfg else {}))
-    split_o = cfg.get("split_o", not interpreting(q.device) or t > 2 * bt)
-    bv = cfg.get("bv") or _scan_bv(q.device, n_seq, hv, dv, split_o)
+    bv = cfg.get("bv") or _scan_bv(q.device, dv)
     int16 = state.dtype == torch.int16
     sc = state_scale if int16 else state
     h_all = torch.empty((n_tiles, hv, bk, bvf), dtype=dt, device=q.device) if split_o else w

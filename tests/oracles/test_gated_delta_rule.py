@@ -113,6 +113,23 @@ def test_chunked_split_prep(dtype, state_dtype, hk, rep, dk, dv, lens):
           config=dict(prep="split", solve_bk=16))
 
 
+def test_too_many_chunks_is_refused_before_any_state_changes():
+    """65,536 one-token sequences make more chunks than the output kernel's grid axis holds
+    (65,535): a clear error, raised before the state pool is touched."""
+    from qv.kernels.gdn_chunk import gdn_chunked
+
+    n, hk, hv, d = 65536, 1, 1, 16
+    q, k, v = randn(n, hk, d), randn(n, hk, d), randn(n, hv, d)
+    a, b = randn(n, hv), randn(n, hv)
+    pool = randn(2, hv, d, d)
+    before = pool.clone()
+    with pytest.raises(ValueError, match="65535"):
+        gdn_chunked(q, k, v, a, b, randn(hv), randn(hv), pool, cu_seqlens([1] * n),
+                    torch.zeros(n, dtype=torch.int64, device=DEV), torch.ones(n, dtype=torch.bool, device=DEV),
+                    d ** -0.5, None)
+    assert torch.equal(pool, before)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_split_prep_matches_fused(dtype):
     """chunk_prep_split stores what chunk_prep stores (W, U, gc, k's inverse norms per value head),
