@@ -299,9 +299,11 @@ def fla_step_time(fla, sets):
 
 # paged_decode_kernel variants over the default (_decode_config): stages pipelines K/V through cp.async
 # (stages=5: two tiles in flight per program instead of one; maxnreg=168 keeps 3 programs per SM);
-# waves trades split count against per-program prologue/epilogue; 64-key tiles: 2 programs per SM
-DECODE_SWEEP = [dict(stages=0, waves=6), dict(stages=5, maxnreg=168), dict(stages=5, maxnreg=168, waves=6),
-                dict(stages=5, maxnreg=168, waves=12), dict(BLOCK_N=64, stages=5)]
+# waves trades split count against per-program prologue/epilogue (3 programs of 168 registers fit
+# an SM, so waves=3/6/9 fill whole waves of programs)
+DECODE_SWEEP = [dict(stages=0, waves=6), dict(stages=0, waves=3), dict(stages=0, waves=9), dict(stages=0, waves=12),
+                dict(stages=5, maxnreg=168), dict(stages=5, maxnreg=168, waves=6),
+                dict(stages=5, maxnreg=168, waves=12), dict(stages=5, maxnreg=168, waves=9)]
 
 
 def bench_decode(lim, sweep):

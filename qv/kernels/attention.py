@@ -173,10 +173,11 @@ def _decode_config(device, dtype, d, rep, max_q, n_seq, hkv):
     if dtype == torch.float32:  # ieee dots on FMA units: small tiles
         return dict(BLOCK_M=m, BLOCK_N=16, num_warps=4, waves=6)
     # measured on the H200 (bench/kernels.py --sweep decode, CUDA-graph replay): 32-key tiles, 4 warps;
-    # few (sequence, KV head) pairs: about 6 programs per SM; many pairs: more, shorter splits (24)
-    # many pairs also pipeline K/V through cp.async (stages=5: two tiles in flight; 0.50 vs 0.52 ms at 32K x 16)
+    # few (sequence, KV head) pairs: one full wave of programs (3 of 168 registers per SM; 41.9 vs 46.9 us
+    # at 32K x 1 for two waves); many pairs: more, shorter splits (24) and K/V through cp.async
+    # (stages=5: two tiles in flight; 0.50 vs 0.52 ms at 32K x 16)
     if n_seq * hkv < num_sms(device) // 8:
-        return dict(BLOCK_M=m, BLOCK_N=32, num_warps=4, waves=6)
+        return dict(BLOCK_M=m, BLOCK_N=32, num_warps=4, waves=3)
     return dict(BLOCK_M=m, BLOCK_N=32, num_warps=4, waves=24, stages=5, maxnreg=168)
 
 
@@ -214,10 +215,12 @@ def _decode_attention(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, max_q
         SPLIT=splits > 1, WORDS=words, ASM=words and not interpreting(q.device), STAGES=stages,
         num_stages=1, **cfg)
     if splits > 1:
-        bd = min(next_pow2(d), 64)
+        # all splits of a (token, head, column slice) in one step (up to 256): one round of loads
+        # (H200, 32K x 1, 171 splits: 64 at a time, three dependent steps, took 8.4 us)
+        bs = min(next_pow2(splits), 256)
+        bd = min(next_pow2(d), max(16, 4096 // bs))
         decode_reduce_kernel[(t, hq, triton.cdiv(d, bd))](o_t, plse, out, cu_q, kv_lens, n_seq, t, hq, out.stride(0),
-                                                          out.stride(1), split_len, D=d, BLOCK_D=bd,
-                                                          BLOCK_S=min(next_pow2(splits), 64))
+                                                          out.stride(1), split_len, D=d, BLOCK_D=bd, BLOCK_S=bs)
     return out
 
 

@@ -29,6 +29,8 @@ from qv.kernels.gdn_prep import _chunk_of_tile, chunk_prep, chunk_prep_split
 from qv.kernels.gdn_recurrent import gdn_recurrent, l2norm_rows, load_state, store_state
 from qv.kernels.triton_utils import interpreting, next_pow2
 
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+
 
 @triton.jit
 def _load_kt(k_ptr, rows, m_t, hk, stride_kt, stride_kh, o_k, DK):
@@ -46,8 +48,10 @@ def _chunk_out(b_q, b_kt, b_gc, b_rk, b_hd, b_vnd, causal, scale):
     they are rounded for the second dot."""
     b_rq = tl.math.rsqrt(tl.sum(b_q.to(tl.float32) * b_q.to(tl.float32), axis=1) + 1e-6)  # as l2norm_rows
     b_o = tl.dot(b_q, b_hd, input_precision="ieee") * (b_rq * scale * tl.exp(b_gc))[:, None]
+    # masked entries: exp2(-inf) = 0 (no second select); log2(e) applied to the vector, not the tile
+    b_gl = b_gc * LOG2E
     b_s = tl.dot(b_q, b_kt, input_precision="ieee") * b_rq[:, None] * b_rk[None, :]
-    b_s = tl.where(causal, b_s * tl.exp(tl.where(causal, b_gc[:, None] - b_gc[None, :], 0.)), 0.)
+    b_s = b_s * tl.math.exp2(tl.where(causal, b_gl[:, None] - b_gl[None, :], float("-inf")))
     return b_o + scale * tl.dot(b_s.to(b_vnd.dtype), b_vnd, input_precision="ieee")
 
 
@@ -166,20 +170,26 @@ def gdn_chunk_out_kernel(
     o_t = tl.arange(0, BT)
     m_v = o_v < DV
     hk = hv // REP
-    r = c0 + o_t
-    m_t = r < L
-    rows = bos + r
-    b_q = tl.load(q_ptr + rows[:, None] * stride_qt + hk * stride_qh + o_k[None, :],
-                  mask=m_t[:, None] & (o_k[None, :] < DK), other=0.)
-    b_kt = _load_kt(k_ptr, rows, m_t, hk, stride_qt, stride_qh, o_k, DK)
-    b_gc, g_last, b_rk = _chunk_gc(gc_ptr, rk_ptr, bos, c0, L, rows, m_t, hv, HV, BT)
+    # 64-bit arithmetic once per tile (scalar bases); per-element offsets stay 32-bit
+    row0 = bos + c0
+    m_t = o_t < L - c0
+    m_k = o_k < DK
+    p_q = q_ptr + row0 * stride_qt + hk * stride_qh
+    p_k = k_ptr + row0 * stride_qt + hk * stride_qh
+    b_q = tl.load(p_q + o_t[:, None] * stride_qt + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.)
+    b_kt = tl.load(p_k + o_t[None, :] * stride_qt + o_k[:, None], mask=m_t[None, :] & m_k[:, None], other=0.)
+    p_g = row0 * HV + hv
+    g_last = tl.load(gc_ptr + (bos + tl.minimum(c0 + BT, L) - 1) * HV + hv)
+    b_gc = tl.where(m_t, tl.load(gc_ptr + p_g + o_t * HV, mask=m_t, other=0.), g_last)
+    b_rk = tl.load(rk_ptr + p_g + o_t * HV, mask=m_t, other=0.)
     b_hd = tl.load(h_ptr + tile.to(tl.int64) * stride_hn + hv * stride_hh + o_k[:, None] * stride_hk + o_v[None, :],
                    mask=m_v[None, :], other=0.)
     m_u = m_t[:, None] & m_v[None, :]
-    b_vnd = tl.load(u_ptr + rows[:, None] * stride_ut + hv * stride_uh + o_v[None, :], mask=m_u, other=0.)
+    off_u = o_t[:, None] * stride_ut + o_v[None, :]
+    b_vnd = tl.load(u_ptr + row0 * stride_ut + hv * stride_uh + off_u, mask=m_u, other=0.)
     b_o = _chunk_out(b_q, b_kt, b_gc, b_rk, b_hd, b_vnd, o_t[:, None] >= o_t[None, :], scale)
-    tl.store(o_ptr + rows[:, None] * stride_ot + hv * stride_oh + o_v[None, :], b_o.to(o_ptr.dtype.element_ty),
-             mask=m_u)
+    tl.store(o_ptr + row0 * stride_ot + hv * stride_oh + o_t[:, None] * stride_ot + o_v[None, :],
+             b_o.to(o_ptr.dtype.element_ty), mask=m_u)
 
 
 # config= variants of gdn_chunked that only a measurement can rank (bench/kernels.py --sweep gdn times
@@ -251,5 +261,6 @@ def gdn_chunked(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, state_slots, h
         gdn_chunk_out_kernel[(triton.cdiv(dv, bvo), n_tiles, hv)](
             q, k, u, gc, rk, h_all, out, cu_seqlens, n_seq, scale, dk, dv, hv, q.stride(0), q.stride(1), u.stride(0),
             u.stride(1), out.stride(0), out.stride(1), h_all.stride(0), h_all.stride(1), h_all.stride(2),
-            REP=hv // hk, BK=bk, BV=bvo, BT=bt, num_warps=cfg.get("out_warps", 4), num_stages=1)
+            REP=hv // hk, BK=bk, BV=bvo, BT=bt, num_warps=cfg.get("out_warps", 4), num_stages=1,
+            **({} if interpreting(q.device) else dict(maxnreg=cfg.get("out_maxnreg", 168))))
     return out
