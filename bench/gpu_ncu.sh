@@ -2,6 +2,7 @@
 # One device call: Nsight Compute over the kernel benchmark cases (bench/ncu_kernels.py), then a
 # per-kernel table (bench/ncu_summary.py). Logs, the raw CSV and the report land under $OUT.
 #   bash bench/gpu_ncu.sh [groups: decode,gemv,gdn,step,attn] [ncu set: full|detailed|basic]
+# NCU_SOURCE="kernel_regex ..." also prints, per kernel, the instructions with the most stall samples.
 set -u
 out=${OUT:-/tmp/qv-out}
 mkdir -p "$out"
@@ -24,6 +25,6 @@ grep -v "==PROF==" "$out/ncu.log" | tail -15
 if [ -n "${NCU_SOURCE:-}" ]; then
   for k in $NCU_SOURCE; do
     "$ncu" -i "$out/prof.ncu-rep" --page source --csv --print-source sass -k "regex:$k" > "$out/source_$k.csv" 2>> "$out/raw.err"
-    echo "source $k: $(wc -l < "$out/source_$k.csv") lines"
+    python3 bench/ncu_summary.py --source "$out/source_$k.csv" 20
   done
 fi

@@ -1,11 +1,14 @@
 """Per-kernel table from an Nsight Compute run of bench/ncu_kernels.py (bench/gpu_ncu.sh calls it).
 
     python3 bench/ncu_summary.py LOG RAW_CSV
+    python3 bench/ncu_summary.py --source SOURCE_CSV [N]
 
 LOG is the combined output of the ncu run (its `CASE name` and `==PROF== Profiling "kernel"` lines
 name each kernel's case); RAW_CSV is `ncu -i REPORT --page raw --csv`. For every kernel: time, DRAM
 throughput (% of peak) and bytes, achieved vs theoretical occupancy, registers, issue-slot use,
 cycles between a warp's instructions, and its largest stall reasons (cycles per issued instruction).
+--source: one kernel's SASS (`ncu -i REPORT --page source --csv --print-source sass -k NAME`): the
+stall reasons over the whole kernel and the N instructions with the most stall samples.
 """
 
 from __future__ import annotations
@@ -42,7 +45,34 @@ def text(row, key):
     return row.get(key, ("?", ""))[0]
 
 
+def source_top(path: str, n: int = 25):
+    rows = list(csv.reader(open(path, newline="")))
+    hdr = next(r for r in rows if "Address" in r)
+    data = [r for r in rows[rows.index(hdr) + 1:] if len(r) == len(hdr)]
+    col = {h: i for i, h in enumerate(hdr)}
+    reasons = [(i, h[6:]) for i, h in enumerate(hdr) if h.startswith("stall_") and "Not Issued" not in h]
+
+    def val(r, i):
+        try:
+            return int(r[i].replace(",", ""))
+        except ValueError:
+            return 0
+    i_s, i_e = col["Warp Stall Sampling (All Samples)"], col["Instructions Executed"]
+    total = sum(val(r, i_s) for r in data) or 1
+    by = sorted(((sum(val(r, i) for r in data), name) for i, name in reasons), reverse=True)
+    print(f"{path}: {total} stall samples, {sum(val(r, i_e) for r in data)} warp instructions executed")
+    print("  by reason: " + ", ".join(f"{name} {100 * v / total:.0f}%" for v, name in by[:8]))
+    for k in sorted(sorted(range(len(data)), key=lambda k: -val(data[k], i_s))[:n]):
+        r = data[k]
+        top = sorted(((val(r, i), name) for i, name in reasons), reverse=True)[:2]
+        print(f"  {k:5d} {100 * val(r, i_s) / total:5.1f}%  {r[col['Source']].strip()[:64]:64s} "
+              f"{top[0][1]}, {top[1][1]}")
+
+
 def main():
+    if sys.argv[1] == "--source":
+        source_top(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 25)
+        return
     log, raw = sys.argv[1], sys.argv[2]
     cases = kernel_cases(log)
     with open(raw, newline="") as f:
