@@ -192,15 +192,15 @@ def gdn_chunk_out_kernel(
              b_o.to(o_ptr.dtype.element_ty), mask=m_u)
 
 
-# config= variants of gdn_chunked that only a measurement can rank (bench/kernels.py --sweep gdn times
-# them on the GPU; tests/oracles/test_gated_delta_rule.py runs each, on the GPU too). Offline sm_90
-# builds with triton 3.6 (the H200's) at dk = dv = 128: scan 64 columns / 8 warps / 3 stages with the
-# read-ahead (the default) 255 regs + 8 B spilled, 120 KB shared (one program per SM); 32 columns /
-# 4 warps / 3 stages 197 regs, 108 KB (two per SM; without the read-ahead 116 KB, 8 B too many for
-# two); out 64 columns / 4 warps 162 regs, 56 KB. Split prep: solve 1 warp / 32-column k slices 240
-# regs, 2 stages (cp.async, the default) 255, 2 warps 207, 4 warps / 64 columns 244, "ieee" merges at
-# 4 warps 242 (at 1 or 2 warps they spill 112-1096 B); wy 4 warps 130 regs, 8 warps (default) 70, two
-# wgmma each; the fused prep 255 regs + 96 B spilled. Measured times: docs/BENCHMARKS.md.
+# config= variants of gdn_chunked that only a measurement can rank (bench/kernels.py --sweep gdn times them on the
+# GPU; tests/oracles/test_gated_delta_rule.py runs each, on the GPU too). Offline sm_90 builds with triton 3.6 (the
+# H200's) at dk = dv = 128: scan 64 columns / 8 warps / 3 stages with the read-ahead (the default) 255 regs + 8 B
+# spilled, 120 KB shared (one program per SM); 32 columns / 4 warps / 3 stages 197 regs, 108 KB (two per SM; without
+# the read-ahead 116 KB, 8 B too many for two); out 64 columns / 4 warps 204 regs uncapped, 168 with the cap (no
+# spills), 56 KB. Split prep: solve 1 warp / 32-column k slices 240 regs, 2 stages (cp.async, the default) 255, 2
+# warps 207, 4 warps / 64 columns 244, "ieee" merges at 4 warps 242 (at 1 or 2 warps they spill 112-1096 B); wy 4
+# warps 130 regs, 8 warps (default) 70, two wgmma each; the fused prep 255 regs + 96 B spilled. Measured times:
+# docs/BENCHMARKS.md.
 SWEEP_CONFIGS = [dict(scan_prefetch=False, scan_stages=2, bv=32, scan_warps=4),  # the scan before 2026-12-01 noon
                  dict(bv=32, scan_warps=4), dict(bv=64, scan_warps=8, scan_stages=2), dict(scan_stages=4),
                  dict(solve_stages=1), dict(solve_stages=3), dict(out_warps=8), dict(out_bv=128, out_warps=8),
