@@ -4,16 +4,10 @@
 # (FLA wheels, see docs/BENCHMARKS.md) to get the FLA peer rows.
 #   bash bench/gpu_kernels.sh [bench seconds] [test seconds] [extra bench.py args...]
 set -u
-out=${OUT:-/tmp/qv-out}
-mkdir -p "$out"
+. bench/device_env.sh
 bench_s=${1:-180}
 test_s=${2:-100}
 shift 2 2>/dev/null || shift $#
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$out/gpu.txt" 2>&1
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' >> "$out/gpu.txt"
 timeout "$bench_s" python3 bench/kernels.py --json "$out/bench.json" "$@" > "$out/bench.log" 2>&1

@@ -4,13 +4,7 @@
 #   bash bench/gpu_ncu.sh [groups: decode,gemv,gdn,step,attn] [ncu set: full|detailed|basic]
 # NCU_SOURCE="kernel_regex ..." also prints, per kernel, the instructions with the most stall samples.
 set -u
-out=${OUT:-/tmp/qv-out}
-mkdir -p "$out"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
+. bench/device_env.sh
 ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
 "$ncu" --version | tail -1
 # clocks left as the machine sets them (device README); one profiled call per case
