@@ -36,7 +36,7 @@ LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 def _load_kt(k_ptr, rows, m_t, hk, stride_kt, stride_kh, o_k, DK):
     """Raw q or k rows, transposed to [BK, BT] (activation dtype): the operand of k^T v_new and q k^T
     as loaded, so no fp32 copy of the tile is needed; the l2 norms are applied as scales instead."""
-    return tl.load(k_ptr + rows[None, :] * stride_kt + hk * stride_kh + o_k[:, None],
+    return tl.load((k_ptr + hk * stride_kh) + rows[None, :] * stride_kt + o_k[:, None],
                    mask=m_t[None, :] & (o_k[:, None] < DK), other=0.)
 
 
@@ -175,9 +175,8 @@ def gdn_chunk_out_kernel(
     m_t = o_t < L - c0
     m_k = o_k < DK
     p_q = q_ptr + row0 * stride_qt + hk * stride_qh
-    p_k = k_ptr + row0 * stride_qt + hk * stride_qh
     b_q = tl.load(p_q + o_t[:, None] * stride_qt + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.)
-    b_kt = tl.load(p_k + o_t[None, :] * stride_qt + o_k[:, None], mask=m_t[None, :] & m_k[:, None], other=0.)
+    b_kt = _load_kt(k_ptr + row0 * stride_qt, o_t, m_t, hk, stride_qt, stride_qh, o_k, DK)
     p_g = row0 * HV + hv
     g_last = tl.load(gc_ptr + (bos + tl.minimum(c0 + BT, L) - 1) * HV + hv)
     b_gc = tl.where(m_t, tl.load(gc_ptr + p_g + o_t * HV, mask=m_t, other=0.), g_last)
