@@ -279,16 +279,19 @@ def bench_gdn_step(lim, sweep, fla):
                 (t <= t_fla) if t_fla else None, f"{note}; {n_sets} input sets; cfg {best[1]}")
 
 
+def fla_step_call(fla, inp):
+    """FLA's fused recurrent step on one input set, gate, beta and l2norm fused as in ours."""
+    q, k, v, a, b, A_log, dt_bias, h0 = inp["fla"]
+    return fla.fused_recurrent_gated_delta_rule(
+        q, k, v, a, beta=b, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True)
+
+
 def fla_step_time(fla, sets):
     """FLA's fused recurrent step, graph-replayed over the same input sets as ours."""
-    def call(i):
-        q, k, v, a, b, A_log, dt_bias, h0 = i["fla"]
-        return fla.fused_recurrent_gated_delta_rule(
-            q, k, v, a, beta=b, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
-            use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True)
     try:
-        call(sets[0])
-        t = graph_ms([lambda i=i: call(i) for i in sets])
+        fla_step_call(fla, sets[0])
+        t = graph_ms([lambda i=i: fla_step_call(fla, i) for i in sets])
         if t is None:
             return None, "FLA not graph-capturable"
         return t, "FLA with fused gate/beta/l2norm (graph replay)"

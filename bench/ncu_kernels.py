@@ -20,6 +20,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernel_inputs import attention_inputs, decode_inputs, gdn_inputs, gptq_inputs  # noqa: E402
+from kernels import fla_chunk_call, fla_step_call  # noqa: E402
 from qv.kernels.attention import _paged_attention_triton  # noqa: E402
 from qv.kernels.gdn import _gated_delta_rule_triton  # noqa: E402
 from qv.kernels.linear_gptq import _linear_triton  # noqa: E402
@@ -48,10 +49,7 @@ def gdn_cases(fla):
     inp = gdn_inputs(8192, 1, DEV, torch.bfloat16)
     yield "gdn chunk 8K ours", lambda: _gated_delta_rule_triton(*inp["ours"], max_query_len=8192)
     if fla is not None:
-        q, k, v, a, b, A_log, dt_bias, _ = inp["fla"]
-        yield "gdn chunk 8K fla", lambda: fla.chunk_gated_delta_rule(
-            q, k, v, a, b, initial_state=None, output_final_state=True, use_qk_l2norm_in_kernel=True,
-            use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True)
+        yield "gdn chunk 8K fla", fla_chunk_call(fla, inp)
 
 
 def step_cases(fla):
@@ -59,11 +57,7 @@ def step_cases(fla):
         inp = gdn_inputs(1, batch, DEV, torch.bfloat16)
         yield f"gdn step b{batch} ours", lambda inp=inp: _gated_delta_rule_triton(*inp["ours"], max_query_len=1)
         if fla is not None:
-            q, k, v, a, b, A_log, dt_bias, h0 = inp["fla"]
-            yield f"gdn step b{batch} fla", lambda q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, h0=h0: \
-                fla.fused_recurrent_gated_delta_rule(
-                    q, k, v, a, beta=b, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
-                    use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True)
+            yield f"gdn step b{batch} fla", lambda inp=inp: fla_step_call(fla, inp)
 
 
 def attn_cases():
