@@ -340,8 +340,9 @@ def bench_decode(lim, sweep):
 
 # fused (the default): the split-K partials summed by the last program of each column tile (no second
 # launch); fused=False: split_sum_kernel after the GEMV
-GEMV_SWEEP = [dict(kind="dot"), dict(kind="dot", num_stages=3), dict(kind="fma"), dict(kind="fma", fused=False),
-              dict(kind="fma", NW=8, BK=8, waves=4), dict(kind="fma", NW=4, BK=8, waves=8)]
+GEMV_SWEEP = [dict(kind="dot"), dict(kind="fma"), dict(kind="mma"), dict(kind="mma", BLOCK_N=64, BLOCK_K=128, waves=8)] + [
+    dict(kind="cuda", waves=wv, min_blocks=mb, wk=wk) for wv, mb, wk in ((1, 3, 1), (1, 3, 4), (1, 4, 1), (1, 4, 4),
+                                                                          (2, 3, 4), (1, 1, 4), (1, 2, 4))]
 GDN_STEP_SWEEP = [dict(bv=16, warps=1), dict(bv=16, warps=2), dict(bv=32, warps=2), dict(bv=32, warps=4),
                   dict(bv=64, warps=4), dict(bv=128, warps=8)]
 GEMM_SWEEP = [dict(kind="dot", dequant_min_m=1 << 30, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=st,
@@ -356,17 +357,19 @@ def bench_gemv(lim, sweep):
             nbytes = k * n + w.scales.numel() * 2 + x.numel() * 2 + m * n * 2
             cfgs = [None] + (GEMV_SWEEP if sweep else [])
             best = (float("inf"), None, None)
+            wd = dequantize_gptq(w).to(torch.float16)
+            xh = x.to(torch.float16)
+            y_ref = F.linear(xh, wd).float()
             for cfg in cfgs:
                 t = try_time(lambda: _linear_triton(x, w, config=cfg))
                 tg = graph_ms([lambda s=s: _linear_triton(s[1], s[0], config=cfg) for s in sets]) if t < 1e9 else None
-                if sweep:
+                if sweep and t < 1e9:
+                    err = ((_linear_triton(x, w, config=cfg).float() - y_ref).abs().max() / y_ref.abs().max()).item()
                     print(f"    gemv {k}->{n} m{m} {cfg}: {t * 1e3:.1f} us ({nbytes / t / 1e9:.2f} TB/s); graph "
-                          f"{tg * 1e3 if tg else float('nan'):.1f} us ({nbytes / tg / 1e9 if tg else 0:.2f} TB/s)",
-                          flush=True)
+                          f"{tg * 1e3 if tg else float('nan'):.1f} us ({nbytes / tg / 1e9 if tg else 0:.2f} TB/s); "
+                          f"max err vs cuBLAS {err:.1e}", flush=True)
                 best = min(best, (tg or t, cfg, t), key=lambda x_: x_[0])
             tg, cfg, t = best
-            wd = dequantize_gptq(w).to(torch.float16)
-            xh = x.to(torch.float16)
             t_peer = graph_ms([lambda: F.linear(xh, wd)]) or median_ms(lambda: F.linear(xh, wd))
             tbs = nbytes / (tg * 1e-3) / 1e12
             pct = tbs / lim["copy_tbs"]

@@ -3,9 +3,12 @@ torch.nn.functional.linear (cuBLAS): nothing to gain there.
 
 Weights are qv's GPTQ layout (linear.py): codes [K, N] uint8, scales/zeros [G, N], g_idx [K].
 Paths by rows M (sequential groups, g_idx = k // group_size, unless noted):
-  M = 1       gptq_gemv_kernel (linear_gemv.py): CUDA-core FMAs streaming the codes (M <= 4 on request).
-  M <= 16     gptq_matmul_kernel, F16=1: raw codes on fp16 tensor cores, zero and scale applied once
-              per tile and column after the dot (_f16_tile); split-K over the SMs.
+  M <= 16     sm_90, fp16/bf16 rows: the raw-CUDA GEMV (linear_cuda.py, gptq_gemv_mma.cu; the weight is
+              the wide operand of mma.sync), else gptq_gemv_mma_kernel (linear_gemv.py, the same idea in
+              Triton) where the CUDA kernel does not apply (no CuPy, group sizes other than 32/64/128).
+  M = 1       other GPUs: gptq_gemv_kernel (linear_gemv.py), CUDA-core FMAs streaming the codes.
+  M <= 16     other GPUs: gptq_matmul_kernel, F16=1: raw codes on fp16 tensor cores, zero and scale
+              applied once per tile and column after the dot (_f16_tile); split-K over the SMs.
   M < 1024    gptq_matmul_kernel, F16=2: each [BK, BN] tile dequantized in fp16 for tl.dot.
   M >= 1024   W dequantized once into a [K, N] workspace in x's dtype, then cuBLAS (any g_idx): the
               dequantization costs ~3 K*N bytes of traffic, small next to 2*M*K*N FLOPs.
@@ -21,7 +24,8 @@ import triton
 import triton.language as tl
 
 from qv.kernels.linear import GPTQWeight
-from qv.kernels.linear_gemv import gemv_config, gemv_fma, split_sum_kernel
+from qv.kernels.linear_cuda import gemv_cuda, gemv_cuda_config
+from qv.kernels.linear_gemv import codes_f16, gemv_config, gemv_fma, gemv_mma, gemv_mma_config, split_sum_kernel
 from qv.kernels.registry import register
 from qv.kernels.triton_utils import interpreting, next_pow2, num_sms
 
@@ -57,7 +61,7 @@ def gptq_matmul_kernel(
     stride_xm, stride_qk, stride_sg, stride_om, stride_os,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, GATHER: tl.constexpr, F16: tl.constexpr,  # 0, 1 or 2
-    TILE_SCALE: tl.constexpr, ROW_SCALE: tl.constexpr, SPLIT: tl.constexpr,
+    TILE_SCALE: tl.constexpr, ROW_SCALE: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     n_m, n_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
@@ -89,7 +93,7 @@ def gptq_matmul_kernel(
                 b_z = tl.load(z_ptr + g_off + o_n, mask=m_n, other=0.).to(tl.float32)
             else:
                 b_z = tl.full([BLOCK_N], 128., dtype=tl.float32)
-            b_w = (b_q.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - (1024. + b_z).to(tl.float16)[None, :]
+            b_w = codes_f16(b_q, ASM) - (1024. + b_z).to(tl.float16)[None, :]
             acc += tl.dot(b_x, b_w * b_s[None, :])
         elif GATHER:
             b_g = tl.load(g_ptr + o_k, mask=m_k, other=0).to(tl.int64)
@@ -178,6 +182,16 @@ def _gptq_config(device, m, n, k, group, f16):
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, split=1)
 
 
+def _gemv_kind(device, m, dtype):
+    """Default kernel for few rows (bench/kernels.py --sweep gemv, docs/BENCHMARKS.md): on sm_90 the
+    raw-CUDA tensor-core GEMV ("cuda", the Triton "mma" kernel where it does not apply); elsewhere
+    (unmeasured) "fma" (CUDA cores) at M = 1 and "dot" (x on the MMA's wide side) above."""
+    if (m <= 16 and dtype in (torch.float16, torch.bfloat16) and device.type == "cuda"
+            and torch.cuda.get_device_capability(device)[0] >= 9):
+        return "cuda"
+    return "fma" if m == 1 else "dot"
+
+
 def gptq_linear(x, w, bias=None, config=None):
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
@@ -189,11 +203,18 @@ def gptq_linear(x, w, bias=None, config=None):
     if m == 0:
         return out.view(*shape[:-1], n)
     sequential = _sequential_groups(w)
-    if m <= 4 and sequential and (config or {}).get("kind", "fma" if m == 1 else "dot") == "fma":
-        fma_cfg = dict(gemv_config(x.device, m, n, k), **{a: b for a, b in (config or {}).items() if a != "kind"})
-        if gemv_fma(x2, w, bias, out, fma_cfg):
+    config = dict(config or {})
+    kind = config.pop("kind", None) or _gemv_kind(x.device, m, x.dtype)
+    if kind == "fma" and m <= 4 and sequential:
+        if gemv_fma(x2, w, bias, out, dict(gemv_config(x.device, m, n, k), **config)):
             return out.view(*shape[:-1], n)
-    config = {a: b for a, b in (config or {}).items() if a != "kind"}
+    if kind == "cuda" and sequential and gemv_cuda(x2, w, bias, out, dict(gemv_cuda_config(x.device), **config)):
+        return out.view(*shape[:-1], n)
+    if kind in ("cuda", "mma") and m <= 16 and sequential and x.dtype in (torch.float16, torch.bfloat16):
+        if gemv_mma(x2, w, bias, out, dict(gemv_mma_config(x.device), **({} if kind == "cuda" else config))):
+            return out.view(*shape[:-1], n)
+    if kind != "dot":  # that GEMV's settings do not apply to the paths below
+        config = {}
     if m >= config.pop("dequant_min_m", 1 << 30 if interpreting(x.device) else 1024):
         _dequant_matmul(x2, w, bias, out)
         return out.view(*shape[:-1], n)

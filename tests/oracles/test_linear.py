@@ -61,6 +61,44 @@ def test_gptq_gemv_cuda_cores_gpu(dtype):
     _case(dtype, 3, 5120, 17408, 128, config=dict(kind="fma"))
 
 
+@pytest.mark.parametrize("dtype,m,zeros,bias", [(torch.bfloat16, 1, False, True), (torch.float16, 4, True, False),
+                                                (torch.bfloat16, 13, True, True)])
+@pytest.mark.parametrize("waves", [1, 64])
+def test_gptq_gemv_mma(dtype, m, zeros, bias, waves):
+    """The GEMV with the weight on the MMA's wide side (x^T the 16-column side): bf16 rows scaled into
+    fp16 per tile, zero points through the column sums of x, one K range or many (fused reduce)."""
+    _case(dtype, m, 70, 96, 32, zeros=zeros, bias=bias, config=dict(kind="mma", waves=waves))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_gptq_gemv_mma_gpu(dtype, m):
+    """The wide-side GEMV on the GPU: odd sizes (masked tiles), then the 27B shapes (unmasked)."""
+    cfg = dict(kind="mma")
+    _case(dtype, m, 70, 96, 32, zeros=True, bias=True, config=cfg)
+    _case(dtype, m, 34816, 5120, 128, zeros=m == 4, config=cfg)
+    _case(dtype, m, 5120, 17408, 128, bias=True, config=cfg)
+
+
+@pytest.mark.gpu
+def test_gptq_gemv_mma_bf16_range_gpu():
+    """bf16 rows beyond fp16's range (one tile at 1e6) and below its normals (a row at 1e-6): the
+    per-tile power-of-two scaling keeps both (checked row by row)."""
+    from qv.kernels.linear_gptq import _linear_triton
+
+    dtype = torch.bfloat16
+    w = gptq_weight(256, 512, 128, False, False, dtype)
+    x = randn(2, 512, dtype=torch.float32)
+    x[0, :128] *= 1e6
+    x[1] *= 1e-6
+    x = x.to(dtype)
+    out = run_triton(_linear_triton, x, w, None, config=dict(kind="mma"))
+    ref = run_reference(K.linear, x, w, None)
+    for r in range(2):
+        assert_close(f"linear (wide-side GEMV, bf16 range, row {r})", out[r], ref[r], BOUND[dtype])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gptq_gemm(dtype):
     _case(dtype, 37, 50, 128, 64, zeros=True, bias=True)

@@ -1,0 +1,127 @@
+"""GPTQ-int8 GEMV for M <= 16 rows in raw CUDA (gptq_gemv_mma.cu: mma.sync with the weight as the wide
+operand, sm_80 and newer), compiled at first use by NVRTC through CuPy and launched on torch's current
+stream. gemv_cuda returns False where the kernel does not apply (no CuPy, an older GPU, group sizes other
+than 32/64/128, N not a multiple of 16, misaligned tensors, or a CUDA graph being captured before the
+kernel was built); the caller then runs the Triton kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+import torch
+import triton
+
+from qv.kernels.linear_gemv import _MAX_TILES, _tickets
+from qv.kernels.triton_utils import num_sms
+
+SOURCE = Path(__file__).with_name("gptq_gemv_mma.cu")
+GROUPS = (32, 64, 128)  # rows per scale group the kernel is built for (16 * S)
+_HALF = (torch.float16, torch.bfloat16)
+
+
+@functools.lru_cache(maxsize=None)
+def cupy_or_none():
+    try:
+        import cupy
+    except ImportError:
+        return None
+    return cupy
+
+
+_KERNELS: dict[tuple[int, ...], object] = {}
+
+
+def _kernel(mt: int, steps: int, min_blocks: int, wk: int, device_index: int):
+    key = (mt, steps, min_blocks, wk, device_index)
+    if key not in _KERNELS:
+        cupy = cupy_or_none()
+        name = f"gptq_gemv_mma<{mt}, {steps}, {min_blocks}, {wk}>"
+        with cupy.cuda.Device(device_index):
+            module = cupy.RawModule(code=SOURCE.read_text(), options=("-std=c++17",), name_expressions=(name,))
+            _KERNELS[key] = module.get_function(name)
+    return _KERNELS[key]
+
+
+@functools.lru_cache(maxsize=64)
+def _stream(handle: int):
+    """torch's stream as a CuPy stream (kept: a launch per decode step should not build one)."""
+    cupy = cupy_or_none()
+    try:  # CuPy >= 14 (ExternalStream is deprecated there)
+        return cupy.cuda.Stream.from_external(_StreamHandle(handle))
+    except (AttributeError, TypeError, ValueError):
+        return cupy.cuda.ExternalStream(handle)
+
+
+class _StreamHandle:
+    """The CUDA stream protocol (``__cuda_stream__``) around a raw handle."""
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
+
+
+def gemv_cuda_config(device):
+    """Launch settings, measured on the H200 (bench/kernels.py --sweep gemv, docs/BENCHMARKS.md): warps
+    along K (wk=4; 53.9 vs 59.8 us at 5120->34816 M=4, 30.5 vs 48.4 at 17408->5120), the register cap
+    of three blocks per SM (168 registers) for one 8-row tile and two for two, K split so the blocks
+    fill one round of the SMs (waves=1)."""
+    return dict(waves=1, min_blocks=None, wk=4)
+
+
+def _applies(x2, w, bias, out) -> bool:
+    m, k = x2.shape
+    n = w.qweight.shape[1]
+    tensors = [x2, w.qweight, w.scales, out] + [t for t in (w.zeros, bias) if t is not None]
+    return (x2.is_cuda and torch.cuda.get_device_capability(x2.device)[0] >= 8 and cupy_or_none() is not None
+            and 1 <= m <= 16 and w.group_size in GROUPS and k % w.group_size == 0 and n % 16 == 0
+            and x2.dtype in _HALF and out.dtype == x2.dtype and w.scales.dtype in _HALF
+            and (w.zeros is None or w.zeros.dtype == w.scales.dtype) and (bias is None or bias.dtype == x2.dtype)
+            and all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 for t in tensors)
+            and x2.stride(0) % 8 == 0 and w.qweight.stride(0) % 16 == 0 and w.scales.stride(0) % 8 == 0
+            and out.stride(0) % 8 == 0)
+
+
+def gemv_cuda(x2, w, bias, out, cfg) -> bool:
+    """out = x2 W^T (+ bias) with the CUDA kernel; False (nothing launched) where it does not apply."""
+    if not _applies(x2, w, bias, out):
+        return False
+    m, k = x2.shape
+    n = w.qweight.shape[1]
+    dev = x2.device
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    mt, steps = (m + 7) // 8, w.group_size // 16
+    wk = cfg["wk"]
+    min_blocks = cfg["min_blocks"] or (3 if mt == 1 else 2)  # the register caps that do not spill
+    key = (mt, steps, min_blocks, wk, index)
+    if key not in _KERNELS and torch.cuda.is_current_stream_capturing():
+        return False  # NVRTC and module loads do not belong in a graph capture
+    kernel = _kernel(*key)
+    tiles = triton.cdiv(n, 128 * 4 // wk)  # 4 warps: 512 columns, or 128 with K split among them
+    # split K so that the blocks fill `waves` whole rounds of what the SMs hold at once: a partial last
+    # round would leave SMs idle while it runs
+    regs = (kernel.num_regs + 7) // 8 * 8
+    resident = max(1, min(16, 65536 // (128 * regs))) * num_sms(dev)
+    split = max(1, min(cfg["waves"] * resident // tiles, k // w.group_size))
+    k_split = triton.cdiv(triton.cdiv(k, split), w.group_size) * w.group_size
+    split = triton.cdiv(k, k_split)
+    part = tickets = None
+    if split > 1:
+        tickets = _tickets(dev)
+        if tickets is None or tiles > _MAX_TILES:
+            return False
+        part = torch.empty((split, m, n), dtype=torch.float32, device=dev)
+    ptr = lambda t: np.uint64(t.data_ptr() if t is not None else 0)  # noqa: E731
+    args = (ptr(x2), ptr(w.qweight), ptr(w.scales), ptr(w.zeros), ptr(bias), ptr(part), ptr(out), ptr(tickets),
+            np.int32(m), np.int32(n), np.int32(k), np.int32(k_split), np.int64(x2.stride(0)),
+            np.int64(w.qweight.stride(0)), np.int64(w.scales.stride(0)), np.int64(out.stride(0)),
+            np.int32(x2.dtype == torch.bfloat16), np.int32(w.scales.dtype == torch.bfloat16),
+            np.int32(w.zeros is not None), np.int32(bias is not None))
+    cupy = cupy_or_none()
+    with cupy.cuda.Device(index), _stream(torch.cuda.current_stream(dev).cuda_stream):
+        kernel((tiles, split, 1), (128, 1, 1), args)
+    return True

@@ -1,0 +1,137 @@
+"""The raw-CUDA GPTQ GEMV (qv/kernels/gptq_gemv_mma.cu) against the reference: every row count of one
+and two 8-row tiles, the three group sizes, zeros and bias, bf16 rows beyond fp16's range, columns that
+end inside a warp's range, split-K with its ticketed reduce (deterministic, tickets left at zero) and
+CUDA-graph replay. On CPU the source is compiled by NVRTC for sm_80 and sm_90 when a libnvrtc is
+installed (the CUDA wheels that come with torch carry one)."""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import sys
+
+import pytest
+import torch
+
+from kernel_cases import BOUND, DEV, K, randn, run_reference
+from test_linear import gptq_weight
+from util import assert_close
+
+
+def _nvrtc():
+    """libnvrtc through ctypes (its builtins library loaded first so NVRTC finds it), or None."""
+    roots = [p for p in sys.path if p.endswith("site-packages")]
+    for root in roots:
+        for lib in sorted(glob.glob(os.path.join(root, "nvidia", "*", "lib", "libnvrtc.so.*"))):
+            folder = os.path.dirname(lib)
+            try:
+                for builtins in glob.glob(os.path.join(folder, "libnvrtc-builtins.so.*")):
+                    if ".alt." not in builtins:
+                        ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
+                return ctypes.CDLL(lib)
+            except OSError:
+                continue
+    return None
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_source_compiles(arch):
+    """NVRTC builds every instantiation the wrapper can ask for (1-2 row tiles x 2/4/8 steps a group x
+    register caps)."""
+    from qv.kernels.linear_cuda import GROUPS, SOURCE
+
+    lib = _nvrtc()
+    if lib is None:
+        pytest.skip("no libnvrtc installed")
+    names = [f"gptq_gemv_mma<{mt}, {g // 16}, {b}, {wk}>" for mt in (1, 2) for g in GROUPS for b in (1, 3, 4)
+             for wk in (1, 4)]
+    prog = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), SOURCE.read_bytes(), b"gemv.cu", 0, None, None) == 0
+    for name in names:
+        assert lib.nvrtcAddNameExpression(prog, name.encode()) == 0
+    opts = [f"--gpu-architecture=compute_{arch}".encode(), b"-std=c++17"]
+    rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(prog, log)
+    assert rc == 0, log.value.decode()
+    lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
+    ptx = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetPTX(prog, ptx)
+    assert ptx.value.count(b"mma.sync.aligned.m16n8k16") >= len(names)
+
+
+def _cuda_case(dtype, m, n, k, group, zeros=False, bias=False, cfg=None, x=None):
+    from qv.kernels.linear_cuda import gemv_cuda, gemv_cuda_config
+
+    w = gptq_weight(n, k, group, zeros, False, dtype)
+    x = randn(m, k, dtype=dtype) if x is None else x
+    b = randn(n, dtype=dtype) if bias else None
+    out = torch.full((m, n), float("nan"), dtype=dtype, device=DEV)
+    assert gemv_cuda(x, w, b, out, dict(gemv_cuda_config(DEV), **(cfg or {}))), "the CUDA GEMV did not run"
+    ref = run_reference(K.linear, x, w, b)
+    for r in range(m):  # row by row: rows of very different size must each be right
+        assert_close(f"CUDA GEMV row {r}", out[r], ref[r], BOUND[dtype])
+    return x, w, b, out
+
+
+needs_cuda_gemv = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 8, reason="needs an sm_80+ GPU")
+
+
+@pytest.mark.gpu
+@needs_cuda_gemv
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
+@pytest.mark.parametrize("wk", [1, 4])
+def test_cuda_gemv_gpu(dtype, m, wk):
+    """Warps side by side (wk=1) or along K (wk=4) at odd and real shapes."""
+    cfg = dict(wk=wk)
+    _cuda_case(dtype, m, 1040, 384, 128, zeros=m % 2 == 1, bias=m > 4, cfg=cfg)  # 1040: a block partly used
+    _cuda_case(dtype, m, 48, 96, 32, bias=True, cfg=cfg)
+    _cuda_case(dtype, m, 336, 320, 64, zeros=True, cfg=cfg)
+    _cuda_case(dtype, m, 34816, 5120, 128, cfg=cfg)
+    _cuda_case(dtype, m, 5120, 17408, 128, zeros=True, bias=True, cfg=cfg)
+
+
+@pytest.mark.gpu
+@needs_cuda_gemv
+def test_cuda_gemv_bf16_range_gpu():
+    x = randn(3, 512, dtype=torch.float32)
+    x[0, :128] *= 1e6
+    x[1] *= 1e-6
+    x[2, 256:384] *= 1e-30  # a group of zeros in fp16 next to normal groups
+    _cuda_case(torch.bfloat16, 3, 256, 512, 128, x=x.to(torch.bfloat16))
+
+
+@pytest.mark.gpu
+@needs_cuda_gemv
+@pytest.mark.parametrize("waves", [1, 64])
+@pytest.mark.parametrize("wk", [1, 4])
+def test_cuda_gemv_split_and_graph_gpu(waves, wk):
+    """One K range, or many (the last block of a column range sums them): the same bits on a rerun and
+    under CUDA-graph replay, and the tickets left at zero."""
+    from qv.kernels import linear_gemv
+    from qv.kernels.linear_cuda import gemv_cuda
+
+    cfg = dict(waves=waves, min_blocks=1, wk=wk)
+    x, w, b, out = _cuda_case(torch.bfloat16, 5, 2064, 1024, 128, zeros=True, bias=True, cfg=cfg)
+    again = torch.empty_like(out)
+    assert gemv_cuda(x, w, b, again, cfg)
+    assert torch.equal(again, out)
+    graph_out = torch.empty_like(out)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            assert gemv_cuda(x, w, b, graph_out, cfg)
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(2):
+        graph_out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(graph_out, out)
+    assert all(int(t.abs().sum()) == 0 for t in linear_gemv._TICKETS.values())
