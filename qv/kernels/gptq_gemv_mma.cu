@@ -269,18 +269,32 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) gptq_gemv_mma(
   __syncthreads();
   if (!last) return;
   __threadfence();
-  const int n0 = blockIdx.x * cols;
-  for (int i = threadIdx.x; i < M * cols; i += blockDim.x) {
-    const int m = i / cols, n = n0 + i % cols;
-    if (n >= N) continue;
-    // eight loads in flight at a time: this tail runs on one block per column range
-    const float* pp = part + (long long)m * N + n;
-    const long long stride = (long long)M * N;
-    float sum = 0.f;
+  const int n0 = blockIdx.x * cols, total = M * cols;
+  const long long stride = (long long)M * N;
+  // four outputs a thread at a time, eight splits deep: up to 32 loads in flight (this tail runs on one
+  // block per column range, so it is latency-bound), each output summed in split order
+  for (int i0 = threadIdx.x; i0 < total; i0 += 4 * blockDim.x) {
+    float sum[4] = {0.f, 0.f, 0.f, 0.f};
+    const float* pp[4];
+    bool ok[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int i = i0 + u * blockDim.x, m = i / cols, n = n0 + i % cols;
+      ok[u] = i < total && n < N;
+      pp[u] = part + (long long)m * N + n;
+    }
 #pragma unroll 8
-    for (int sp = 0; sp < (int)gridDim.y; ++sp) sum += load_cg(pp + sp * stride);
-    if (has_bias) sum += to_float(bias[n], x_bf16);
-    y[m * stride_ym + n] = float_to(sum, x_bf16);
+    for (int sp = 0; sp < (int)gridDim.y; ++sp)
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        if (ok[u]) sum[u] += load_cg(pp[u] + sp * stride);
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      if (!ok[u]) continue;
+      const int i = i0 + u * blockDim.x, m = i / cols, n = n0 + i % cols;
+      if (has_bias) sum[u] += to_float(bias[n], x_bf16);
+      y[m * stride_ym + n] = float_to(sum[u], x_bf16);
+    }
   }
   __syncthreads();
   if (threadIdx.x == 0) tickets[blockIdx.x] = 0;  // zero again for the next launch (and graph replays)
