@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import triton
 
-from qv.kernels.linear_gemv import _MAX_TILES, _tickets
+from qv.kernels.linear_gemv import MAX_TICKET_TILES, split_tickets
 from qv.kernels.triton_utils import num_sms
 
 SOURCE = Path(__file__).with_name("gptq_gemv_mma.cu")
@@ -111,8 +111,8 @@ def gemv_cuda(x2, w, bias, out, cfg) -> bool:
     split = triton.cdiv(k, k_split)
     part = tickets = None
     if split > 1:
-        tickets = _tickets(dev)
-        if tickets is None or tiles > _MAX_TILES:
+        tickets = split_tickets(dev)
+        if tickets is None or tiles > MAX_TICKET_TILES:
             return False
         part = torch.empty((split, m, n), dtype=torch.float32, device=dev)
     ptr = lambda t: np.uint64(t.data_ptr() if t is not None else 0)  # noqa: E731

@@ -1,5 +1,6 @@
-"""GPTQ-int8 GEMV on CUDA cores for decode (M <= 4 rows), and the split-K partial-sum pass shared
-with the tensor-core kernels of linear_gptq.py.
+"""GPTQ-int8 GEMV for decode: on CUDA cores (M <= 4 rows), and on tensor cores with the weight as the
+MMA's wide operand (gptq_gemv_mma_kernel, M <= 16; the Triton twin of linear_cuda.py's kernel); and
+the split-K partial sums shared with the tensor-core kernels of linear_gptq.py and linear_cuda.py.
 
 Decode reads every weight byte once per step, so the kernel is built to stream codes at HBM rate:
 vector loads of 8 codes per thread, all loads of a step issued before any use, no tensor-core tiles
@@ -250,16 +251,16 @@ def gemv_config(device, m, n, k):
 
 
 _TICKETS: dict[torch.device, torch.Tensor] = {}
-_MAX_TILES = 4096
+MAX_TICKET_TILES = 4096
 
 
-def _tickets(device):
+def split_tickets(device):
     """Zeroed per-column-tile counters for the fused split-K reduce (the kernel leaves them zero).
     Kept for the process: a captured CUDA graph holds their address. None while a graph is being
     captured before they exist (the caller then takes the two-launch path). One stream at a time."""
     buf = _TICKETS.get(device)
     if buf is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        buf = _TICKETS[device] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
+        buf = _TICKETS[device] = torch.zeros(MAX_TICKET_TILES, dtype=torch.int32, device=device)
     return buf
 
 
@@ -271,7 +272,7 @@ def _split_k(x2, n, k, step, tiles, waves, fused):
     k_split = triton.cdiv(triton.cdiv(k, split), step) * step
     split = triton.cdiv(k, k_split)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x2.device) if split > 1 else None
-    tickets = _tickets(x2.device) if fused and split > 1 and tiles <= _MAX_TILES else None
+    tickets = split_tickets(x2.device) if fused and split > 1 and tiles <= MAX_TICKET_TILES else None
     return split, k_split, part, tickets
 
 
