@@ -184,7 +184,8 @@ def _gptq_config(device, m, n, k, group, f16):
 
 def _gemv_kind(device, m, dtype):
     """Default kernel for few rows (bench/kernels.py --sweep gemv, docs/BENCHMARKS.md): on sm_90 the
-    raw-CUDA tensor-core GEMV ("cuda", the Triton "mma" kernel where it does not apply); elsewhere
+    raw-CUDA tensor-core GEMV ("cuda"; where it does not apply, "fma" at M = 1 and the Triton "mma"
+    kernel above, the next best there); elsewhere
     (unmeasured) "fma" (CUDA cores) at M = 1 and "dot" (x on the MMA's wide side) above."""
     if (m <= 16 and dtype in (torch.float16, torch.bfloat16) and device.type == "cuda"
             and torch.cuda.get_device_capability(device)[0] >= 9):
@@ -205,13 +206,15 @@ def gptq_linear(x, w, bias=None, config=None):
     sequential = _sequential_groups(w)
     config = dict(config or {})
     kind = config.pop("kind", None) or _gemv_kind(x.device, m, x.dtype)
+    if kind == "cuda":
+        if sequential and gemv_cuda(x2, w, bias, out, dict(gemv_cuda_config(x.device), **config)):
+            return out.view(*shape[:-1], n)
+        kind, config = ("fma" if m == 1 else "mma"), {}  # where it does not apply: the next best measured
     if kind == "fma" and m <= 4 and sequential:
         if gemv_fma(x2, w, bias, out, dict(gemv_config(x.device, m, n, k), **config)):
             return out.view(*shape[:-1], n)
-    if kind == "cuda" and sequential and gemv_cuda(x2, w, bias, out, dict(gemv_cuda_config(x.device), **config)):
-        return out.view(*shape[:-1], n)
-    if kind in ("cuda", "mma") and m <= 16 and sequential and x.dtype in (torch.float16, torch.bfloat16):
-        if gemv_mma(x2, w, bias, out, dict(gemv_mma_config(x.device), **({} if kind == "cuda" else config))):
+    if kind == "mma" and m <= 16 and sequential and x.dtype in (torch.float16, torch.bfloat16):
+        if gemv_mma(x2, w, bias, out, dict(gemv_mma_config(x.device), **config)):
             return out.view(*shape[:-1], n)
     if kind != "dot":  # that GEMV's settings do not apply to the paths below
         config = {}

@@ -70,6 +70,14 @@ def test_gptq_gemv_mma(dtype, m, zeros, bias, waves):
     _case(dtype, m, 70, 96, 32, zeros=zeros, bias=bias, config=dict(kind="mma", waves=waves))
 
 
+@pytest.mark.parametrize("m", [1, 4])
+def test_gptq_gemv_cuda_fallback(m):
+    """kind="cuda" where the CUDA kernel cannot run (here: no GPU; on one, e.g. group sizes other than
+    32/64/128): the next best kernel runs instead and is right."""
+    _case(torch.bfloat16, m, 70, 96, 32, zeros=True, bias=True, config=dict(kind="cuda"))
+    _case(torch.float16, m, 70, 96, 48, config=dict(kind="cuda"))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 4, 16])
