@@ -1,7 +1,8 @@
 // GPTQ-int8 GEMV for a few rows (M <= 16) on tensor cores with mma.sync.m16n8k16 (sm_80 and newer).
 // Compiled at run time by NVRTC through CuPy (qv/kernels/linear_cuda.py); no CUDA headers needed.
 //
-// y[m, n] = sum_k x[m, k] (c[k, n] - z[g(k), n]) s[g(k), n] (+ bias[n]),  codes c uint8 [K, N] row-major.
+// y[m, n] = sum_k x[m, k] (c[k, n] - z[G(k), n]) s[G(k), n] (+ bias[n]): codes c uint8 [K, N] row-major,
+// scale group G(k) = k / group size.
 //
 // The weight is the MMA's 16-row operand A (rows = output columns n) and x^T the 8-column operand B, so
 // every weight byte costs under one instruction whatever M is. Each warp owns 128 output columns; per
@@ -66,12 +67,22 @@ __device__ __forceinline__ float load_cg(const float* p) {
 // MIN_BLOCKS resident per SM (a register cap; 1: none). WK: warps along K. WK = 1: the 4 warps own
 // 512 columns; WK = 4: they share 128 columns, warp w taking groups w, w + 4, ... of the block's K
 // range, summed through shared memory at the end (4x the column blocks, for narrow outputs).
+//
+// Registers of one MMA j (lane: groupID g = lane / 4, t = lane % 4; PTX's A elements a0..a7 are pairs):
+//   a0 = {A[g][2t], A[g][2t+1]}     = codes of rows 4t, 4t+1 at column 16g + 2j      (t01: bytes 2j of q0, q1)
+//   a1 = {A[g+8][2t], A[g+8][2t+1]} = codes of rows 4t, 4t+1 at column 16g + 2j + 1  (t01: bytes 2j + 1)
+//   a2, a3: the same for rows 4t+2, 4t+3 (logical k 2t+8, 2t+9)                      (t23 from q2, q3)
+//   b0 = {x[m][4t], x[m][4t+1]}, b1 = {x[m][4t+2], x[m][4t+3]} for x row m = 8 mt + g (one 8-byte load)
+//   sum[0], [1] = column 16g + 2j, x rows 2t, 2t + 1; sum[2], [3] = column 16g + 2j + 1, the same rows
+// prmt(a, b, sel) picks byte sel_i of {b:a} for result byte i: 0x5140 = [a0, b0, a1, b1] (0x7362 the
+// upper halves); then 0x4140 = [t0, 0x64, t1, 0x64] and 0x4342 = [t2, 0x64, t3, 0x64]: two fp16 1024 + c.
 template <int MT, int S, int MIN_BLOCKS, int WK>
 __global__ void __launch_bounds__(128, MIN_BLOCKS) gptq_gemv_mma(
     const u16* __restrict__ x, const u8* __restrict__ codes, const u16* __restrict__ scales,
     const u16* __restrict__ zeros, const u16* __restrict__ bias, float* __restrict__ part, u16* __restrict__ y,
     int* __restrict__ tickets, int M, int N, int K, int k_split, long long stride_xm, long long stride_qk,
     long long stride_sg, long long stride_ym, int x_bf16, int s_bf16, int has_zero, int has_bias) {
+  static_assert(WK == 1 || WK == 4, "warps side by side (1) or all four along K (4)");
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int warp = threadIdx.x >> 5;
   const int cols = 128 * (4 / WK);  // columns of a block
@@ -107,13 +118,14 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) gptq_gemv_mma(
           }
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-        // the group max to (8192, 16384]: fp16 keeps both ends of a bf16 row
-        row_scale[mt] = amax > 0.f ? exp2f(ceilf(log2f(amax * (1.f / 16384.f)))) : 1.f;
+        // the group max to (8192, 16384]: fp16 keeps both ends of a bf16 row (a max below 1e-30 is
+        // treated as 1e-30, so the scale stays a normal fp32 and its inverse finite)
+        row_scale[mt] = amax > 0.f ? exp2f(ceilf(log2f(fmaxf(amax, 1e-30f) * (1.f / 16384.f)))) : 1.f;
         row_inv[mt] = 1.f / row_scale[mt];
       }
     }
 
-    float c[MT][8][4];
+    float mma_sum[MT][8][4];  // this group's MMA sums (1024 + c against x)
     float xsum[MT][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
@@ -122,7 +134,7 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) gptq_gemv_mma(
 #pragma unroll
       for (int j = 0; j < 8; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) c[mt][j][e] = 0.f;
+        for (int e = 0; e < 4; ++e) mma_sum[mt][j][e] = 0.f;
     }
     const u8* p = codes + (long long)(k_group + 4 * t) * stride_qk + n_lane;
 #pragma unroll
@@ -154,7 +166,7 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) gptq_gemv_mma(
         const u32 a0 = prmt(t01, HI64, 0x4140u), a1 = prmt(t01, HI64, 0x4342u);
         const u32 a2 = prmt(t23, HI64, 0x4140u), a3 = prmt(t23, HI64, 0x4342u);
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) mma(c[mt][j], a0, a1, a2, a3, xb[mt][0], xb[mt][1]);
+        for (int mt = 0; mt < MT; ++mt) mma(mma_sum[mt][j], a0, a1, a2, a3, xb[mt][0], xb[mt][1]);
       }
       const u32 ONES = 0x3c003c00u;  // column sums of x: A = 1
 #pragma unroll
@@ -192,15 +204,15 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) gptq_gemv_mma(
     }
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-      // the row scales of rows 2t and 2t + 1 live in lanes 4 (2t) and 4 (2t + 1)
+      // the row scales of rows 2t and 2t + 1 live in lanes 8t and 8t + 4 (groupID 2t, 2t + 1)
       const float r_lo = __shfl_sync(0xffffffffu, row_scale[mt], 8 * t);
       const float r_hi = __shfl_sync(0xffffffffu, row_scale[mt], 8 * t + 4);
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        acc[mt][j][0] += sc[2 * j] * r_lo * (c[mt][j][0] - off[2 * j] * xsum[mt][0]);
-        acc[mt][j][1] += sc[2 * j] * r_hi * (c[mt][j][1] - off[2 * j] * xsum[mt][1]);
-        acc[mt][j][2] += sc[2 * j + 1] * r_lo * (c[mt][j][2] - off[2 * j + 1] * xsum[mt][0]);
-        acc[mt][j][3] += sc[2 * j + 1] * r_hi * (c[mt][j][3] - off[2 * j + 1] * xsum[mt][1]);
+        acc[mt][j][0] += sc[2 * j] * r_lo * (mma_sum[mt][j][0] - off[2 * j] * xsum[mt][0]);
+        acc[mt][j][1] += sc[2 * j] * r_hi * (mma_sum[mt][j][1] - off[2 * j] * xsum[mt][1]);
+        acc[mt][j][2] += sc[2 * j + 1] * r_lo * (mma_sum[mt][j][2] - off[2 * j + 1] * xsum[mt][0]);
+        acc[mt][j][3] += sc[2 * j + 1] * r_hi * (mma_sum[mt][j][3] - off[2 * j + 1] * xsum[mt][1]);
       }
     }
   }
