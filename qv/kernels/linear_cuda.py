@@ -8,6 +8,7 @@ kernel was built); the caller then runs the Triton kernels.
 from __future__ import annotations
 
 import functools
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -31,23 +32,32 @@ def cupy_or_none():
     return cupy
 
 
-_KERNELS: dict[tuple[int, ...], object] = {}
+_KERNELS: dict[tuple[int, ...], tuple | None] = {}  # key -> (function, registers per thread) or None
 
 
 def _kernel(mt: int, steps: int, min_blocks: int, wk: int, device_index: int):
+    """The built kernel and its registers per thread, or None if NVRTC or the module load failed (then
+    the caller falls back to the Triton kernels; the failure is reported once)."""
     key = (mt, steps, min_blocks, wk, device_index)
     if key not in _KERNELS:
         cupy = cupy_or_none()
         name = f"gptq_gemv_mma<{mt}, {steps}, {min_blocks}, {wk}>"
-        with cupy.cuda.Device(device_index):
-            module = cupy.RawModule(code=SOURCE.read_text(), options=("-std=c++17",), name_expressions=(name,))
-            _KERNELS[key] = module.get_function(name)
+        try:
+            with cupy.cuda.Device(device_index):
+                module = cupy.RawModule(code=SOURCE.read_text(), options=("-std=c++17",), name_expressions=(name,))
+                function = module.get_function(name)
+                _KERNELS[key] = (function, function.num_regs)
+        except Exception as e:  # noqa: BLE001 - any build or load error means: use the other kernels
+            warnings.warn(f"qv: the CUDA GEMV {name} did not build ({type(e).__name__}: {e}); "
+                          "the Triton kernels run instead", RuntimeWarning, stacklevel=3)
+            _KERNELS[key] = None
     return _KERNELS[key]
 
 
 @functools.lru_cache(maxsize=64)
-def _stream(handle: int):
-    """torch's stream as a CuPy stream (kept: a launch per decode step should not build one)."""
+def _stream(handle: int, device_index: int):
+    """torch's stream as a CuPy stream (kept: a launch per decode step should not build one; keyed by
+    device too, since handle 0, the legacy default stream, is the same number on every device)."""
     cupy = cupy_or_none()
     try:  # CuPy >= 14 (ExternalStream is deprecated there)
         return cupy.cuda.Stream.from_external(_StreamHandle(handle))
@@ -66,10 +76,9 @@ class _StreamHandle:
 
 
 def gemv_cuda_config(device):
-    """Launch settings, measured on the H200 (bench/kernels.py --sweep gemv, docs/BENCHMARKS.md): warps
-    along K (wk=4; 53.9 vs 59.8 us at 5120->34816 M=4, 30.5 vs 48.4 at 17408->5120), the register cap
-    of three blocks per SM (168 registers) for one 8-row tile and two for two, K split so the blocks
-    fill one round of the SMs (waves=1)."""
+    """Launch settings, measured on the H200 (bench/kernels.py --sweep gemv; docs/BENCHMARKS.md "Fifth
+    round"): the 4 warps of a block along K (wk=4; 1: side by side), K split so the blocks fill one round
+    of the SMs (waves=1), and min_blocks None: the register cap gemv_cuda picks per shape."""
     return dict(waves=1, min_blocks=None, wk=4)
 
 
@@ -80,7 +89,8 @@ def _applies(x2, w, bias, out) -> bool:
     return (x2.is_cuda and torch.cuda.get_device_capability(x2.device)[0] >= 8 and cupy_or_none() is not None
             and 1 <= m <= 16 and w.group_size in GROUPS and k % w.group_size == 0 and n % 16 == 0
             and x2.dtype in _HALF and out.dtype == x2.dtype and w.scales.dtype in _HALF
-            and (w.zeros is None or w.zeros.dtype == w.scales.dtype) and (bias is None or bias.dtype == x2.dtype)
+            and (w.zeros is None or (w.zeros.dtype == w.scales.dtype and w.zeros.stride() == w.scales.stride()))
+            and (bias is None or bias.dtype == x2.dtype)
             and all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 for t in tensors)
             and x2.stride(0) % 8 == 0 and w.qweight.stride(0) % 16 == 0 and w.scales.stride(0) % 8 == 0
             and out.stride(0) % 8 == 0)
@@ -88,6 +98,9 @@ def _applies(x2, w, bias, out) -> bool:
 
 def gemv_cuda(x2, w, bias, out, cfg) -> bool:
     """out = x2 W^T (+ bias) with the CUDA kernel; False (nothing launched) where it does not apply."""
+    wk = cfg["wk"]
+    if wk not in (1, 4):
+        raise ValueError(f"gemv_cuda: wk must be 1 (warps side by side) or 4 (warps along K), got {wk}")
     if not _applies(x2, w, bias, out):
         return False
     m, k = x2.shape
@@ -95,18 +108,19 @@ def gemv_cuda(x2, w, bias, out, cfg) -> bool:
     dev = x2.device
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     mt, steps = (m + 7) // 8, w.group_size // 16
-    wk = cfg["wk"]
     min_blocks = cfg["min_blocks"] or (3 if mt == 1 else 2)  # the register caps that do not spill
     key = (mt, steps, min_blocks, wk, index)
     if key not in _KERNELS and torch.cuda.is_current_stream_capturing():
         return False  # NVRTC and module loads do not belong in a graph capture
-    kernel = _kernel(*key)
+    built = _kernel(*key)
+    if built is None:
+        return False
+    kernel, regs = built
     tiles = triton.cdiv(n, 128 * 4 // wk)  # 4 warps: 512 columns, or 128 with K split among them
-    # split K so that the blocks fill `waves` whole rounds of what the SMs hold at once: a partial last
-    # round would leave SMs idle while it runs
-    regs = (kernel.num_regs + 7) // 8 * 8
-    resident = max(1, min(16, 65536 // (128 * regs))) * num_sms(dev)
-    split = max(1, min(cfg["waves"] * resident // tiles, k // w.group_size))
+    # split K so that the blocks fill `waves` whole rounds of what the SMs hold at once (a partial last
+    # round would leave SMs idle while it runs), and every warp of a block gets a group at least
+    resident = max(1, min(16, 65536 // (128 * ((regs + 7) // 8 * 8)))) * num_sms(dev)
+    split = max(1, min(cfg["waves"] * resident // tiles, k // (w.group_size * wk)))
     k_split = triton.cdiv(triton.cdiv(k, split), w.group_size) * w.group_size
     split = triton.cdiv(k, k_split)
     part = tickets = None
@@ -122,6 +136,6 @@ def gemv_cuda(x2, w, bias, out, cfg) -> bool:
             np.int32(x2.dtype == torch.bfloat16), np.int32(w.scales.dtype == torch.bfloat16),
             np.int32(w.zeros is not None), np.int32(bias is not None))
     cupy = cupy_or_none()
-    with cupy.cuda.Device(index), _stream(torch.cuda.current_stream(dev).cuda_stream):
+    with cupy.cuda.Device(index), _stream(torch.cuda.current_stream(dev).cuda_stream, index):
         kernel((tiles, split, 1), (128, 1, 1), args)
     return True

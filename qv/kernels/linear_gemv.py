@@ -51,7 +51,6 @@ def _codes_f32(b_q, b_z, HAS_ZERO: tl.constexpr, ASM: tl.constexpr):
     return b_b - 8388736.0  # 2**23 + 128
 
 
-
 @triton.jit
 def codes_f16(b_q, ASM: tl.constexpr):
     """uint8 codes -> fp16 1024 + c, exactly: the bits 0x6400 | c (ASM: one prmt per two codes)."""
@@ -60,6 +59,7 @@ def codes_f16(b_q, ASM: tl.constexpr):
             "prmt.b32 $0, $2, 0x64646464, 0x4140; prmt.b32 $1, $2, 0x64646464, 0x4342;",
             "=r,=r,r", [b_q], dtype=tl.float16, is_pure=True, pack=4)
     return (b_q.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True)
+
 
 @triton.jit
 def gptq_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, o_ptr, y_ptr, ticket_ptr, M, N, K, K_SPLIT, GROUP,

@@ -61,7 +61,7 @@ def gptq_matmul_kernel(
     stride_xm, stride_qk, stride_sg, stride_om, stride_os,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, GATHER: tl.constexpr, F16: tl.constexpr,  # 0, 1 or 2
-    TILE_SCALE: tl.constexpr, ROW_SCALE: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr = False,
+    TILE_SCALE: tl.constexpr, ROW_SCALE: tl.constexpr, SPLIT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_m, n_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
@@ -93,7 +93,7 @@ def gptq_matmul_kernel(
                 b_z = tl.load(z_ptr + g_off + o_n, mask=m_n, other=0.).to(tl.float32)
             else:
                 b_z = tl.full([BLOCK_N], 128., dtype=tl.float32)
-            b_w = codes_f16(b_q, ASM) - (1024. + b_z).to(tl.float16)[None, :]
+            b_w = codes_f16(b_q, False) - (1024. + b_z).to(tl.float16)[None, :]
             acc += tl.dot(b_x, b_w * b_s[None, :])
         elif GATHER:
             b_g = tl.load(g_ptr + o_k, mask=m_k, other=0).to(tl.int64)
@@ -183,12 +183,12 @@ def _gptq_config(device, m, n, k, group, f16):
 
 
 def _gemv_kind(device, m, dtype):
-    """Default kernel for few rows (bench/kernels.py --sweep gemv, docs/BENCHMARKS.md): on sm_90 the
-    raw-CUDA tensor-core GEMV ("cuda"; where it does not apply, "fma" at M = 1 and the Triton "mma"
-    kernel above, the next best there); elsewhere
-    (unmeasured) "fma" (CUDA cores) at M = 1 and "dot" (x on the MMA's wide side) above."""
+    """Default kernel for few rows (bench/kernels.py --sweep gemv, docs/BENCHMARKS.md). On sm_90, where
+    it was measured: the raw-CUDA GEMV ("cuda", linear_cuda.py; where it does not apply, "fma" at M = 1
+    and its Triton twin "mma" in linear_gemv.py above, the next best there). Other GPUs keep the older
+    kernels: "fma" (CUDA cores) at M = 1 and "dot" (x on the MMA's wide side) above."""
     if (m <= 16 and dtype in (torch.float16, torch.bfloat16) and device.type == "cuda"
-            and torch.cuda.get_device_capability(device)[0] >= 9):
+            and torch.cuda.get_device_capability(device)[0] == 9):
         return "cuda"
     return "fma" if m == 1 else "dot"
 

@@ -63,6 +63,7 @@ def test_source_compiles(arch):
 
 
 def _cuda_case(dtype, m, n, k, group, zeros=False, bias=False, cfg=None, x=None):
+    """The CUDA GEMV on NaN-poisoned output against the reference, row by row; it must report that it ran."""
     from qv.kernels.linear_cuda import gemv_cuda, gemv_cuda_config
 
     w = gptq_weight(n, k, group, zeros, False, dtype)
@@ -76,8 +77,13 @@ def _cuda_case(dtype, m, n, k, group, zeros=False, bias=False, cfg=None, x=None)
     return x, w, b, out
 
 
-needs_cuda_gemv = pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 8, reason="needs an sm_80+ GPU")
+def _cuda_gemv_can_run() -> bool:
+    from qv.kernels.linear_cuda import cupy_or_none
+
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8 and cupy_or_none() is not None
+
+
+needs_cuda_gemv = pytest.mark.skipif(not _cuda_gemv_can_run(), reason="needs an sm_80+ GPU and CuPy (the gpu extra)")
 
 
 @pytest.mark.gpu
@@ -93,6 +99,7 @@ def test_cuda_gemv_gpu(dtype, m, wk):
     _cuda_case(dtype, m, 336, 320, 64, zeros=True, cfg=cfg)
     _cuda_case(dtype, m, 34816, 5120, 128, cfg=cfg)
     _cuda_case(dtype, m, 5120, 17408, 128, zeros=True, bias=True, cfg=cfg)
+    _cuda_case(dtype, m, 1040, 128, 128, bias=True, cfg=cfg)  # one group: no split, bias in the direct store
 
 
 @pytest.mark.gpu
@@ -103,20 +110,24 @@ def test_cuda_gemv_bf16_range_gpu():
     x[1] *= 1e-6
     x[2, 256:384] *= 1e-30  # a group of zeros in fp16 next to normal groups
     _cuda_case(torch.bfloat16, 3, 256, 512, 128, x=x.to(torch.bfloat16))
+    x = randn(16, 256, dtype=torch.float32)
+    x *= torch.exp2(4.0 * torch.arange(16, device=DEV) - 30.0)[:, None]  # every row its own scale, 2^-30..2^30
+    x[15] *= 1e-37 / x[15].abs().max()  # a row at 1e-37: 2^-136 as its scale would make 1/scale inf
+    _cuda_case(torch.bfloat16, 16, 256, 256, 128, x=x.to(torch.bfloat16))
 
 
 @pytest.mark.gpu
 @needs_cuda_gemv
-@pytest.mark.parametrize("waves", [1, 64])
+@pytest.mark.parametrize("k", [128, 1024])
 @pytest.mark.parametrize("wk", [1, 4])
-def test_cuda_gemv_split_and_graph_gpu(waves, wk):
-    """One K range, or many (the last block of a column range sums them): the same bits on a rerun and
-    under CUDA-graph replay, and the tickets left at zero."""
+def test_cuda_gemv_split_and_graph_gpu(k, wk):
+    """One K range (one group), or many (the last block of a column range sums them): the same bits on a
+    rerun and under CUDA-graph replay, and the tickets left at zero."""
     from qv.kernels import linear_gemv
     from qv.kernels.linear_cuda import gemv_cuda
 
-    cfg = dict(waves=waves, min_blocks=1, wk=wk)
-    x, w, b, out = _cuda_case(torch.bfloat16, 5, 2064, 1024, 128, zeros=True, bias=True, cfg=cfg)
+    cfg = dict(waves=1, min_blocks=None, wk=wk)
+    x, w, b, out = _cuda_case(torch.bfloat16, 5, 2064, k, 128, zeros=True, bias=True, cfg=cfg)
     again = torch.empty_like(out)
     assert gemv_cuda(x, w, b, again, cfg)
     assert torch.equal(again, out)
@@ -134,3 +145,13 @@ def test_cuda_gemv_split_and_graph_gpu(waves, wk):
         torch.cuda.synchronize()
         assert torch.equal(graph_out, out)
     assert all(int(t.abs().sum()) == 0 for t in linear_gemv._TICKETS.values())
+
+
+def test_wk_is_checked():
+    """Only the two warp layouts the kernel is built for are accepted (others would silently be wrong)."""
+    from qv.kernels.linear_cuda import gemv_cuda
+
+    w = gptq_weight(64, 128, 128, False, False, torch.float16)
+    with pytest.raises(ValueError, match="wk must be 1"):
+        gemv_cuda(randn(2, 128, dtype=torch.float16), w, None, torch.empty(2, 64, dtype=torch.float16, device=DEV),
+                  dict(waves=1, min_blocks=None, wk=2))
