@@ -340,7 +340,8 @@ def bench_decode(lim, sweep):
 
 # kinds: "cuda" (the default on sm_90: linear_cuda.py), "mma" (its Triton twin), "fma" (CUDA cores),
 # "dot" (x on the wide side of the MMA)
-GEMV_SWEEP = [dict(kind="dot"), dict(kind="fma"), dict(kind="mma"), dict(kind="mma", BLOCK_N=64, BLOCK_K=128, waves=8)] + [
+GEMV_SWEEP = [dict(kind="dot"), dict(kind="fma"), dict(kind="mma"),
+              dict(kind="mma", BLOCK_N=64, BLOCK_K=128, waves=8)] + [
     dict(kind="cuda", waves=wv, min_blocks=mb, wk=wk) for wv, mb, wk in ((1, 3, 1), (2, 3, 4), (1, 4, 4), (1, 2, 4))]
 GDN_STEP_SWEEP = [dict(bv=16, warps=1), dict(bv=16, warps=2), dict(bv=32, warps=2), dict(bv=32, warps=4),
                   dict(bv=64, warps=4), dict(bv=128, warps=8)]

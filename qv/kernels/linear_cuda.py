@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import triton
 
-from qv.kernels.linear_gemv import MAX_TICKET_TILES, split_tickets
+from qv.kernels.linear_gemv import MAX_TICKET_TILES, k_ranges, split_tickets
 from qv.kernels.triton_utils import num_sms
 
 SOURCE = Path(__file__).with_name("gptq_gemv_mma.cu")
@@ -121,8 +121,7 @@ def gemv_cuda(x2, w, bias, out, cfg) -> bool:
     # round would leave SMs idle while it runs), and every warp of a block gets a group at least
     resident = max(1, min(16, 65536 // (128 * ((regs + 7) // 8 * 8)))) * num_sms(dev)
     split = max(1, min(cfg["waves"] * resident // tiles, k // (w.group_size * wk)))
-    k_split = triton.cdiv(triton.cdiv(k, split), w.group_size) * w.group_size
-    split = triton.cdiv(k, k_split)
+    split, k_split = k_ranges(k, split, w.group_size)
     part = tickets = None
     if split > 1:
         tickets = split_tickets(dev)

@@ -264,19 +264,24 @@ def split_tickets(device):
     return buf
 
 
+def k_ranges(k, split, step):
+    """K cut into about `split` ranges of whole `step`s: (ranges, rows per range)."""
+    k_split = triton.cdiv(triton.cdiv(k, split), step) * step
+    return triton.cdiv(k, k_split), k_split
+
+
 def _split_k(x2, n, k, step, tiles, waves, fused):
     """Split K over about `waves` waves of programs: (splits, rows per split, fp32 partials [split, m, n]
     or None, tickets for the fused reduce or None)."""
     m = x2.shape[0]
     split = max(1, min(triton.cdiv(waves * num_sms(x2.device), tiles), triton.cdiv(k, step)))
-    k_split = triton.cdiv(triton.cdiv(k, split), step) * step
-    split = triton.cdiv(k, k_split)
+    split, k_split = k_ranges(k, split, step)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x2.device) if split > 1 else None
     tickets = split_tickets(x2.device) if fused and split > 1 and tiles <= MAX_TICKET_TILES else None
     return split, k_split, part, tickets
 
 
-def _sum_partials(part, bias, out):
+def sum_partials(part, bias, out):
     """The two-launch split-K reduce: out = sum over splits of part (+ bias)."""
     split, m, n = part.shape
     block = 1024
@@ -310,7 +315,7 @@ def gemv_fma(x2, w, bias, out, cfg):
         HAS_BIAS=bias is not None, SPLIT=split > 1, ASM=cfg["ASM"] and not interpreting(x2.device),
         FUSED=tickets is not None, BLOCK_S=min(next_pow2(split), 32), num_warps=nw, num_stages=1)
     if split > 1 and tickets is None:
-        _sum_partials(part, bias, out)
+        sum_partials(part, bias, out)
     return True
 
 
@@ -343,5 +348,5 @@ def gemv_mma(x2, w, bias, out, cfg):
         BLOCK_S=min(next_pow2(split), 32), ASM=not interpreting(x2.device), EVEN=k % bk == 0 and n % bn == 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if part is not None and tickets is None:
-        _sum_partials(part, bias, out)
+        sum_partials(part, bias, out)
     return True

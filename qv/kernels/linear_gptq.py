@@ -4,8 +4,9 @@ torch.nn.functional.linear (cuBLAS): nothing to gain there.
 Weights are qv's GPTQ layout (linear.py): codes [K, N] uint8, scales/zeros [G, N], g_idx [K].
 Paths by rows M (sequential groups, g_idx = k // group_size, unless noted):
   M <= 16     sm_90, fp16/bf16 rows: the raw-CUDA GEMV (linear_cuda.py, gptq_gemv_mma.cu; the weight is
-              the wide operand of mma.sync), else gptq_gemv_mma_kernel (linear_gemv.py, the same idea in
-              Triton) where the CUDA kernel does not apply (no CuPy, group sizes other than 32/64/128).
+              the wide operand of mma.sync). Where it does not apply (no CuPy, group sizes other than
+              32/64/128): M = 1 as on other GPUs, M > 1 gptq_gemv_mma_kernel (linear_gemv.py, the same
+              idea in Triton).
   M = 1       other GPUs: gptq_gemv_kernel (linear_gemv.py), CUDA-core FMAs streaming the codes.
   M <= 16     other GPUs: gptq_matmul_kernel, F16=1: raw codes on fp16 tensor cores, zero and scale
               applied once per tile and column after the dot (_f16_tile); split-K over the SMs.
@@ -25,7 +26,8 @@ import triton.language as tl
 
 from qv.kernels.linear import GPTQWeight
 from qv.kernels.linear_cuda import gemv_cuda, gemv_cuda_config
-from qv.kernels.linear_gemv import codes_f16, gemv_config, gemv_fma, gemv_mma, gemv_mma_config, split_sum_kernel
+from qv.kernels.linear_gemv import (codes_f16, gemv_config, gemv_fma, gemv_mma, gemv_mma_config, k_ranges,
+                                    sum_partials)
 from qv.kernels.registry import register
 from qv.kernels.triton_utils import interpreting, next_pow2, num_sms
 
@@ -241,8 +243,7 @@ def gptq_linear(x, w, bias=None, config=None):
     split = cfg.pop("split")
     if split is None:  # about four waves of programs over the SMs
         split = max(1, min(triton.cdiv(4 * num_sms(x.device), tiles), k // (4 * bk)))
-    k_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
-    split = triton.cdiv(k, k_split)
+    split, k_split = k_ranges(k, split, bk)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     zeros = w.zeros if w.zeros is not None else w.scales
     gptq_matmul_kernel[(tiles, split)](
@@ -255,10 +256,7 @@ def gptq_linear(x, w, bias=None, config=None):
         TILE_SCALE=f16_mode == 1 and x2.dtype == torch.bfloat16,
         ROW_SCALE=rows is not None, SPLIT=split > 1, **cfg)
     if split > 1:
-        block = 1024
-        split_sum_kernel[(triton.cdiv(m * n, block),)](part, bias if bias is not None else part, out, n, m * n, split,
-                                                       part.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-                                                       BLOCK=block)
+        sum_partials(part, bias, out)
     return out.view(*shape[:-1], n)
 
 
