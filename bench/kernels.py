@@ -300,13 +300,13 @@ def fla_step_time(fla, sets):
         return None, "FLA call failed"
 
 
-# paged_decode_kernel variants over the default (_decode_config): stages pipelines K/V through cp.async
-# (stages=5: two tiles in flight per program instead of one; maxnreg=168 keeps 3 programs per SM);
-# waves trades split count against per-program prologue/epilogue (3 programs of 168 registers fit
-# an SM, so waves=3/6/9 fill whole waves of programs)
-DECODE_SWEEP = [dict(stages=0, waves=6), dict(stages=0, waves=3), dict(stages=0, waves=9), dict(stages=0, waves=12),
-                dict(stages=5, maxnreg=168), dict(stages=5, maxnreg=168, waves=6),
-                dict(stages=5, maxnreg=168, waves=12), dict(stages=5, maxnreg=168, waves=9)]
+# decode variants over the default (the raw-CUDA kernel on sm_90: attention_cuda.py): "split" is the
+# Triton split-K kernel (always timed, as the previous kernel), whose stages pipeline K/V through
+# cp.async (maxnreg=168 keeps 3 programs per SM) and waves trade split count against per-program
+# prologue/epilogue; the CUDA kernel's min_blocks is its register cap, waves its rounds of blocks
+OLD_DECODE = dict(kind="split")
+DECODE_SWEEP = [dict(kind="cuda", carveout=100), dict(kind="cuda", min_blocks=1), dict(kind="cuda", waves=2),
+                dict(kind="cuda", splits=48), dict(kind="cuda", reduce_block_d=16), dict(kind="split", stages=0, waves=6)]
 
 
 def bench_decode(lim, sweep):
@@ -315,26 +315,25 @@ def bench_decode(lim, sweep):
         sets = [decode_inputs(ctx, batch, DEV) for _ in range(n_sets)]
         inp = sets[0]
         nbytes = batch * ctx * 4 * (2 * 256 + 2 * 4)  # int8 K and V rows + their fp32 scales
-        cfgs = [None] + (DECODE_SWEEP if sweep and ctx == 32768 else [])
-        if ctx != 32768 and best_cfg.get(f"decode b{batch}"):
-            cfgs.append(best_cfg[f"decode b{batch}"])
-        best = (float("inf"), None, None)
+        cfgs = [None, OLD_DECODE] + (DECODE_SWEEP if sweep and ctx == 32768 else [])
+        times = {}
         for cfg in cfgs:
             t = try_time(lambda: _paged_attention_triton(*inp, config=cfg), 200)
             tg = graph_ms([lambda i=i: _paged_attention_triton(*i, config=cfg) for i in sets]) if t < 1e9 else None
-            if sweep:
-                print(f"    decode {ctx} b{batch} {cfg}: {t * 1e3:.1f} us ({nbytes / t / 1e9:.2f} TB/s); graph "
-                      f"{tg * 1e3 if tg else float('nan'):.1f} us ({nbytes / tg / 1e9 if tg else 0:.2f} TB/s)",
-                      flush=True)
-            best = min(best, (tg or t, cfg, t), key=lambda x: x[0])
-        if ctx == 32768:
-            best_cfg[f"decode b{batch}"] = best[1]
-        tg, cfg, t = best
+            times[repr(cfg)] = (tg or t, t)
+            print(f"    decode {ctx} b{batch} {cfg}: {t * 1e3:.1f} us ({nbytes / t / 1e9:.2f} TB/s); graph "
+                  f"{tg * 1e3 if tg else float('nan'):.1f} us ({nbytes / tg / 1e9 if tg else 0:.2f} TB/s)", flush=True)
+        tg, t = times[repr(None)]
+        old = times[repr(OLD_DECODE)][0]
+        if batch == 1:  # where the time goes (decode and split-merge kernels), by torch.profiler
+            print(f"    decode {ctx} b1 kernels: {kernel_breakdown(lambda: _paged_attention_triton(*inp))[1]}",
+                  flush=True)
         tbs = nbytes / (tg * 1e-3) / 1e12
         pct = tbs / lim["copy_tbs"]
         row("paged decode int8 KV 24q/4kv d256", f"ctx {ctx // 1024}K, batch {batch}", tg, None, "",
             f"{lim['copy_tbs']:.2f} TB/s", f"{tbs:.2f} TB/s = {100 * pct:.0f}% of copy (graph replay)", ">= 70%",
-            pct >= 0.7, f"{nbytes / 1e6:.0f} MB read; do_bench {t * 1e3:.1f} us; cfg {cfg}")
+            pct >= 0.7, f"{nbytes / 1e6:.0f} MB read; do_bench {t * 1e3:.1f} us; old (Triton split-K) "
+            f"{old * 1e3:.1f} us = {100 * nbytes / (old * 1e-3) / 1e12 / lim['copy_tbs']:.0f}%")
         del inp, sets
 
 
@@ -342,7 +341,8 @@ def bench_decode(lim, sweep):
 # "dot" (x on the wide side of the MMA)
 GEMV_SWEEP = [dict(kind="dot"), dict(kind="fma"), dict(kind="mma"),
               dict(kind="mma", BLOCK_N=64, BLOCK_K=128, waves=8)] + [
-    dict(kind="cuda", waves=wv, min_blocks=mb, wk=wk) for wv, mb, wk in ((1, 3, 1), (2, 3, 4), (1, 4, 4), (1, 2, 4))]
+    dict(kind="cuda", waves=wv, min_blocks=mb, wk=wk) for wv, mb, wk in ((1, 3, 1), (2, 3, 4), (1, 4, 4), (1, 2, 4))] + [
+    dict(kind="cuda", carveout=100)]
 GDN_STEP_SWEEP = [dict(bv=16, warps=1), dict(bv=16, warps=2), dict(bv=32, warps=2), dict(bv=32, warps=4),
                   dict(bv=64, warps=4), dict(bv=128, warps=8)]
 GEMM_SWEEP = [dict(kind="dot", dequant_min_m=1 << 30, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=st,

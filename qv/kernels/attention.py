@@ -7,8 +7,9 @@ import torch
 import triton
 import triton.language as tl
 
-from qv.kernels.attention_kernels import (LOG2E, attn_fwd_kernel, attn_reduce_kernel, decode_reduce_kernel,
-                                         paged_decode_kernel)
+from qv.kernels.attention_kernels import (LOG2E, attn_fwd_kernel, attn_reduce_kernel, paged_decode_kernel,
+                                         reduce_splits)
+from qv.kernels.attention_cuda import decode_cuda, decode_cuda_config
 from qv.kernels.registry import impl, register
 from qv.kernels.triton_utils import interpreting, next_pow2, num_sms
 
@@ -181,6 +182,13 @@ def _decode_config(device, dtype, d, rep, max_q, n_seq, hkv):
     return dict(BLOCK_M=m, BLOCK_N=32, num_warps=4, waves=24, stages=5, maxnreg=168)
 
 
+def _decode_kind(device) -> str:
+    """Default decode kernel: on sm_90, where it was measured (bench/kernels.py --sweep decode,
+    docs/BENCHMARKS.md), the raw-CUDA kernel (attention_cuda.py) where it applies; elsewhere the Triton
+    split-K kernel ("split")."""
+    return "cuda" if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9 else "split"
+
+
 def _decode_attention(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, max_q, max_kv, cfg):
     """Decode / speculative rows: split-K over the context with one program per (sequence, KV head,
     split), then the splits are merged by a reduce pass. The split count depends only on the batch size, the
@@ -215,12 +223,7 @@ def _decode_attention(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, max_q
         SPLIT=splits > 1, WORDS=words, ASM=words and not interpreting(q.device), STAGES=stages,
         num_stages=1, **cfg)
     if splits > 1:
-        # all splits of a (token, head, column slice) in one step (up to 256): one round of loads
-        # (H200, 32K x 1, 171 splits: 64 at a time, three dependent steps, took 8.4 us)
-        bs = min(next_pow2(splits), 256)
-        bd = min(next_pow2(d), max(16, 4096 // bs))
-        decode_reduce_kernel[(t, hq, triton.cdiv(d, bd))](o_t, plse, out, cu_q, kv_lens, n_seq, t, hq, out.stride(0),
-                                                          out.stride(1), split_len, D=d, BLOCK_D=bd, BLOCK_S=bs)
+        reduce_splits(o_t, plse, out, cu_q, kv_lens, split_len)
     return out
 
 
@@ -251,7 +254,14 @@ def _attention(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, causal, page
         max_kv = int(kv_lens.max()) if paged else max_q
     decode = paged and max_q <= 8
     config = dict(config or {})
-    if decode and config.pop("kind", "split") == "split":
+    kind = config.pop("kind", None) or (_decode_kind(q.device) if decode else "split")
+    if decode and kind == "cuda":
+        out = decode_cuda(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, max_q, max_kv,
+                          dict(decode_cuda_config(q.device), **config))
+        if out is not None:
+            return out
+        kind, config = "split", {}  # where it does not apply: the Triton kernel below
+    if decode and kind == "split":
         cfg = dict(_decode_config(q.device, q.dtype, d, rep, max_q, n_seq, hkv), **config)
         return _decode_attention(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, max_q, max_kv, cfg)
     cfg = dict(_attn_config(q.device, q.dtype, d, rep, decode, max_q, n_seq, hkv), **(config or {}))

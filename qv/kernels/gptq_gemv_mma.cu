@@ -16,50 +16,11 @@
 // scaled per (row, group) by a power of two. Split-K over gridDim.y: partial sums in fp32, and the last
 // block of each column range (a ticket) adds them up in split order (deterministic).
 
-typedef unsigned char u8;
-typedef unsigned short u16;
-typedef unsigned int u32;
+#include "cuda_common.cuh"
 
-struct __align__(16) U4 { u32 x, y, z, w; };
-struct __align__(8) U2 { u32 x, y; };
-
-__device__ __forceinline__ float half_to_float(u16 h) {
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-  return f;
-}
-__device__ __forceinline__ float bf16_to_float(u16 h) { return __uint_as_float(((u32)h) << 16); }
-__device__ __forceinline__ float to_float(u16 h, bool bf16) { return bf16 ? bf16_to_float(h) : half_to_float(h); }
-__device__ __forceinline__ u16 float_to(float f, bool bf16) {
-  u16 h;
-  if (bf16) asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
-  else asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-  return h;
-}
-__device__ __forceinline__ u32 pack_half2(float lo, float hi) {
-  u32 r;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
-  u32 r;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
-  return r;
-}
-__device__ __forceinline__ void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-               "{%0,%1,%2,%3};"
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 __device__ __forceinline__ U4 load_codes(const u8* p, bool ok) {
   U4 v = {0u, 0u, 0u, 0u};
   if (ok) v = *reinterpret_cast<const U4*>(p);
-  return v;
-}
-__device__ __forceinline__ float load_cg(const float* p) {
-  float v;
-  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
   return v;
 }
 

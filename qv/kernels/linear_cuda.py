@@ -7,72 +7,16 @@ kernel was built); the caller then runs the Triton kernels.
 
 from __future__ import annotations
 
-import functools
-import warnings
-from pathlib import Path
-
 import numpy as np
 import torch
 import triton
 
+from qv.kernels.cuda_build import build, cupy_or_none, device_index, is_built, launch, pointer, resident_blocks
 from qv.kernels.linear_gemv import MAX_TICKET_TILES, k_ranges, split_tickets
-from qv.kernels.triton_utils import num_sms
 
-SOURCE = Path(__file__).with_name("gptq_gemv_mma.cu")
+SOURCE = "gptq_gemv_mma.cu"
 GROUPS = (32, 64, 128)  # rows per scale group the kernel is built for (16 * S)
 _HALF = (torch.float16, torch.bfloat16)
-
-
-@functools.lru_cache(maxsize=None)
-def cupy_or_none():
-    try:
-        import cupy
-    except ImportError:
-        return None
-    return cupy
-
-
-_KERNELS: dict[tuple[int, ...], tuple | None] = {}  # key -> (function, registers per thread) or None
-
-
-def _kernel(mt: int, steps: int, min_blocks: int, wk: int, device_index: int):
-    """The built kernel and its registers per thread, or None if NVRTC or the module load failed (then
-    the caller falls back to the Triton kernels; the failure is reported once)."""
-    key = (mt, steps, min_blocks, wk, device_index)
-    if key not in _KERNELS:
-        cupy = cupy_or_none()
-        name = f"gptq_gemv_mma<{mt}, {steps}, {min_blocks}, {wk}>"
-        try:
-            with cupy.cuda.Device(device_index):
-                module = cupy.RawModule(code=SOURCE.read_text(), options=("-std=c++17",), name_expressions=(name,))
-                function = module.get_function(name)
-                _KERNELS[key] = (function, function.num_regs)
-        except Exception as e:  # noqa: BLE001 - any build or load error means: use the other kernels
-            warnings.warn(f"qv: the CUDA GEMV {name} did not build ({type(e).__name__}: {e}); "
-                          "the Triton kernels run instead", RuntimeWarning, stacklevel=3)
-            _KERNELS[key] = None
-    return _KERNELS[key]
-
-
-@functools.lru_cache(maxsize=64)
-def _stream(handle: int, device_index: int):
-    """torch's stream as a CuPy stream (kept: a launch per decode step should not build one; keyed by
-    device too, since handle 0, the legacy default stream, is the same number on every device)."""
-    cupy = cupy_or_none()
-    try:  # CuPy >= 14 (ExternalStream is deprecated there)
-        return cupy.cuda.Stream.from_external(_StreamHandle(handle))
-    except (AttributeError, TypeError, ValueError):
-        return cupy.cuda.ExternalStream(handle)
-
-
-class _StreamHandle:
-    """The CUDA stream protocol (``__cuda_stream__``) around a raw handle."""
-
-    def __init__(self, handle: int):
-        self.handle = handle
-
-    def __cuda_stream__(self):
-        return (0, self.handle)
 
 
 def gemv_cuda_config(device):
@@ -106,20 +50,21 @@ def gemv_cuda(x2, w, bias, out, cfg) -> bool:
     m, k = x2.shape
     n = w.qweight.shape[1]
     dev = x2.device
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    index = device_index(dev)
     mt, steps = (m + 7) // 8, w.group_size // 16
     min_blocks = cfg["min_blocks"] or (3 if mt == 1 else 2)  # the register caps that do not spill
-    key = (mt, steps, min_blocks, wk, index)
-    if key not in _KERNELS and torch.cuda.is_current_stream_capturing():
+    name = f"gptq_gemv_mma<{mt}, {steps}, {min_blocks}, {wk}>"
+    carveout = cfg.get("carveout")
+    if not is_built(SOURCE, name, index, carveout) and torch.cuda.is_current_stream_capturing():
         return False  # NVRTC and module loads do not belong in a graph capture
-    built = _kernel(*key)
+    built = build(SOURCE, name, index, carveout)
     if built is None:
         return False
     kernel, regs = built
     tiles = triton.cdiv(n, 128 * 4 // wk)  # 4 warps: 512 columns, or 128 with K split among them
     # split K so that the blocks fill `waves` whole rounds of what the SMs hold at once (a partial last
     # round would leave SMs idle while it runs), and every warp of a block gets a group at least
-    resident = max(1, min(16, 65536 // (128 * ((regs + 7) // 8 * 8)))) * num_sms(dev)
+    resident = resident_blocks(regs, 128, dev)
     split = max(1, min(cfg["waves"] * resident // tiles, k // (w.group_size * wk)))
     split, k_split = k_ranges(k, split, w.group_size)
     part = tickets = None
@@ -128,13 +73,10 @@ def gemv_cuda(x2, w, bias, out, cfg) -> bool:
         if tickets is None or tiles > MAX_TICKET_TILES:
             return False
         part = torch.empty((split, m, n), dtype=torch.float32, device=dev)
-    ptr = lambda t: np.uint64(t.data_ptr() if t is not None else 0)  # noqa: E731
-    args = (ptr(x2), ptr(w.qweight), ptr(w.scales), ptr(w.zeros), ptr(bias), ptr(part), ptr(out), ptr(tickets),
-            np.int32(m), np.int32(n), np.int32(k), np.int32(k_split), np.int64(x2.stride(0)),
-            np.int64(w.qweight.stride(0)), np.int64(w.scales.stride(0)), np.int64(out.stride(0)),
-            np.int32(x2.dtype == torch.bfloat16), np.int32(w.scales.dtype == torch.bfloat16),
+    args = (pointer(x2), pointer(w.qweight), pointer(w.scales), pointer(w.zeros), pointer(bias), pointer(part),
+            pointer(out), pointer(tickets), np.int32(m), np.int32(n), np.int32(k), np.int32(k_split),
+            np.int64(x2.stride(0)), np.int64(w.qweight.stride(0)), np.int64(w.scales.stride(0)),
+            np.int64(out.stride(0)), np.int32(x2.dtype == torch.bfloat16), np.int32(w.scales.dtype == torch.bfloat16),
             np.int32(w.zeros is not None), np.int32(bias is not None))
-    cupy = cupy_or_none()
-    with cupy.cuda.Device(index), _stream(torch.cuda.current_stream(dev).cuda_stream, index):
-        kernel((tiles, split, 1), (128, 1, 1), args)
+    launch(kernel, (tiles, split, 1), (128, 1, 1), args, dev)
     return True

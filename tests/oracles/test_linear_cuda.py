@@ -6,60 +6,29 @@ installed (the CUDA wheels that come with torch carry one)."""
 
 from __future__ import annotations
 
-import ctypes
-import glob
-import os
-import sys
-
 import pytest
 import torch
 
 from kernel_cases import BOUND, DEV, K, randn, run_reference
+from nvrtc_compile import compile_ptx, nvrtc
 from test_linear import gptq_weight
 from util import assert_close
-
-
-def _nvrtc():
-    """libnvrtc through ctypes (its builtins library loaded first so NVRTC finds it), or None."""
-    roots = [p for p in sys.path if p.endswith("site-packages")]
-    for root in roots:
-        for lib in sorted(glob.glob(os.path.join(root, "nvidia", "*", "lib", "libnvrtc.so.*"))):
-            folder = os.path.dirname(lib)
-            try:
-                for builtins in glob.glob(os.path.join(folder, "libnvrtc-builtins.so.*")):
-                    if ".alt." not in builtins:
-                        ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
-                return ctypes.CDLL(lib)
-            except OSError:
-                continue
-    return None
 
 
 @pytest.mark.parametrize("arch", [80, 90])
 def test_source_compiles(arch):
     """NVRTC builds the instantiations the wrapper asks for by default (1-2 row tiles x 2/4/8 steps a
     group x warps along K or not)."""
+    from qv.kernels.cuda_build import source_text
     from qv.kernels.linear_cuda import GROUPS, SOURCE
 
-    lib = _nvrtc()
+    lib = nvrtc()
     if lib is None:
         pytest.skip("no libnvrtc installed")
     names = [f"gptq_gemv_mma<{mt}, {g // 16}, {4 - mt}, {wk}>" for mt in (1, 2) for g in GROUPS for wk in (1, 4)]
-    prog = ctypes.c_void_p()
-    assert lib.nvrtcCreateProgram(ctypes.byref(prog), SOURCE.read_bytes(), b"gemv.cu", 0, None, None) == 0
-    for name in names:
-        assert lib.nvrtcAddNameExpression(prog, name.encode()) == 0
-    opts = [f"--gpu-architecture=compute_{arch}".encode(), b"-std=c++17"]
-    rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
-    size = ctypes.c_size_t()
-    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-    log = ctypes.create_string_buffer(size.value)
-    lib.nvrtcGetProgramLog(prog, log)
-    assert rc == 0, log.value.decode()
-    lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
-    ptx = ctypes.create_string_buffer(size.value)
-    lib.nvrtcGetPTX(prog, ptx)
-    assert ptx.value.count(b"mma.sync.aligned.m16n8k16") >= len(names)
+    rc, log, ptx = compile_ptx(lib, source_text(SOURCE), names, arch)
+    assert rc == 0, log
+    assert ptx.count(b"mma.sync.aligned.m16n8k16") >= len(names)
 
 
 def _cuda_case(dtype, m, n, k, group, zeros=False, bias=False, cfg=None, x=None):
@@ -78,7 +47,7 @@ def _cuda_case(dtype, m, n, k, group, zeros=False, bias=False, cfg=None, x=None)
 
 
 def _cuda_gemv_can_run() -> bool:
-    from qv.kernels.linear_cuda import cupy_or_none
+    from qv.kernels.cuda_build import cupy_or_none
 
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8 and cupy_or_none() is not None
 

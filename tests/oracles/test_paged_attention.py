@@ -91,10 +91,11 @@ def test_paged_attention_new_kv(act_dtype, kv_dtype, rep, d, q_lens, ctx, config
     _case(act_dtype, kv_dtype, 2, rep, d, q_lens, ctx, new_kv=True, config=config)
 
 
-# paged_decode_kernel variants (config= of _decode_attention, swept on the GPU by bench/kernels.py):
+# paged_decode_kernel variants (kind="split": config= of _decode_attention, swept on the GPU by bench/kernels.py):
 # forced split counts so the interpreter's tiny grid still crosses split, tile and page boundaries
-DECODE_VARIANTS = [None, dict(splits=5), dict(splits=5, stages=5), dict(BLOCK_N=32, splits=3, stages=4),
-                   dict(waves=24, stages=5, maxnreg=168)]
+DECODE_VARIANTS = [None] + [dict(kind="split", **c) for c in (dict(splits=5), dict(splits=5, stages=5),
+                                                               dict(BLOCK_N=32, splits=3, stages=4),
+                                                               dict(waves=24, stages=5, maxnreg=168))]
 
 
 @pytest.mark.parametrize("config", DECODE_VARIANTS, ids=str)

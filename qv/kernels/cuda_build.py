@@ -1,0 +1,107 @@
+"""Building and launching qv's raw-CUDA kernels (the .cu files beside this module): NVRTC compiles a
+template instantiation through CuPy (the `gpu` extra) at first use, and launches go on torch's current
+stream. A failed build or module load is reported once and remembered, so callers fall back to their
+Triton kernels instead of raising in every decode step."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+KERNEL_DIR = Path(__file__).parent
+COMPILE_OPTIONS = ("-std=c++17",)
+HEADER = "cuda_common.cuh"
+
+_BUILT: dict[tuple, tuple | None] = {}  # (file, name, device, carveout) -> (function, registers) or None
+
+
+@functools.lru_cache(maxsize=None)
+def cupy_or_none():
+    try:
+        import cupy
+    except ImportError:
+        return None
+    return cupy
+
+
+def source_text(source: str) -> str:
+    """The code of KERNEL_DIR/source with the shared header pasted in place of its #include (so CuPy's
+    compile cache, keyed by the code, sees a change to the header too)."""
+    header = (KERNEL_DIR / HEADER).read_text().replace("#pragma once\n", "")
+    return (KERNEL_DIR / source).read_text().replace(f'#include "{HEADER}"\n', header)
+
+
+def device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def is_built(source: str, name: str, index: int, carveout: int | None = None) -> bool:
+    """Whether `name` was built (or tried) on device `index`: a graph capture must not trigger a build."""
+    return (source, name, index, carveout) in _BUILT
+
+
+def build(source: str, name: str, index: int, carveout: int | None = None):
+    """The kernel `name` (a template instantiation) from KERNEL_DIR/source on device `index`, as
+    (CuPy function, registers per thread), or None if NVRTC or the module load failed. carveout: the
+    percentage of the L1/shared-memory array the kernel prefers as shared memory (None: the driver's
+    choice; 100: all it can have, so that every block the registers allow also finds its shared memory)."""
+    key = (source, name, index, carveout)
+    if key not in _BUILT:
+        cupy = cupy_or_none()
+        try:
+            with cupy.cuda.Device(index):
+                module = cupy.RawModule(code=source_text(source), options=COMPILE_OPTIONS,
+                                        name_expressions=(name,))
+                function = module.get_function(name)
+                if carveout is not None:
+                    function.preferred_shared_memory_carveout = carveout
+                _BUILT[key] = (function, function.num_regs)
+        except Exception as e:  # noqa: BLE001 - any build or load error means: use the other kernels
+            warnings.warn(f"qv: the CUDA kernel {name} did not build ({type(e).__name__}: {e}); "
+                          "the Triton kernels run instead", RuntimeWarning, stacklevel=3)
+            _BUILT[key] = None
+    return _BUILT[key]
+
+
+def resident_blocks(regs: int, threads: int, device: torch.device, cap: int = 16) -> int:
+    """Blocks of `threads` threads the SMs hold at once, by registers (allocated in units of 8 a thread)."""
+    from qv.kernels.triton_utils import num_sms
+
+    return max(1, min(cap, 65536 // (threads * ((regs + 7) // 8 * 8)))) * num_sms(device)
+
+
+def pointer(t: torch.Tensor | None) -> np.uint64:
+    return np.uint64(t.data_ptr() if t is not None else 0)
+
+
+def launch(kernel, grid, block, args, device: torch.device) -> None:
+    """Launch on torch's current stream of `device` (so CUDA graphs capture it like a torch op)."""
+    cupy = cupy_or_none()
+    index = device_index(device)
+    with cupy.cuda.Device(index), _stream(torch.cuda.current_stream(device).cuda_stream, index):
+        kernel(grid, block, args)
+
+
+@functools.lru_cache(maxsize=64)
+def _stream(handle: int, device_index: int):
+    """torch's stream as a CuPy stream (kept: a launch per decode step should not build one; keyed by
+    device too, since handle 0, the legacy default stream, is the same number on every device)."""
+    cupy = cupy_or_none()
+    try:  # CuPy >= 14 (ExternalStream is deprecated there)
+        return cupy.cuda.Stream.from_external(_StreamHandle(handle))
+    except (AttributeError, TypeError, ValueError):
+        return cupy.cuda.ExternalStream(handle)
+
+
+class _StreamHandle:
+    """The CUDA stream protocol (``__cuda_stream__``) around a raw handle."""
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return (0, self.handle)

@@ -1,0 +1,147 @@
+"""The raw-CUDA decode attention (qv/kernels/paged_decode_mma.cu) against the fp32 reference over the same
+int8 cache: head dims 128 and 256, GQA groups of 1 to 8 query rows (speculative rows where they fit), pages
+of 16 to 64 keys in shuffled order, contexts not multiples of the tile, split counts from one to many,
+fp16 and bf16 queries. The cache outside the sequences is poisoned (random codes, NaN scales) and the
+output is NaN before the call; the kernel must report that it ran. On CPU the source is compiled by NVRTC
+for sm_80 and sm_90 when a libnvrtc is installed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_cases import BOUND, DEV, K, cu_seqlens, nan_empty, paged_layout, randn, run_reference, slots_for
+from nvrtc_compile import compile_ptx, nvrtc
+from util import assert_close
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_source_compiles(arch):
+    from qv.kernels.attention_cuda import HEAD_DIMS, SOURCE
+    from qv.kernels.cuda_build import source_text
+
+    lib = nvrtc()
+    if lib is None:
+        pytest.skip("no libnvrtc installed")
+    names = [f"paged_decode_mma<{d}, {mb}>" for d in HEAD_DIMS for mb in (1, 2)]
+    rc, log, ptx = compile_ptx(lib, source_text(SOURCE), names, arch)
+    assert rc == 0, log
+    assert ptx.count(b"movmatrix.sync.aligned.m8n8.trans.b16") >= len(names)
+
+
+def _can_run() -> bool:
+    from qv.kernels.cuda_build import cupy_or_none
+
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8 and cupy_or_none() is not None
+
+
+needs_cuda_decode = pytest.mark.skipif(not _can_run(), reason="needs an sm_80+ GPU and CuPy (the gpu extra)")
+
+
+def _inputs(dtype, hkv, rep, d, q_lens, ctx, block_size, slack):
+    """A poisoned int8 cache holding each sequence's keys, and the decode arguments (max_seq_len `slack`
+    above the longest sequence, as under graph capture)."""
+    seq_lens = [c + n for c, n in zip(ctx, q_lens)]
+    bt, tables, nb = paged_layout(seq_lens, block_size)
+    shape = (nb, block_size, hkv, d)
+    kc = torch.randint(-128, 128, shape, dtype=torch.int8, device=DEV)
+    vc = torch.randint(-128, 128, shape, dtype=torch.int8, device=DEV)
+    ks = torch.full(shape[:3], float("nan"), device=DEV)
+    vs = torch.full(shape[:3], float("nan"), device=DEV)
+    k, v = randn(sum(seq_lens), hkv, d), randn(sum(seq_lens), hkv, d)
+    run_reference(K.write_kv, k, v, kc, vc, slots_for(tables, [0] * len(seq_lens), seq_lens, block_size), ks, vs)
+    q = randn(sum(q_lens), hkv * rep, d, dtype=dtype)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
+    return q, kc, vc, ks, vs, bt, cu_seqlens(q_lens), sl, d ** -0.5, max(q_lens), max(seq_lens) + slack
+
+
+def _run(args, cfg):
+    from qv.kernels.attention_cuda import decode_cuda, decode_cuda_config
+
+    with nan_empty():
+        out = decode_cuda(*args, dict(decode_cuda_config(DEV), **(cfg or {})))
+    assert out is not None, "the CUDA decode kernel did not run"
+    return out
+
+
+def _case(dtype, hkv, rep, d, q_lens, ctx, block_size=16, cfg=None, slack=0):
+    args = _inputs(dtype, hkv, rep, d, q_lens, ctx, block_size, slack)
+    q, kc, vc, ks, vs, bt, cu, sl, scale, max_q, max_kv = args
+    out = _run(args, cfg)
+    ref = run_reference(K.paged_attention, q, kc, vc, bt, cu, sl, scale, ks, vs, max_q, max_kv)
+    for i in range(len(q_lens)):  # sequence by sequence: a short one must not hide in a long one's error
+        s, e = int(cu[i]), int(cu[i + 1])
+        if e > s:
+            assert_close(f"CUDA decode sequence {i}", out[s:e], ref[s:e], BOUND[dtype])
+    return args, out
+
+
+@pytest.mark.gpu
+@needs_cuda_decode
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("rep", [1, 3, 6, 8])
+def test_cuda_decode_gpu(dtype, d, rep):
+    hkv = 2 if rep == 8 else 4
+    _case(dtype, hkv, rep, d, [1, 1, 1, 1, 1], [1, 15, 16, 17, 1000])  # tile edges, a one-key sequence
+    _case(dtype, hkv, rep, d, [1] * 3, [40000, 3, 777], slack=37)  # many splits, most empty for short rows
+    if 2 * rep <= 8:  # speculative rows that fit one MMA column tile: row j sees seq_len - (k - j) keys
+        _case(dtype, hkv, rep, d, [2, 1, 2], [63, 500, 4000])
+    if 4 * rep <= 8:
+        _case(dtype, hkv, rep, d, [4, 3], [90, 33])
+
+
+@pytest.mark.gpu
+@needs_cuda_decode
+@pytest.mark.parametrize("block_size", [32, 64])
+@pytest.mark.parametrize("splits", [1, 3, 40])
+def test_cuda_decode_pages_and_splits_gpu(block_size, splits):
+    """Pages longer than a tile, and a forced split count: one block per sequence (the direct store), a
+    few, and more splits than some sequences have tiles."""
+    _case(torch.bfloat16, 4, 6, 256, [1, 1, 1, 1], [5000, 129, 64, 2], block_size=block_size,
+          cfg=dict(splits=splits))
+
+
+@pytest.mark.gpu
+@needs_cuda_decode
+@pytest.mark.parametrize("splits", [1, 7])
+def test_cuda_decode_rerun_and_graph_gpu(splits):
+    """The same bits on a second call and under CUDA-graph replay (seq_lens changed in place between
+    replays must give the new sequences' answer)."""
+    from qv.kernels.attention_cuda import decode_cuda, decode_cuda_config
+
+    cfg = dict(decode_cuda_config(DEV), splits=splits)
+    args, out = _case(torch.bfloat16, 4, 6, 256, [1, 1], [3000, 700], cfg=cfg, slack=100)
+    assert torch.equal(_run(args, cfg), out)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            graph_out = decode_cuda(*args, cfg)
+    torch.cuda.current_stream().wait_stream(stream)
+    assert graph_out is not None
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graph_out, out)
+    q, kc, vc, ks, vs, bt, cu, sl, scale, max_q, max_kv = args
+    sl -= torch.tensor([50, 699], dtype=torch.int32, device=DEV)  # shorter sequences, same graph
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = run_reference(K.paged_attention, q, kc, vc, bt, cu, sl, scale, ks, vs, max_q, max_kv)
+    assert_close("CUDA decode graph replay, shorter sequences", graph_out, ref, BOUND[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@needs_cuda_decode
+def test_cuda_decode_declines_gpu():
+    """Where the kernel does not apply it returns None and launches nothing (the caller runs Triton)."""
+    from qv.kernels.attention_cuda import decode_cuda, decode_cuda_config
+
+    cfg = decode_cuda_config(DEV)
+    q, kc, vc, ks, vs, bt, cu, sl, scale, max_q, max_kv = _inputs(torch.bfloat16, 2, 6, 64, [1], [100], 16, 0)
+    assert decode_cuda(q, kc, vc, ks, vs, bt, cu, sl, scale, max_q, max_kv, cfg) is None  # head dim 64
+    q, kc, vc, ks, vs, bt, cu, sl, scale, max_q, max_kv = _inputs(torch.bfloat16, 2, 6, 128, [2], [100], 16, 0)
+    assert decode_cuda(q, kc, vc, ks, vs, bt, cu, sl, scale, max_q, max_kv, cfg) is None  # 12 query rows
+    q, kc, vc, ks, vs, bt, cu, sl, scale, max_q, max_kv = _inputs(torch.bfloat16, 2, 3, 128, [1], [100], 8, 0)
+    assert decode_cuda(q, kc, vc, ks, vs, bt, cu, sl, scale, max_q, max_kv, cfg) is None  # pages of 8 keys
