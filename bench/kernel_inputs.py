@@ -43,12 +43,13 @@ def attention_inputs(n: int, dev):
                 sdpa=(q.transpose(0, 1)[None].contiguous(), k, v))
 
 
-def decode_inputs(ctx: int, batch: int, dev):
+def decode_inputs(ctx: int, batch: int, dev, q_len: int = 1):
+    """`batch` sequences of `ctx` cached keys, each with q_len query tokens (> 1: speculative rows)."""
     kc, vc, ks, vs, bt = _paged(ctx, batch, dev, torch.int8)
-    q = torch.randn(batch, HQ, D, device=dev, dtype=torch.bfloat16)
-    cu = torch.arange(batch + 1, dtype=torch.int32, device=dev)
+    q = torch.randn(batch * q_len, HQ, D, device=dev, dtype=torch.bfloat16)
+    cu = torch.arange(batch + 1, dtype=torch.int32, device=dev) * q_len
     sl = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
-    return (q, kc, vc, bt, cu, sl, D ** -0.5, ks, vs, 1, ctx)
+    return (q, kc, vc, bt, cu, sl, D ** -0.5, ks, vs, q_len, ctx)
 
 
 def gdn_inputs(n: int, batch: int, dev, dtype, state_dtype=torch.float32):

@@ -305,32 +305,36 @@ def fla_step_time(fla, sets):
 # cp.async (maxnreg=168 keeps 3 programs per SM) and waves trade split count against per-program
 # prologue/epilogue; the CUDA kernel's min_blocks is its register cap, waves its rounds of blocks
 OLD_DECODE = dict(kind="split")
-DECODE_SWEEP = [dict(kind="cuda", carveout=100), dict(kind="cuda", min_blocks=1), dict(kind="cuda", waves=2),
-                dict(kind="cuda", splits=48), dict(kind="cuda", reduce_block_d=16), dict(kind="split", stages=0, waves=6)]
+DECODE_SWEEP = [dict(kind="cuda", min_blocks=1), dict(kind="cuda", waves=2),
+                dict(kind="cuda", splits=48), dict(kind="cuda", reduce_block_d=16),
+                dict(kind="split", stages=0, waves=6)]
 
 
 def bench_decode(lim, sweep):
-    for ctx, batch in ((32768, 1), (32768, 16), (131072, 1), (131072, 16)):
+    # q_len 4: the speculative rows of MTP k = 3 (24 query rows a KV head; the target is the decode one's)
+    for ctx, batch, q_len in ((32768, 1, 1), (32768, 16, 1), (131072, 1, 1), (131072, 16, 1), (32768, 1, 4),
+                              (32768, 16, 4)):
         n_sets = 3 if ctx * batch <= 32768 else 1  # 68 MB per set: rotate three past the 60 MB L2
-        sets = [decode_inputs(ctx, batch, DEV) for _ in range(n_sets)]
+        sets = [decode_inputs(ctx, batch, DEV, q_len) for _ in range(n_sets)]
         inp = sets[0]
         nbytes = batch * ctx * 4 * (2 * 256 + 2 * 4)  # int8 K and V rows + their fp32 scales
-        cfgs = [None, OLD_DECODE] + (DECODE_SWEEP if sweep and ctx == 32768 else [])
+        cfgs = [None, OLD_DECODE] + (DECODE_SWEEP if sweep and ctx == 32768 and q_len == 1 else [])
         times = {}
         for cfg in cfgs:
             t = try_time(lambda: _paged_attention_triton(*inp, config=cfg), 200)
             tg = graph_ms([lambda i=i: _paged_attention_triton(*i, config=cfg) for i in sets]) if t < 1e9 else None
             times[repr(cfg)] = (tg or t, t)
-            print(f"    decode {ctx} b{batch} {cfg}: {t * 1e3:.1f} us ({nbytes / t / 1e9:.2f} TB/s); graph "
+            print(f"    decode {ctx} b{batch} q{q_len} {cfg}: {t * 1e3:.1f} us ({nbytes / t / 1e9:.2f} TB/s); graph "
                   f"{tg * 1e3 if tg else float('nan'):.1f} us ({nbytes / tg / 1e9 if tg else 0:.2f} TB/s)", flush=True)
         tg, t = times[repr(None)]
         old = times[repr(OLD_DECODE)][0]
-        if batch == 1:  # where the time goes (decode and split-merge kernels), by torch.profiler
+        if batch == 1 and q_len == 1:  # where the time goes (decode and split-merge kernels), by torch.profiler
             print(f"    decode {ctx} b1 kernels: {kernel_breakdown(lambda: _paged_attention_triton(*inp))[1]}",
                   flush=True)
         tbs = nbytes / (tg * 1e-3) / 1e12
         pct = tbs / lim["copy_tbs"]
-        row("paged decode int8 KV 24q/4kv d256", f"ctx {ctx // 1024}K, batch {batch}", tg, None, "",
+        case = f"ctx {ctx // 1024}K, batch {batch}" + (f", {q_len} query tokens" if q_len > 1 else "")
+        row("paged decode int8 KV 24q/4kv d256", case, tg, None, "",
             f"{lim['copy_tbs']:.2f} TB/s", f"{tbs:.2f} TB/s = {100 * pct:.0f}% of copy (graph replay)", ">= 70%",
             pct >= 0.7, f"{nbytes / 1e6:.0f} MB read; do_bench {t * 1e3:.1f} us; old (Triton split-K) "
             f"{old * 1e3:.1f} us = {100 * nbytes / (old * 1e-3) / 1e12 / lim['copy_tbs']:.0f}%")
@@ -341,8 +345,7 @@ def bench_decode(lim, sweep):
 # "dot" (x on the wide side of the MMA)
 GEMV_SWEEP = [dict(kind="dot"), dict(kind="fma"), dict(kind="mma"),
               dict(kind="mma", BLOCK_N=64, BLOCK_K=128, waves=8)] + [
-    dict(kind="cuda", waves=wv, min_blocks=mb, wk=wk) for wv, mb, wk in ((1, 3, 1), (2, 3, 4), (1, 4, 4), (1, 2, 4))] + [
-    dict(kind="cuda", carveout=100)]
+    dict(kind="cuda", waves=wv, min_blocks=mb, wk=wk) for wv, mb, wk in ((1, 3, 1), (2, 3, 4), (1, 4, 4), (1, 2, 4))]
 GDN_STEP_SWEEP = [dict(bv=16, warps=1), dict(bv=16, warps=2), dict(bv=32, warps=2), dict(bv=32, warps=4),
                   dict(bv=64, warps=4), dict(bv=128, warps=8)]
 GEMM_SWEEP = [dict(kind="dot", dequant_min_m=1 << 30, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=st,

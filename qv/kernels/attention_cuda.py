@@ -1,9 +1,9 @@
 """Decode attention over the paged int8 KV cache in raw CUDA (paged_decode_mma.cu: keys on the MMA's
 16-row side, about one instruction per code byte; sm_80 and newer), built and launched through
 cuda_build. decode_cuda returns None where the kernel does not apply (no CuPy, an older GPU, an fp16 or
-fp32 cache, head dims other than 128 / 256, more than 8 query rows per (sequence, KV head), pages that are
-not a power of two >= 16 keys, misaligned tensors, or a CUDA graph being captured before the kernel was
-built); the caller then runs the Triton kernel. Splits are merged by the Triton decode_reduce_kernel.
+fp32 cache, head dims other than 128 / 256, pages that are not a power of two >= 16 keys, misaligned
+tensors, or a CUDA graph being captured before the kernel was built); the caller then runs the Triton
+kernel. Splits are merged by the Triton decode_reduce_kernel.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def _applies(q, k, v, ks, vs, block_tables, cu_q, kv_lens, max_q) -> bool:
     bs = k.shape[1]
     return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 8 and cupy_or_none() is not None
             and k.dtype == torch.int8 and q.dtype in (torch.float16, torch.bfloat16) and d in HEAD_DIMS
-            and max_q * rep <= 8 and bs >= TILE and bs & (bs - 1) == 0
+            and bs >= TILE and bs & (bs - 1) == 0
             and k.stride() == v.stride() and k.stride(-1) == 1 and ks.stride() == vs.stride() and ks.stride(-1) == 1
             and ks.dtype == torch.float32 and vs.dtype == torch.float32
             and all(x.data_ptr() % 16 == 0 for x in (q, k, v)) and all(st % 16 == 0 for st in k.stride()[:3])
@@ -43,8 +43,9 @@ def _applies(q, k, v, ks, vs, block_tables, cu_q, kv_lens, max_q) -> bool:
 
 
 def decode_cuda(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, max_q, max_kv, cfg):
-    """Decode rows (max_q * rep <= 8 per sequence and KV head) with the CUDA kernel: [T, Hq, D] in q's
-    dtype, or None (nothing launched) where it does not apply. The split count depends only on the batch,
+    """Decode and speculative rows (max_q per sequence) with the CUDA kernel: [T, Hq, D] in q's dtype, or
+    None (nothing launched) where it does not apply. Blocks take 8 query rows (token x head of a KV head's
+    group) each. The split count depends only on the batch,
     head counts and max_kv, as for the Triton kernel (CUDA-graph replays stay valid)."""
     if not _applies(q, k, v, ks, vs, block_tables, cu_q, kv_lens, max_q):
         return None
@@ -54,15 +55,15 @@ def decode_cuda(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, max_q, max_
     dev = q.device
     index = device_index(dev)
     name = f"paged_decode_mma<{d}, {cfg['min_blocks']}>"
-    carveout = cfg.get("carveout")
-    if not is_built(SOURCE, name, index, carveout) and torch.cuda.is_current_stream_capturing():
+    if not is_built(SOURCE, name, index) and torch.cuda.is_current_stream_capturing():
         return None  # NVRTC and module loads do not belong in a graph capture
-    built = build(SOURCE, name, index, carveout)
+    built = build(SOURCE, name, index)
     if built is None:
         return None
     kernel, regs = built
     # one round of resident blocks over (sequence, KV head, split); each warp gets two tiles at least
-    pairs = n_seq * hkv
+    chunks = triton.cdiv(max_q * (hq // hkv), 8)
+    pairs = n_seq * hkv * chunks
     splits = max(1, min(cfg["waves"] * resident_blocks(regs, 128, dev, cap=cfg["min_blocks"]) // pairs,
                         triton.cdiv(max_kv, 2 * WARPS * TILE)))
     splits = cfg.get("splits", splits)
@@ -81,8 +82,9 @@ def decode_cuda(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, max_q, max_
             np.int32(hq), np.int32(hq // hkv), np.int64(q.stride(0)), np.int64(q.stride(1)),
             *(np.int64(s) for s in strides), np.int64(k.stride(0)), np.int64(k.stride(1)), np.int64(k.stride(2)),
             np.int64(ks.stride(0)), np.int64(ks.stride(1)), np.int64(block_tables.stride(0)),
-            np.int32(k.shape[1].bit_length() - 1), np.int32(split_len), np.int32(q.dtype == torch.bfloat16))
-    launch(kernel, (n_seq, hkv, splits), (128, 1, 1), args, dev)
+            np.int32(k.shape[1].bit_length() - 1), np.int32(split_len), np.int32(q.dtype == torch.bfloat16),
+            np.int32(chunks))
+    launch(kernel, (n_seq * chunks, hkv, splits), (128, 1, 1), args, dev)
     if splits > 1:
         reduce_splits(part, lse, out, cu_q, kv_lens, split_len, cfg.get("reduce_block_d"))
     return out

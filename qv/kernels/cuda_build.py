@@ -16,7 +16,7 @@ KERNEL_DIR = Path(__file__).parent
 COMPILE_OPTIONS = ("-std=c++17",)
 HEADER = "cuda_common.cuh"
 
-_BUILT: dict[tuple, tuple | None] = {}  # (file, name, device, carveout) -> (function, registers) or None
+_BUILT: dict[tuple, tuple | None] = {}  # (file, name, device) -> (function, registers) or None
 
 
 @functools.lru_cache(maxsize=None)
@@ -39,17 +39,17 @@ def device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def is_built(source: str, name: str, index: int, carveout: int | None = None) -> bool:
+def is_built(source: str, name: str, index: int) -> bool:
     """Whether `name` was built (or tried) on device `index`: a graph capture must not trigger a build."""
-    return (source, name, index, carveout) in _BUILT
+    return (source, name, index) in _BUILT
 
 
-def build(source: str, name: str, index: int, carveout: int | None = None):
+def build(source: str, name: str, index: int):
     """The kernel `name` (a template instantiation) from KERNEL_DIR/source on device `index`, as
-    (CuPy function, registers per thread), or None if NVRTC or the module load failed. carveout: the
-    percentage of the L1/shared-memory array the kernel prefers as shared memory (None: the driver's
-    choice; 100: all it can have, so that every block the registers allow also finds its shared memory)."""
-    key = (source, name, index, carveout)
+    (CuPy function, registers per thread), or None if NVRTC or the module load failed. (The shared-memory
+    carveout stays the driver's choice: preferring all shared memory measured 20% slower for both kernels,
+    H200, docs/BENCHMARKS.md; their loads in flight need the L1.)"""
+    key = (source, name, index)
     if key not in _BUILT:
         cupy = cupy_or_none()
         try:
@@ -57,8 +57,6 @@ def build(source: str, name: str, index: int, carveout: int | None = None):
                 module = cupy.RawModule(code=source_text(source), options=COMPILE_OPTIONS,
                                         name_expressions=(name,))
                 function = module.get_function(name)
-                if carveout is not None:
-                    function.preferred_shared_memory_carveout = carveout
                 _BUILT[key] = (function, function.num_regs)
         except Exception as e:  # noqa: BLE001 - any build or load error means: use the other kernels
             warnings.warn(f"qv: the CUDA kernel {name} did not build ({type(e).__name__}: {e}); "

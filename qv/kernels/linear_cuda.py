@@ -54,10 +54,9 @@ def gemv_cuda(x2, w, bias, out, cfg) -> bool:
     mt, steps = (m + 7) // 8, w.group_size // 16
     min_blocks = cfg["min_blocks"] or (3 if mt == 1 else 2)  # the register caps that do not spill
     name = f"gptq_gemv_mma<{mt}, {steps}, {min_blocks}, {wk}>"
-    carveout = cfg.get("carveout")
-    if not is_built(SOURCE, name, index, carveout) and torch.cuda.is_current_stream_capturing():
+    if not is_built(SOURCE, name, index) and torch.cuda.is_current_stream_capturing():
         return False  # NVRTC and module loads do not belong in a graph capture
-    built = build(SOURCE, name, index, carveout)
+    built = build(SOURCE, name, index)
     if built is None:
         return False
     kernel, regs = built

@@ -1,8 +1,10 @@
 // Decode attention over the paged int8 KV cache on tensor cores (mma.sync.m16n8k16 and movmatrix, sm_80
 // and newer). Compiled at run time by NVRTC through CuPy (qv/kernels/attention_cuda.py).
 //
-// One block of 4 warps serves (sequence b, KV head, split): the up to 8 query rows of b's GQA group
-// (row r = token r / rep, head kvh * rep + r % rep) against the keys split * split_len .. + split_len.
+// One block of 4 warps serves (sequence b, KV head, split, chunk of 8 query rows): rows r0 .. r0 + 7 of b's
+// GQA group (row r = token r / rep, head kvh * rep + r % rep; speculative rows have several tokens, and the
+// blocks of a split's chunks read the same keys at about the same time, from the L2 after the first)
+// against the keys split * split_len .. + split_len.
 // Warp w takes the 16-key tiles w, w + 4, ... of the split; the 4 partial softmaxes meet in shared
 // memory at the end. With more than one split the block writes fp32 partials and their base-2
 // log-sum-exps, which decode_reduce_kernel (attention_kernels.py) merges, as for the Triton kernel.
@@ -76,14 +78,14 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) paged_decode_mma(
     const int* __restrict__ cu_q, const int* __restrict__ kv_lens, float qk_scale, int T, int HQ, int rep,
     long long stride_qt, long long stride_qh, long long stride_os, long long stride_ot, long long stride_oh,
     long long stride_kb, long long stride_ks, long long stride_kh, long long stride_sb, long long stride_ss,
-    long long stride_bt, int page_shift, int split_len, int q_bf16) {
+    long long stride_bt, int page_shift, int split_len, int q_bf16, int chunks) {
   static_assert(D == 128 || D == 256, "head dims 128 and 256");
-  const int b = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
+  const int b = blockIdx.x / chunks, r0 = 8 * (blockIdx.x % chunks), kvh = blockIdx.y, split = blockIdx.z;
   const int q_start = cu_q[b], q_len = cu_q[b + 1] - q_start, kv_len = kv_lens[b];
   const int k_lo = split * split_len, k_end = min(kv_len, k_lo + split_len);
-  if (q_len <= 0 || k_lo >= k_end) return;
+  const int rows = min(8, q_len * rep - r0);  // this block's query rows r0 .. r0 + rows - 1
+  if (rows <= 0 || k_lo >= k_end) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int rows = q_len * rep;  // <= 8 (the wrapper checks max_query_len * rep)
   __shared__ U2 s_q[D / 64][4][32];
 
   // positions of query rows 2t, 2t + 1 (the S^T columns of this lane); padding rows see every key
@@ -91,7 +93,7 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) paged_decode_mma(
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
     const int r = 2 * t + e;
-    qpos[e] = r < rows ? kv_len - q_len + r / rep : kv_len - 1;
+    qpos[e] = r < rows ? kv_len - q_len + (r0 + r) / rep : kv_len - 1;
   }
 
   float acc[D / 16][4];  // O^T: m tile mt, dim rows g / g + 8 x query rows 2t, 2t + 1
@@ -206,7 +208,8 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) paged_decode_mma(
   // first tile's loads are on their way
   if (warp == 0) {
     const bool ok = g < rows;
-    const u16* p = q + (long long)(q_start + (ok ? g / rep : 0)) * stride_qt + (long long)(kvh * rep + g % rep) * stride_qh;
+    const int r = ok ? r0 + g : 0;
+    const u16* p = q + (long long)(q_start + r / rep) * stride_qt + (long long)(kvh * rep + r % rep) * stride_qh;
 #pragma unroll
     for (int i = 0; i < D / 64; ++i) {
       const U4 lo = load16(p + i * 64 + 16 * t, ok), hi = load16(p + i * 64 + 16 * t + 8, ok);
@@ -277,7 +280,7 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) paged_decode_mma(
 #pragma unroll
       for (int w = 0; w < WARPS; ++w) v += s_acc[w][j][r] * s_w[w][r];
       v *= s_inv[r];
-      const long long row = q_start + r / rep, h = (long long)kvh * rep + r % rep;
+      const long long row = q_start + (r0 + r) / rep, h = (long long)kvh * rep + (r0 + r) % rep;
       if (partial) {
         static_cast<float*>(out)[split * stride_os + row * stride_ot + h * stride_oh + d] = v;
         if (c == 0 && j == 0) lse[((long long)split * T + row) * HQ + h] = s_lse[r];

@@ -1,7 +1,7 @@
 """The raw-CUDA decode attention (qv/kernels/paged_decode_mma.cu) against the fp32 reference over the same
 int8 cache: head dims 128 and 256, GQA groups of 1 to 8 query rows (speculative rows where they fit), pages
 of 16 to 64 keys in shuffled order, contexts not multiples of the tile, split counts from one to many,
-fp16 and bf16 queries. The cache outside the sequences is poisoned (random codes, NaN scales) and the
+fp16 and bf16 queries, speculative rows (several tokens a sequence) in chunks of 8 rows a block. The cache outside the sequences is poisoned (random codes, NaN scales) and the
 output is NaN before the call; the kernel must report that it ran. On CPU the source is compiled by NVRTC
 for sm_80 and sm_90 when a libnvrtc is installed."""
 
@@ -85,10 +85,9 @@ def test_cuda_decode_gpu(dtype, d, rep):
     hkv = 2 if rep == 8 else 4
     _case(dtype, hkv, rep, d, [1, 1, 1, 1, 1], [1, 15, 16, 17, 1000])  # tile edges, a one-key sequence
     _case(dtype, hkv, rep, d, [1] * 3, [40000, 3, 777], slack=37)  # many splits, most empty for short rows
-    if 2 * rep <= 8:  # speculative rows that fit one MMA column tile: row j sees seq_len - (k - j) keys
-        _case(dtype, hkv, rep, d, [2, 1, 2], [63, 500, 4000])
-    if 4 * rep <= 8:
-        _case(dtype, hkv, rep, d, [4, 3], [90, 33])
+    # speculative rows (row j of k + 1 sees seq_len - (k - j) keys), one or more blocks of 8 rows each
+    _case(dtype, hkv, rep, d, [2, 1, 2], [63, 500, 4000])
+    _case(dtype, hkv, rep, d, [4, 3, 8], [90, 33, 2100])
 
 
 @pytest.mark.gpu
@@ -141,7 +140,7 @@ def test_cuda_decode_declines_gpu():
     cfg = decode_cuda_config(DEV)
     q, kc, vc, ks, vs, bt, cu, sl, scale, max_q, max_kv = _inputs(torch.bfloat16, 2, 6, 64, [1], [100], 16, 0)
     assert decode_cuda(q, kc, vc, ks, vs, bt, cu, sl, scale, max_q, max_kv, cfg) is None  # head dim 64
-    q, kc, vc, ks, vs, bt, cu, sl, scale, max_q, max_kv = _inputs(torch.bfloat16, 2, 6, 128, [2], [100], 16, 0)
-    assert decode_cuda(q, kc, vc, ks, vs, bt, cu, sl, scale, max_q, max_kv, cfg) is None  # 12 query rows
+    q, kc, vc, ks, vs, bt, cu, sl, scale, max_q, max_kv = _inputs(torch.float32, 2, 6, 128, [2], [100], 16, 0)
+    assert decode_cuda(q, kc, vc, ks, vs, bt, cu, sl, scale, max_q, max_kv, cfg) is None  # fp32 queries
     q, kc, vc, ks, vs, bt, cu, sl, scale, max_q, max_kv = _inputs(torch.bfloat16, 2, 3, 128, [1], [100], 8, 0)
     assert decode_cuda(q, kc, vc, ks, vs, bt, cu, sl, scale, max_q, max_kv, cfg) is None  # pages of 8 keys
