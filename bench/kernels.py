@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_profile import kernel_times  # noqa: E402
 from kernel_inputs import attention_inputs, decode_inputs, gdn_inputs, gptq_inputs  # noqa: E402
+from qv.kernels import cuda_build  # noqa: E402
 from qv.kernels.attention import _paged_attention_triton, _varlen_attention_triton  # noqa: E402
 from qv.kernels.gdn import _gated_delta_rule_triton  # noqa: E402
 from qv.kernels.gdn_chunk import SWEEP_CONFIGS as GDN_CHUNK_SWEEP  # noqa: E402
@@ -39,6 +40,9 @@ from qv.kernels.reference import dequantize_gptq  # noqa: E402
 DEV = torch.device("cuda")
 L2_BYTES = 60 << 20
 ROWS: list[dict] = []
+
+
+cuda_build.EAGER_ALWAYS = True  # eager calls run the raw-CUDA kernels too (their GPU time is measured)
 
 
 def median_ms(fn, rep_ms: int = 300) -> float:

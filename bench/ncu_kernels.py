@@ -21,12 +21,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernel_inputs import attention_inputs, decode_inputs, gdn_inputs, gptq_inputs  # noqa: E402
 from kernels import fla_chunk_call, fla_step_call  # noqa: E402
+from qv.kernels import cuda_build  # noqa: E402
 from qv.kernels.attention import _paged_attention_triton  # noqa: E402
 from qv.kernels.gdn import _gated_delta_rule_triton  # noqa: E402
 from qv.kernels.linear_gptq import _linear_triton  # noqa: E402
 from qv.kernels.reference import dequantize_gptq  # noqa: E402
 
 DEV = torch.device("cuda")
+
+
+cuda_build.EAGER_ALWAYS = True  # eager calls run the raw-CUDA kernels too (their GPU time is measured)
 
 
 def decode_cases():

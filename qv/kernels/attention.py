@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from qv.kernels.attention_kernels import (LOG2E, attn_fwd_kernel, attn_reduce_kernel, paged_decode_kernel,
-                                         reduce_splits)
+                                         reduce_splits, split_length, split_outputs)
 from qv.kernels.attention_cuda import decode_cuda, decode_cuda_config
 from qv.kernels.registry import impl, register
 from qv.kernels.triton_utils import interpreting, next_pow2, num_sms
@@ -162,8 +162,7 @@ def _num_splits(device, programs, max_kv, block_n, min_keys):
     if programs >= target or max_kv <= min_keys:
         return 1, max_kv
     splits = min(triton.cdiv(target, programs), triton.cdiv(max_kv, min_keys))
-    split_len = triton.cdiv(triton.cdiv(max_kv, splits), block_n) * block_n
-    return triton.cdiv(max_kv, split_len), split_len
+    return split_length(max_kv, splits, block_n)
 
 
 def _decode_config(device, dtype, d, rep, max_q, n_seq, hkv):
@@ -204,8 +203,7 @@ def _decode_attention(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, max_q
     stages = cfg.pop("stages", 0)
     splits = max(1, min(triton.cdiv(waves * num_sms(q.device), n_seq * hkv), triton.cdiv(max_kv, 2 * block_n)))
     splits = cfg.pop("splits", splits)
-    split_len = triton.cdiv(triton.cdiv(max_kv, splits), block_n) * block_n
-    splits = triton.cdiv(max_kv, split_len)
+    splits, split_len = split_length(max_kv, splits, block_n)
     quant = k.dtype == torch.int8
     words = (quant and q.dtype != torch.float32 and d % 4 == 0 and k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0
              and all(st % 4 == 0 for st in k.stride()[:3]) and cfg.pop("words", True))
@@ -213,7 +211,7 @@ def _decode_attention(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, max_q
     if q.stride(-1) != 1:
         q = q.contiguous()
     out = torch.empty_like(q)
-    o_t, plse, o_s, o_h, o_x = _split_outputs(out, splits)
+    o_t, plse, o_s, o_h, o_x = split_outputs(out, splits)
     sc = ks if quant else k
     paged_decode_kernel[(n_seq, hkv, splits)](
         q, k, v, sc, vs if quant else v, o_t, plse, block_tables, cu_q, kv_lens, scale * LOG2E, t,
@@ -225,18 +223,6 @@ def _decode_attention(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, max_q
     if splits > 1:
         reduce_splits(o_t, plse, out, cu_q, kv_lens, split_len)
     return out
-
-
-def _split_outputs(out: torch.Tensor, splits: int):
-    """Where the attention kernels write: with split-K, fp32 partials [splits, T, Hq, D] and their
-    log-sum-exps [splits, T, Hq] for the reduce pass; else `out` itself (the lse pointer unused).
-    Returns (output, lse, split stride, token stride, head stride)."""
-    if splits == 1:
-        return out, out, 0, out.stride(0), out.stride(1)
-    t, hq, d = out.shape
-    po = torch.empty((splits, t, hq, d), dtype=torch.float32, device=out.device)
-    plse = torch.empty((splits, t, hq), dtype=torch.float32, device=out.device)
-    return po, plse, po.stride(0), po.stride(1), po.stride(2)
 
 
 def _attention(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, causal, paged, max_q, max_kv, config=None,
@@ -271,8 +257,7 @@ def _attention(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, causal, page
     splits, split_len = _num_splits(q.device, grid0 * hkv, max_kv, block_n, (4 if decode else 16) * block_n)
     if "splits" in cfg:  # benchmarks may force the split count
         splits = cfg.pop("splits")
-        split_len = triton.cdiv(triton.cdiv(max_kv, splits), block_n) * block_n
-        splits = triton.cdiv(max_kv, split_len)
+        splits, split_len = split_length(max_kv, splits, block_n)
     quant = k.dtype == torch.int8
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -295,7 +280,7 @@ def _attention(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, causal, page
     if tma:  # tensor descriptors over the rows [T, Hkv * D]; one box = one K or V tile of a head
         from triton.tools.tensor_descriptor import TensorDescriptor
         kn, vn = (TensorDescriptor.from_tensor(x.reshape(t, hkv * d), [block_n, d]) for x in (k_new, v_new))
-    o_t, plse, o_s, o_h, o_x = _split_outputs(out, splits)
+    o_t, plse, o_s, o_h, o_x = split_outputs(out, splits)
     attn_fwd_kernel[(grid0, hkv, splits)](
         q, k, v, sc, vs if quant else v, o_t, plse, bt, cu_q, kv_lens if paged else cu_q, kn, vn,
         scale * LOG2E, n_seq, t, hq, q.stride(0), q.stride(1), o_h, o_x, o_s,

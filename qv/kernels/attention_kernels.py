@@ -11,6 +11,7 @@ scale; int8 K/V scales (one per key and KV head) multiply score columns and P co
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -406,15 +407,16 @@ def paged_decode_kernel(
 
 @triton.jit
 def decode_reduce_kernel(po_ptr, lse_ptr, o_ptr, cu_q_ptr, kv_len_ptr, B, T, HQ, stride_ot, stride_oh, SPLIT_LEN,
-                         D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+                         N_SPLITS, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
     """Combines the split partials of one (token, head, BLOCK_D slice of the head dim), BLOCK_S splits
-    per step (split s holds keys s*SPLIT_LEN.. and is used by a row iff its position reaches it)."""
+    per step (split s holds keys s*SPLIT_LEN.. and is used by a row iff its position reaches it; never
+    past the N_SPLITS written, even if a caller's max_seq_len undercounted a sequence)."""
     t = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     b = _find_seq(cu_q_ptr, t, B, 1, False)
     q_start = tl.load(cu_q_ptr + b)
     q_len = tl.load(cu_q_ptr + b + 1) - q_start
-    n_split = (tl.load(kv_len_ptr + b) - q_len + (t - q_start)) // SPLIT_LEN + 1
+    n_split = tl.minimum((tl.load(kv_len_ptr + b) - q_len + (t - q_start)) // SPLIT_LEN + 1, N_SPLITS)
     o_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     m_d = o_d < D
     o_s = tl.arange(0, BLOCK_S)
@@ -436,6 +438,29 @@ def decode_reduce_kernel(po_ptr, lse_ptr, o_ptr, cu_q_ptr, kv_len_ptr, B, T, HQ,
     tl.store(o_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + o_d, (acc / w).to(o_ptr.dtype.element_ty), mask=m_d)
 
 
+# ---------------------------------------------------------------------------------------------
+# host helpers of split-K attention (the Triton launchers in attention.py and the CUDA decode share them)
+# ---------------------------------------------------------------------------------------------
+
+
+def split_length(max_kv: int, splits: int, unit: int) -> tuple[int, int]:
+    """(splits, keys a split) for about `splits` parts of max_kv keys, each a multiple of `unit` keys."""
+    split_len = triton.cdiv(triton.cdiv(max_kv, splits), unit) * unit
+    return triton.cdiv(max_kv, split_len), split_len
+
+
+def split_outputs(out, splits: int):
+    """Where the attention kernels write: with split-K, fp32 partials [splits, T, Hq, D] and their
+    log-sum-exps [splits, T, Hq] for the reduce pass; else `out` itself (the lse pointer unused).
+    Returns (output, lse, split stride, token stride, head stride)."""
+    if splits == 1:
+        return out, out, 0, out.stride(0), out.stride(1)
+    t, hq, d = out.shape
+    po = torch.empty((splits, t, hq, d), dtype=torch.float32, device=out.device)
+    plse = torch.empty((splits, t, hq), dtype=torch.float32, device=out.device)
+    return po, plse, po.stride(0), po.stride(1), po.stride(2)
+
+
 def reduce_splits(part, lse, out, cu_q, kv_lens, split_len, block_d=None):
     """out = the merge of the decode splits' fp32 partials [splits, T, Hq, D] and their base-2 log-sum-exps
     [splits, T, Hq] (decode_reduce_kernel). All splits of a (token, head, column slice) in one step (up to
@@ -445,6 +470,6 @@ def reduce_splits(part, lse, out, cu_q, kv_lens, split_len, block_d=None):
     bs = min(triton.next_power_of_2(splits), 256)
     bd = block_d or min(triton.next_power_of_2(d), max(16, 4096 // bs))
     decode_reduce_kernel[(t, hq, triton.cdiv(d, bd))](part, lse, out, cu_q, kv_lens, cu_q.shape[0] - 1, t, hq,
-                                                      out.stride(0), out.stride(1), split_len, D=d, BLOCK_D=bd,
-                                                      BLOCK_S=bs)
+                                                      out.stride(0), out.stride(1), split_len, splits, D=d,
+                                                      BLOCK_D=bd, BLOCK_S=bs)
     return out

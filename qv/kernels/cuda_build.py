@@ -12,10 +12,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from qv.kernels.triton_utils import num_sms
+
 KERNEL_DIR = Path(__file__).parent
 COMPILE_OPTIONS = ("-std=c++17",)
 HEADER = "cuda_common.cuh"
 
+# benchmarks and profilers set this: eager calls then run the raw-CUDA kernels too (their GPU time, not
+# the host-time policy of worth_launching, is what those tools measure)
+EAGER_ALWAYS = False
 _BUILT: dict[tuple, tuple | None] = {}  # (file, name, device) -> (function, registers) or None
 
 
@@ -67,9 +72,16 @@ def build(source: str, name: str, index: int):
 
 def resident_blocks(regs: int, threads: int, device: torch.device, cap: int = 16) -> int:
     """Blocks of `threads` threads the SMs hold at once, by registers (allocated in units of 8 a thread)."""
-    from qv.kernels.triton_utils import num_sms
-
     return max(1, min(cap, 65536 // (threads * ((regs + 7) // 8 * 8)))) * num_sms(device)
+
+
+def worth_launching(nbytes: int, cfg: dict) -> bool:
+    """Whether a raw-CUDA kernel should run for a call reading `nbytes`. A CuPy launch costs more host time
+    than a Triton one (H200 host, bench/host_launch.py: decode attention 219 vs 128 us a call, the M=4
+    GEMV 128 vs 69), which eager steps (speculative verification, delta rows) pay in full when they are
+    host-bound. So: always while a CUDA graph is being captured (replays cost no host time), and eagerly
+    only from cfg["eager_min_bytes"] on, where the GPU time exceeds the host time."""
+    return EAGER_ALWAYS or torch.cuda.is_current_stream_capturing() or nbytes >= cfg.get("eager_min_bytes", 0)
 
 
 def pointer(t: torch.Tensor | None) -> np.uint64:

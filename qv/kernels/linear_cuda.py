@@ -11,7 +11,8 @@ import numpy as np
 import torch
 import triton
 
-from qv.kernels.cuda_build import build, cupy_or_none, device_index, is_built, launch, pointer, resident_blocks
+from qv.kernels.cuda_build import (build, cupy_or_none, device_index, is_built, launch, pointer, resident_blocks,
+                                   worth_launching)
 from qv.kernels.linear_gemv import MAX_TICKET_TILES, k_ranges, split_tickets
 
 SOURCE = "gptq_gemv_mma.cu"
@@ -22,8 +23,10 @@ _HALF = (torch.float16, torch.bfloat16)
 def gemv_cuda_config(device):
     """Launch settings, measured on the H200 (bench/kernels.py --sweep gemv; docs/BENCHMARKS.md "Fifth
     round"): the 4 warps of a block along K (wk=4; 1: side by side), K split so the blocks fill one round
-    of the SMs (waves=1), and min_blocks None: the register cap gemv_cuda picks per shape."""
-    return dict(waves=1, min_blocks=None, wk=4)
+    of the SMs (waves=1), and min_blocks None: the register cap gemv_cuda picks per shape. Eagerly (outside
+    graph capture) only for weights from 1 GiB on (an lm_head): below, the Triton kernels' host time is
+    the smaller (cuda_build.worth_launching) and their GPU time within 10% at M = 1."""
+    return dict(waves=1, min_blocks=None, wk=4, eager_min_bytes=1 << 30)
 
 
 def _applies(x2, w, bias, out) -> bool:
@@ -60,6 +63,8 @@ def gemv_cuda(x2, w, bias, out, cfg) -> bool:
     if built is None:
         return False
     kernel, regs = built
+    if not worth_launching(k * n, cfg):
+        return False
     tiles = triton.cdiv(n, 128 * 4 // wk)  # 4 warps: 512 columns, or 128 with K split among them
     # split K so that the blocks fill `waves` whole rounds of what the SMs hold at once (a partial last
     # round would leave SMs idle while it runs), and every warp of a block gets a group at least

@@ -18,7 +18,8 @@
 //      and q is read with the same order (its dims i * 64 + 16 t + 4 j + e).
 //   V: lane (g, t) loads 16 bytes at h * 128 + 16 g of keys 2t, 2t + 1, 2t + 8, 2t + 9 (h < D / 128); byte
 //      4 w + 2 o + e of load h is head dim row g + 8 e of m tile 8 h + 2 w + o, so two keys' words
-//      interleave by one byte permute into that tile's pairs of keys (output dim sigma(mt, row) below).
+//      interleave by one byte permute into that tile's pairs of keys (so m tile mt's row r is head dim
+//      (mt / 8) 128 + 16 (r % 8) + 2 (mt % 8) + r / 8; the epilogue writes the dims back in order).
 //   P: the S^T accumulator (lane: keys g, g + 8; query rows 2t, 2t + 1) becomes P^T's B fragment (keys 2t,
 //      2t + 1 and 2t + 8, 2t + 9; query row g) by one 8x8 transpose (movmatrix) per half.
 // Codes become fp16 exactly (codes_to_half2); the K scale multiplies the scores and the V scale the
@@ -28,8 +29,6 @@
 
 constexpr int WARPS = 4;
 #define NEG_INF __int_as_float(0xff800000)
-
-__device__ __forceinline__ int out_dim(int mt, int row) { return (mt >> 3) * 128 + (row & 7) * 16 + (mt & 7) * 2 + (row >> 3); }
 
 template <int D>
 struct Tile {  // one 16-key tile's codes as this lane loads them, and the scales of keys g and g + 8
@@ -45,7 +44,8 @@ __device__ __forceinline__ void load_k(Tile<D>& tl, const u8* kc, const float* k
   for (int h = 0; h < 2; ++h) {
     const int key = g + 8 * h;
 #pragma unroll
-    for (int i = 0; i < D / 64; ++i) tl.k[h][i] = *reinterpret_cast<const U4*>(kc + row0 + key * stride_ks + i * 64 + 16 * t);
+    for (int i = 0; i < D / 64; ++i)
+      tl.k[h][i] = *reinterpret_cast<const U4*>(kc + row0 + key * stride_ks + i * 64 + 16 * t);
     tl.ks[h] = n0 + key < k_end ? ks[srow0 + key * stride_ss] : 0.f;
   }
 }
@@ -57,7 +57,8 @@ __device__ __forceinline__ void load_v(Tile<D>& tl, const u8* vc, const float* v
   for (int j = 0; j < 4; ++j) {
     const int key = 2 * t + (j & 1) + 8 * (j >> 1);
 #pragma unroll
-    for (int h = 0; h < D / 128; ++h) tl.v[j][h] = *reinterpret_cast<const U4*>(vc + row0 + key * stride_ks + h * 128 + 16 * g);
+    for (int h = 0; h < D / 128; ++h)
+      tl.v[j][h] = *reinterpret_cast<const U4*>(vc + row0 + key * stride_ks + h * 128 + 16 * g);
   }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -79,6 +80,7 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) paged_decode_mma(
     long long stride_qt, long long stride_qh, long long stride_os, long long stride_ot, long long stride_oh,
     long long stride_kb, long long stride_ks, long long stride_kh, long long stride_sb, long long stride_ss,
     long long stride_bt, int page_shift, int split_len, int q_bf16, int chunks) {
+  // (split_len is a multiple of 16 and pages hold 2^page_shift >= 16 keys: a tile never straddles a page)
   static_assert(D == 128 || D == 256, "head dims 128 and 256");
   const int b = blockIdx.x / chunks, r0 = 8 * (blockIdx.x % chunks), kvh = blockIdx.y, split = blockIdx.z;
   const int q_start = cu_q[b], q_len = cu_q[b + 1] - q_start, kv_len = kv_lens[b];
@@ -128,8 +130,9 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) paged_decode_mma(
     const int nxt_n0 = more ? k_lo + 16 * nxt_tile : n0;
     load_k(nxt, kc, ks, nxt_row, nxt_srow, stride_ks, stride_ss, nxt_n0, k_end, g, t);
 
-    // S^T: keys g, g + 8 x query rows 2t, 2t + 1, in two independent chains of MMAs (added at the end)
-    float sp[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    // S^T: keys g, g + 8 x query rows 2t, 2t + 1 (one chain of MMAs: two measured the same and cost the
+    // registers that then spilled)
+    float s[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int i = 0; i < D / 64; ++i)
 #pragma unroll
@@ -138,11 +141,8 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) paged_decode_mma(
         codes_to_half2(word(cur.k[0][i], j), a0, a2);
         codes_to_half2(word(cur.k[1][i], j), a1, a3);
         const U2 b = s_q[i][j][lane];
-        mma(sp[j & 1], a0, a1, a2, a3, b.x, b.y);
+        mma(s, a0, a1, a2, a3, b.x, b.y);
       }
-    float s[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) s[e] = sp[0][e] + sp[1][e];
 
     load_v(nxt, vc, vs, nxt_row, nxt_srow, stride_ks, stride_ss, nxt_n0, k_end, g, t);
 

@@ -39,7 +39,8 @@ def _cuda_case(dtype, m, n, k, group, zeros=False, bias=False, cfg=None, x=None)
     x = randn(m, k, dtype=dtype) if x is None else x
     b = randn(n, dtype=dtype) if bias else None
     out = torch.full((m, n), float("nan"), dtype=dtype, device=DEV)
-    assert gemv_cuda(x, w, b, out, dict(gemv_cuda_config(DEV), **(cfg or {}))), "the CUDA GEMV did not run"
+    assert gemv_cuda(x, w, b, out, {**gemv_cuda_config(DEV), "eager_min_bytes": 0, **(cfg or {})}), \
+        "the CUDA GEMV did not run"
     ref = run_reference(K.linear, x, w, b)
     for r in range(m):  # row by row: rows of very different size must each be right
         assert_close(f"CUDA GEMV row {r}", out[r], ref[r], BOUND[dtype])
@@ -124,3 +125,44 @@ def test_wk_is_checked():
     with pytest.raises(ValueError, match="wk must be 1"):
         gemv_cuda(randn(2, 128, dtype=torch.float16), w, None, torch.empty(2, 64, dtype=torch.float16, device=DEV),
                   dict(waves=1, min_blocks=None, wk=2))
+
+
+@pytest.mark.gpu
+@needs_cuda_gemv
+def test_cuda_gemv_eager_policy_gpu():
+    """With the default settings an eager call on a small weight declines (the Triton GEMV's host time is
+    the smaller) after building the kernel, and a CUDA-graph capture of the same call runs it."""
+    from qv.kernels.linear_cuda import gemv_cuda, gemv_cuda_config
+
+    cfg = gemv_cuda_config(DEV)
+    w = gptq_weight(1024, 512, 128, False, False, torch.float16)
+    x = randn(4, 512, dtype=torch.float16)
+    out = torch.empty(4, 1024, dtype=torch.float16, device=DEV)
+    assert not gemv_cuda(x, w, None, out, cfg)
+    out.fill_(float("nan"))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            ran = gemv_cuda(x, w, None, out, cfg)
+    torch.cuda.current_stream().wait_stream(stream)
+    assert ran, "the kernel was not built by the eager call, or declined under capture"
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close("CUDA GEMV captured after an eager decline", out, run_reference(K.linear, x, w, None),
+                 BOUND[torch.float16])
+
+
+@pytest.mark.gpu
+@needs_cuda_gemv
+def test_cuda_gemv_does_not_spill_gpu():
+    """The builds the wrapper picks by default fit their register caps: a spill would cost speed silently."""
+    from qv.kernels.cuda_build import build, device_index
+    from qv.kernels.linear_cuda import GROUPS, SOURCE
+
+    for mt in (1, 2):
+        for group in GROUPS:
+            name = f"gptq_gemv_mma<{mt}, {group // 16}, {3 if mt == 1 else 2}, 4>"
+            built = build(SOURCE, name, device_index(DEV))
+            assert built is not None and built[0].local_size_bytes == 0, name
