@@ -15,8 +15,7 @@ import torch
 import triton
 
 from qv.kernels.attention_kernels import LOG2E, reduce_splits, split_length, split_outputs
-from qv.kernels.cuda_build import (build, cupy_or_none, device_index, is_built, launch, pointer, resident_blocks,
-                                   worth_launching)
+from qv.kernels.cuda_build import cupy_or_none, kernel_for, launch, pointer, resident_blocks
 
 SOURCE = "paged_decode_mma.cu"
 HEAD_DIMS = (128, 256)
@@ -59,16 +58,11 @@ def decode_cuda(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, max_q, max_
     hkv = k.shape[2]
     n_seq = cu_q.shape[0] - 1
     dev = q.device
-    index = device_index(dev)
-    name = f"paged_decode_mma<{d}, {cfg['min_blocks']}>"
-    if not is_built(SOURCE, name, index) and torch.cuda.is_current_stream_capturing():
-        return None  # NVRTC and module loads do not belong in a graph capture
-    built = build(SOURCE, name, index)
+    built = kernel_for(SOURCE, f"paged_decode_mma<{d}, {cfg['min_blocks']}>", dev, n_seq * max_kv * hkv * 2 * (d + 4),
+                       cfg)
     if built is None:
         return None
     kernel, regs = built
-    if not worth_launching(n_seq * max_kv * hkv * 2 * (d + 4), cfg):
-        return None
     # one round of resident blocks over (sequence, KV head, row chunk, split); each warp gets two tiles at least
     chunks = triton.cdiv(max_q * (hq // hkv), 8)
     pairs = n_seq * hkv * chunks

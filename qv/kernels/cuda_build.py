@@ -70,6 +70,20 @@ def build(source: str, name: str, index: int):
     return _BUILT[key]
 
 
+def kernel_for(source: str, name: str, device: torch.device, nbytes: int, cfg: dict):
+    """(function, registers) of kernel `name` for a call reading `nbytes`, or None where it should not run:
+    a CUDA graph is being captured before it was built (NVRTC and module loads do not belong in a
+    capture), the build failed, or worth_launching says no (after building, so that an engine's eager
+    warm-up compiles what its graph capture will use)."""
+    index = device_index(device)
+    if not is_built(source, name, index) and torch.cuda.is_current_stream_capturing():
+        return None
+    built = build(source, name, index)
+    if built is None or not worth_launching(nbytes, cfg):
+        return None
+    return built
+
+
 def resident_blocks(regs: int, threads: int, device: torch.device, cap: int = 16) -> int:
     """Blocks of `threads` threads the SMs hold at once, by registers (allocated in units of 8 a thread)."""
     return max(1, min(cap, 65536 // (threads * ((regs + 7) // 8 * 8)))) * num_sms(device)

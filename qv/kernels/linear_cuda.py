@@ -11,8 +11,7 @@ import numpy as np
 import torch
 import triton
 
-from qv.kernels.cuda_build import (build, cupy_or_none, device_index, is_built, launch, pointer, resident_blocks,
-                                   worth_launching)
+from qv.kernels.cuda_build import cupy_or_none, kernel_for, launch, pointer, resident_blocks
 from qv.kernels.linear_gemv import MAX_TICKET_TILES, k_ranges, split_tickets
 
 SOURCE = "gptq_gemv_mma.cu"
@@ -53,18 +52,12 @@ def gemv_cuda(x2, w, bias, out, cfg) -> bool:
     m, k = x2.shape
     n = w.qweight.shape[1]
     dev = x2.device
-    index = device_index(dev)
     mt, steps = (m + 7) // 8, w.group_size // 16
     min_blocks = cfg["min_blocks"] or (3 if mt == 1 else 2)  # the register caps that do not spill
-    name = f"gptq_gemv_mma<{mt}, {steps}, {min_blocks}, {wk}>"
-    if not is_built(SOURCE, name, index) and torch.cuda.is_current_stream_capturing():
-        return False  # NVRTC and module loads do not belong in a graph capture
-    built = build(SOURCE, name, index)
+    built = kernel_for(SOURCE, f"gptq_gemv_mma<{mt}, {steps}, {min_blocks}, {wk}>", dev, k * n, cfg)
     if built is None:
         return False
     kernel, regs = built
-    if not worth_launching(k * n, cfg):
-        return False
     tiles = triton.cdiv(n, 128 * 4 // wk)  # 4 warps: 512 columns, or 128 with K split among them
     # split K so that the blocks fill `waves` whole rounds of what the SMs hold at once (a partial last
     # round would leave SMs idle while it runs), and every warp of a block gets a group at least

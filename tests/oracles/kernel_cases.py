@@ -79,3 +79,15 @@ def slots_for(tables: list[list[int]], starts: list[int], ends: list[int], block
     for table, s, e in zip(tables, starts, ends):
         slots += [table[p // block_size] * block_size + p % block_size for p in range(s, e)]
     return torch.tensor(slots, dtype=torch.int64, device=DEV)
+
+
+def capture_graph(fn):
+    """fn() captured into a CUDA graph on a side stream: (graph, what fn returned while capturing)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            result = fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    return graph, result

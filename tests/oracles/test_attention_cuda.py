@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_cases import BOUND, DEV, K, cu_seqlens, nan_empty, paged_layout, randn, run_reference, slots_for
+from kernel_cases import (BOUND, DEV, K, capture_graph, cu_seqlens, nan_empty, paged_layout, randn, run_reference,
+                          slots_for)
 from nvrtc_compile import compile_ptx, nvrtc
 from util import assert_close
 
@@ -123,13 +124,7 @@ def test_cuda_decode_rerun_and_graph_gpu(splits):
     cfg = dict(decode_cuda_config(DEV), eager_min_bytes=0, splits=splits)
     args, out = _case(torch.bfloat16, 4, 6, 256, [1, 1], [3000, 700], cfg=cfg, slack=100)
     assert torch.equal(_run(args, cfg), out)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            graph_out = decode_cuda(*args, cfg)
-    torch.cuda.current_stream().wait_stream(stream)
+    graph, graph_out = capture_graph(lambda: decode_cuda(*args, cfg))
     assert graph_out is not None
     graph.replay()
     torch.cuda.synchronize()
@@ -167,13 +162,7 @@ def test_cuda_decode_eager_policy_gpu():
     cfg = decode_cuda_config(DEV)
     args = _inputs(torch.bfloat16, 4, 6, 256, [1, 1], [3000, 700], 16, 0)
     assert decode_cuda(*args, cfg) is None
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            out = decode_cuda(*args, cfg)
-    torch.cuda.current_stream().wait_stream(stream)
+    graph, out = capture_graph(lambda: decode_cuda(*args, cfg))
     assert out is not None, "the kernel was not built by the eager call, or declined under capture"
     graph.replay()
     torch.cuda.synchronize()

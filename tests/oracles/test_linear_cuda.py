@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_cases import BOUND, DEV, K, randn, run_reference
+from kernel_cases import BOUND, DEV, K, capture_graph, randn, run_reference
 from nvrtc_compile import compile_ptx, nvrtc
 from test_linear import gptq_weight
 from util import assert_close
@@ -102,13 +102,8 @@ def test_cuda_gemv_split_and_graph_gpu(k, wk):
     assert gemv_cuda(x, w, b, again, cfg)
     assert torch.equal(again, out)
     graph_out = torch.empty_like(out)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            assert gemv_cuda(x, w, b, graph_out, cfg)
-    torch.cuda.current_stream().wait_stream(stream)
+    graph, ran = capture_graph(lambda: gemv_cuda(x, w, b, graph_out, cfg))
+    assert ran
     for _ in range(2):
         graph_out.fill_(float("nan"))
         graph.replay()
@@ -140,13 +135,7 @@ def test_cuda_gemv_eager_policy_gpu():
     out = torch.empty(4, 1024, dtype=torch.float16, device=DEV)
     assert not gemv_cuda(x, w, None, out, cfg)
     out.fill_(float("nan"))
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            ran = gemv_cuda(x, w, None, out, cfg)
-    torch.cuda.current_stream().wait_stream(stream)
+    graph, ran = capture_graph(lambda: gemv_cuda(x, w, None, out, cfg))
     assert ran, "the kernel was not built by the eager call, or declined under capture"
     graph.replay()
     torch.cuda.synchronize()
