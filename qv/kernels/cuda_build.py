@@ -91,8 +91,8 @@ def resident_blocks(regs: int, threads: int, device: torch.device, cap: int = 16
 
 def worth_launching(nbytes: int, cfg: dict) -> bool:
     """Whether a raw-CUDA kernel should run for a call reading `nbytes`. A CuPy launch costs more host time
-    than a Triton one (H200 host, bench/host_launch.py: decode attention 219 vs 128 us a call, the M=4
-    GEMV 128 vs 69), which eager steps (speculative verification, delta rows) pay in full when they are
+    than a Triton one (H200 host, bench/host_launch.py, two runs: decode attention 200-219 vs 128-154 us a
+    call, the M=4 GEMV 128-145 vs 69-120), which eager steps (speculative verification, delta rows) pay in full when they are
     host-bound. So: always while a CUDA graph is being captured (replays cost no host time), and eagerly
     only from cfg["eager_min_bytes"] on, where the GPU time exceeds the host time."""
     return EAGER_ALWAYS or torch.cuda.is_current_stream_capturing() or nbytes >= cfg.get("eager_min_bytes", 0)

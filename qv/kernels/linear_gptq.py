@@ -4,9 +4,10 @@ torch.nn.functional.linear (cuBLAS): nothing to gain there.
 Weights are qv's GPTQ layout (linear.py): codes [K, N] uint8, scales/zeros [G, N], g_idx [K].
 Paths by rows M (sequential groups, g_idx = k // group_size, unless noted):
   M <= 16     sm_90, fp16/bf16 rows: the raw-CUDA GEMV (linear_cuda.py, gptq_gemv_mma.cu; the weight is
-              the wide operand of mma.sync). Where it does not apply (no CuPy, group sizes other than
-              32/64/128): M = 1 as on other GPUs, M > 1 gptq_gemv_mma_kernel (linear_gemv.py, the same
-              idea in Triton).
+              the wide operand of mma.sync), in CUDA graphs and for eager calls from 1 GiB of weight.
+              Where it does not apply (no CuPy, group sizes other than 32/64/128, a smaller eager call:
+              cuda_build.worth_launching): M = 1 as on other GPUs, M > 1 gptq_gemv_mma_kernel
+              (linear_gemv.py, the same idea in Triton).
   M = 1       other GPUs: gptq_gemv_kernel (linear_gemv.py), CUDA-core FMAs streaming the codes.
   M <= 16     other GPUs: gptq_matmul_kernel, F16=1: raw codes on fp16 tensor cores, zero and scale
               applied once per tile and column after the dot (_f16_tile); split-K over the SMs.
