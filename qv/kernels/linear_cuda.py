@@ -13,6 +13,7 @@ import triton
 
 from qv.kernels.cuda_build import cupy_or_none, kernel_for, launch, pointer, resident_blocks
 from qv.kernels.linear_gemv import MAX_TICKET_TILES, k_ranges, split_tickets
+from qv.kernels.triton_utils import num_sms
 
 SOURCE = "gptq_gemv_mma.cu"
 GROUPS = (32, 64, 128)  # rows per scale group the kernel is built for (16 * S)
@@ -21,11 +22,12 @@ _HALF = (torch.float16, torch.bfloat16)
 
 def gemv_cuda_config(device):
     """Launch settings, measured on the H200 (bench/kernels.py --sweep gemv; docs/BENCHMARKS.md "Fifth
-    round"): the 4 warps of a block along K (wk=4; 1: side by side), K split so the blocks fill one round
-    of the SMs (waves=1), and min_blocks None: the register cap gemv_cuda picks per shape. Eagerly (outside
+    round"): the 4 warps of a block along K (wk=4) or side by side (1), None: by shape (_warps_along_k);
+    K split so the blocks fill one round of the SMs (waves=1), and min_blocks None: the register cap
+    gemv_cuda picks per shape. Eagerly (outside
     graph capture) only for weights from 1 GiB on (an lm_head): below, the Triton kernels' host time is
     the smaller (cuda_build.worth_launching) and their GPU time within 10% at M = 1."""
-    return dict(waves=1, min_blocks=None, wk=4, eager_min_bytes=1 << 30)
+    return dict(waves=1, min_blocks=None, wk=None, eager_min_bytes=1 << 30)
 
 
 def _applies(x2, w, bias, out) -> bool:
@@ -42,28 +44,46 @@ def _applies(x2, w, bias, out) -> bool:
             and out.stride(0) % 8 == 0)
 
 
+def _grid(k: int, n: int, group: int, wk: int, resident: int, waves: int) -> tuple[int, int]:
+    """(column tiles, K splits): K split so that the blocks fill `waves` whole rounds of what the SMs hold
+    at once (a partial last round would leave SMs idle while it runs), every warp of a block a group at least."""
+    tiles = triton.cdiv(n, 128 * 4 // wk)  # 4 warps: 512 columns, or 128 with K split among them
+    split = max(1, min(waves * resident // tiles, k // (group * wk)))
+    return tiles, k_ranges(k, split, group)[0]
+
+
+def _warps_along_k(m: int, k: int, n: int, group: int, resident: int) -> int:
+    """wk for one row of x: the layout whose blocks fill more of one round (H200, graph replay: 5120->34816
+    51.0-51.3 us with wk 1, whose 340 blocks fill 86% of the 396 slots, against 54.0-54.2 us with wk 4's
+    272; 17408->5120 28.4 us with wk 4 (360 blocks), 31.7 with wk 1). With more rows wk 4 (5120->34816, M=4:
+    54.5-55.8 against 56.6-56.7 us)."""
+    if m > 1:
+        return 4
+    fill = {}
+    for wk in (4, 1):
+        tiles, split = _grid(k, n, group, wk, resident, 1)
+        fill[wk] = tiles * split
+    return 1 if fill[1] > fill[4] else 4
+
+
 def gemv_cuda(x2, w, bias, out, cfg) -> bool:
     """out = x2 W^T (+ bias) with the CUDA kernel; False (nothing launched) where it does not apply."""
-    wk = cfg["wk"]
-    if wk not in (1, 4):
-        raise ValueError(f"gemv_cuda: wk must be 1 (warps side by side) or 4 (warps along K), got {wk}")
+    if cfg["wk"] not in (None, 1, 4):
+        raise ValueError(f"gemv_cuda: wk must be 1 (warps side by side) or 4 (warps along K), got {cfg['wk']}")
     if not _applies(x2, w, bias, out):
         return False
     m, k = x2.shape
     n = w.qweight.shape[1]
     dev = x2.device
-    mt, steps = (m + 7) // 8, w.group_size // 16
+    mt = (m + 7) // 8
     min_blocks = cfg["min_blocks"] or (3 if mt == 1 else 2)  # the register caps that do not spill
-    built = kernel_for(SOURCE, f"gptq_gemv_mma<{mt}, {steps}, {min_blocks}, {wk}>", dev, k * n, cfg)
+    wk = cfg["wk"] or _warps_along_k(m, k, n, w.group_size, min_blocks * num_sms(dev))
+    built = kernel_for(SOURCE, f"gptq_gemv_mma<{mt}, {w.group_size // 16}, {min_blocks}, {wk}>", dev, k * n, cfg)
     if built is None:
         return False
     kernel, regs = built
-    tiles = triton.cdiv(n, 128 * 4 // wk)  # 4 warps: 512 columns, or 128 with K split among them
-    # split K so that the blocks fill `waves` whole rounds of what the SMs hold at once (a partial last
-    # round would leave SMs idle while it runs), and every warp of a block gets a group at least
-    resident = resident_blocks(regs, 128, dev)
-    split = max(1, min(cfg["waves"] * resident // tiles, k // (w.group_size * wk)))
-    split, k_split = k_ranges(k, split, w.group_size)
+    tiles, split = _grid(k, n, w.group_size, wk, resident_blocks(regs, 128, dev), cfg["waves"])
+    split, k_split = k_ranges(k, cfg.get("splits") or split, w.group_size)
     part = tickets = None
     if split > 1:
         tickets = split_tickets(dev)

@@ -112,6 +112,18 @@ def test_cuda_gemv_split_and_graph_gpu(k, wk):
     assert all(int(t.abs().sum()) == 0 for t in linear_gemv._TICKETS.values())
 
 
+def test_warp_layout_by_shape():
+    """One row of x: the layout whose blocks fill more of a round (396 resident blocks, an H200 at the
+    168-register cap): side by side for wide outputs, along K for narrow ones; more rows: along K."""
+    from qv.kernels.linear_cuda import _grid, _warps_along_k
+
+    assert _grid(5120, 34816, 128, 1, 396, 1) == (68, 5) and _grid(5120, 34816, 128, 4, 396, 1) == (272, 1)
+    assert _grid(17408, 5120, 128, 4, 396, 1) == (40, 9) and _grid(17408, 5120, 128, 1, 396, 1) == (10, 34)
+    assert _warps_along_k(1, 5120, 34816, 128, 396) == 1
+    assert _warps_along_k(1, 17408, 5120, 128, 396) == 4
+    assert _warps_along_k(4, 5120, 34816, 128, 396) == 4
+
+
 def test_wk_is_checked():
     """Only the two warp layouts the kernel is built for are accepted (others would silently be wrong)."""
     from qv.kernels.linear_cuda import gemv_cuda
@@ -150,8 +162,8 @@ def test_cuda_gemv_does_not_spill_gpu():
     from qv.kernels.cuda_build import build, device_index
     from qv.kernels.linear_cuda import GROUPS, SOURCE
 
-    for mt in (1, 2):
+    for mt, wk in ((1, 1), (1, 4), (2, 4)):
         for group in GROUPS:
-            name = f"gptq_gemv_mma<{mt}, {group // 16}, {3 if mt == 1 else 2}, 4>"
+            name = f"gptq_gemv_mma<{mt}, {group // 16}, {3 if mt == 1 else 2}, {wk}>"
             built = build(SOURCE, name, device_index(DEV))
             assert built is not None and built[0].local_size_bytes == 0, name
