@@ -44,6 +44,7 @@ def _applies(q, k, v, ks, vs, block_tables, cu_q, kv_lens) -> bool:
             and all(x.data_ptr() % 16 == 0 for x in (q, k, v)) and all(st % 16 == 0 for st in k.stride()[:3])
             and q.stride(-1) == 1 and q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0
             and all(x.dtype == torch.int32 for x in (block_tables, cu_q, kv_lens)) and block_tables.stride(-1) == 1
+            and block_tables.shape[1] >= 1 and k.shape[0] >= 1
             and cu_q.stride(0) == 1 and kv_lens.stride(0) == 1)
 
 
@@ -78,7 +79,7 @@ def decode_cuda(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, max_q, max_
             *(np.int64(s) for s in strides), np.int64(k.stride(0)), np.int64(k.stride(1)), np.int64(k.stride(2)),
             np.int64(ks.stride(0)), np.int64(ks.stride(1)), np.int64(block_tables.stride(0)),
             np.int32(k.shape[1].bit_length() - 1), np.int32(split_len), np.int32(q.dtype == torch.bfloat16),
-            np.int32(chunks))
+            np.int32(chunks), np.int32(block_tables.shape[1]), np.int32(k.shape[0]))
     launch(kernel, (n_seq * chunks, hkv, splits), (THREADS, 1, 1), args, dev)
     if splits > 1:
         reduce_splits(dst, lse, out, cu_q, kv_lens, split_len, cfg.get("reduce_block_d"))

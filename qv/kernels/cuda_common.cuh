@@ -49,6 +49,20 @@ __device__ __forceinline__ U4 load16(const void* p, bool ok) {
   if (ok) v = *reinterpret_cast<const U4*>(p);
   return v;
 }
+// A 16-byte load through the read-only path (ld.global.nc): explicit, for kernels that also use load16_now
+// on the same pointer, which would otherwise keep the compiler from proving the data read-only.
+__device__ __forceinline__ U4 load16_nc(const void* p) {
+  U4 v;
+  asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+// A 16-byte load issued where it stands (a volatile load: neither the compiler nor ptxas sinks it below a
+// branch such as an early exit, as they do a plain load whose value only the path past the branch uses).
+__device__ __forceinline__ U4 load16_now(const void* p) {
+  U4 v;
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
 // Four int8 codes (one word, byte i = code i) to two fp16 pairs, exactly: c ^ 0x80 = c + 128 as a byte,
 // with 0x64 as the high byte that reads as fp16 1024 + 128 + c, less 1152 (5 instructions, no converts).
 __device__ __forceinline__ void codes_to_half2(u32 w, u32& lo, u32& hi) {

@@ -37,7 +37,8 @@ struct Tile {  // one 16-key tile's codes as this lane loads them, and the scale
   float ks[2], vs[2];    // keys g, g + 8
 };
 
-template <int D>
+// (NOW: the codes by load16_now, for the first tile, whose loads must stay ahead of the early exit)
+template <int D, bool NOW = false>
 __device__ __forceinline__ void load_k(Tile<D>& tl, const u8* kc, const float* ks, long long row0, long long srow0,
                                        long long stride_ks, long long stride_ss, int n0, int k_end, int g, int t) {
 #pragma unroll
@@ -45,12 +46,13 @@ __device__ __forceinline__ void load_k(Tile<D>& tl, const u8* kc, const float* k
     const int key = g + 8 * h;
 #pragma unroll
     for (int i = 0; i < D / 64; ++i)
-      tl.k[h][i] = *reinterpret_cast<const U4*>(kc + row0 + key * stride_ks + i * 64 + 16 * t);
+      tl.k[h][i] = NOW ? load16_now(kc + row0 + key * stride_ks + i * 64 + 16 * t)
+                       : load16_nc(kc + row0 + key * stride_ks + i * 64 + 16 * t);
     tl.ks[h] = n0 + key < k_end ? ks[srow0 + key * stride_ss] : 0.f;
   }
 }
 
-template <int D>
+template <int D, bool NOW = false>
 __device__ __forceinline__ void load_v(Tile<D>& tl, const u8* vc, const float* vs, long long row0, long long srow0,
                                        long long stride_ks, long long stride_ss, int n0, int k_end, int g, int t) {
 #pragma unroll
@@ -58,12 +60,25 @@ __device__ __forceinline__ void load_v(Tile<D>& tl, const u8* vc, const float* v
     const int key = 2 * t + (j & 1) + 8 * (j >> 1);
 #pragma unroll
     for (int h = 0; h < D / 128; ++h)
-      tl.v[j][h] = *reinterpret_cast<const U4*>(vc + row0 + key * stride_ks + h * 128 + 16 * g);
+      tl.v[j][h] = NOW ? load16_now(vc + row0 + key * stride_ks + h * 128 + 16 * g)
+                       : load16_nc(vc + row0 + key * stride_ks + h * 128 + 16 * g);
   }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int key = g + 8 * h;
     tl.vs[h] = n0 + key < k_end ? vs[srow0 + key * stride_ss] : 0.f;
+  }
+}
+
+template <int D>
+__device__ __forceinline__ void load_scales(Tile<D>& tl, const float* ks, const float* vs, long long srow0,
+                                            long long stride_ss, int n0, int k_end, int g) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int key = g + 8 * h;
+    const bool in = n0 + key < k_end;
+    tl.ks[h] = in ? ks[srow0 + key * stride_ss] : 0.f;
+    tl.vs[h] = in ? vs[srow0 + key * stride_ss] : 0.f;
   }
 }
 
@@ -79,15 +94,34 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) paged_decode_mma(
     const int* __restrict__ cu_q, const int* __restrict__ kv_lens, float qk_scale, int T, int HQ, int rep,
     long long stride_qt, long long stride_qh, long long stride_os, long long stride_ot, long long stride_oh,
     long long stride_kb, long long stride_ks, long long stride_kh, long long stride_sb, long long stride_ss,
-    long long stride_bt, int page_shift, int split_len, int q_bf16, int chunks) {
+    long long stride_bt, int page_shift, int split_len, int q_bf16, int chunks, int bt_cols, int n_pages) {
   // (split_len is a multiple of 16 and pages hold 2^page_shift >= 16 keys: a tile never straddles a page)
   static_assert(D == 128 || D == 256, "head dims 128 and 256");
   const int b = blockIdx.x / chunks, r0 = 8 * (blockIdx.x % chunks), kvh = blockIdx.y, split = blockIdx.z;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int k_lo = split * split_len;
+  const int* bt = block_tables + (long long)b * stride_bt;
+  const long long head = (long long)kvh * stride_kh;
+  const int page_mask = (1 << page_shift) - 1;  // pages of 2^page_shift keys, a multiple of 16
+  auto row_of = [&](int tile, int page) {
+    return (long long)page * stride_kb + ((k_lo + 16 * tile) & page_mask) * stride_ks + head;
+  };
+  auto srow_of = [&](int tile, int page) {
+    return (long long)page * stride_sb + ((k_lo + 16 * tile) & page_mask) * stride_ss + kvh;
+  };
+  // This warp's first tile's codes load before the lengths arrive (nothing of them depends on those): its
+  // page comes from the table clamped to the table and to the cache, so the loads stay in bounds whatever
+  // the sequence's length, and its scales wait for the lengths (k_end 0 here: none loaded). One dependent
+  // load fewer before the first keys are on their way.
+  int page = min(max(bt[min((k_lo + 16 * warp) >> page_shift, bt_cols - 1)], 0), n_pages - 1);
+  Tile<D> ping, pong;  // the two tiles' registers, used in turn (no copies between steps)
+  load_k<D, true>(ping, kc, ks, row_of(warp, page), 0, stride_ks, stride_ss, k_lo + 16 * warp, 0, g, t);
+  load_v<D, true>(ping, vc, vs, row_of(warp, page), 0, stride_ks, stride_ss, k_lo + 16 * warp, 0, g, t);
+
   const int q_start = cu_q[b], q_len = cu_q[b + 1] - q_start, kv_len = kv_lens[b];
-  const int k_lo = split * split_len, k_end = min(kv_len, k_lo + split_len);
+  const int k_end = min(kv_len, k_lo + split_len);
   const int rows = min(8, q_len * rep - r0);  // this block's query rows r0 .. r0 + rows - 1
   if (rows <= 0 || k_lo >= k_end) return;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   __shared__ U2 s_q[D / 64][4][32];
 
   // positions of query rows 2t, 2t + 1 (the S^T columns of this lane); padding rows see every key
@@ -105,23 +139,14 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) paged_decode_mma(
     for (int e = 0; e < 4; ++e) acc[mt][e] = 0.f;
   float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.f, 0.f};  // l: this lane's keys only, summed at the end
 
-  const int* bt = block_tables + (long long)b * stride_bt;
   const int n_tiles = (k_end - k_lo + 15) >> 4;
-  const long long head = (long long)kvh * stride_kh;
-  const int page_mask = (1 << page_shift) - 1;  // pages of 2^page_shift keys, a multiple of 16
   auto page_of = [&](int tile) { return tile < n_tiles ? bt[(k_lo + 16 * tile) >> page_shift] : 0; };
-  auto row_of = [&](int tile, int page) {
-    return (long long)page * stride_kb + ((k_lo + 16 * tile) & page_mask) * stride_ks + head;
-  };
-  auto srow_of = [&](int tile, int page) {
-    return (long long)page * stride_sb + ((k_lo + 16 * tile) & page_mask) * stride_ss + kvh;
-  };
 
   // One step: tile i's scores, the softmax update, P V, from `cur`; meanwhile tile i + WARPS's keys load
   // into `nxt` (from the step's start) and its values (once the scores are made). Past the last tile the
   // loads re-read this one (a cheaper waste than branching around them). Page numbers are read a step
   // earlier still. (Two tiles in flight a warp would need ~290 registers: they spill.)
-  int tile = warp, page = page_of(tile), next_page = page_of(tile + WARPS);
+  int tile = warp, next_page = page_of(tile + WARPS);
   auto step = [&](const Tile<D>& cur, Tile<D>& nxt) {
     const int n0 = k_lo + 16 * tile, nxt_tile = tile + WARPS;
     const bool more = nxt_tile < n_tiles;
@@ -197,12 +222,8 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) paged_decode_mma(
     next_page = page_of(tile + 2 * WARPS);
     tile += WARPS;
   };
-  Tile<D> ping, pong;  // the two tiles' registers, used in turn (no copies between steps)
   // (codes are read whole tiles at a time: a page holds them even past k_end)
-  if (tile < n_tiles) {
-    load_k(ping, kc, ks, row_of(tile, page), srow_of(tile, page), stride_ks, stride_ss, k_lo + 16 * tile, k_end, g, t);
-    load_v(ping, vc, vs, row_of(tile, page), srow_of(tile, page), stride_ks, stride_ss, k_lo + 16 * tile, k_end, g, t);
-  }
+  if (tile < n_tiles) load_scales(ping, ks, vs, srow_of(tile, page), stride_ss, k_lo + 16 * tile, k_end, g);
   // q^T fragments: query row g, dims i * 64 + 16 t + 0 .. 15 as 8 fp16 pairs per i (padding rows: zeros),
   // in shared memory (registers are short), as the pairs (b0, b1) of k step 4 i + j, lane-major; after the
   // first tile's loads are on their way
