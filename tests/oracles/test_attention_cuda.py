@@ -40,15 +40,16 @@ def _can_run() -> bool:
 needs_cuda_decode = pytest.mark.skipif(not _can_run(), reason="needs an sm_80+ GPU and CuPy (the gpu extra)")
 
 
-def _inputs(dtype, hkv, rep, d, q_lens, ctx, block_size, slack, padded=False):
+def _inputs(dtype, hkv, rep, d, q_lens, ctx, block_size, slack, padded=False, pad_page=None):
     """A poisoned int8 cache holding each sequence's keys, and the decode arguments (max_seq_len `slack`
     above the longest sequence, as under graph capture). padded: caches, scale tables and q are views into
-    larger tensors (every stride differs from the packed layout's)."""
+    larger tensors (every stride differs from the packed layout's). Table padding points at a poisoned
+    spare page, or holds pad_page (a number that is no page at all)."""
     seq_lens = [c + n for c, n in zip(ctx, q_lens)]
     bt, tables, nb = paged_layout(seq_lens, block_size)
     spare = sorted(set(range(nb)) - {p for table in tables for p in table})[0]
     for i, table in enumerate(tables):  # table padding points at a poisoned page, not a used one
-        bt[i, len(table):] = spare
+        bt[i, len(table):] = spare if pad_page is None else pad_page
     pad = 1 if padded else 0
     codes = torch.randint(-128, 128, (2, nb, 1 + pad, block_size, hkv + pad, d + 16 * pad), dtype=torch.int8,
                           device=DEV)
@@ -71,8 +72,8 @@ def _run(args, cfg):
     return out
 
 
-def _case(dtype, hkv, rep, d, q_lens, ctx, block_size=16, cfg=None, slack=0, padded=False):
-    args = _inputs(dtype, hkv, rep, d, q_lens, ctx, block_size, slack, padded)
+def _case(dtype, hkv, rep, d, q_lens, ctx, block_size=16, cfg=None, slack=0, padded=False, pad_page=None):
+    args = _inputs(dtype, hkv, rep, d, q_lens, ctx, block_size, slack, padded, pad_page)
     q, kc, vc, ks, vs, bt, cu, sl, scale, max_q, max_kv = args
     out = _run(args, cfg)
     ref = run_reference(K.paged_attention, q, kc, vc, bt, cu, sl, scale, ks, vs, max_q, max_kv)
@@ -98,6 +99,18 @@ def test_cuda_decode_gpu(dtype, d, rep):
     # rows on both sides of a split edge (keys 16 and 32): some rows see nothing of the last split
     _case(dtype, hkv, rep, d, [8, 4], [12, 30], cfg=dict(splits=3))
     _case(dtype, hkv, rep, d, [1, 1], [300, 77], cfg=dict(splits=1))  # one split: the kernel stores the output
+
+
+@pytest.mark.gpu
+@needs_cuda_decode
+@pytest.mark.parametrize("pad_page", [-1, 1 << 30])
+def test_cuda_decode_table_padding_out_of_range_gpu(pad_page):
+    """Table entries past a sequence that are no page (-1, or past the cache): each warp's first tile loads
+    before the lengths are known, from its table entry clamped to the cache, so these must neither fault nor
+    leak into the output (short sequences in many splits: most splits lie past their ends)."""
+    _case(torch.bfloat16, 4, 6, 256, [1, 1, 2], [3000, 5, 40], slack=700, pad_page=pad_page, cfg=dict(splits=40))
+    _case(torch.float16, 2, 3, 128, [1, 1], [100, 17], block_size=64, slack=300, pad_page=pad_page)
+    torch.cuda.synchronize()  # an illegal address would surface here at the latest
 
 
 @pytest.mark.gpu
