@@ -74,20 +74,28 @@ def test_chunked_prefill_quantized_caches_and_preemption(fitted_dir, baseline):
     _assert_same(outs_p, base, "under preemption")
 
 
-def test_stop_string_inside_accepted_run(fitted_dir, baseline):
+def test_stop_string_inside_accepted_run(fitted_dir):
     """A stop string produced by the 4th output token: on a list the model repeats, n-gram drafts make
-    tokens 2..4 one accepted run, and nothing past the stop may be emitted."""
+    tokens 2..4 one accepted run, and nothing past the stop may be emitted. (The list is one the model is
+    seen to continue: the fitted fixture does not repeat every rotation of every cycle, and a list it
+    leaves gives n-gram nothing to draft before the stop.)"""
     from transformers import AutoTokenizer
 
-    prompts, _, base = baseline
+    rotate = random.randrange(CYCLE)
+    lists = [model_list(j, rotate) for j in range(4, 15)]
+    probe, _ = _run(fitted_dir, [{"prompt_token_ids": items * 2} for items in lists],
+                    SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    repeated = [items for items, out in zip(lists, probe) if list(out.token_ids) == items[:6]]
+    assert repeated, f"the fitted fixture repeats none of the lists at rotation {rotate}"
+    prompt = {"prompt_token_ids": repeated[0] * 2}
     tok = AutoTokenizer.from_pretrained(fitted_dir)
-    ids = base[4].token_ids  # the repeated-list prompt
+    ids = repeated[0]
     before, upto = tok.decode(ids[:3]), tok.decode(ids[:4])
     stop = upto[len(before):]
-    assert stop and "\ufffd" not in stop and base[4].text.find(stop) == len(before), "pick another token"
+    assert stop and "\ufffd" not in stop and before.find(stop) == -1, "pick another token"
     params = SamplingParams(temperature=0, max_tokens=40, stop=[stop], ignore_eos=True)
-    plain, _ = _run(fitted_dir, [prompts[4]], params)
-    outs, llm = _run(fitted_dir, [prompts[4]], params, spec="ngram", spec_k=3)
+    plain, _ = _run(fitted_dir, [prompt], params)
+    outs, llm = _run(fitted_dir, [prompt], params, spec="ngram", spec_k=3)
     assert plain[0].finish_reason == "stop" and plain[0].text == before
     _assert_same(outs, plain, "stop string")
     assert llm.engine.spec.stats.num_accepted_tokens > 0
