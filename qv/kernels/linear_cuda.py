@@ -22,11 +22,11 @@ _HALF = (torch.float16, torch.bfloat16)
 
 def gemv_cuda_config(device):
     """Launch settings, measured on the H200 (bench/kernels.py --sweep gemv; docs/BENCHMARKS.md "Fifth
-    round"): the 4 warps of a block along K (wk=4) or side by side (1), None: by shape (_warps_along_k);
-    K split so the blocks fill one round of the SMs (waves=1), and min_blocks None: the register cap
-    gemv_cuda picks per shape. Eagerly (outside
-    graph capture) only for weights from 1 GiB on (an lm_head): below, the Triton kernels' host time is
-    the smaller (cuda_build.worth_launching) and their GPU time within 10% at M = 1."""
+    round" and "Seventh round"): wk, the 4 warps of a block along K (4) or side by side (1), None: by shape
+    (_warps_along_k); K split so the blocks fill one round of the SMs (waves=1); min_blocks None: the
+    register cap gemv_cuda picks per shape. Eagerly (outside graph capture) only for weights from 1 GiB on
+    (an lm_head): below, the Triton kernels' host time is the smaller (cuda_build.worth_launching) and their
+    GPU time within 10% at M = 1."""
     return dict(waves=1, min_blocks=None, wk=None, eager_min_bytes=1 << 30)
 
 
