@@ -181,10 +181,16 @@ def _decode_config(device, dtype, d, rep, max_q, n_seq, hkv):
     return dict(BLOCK_M=m, BLOCK_N=32, num_warps=4, waves=24, stages=5, maxnreg=168)
 
 
-def _decode_kind(device) -> str:
+# settings only the Triton split-K decode kernel reads: a config that names one means that kernel
+_SPLIT_ONLY_KEYS = frozenset({"BLOCK_M", "BLOCK_N", "num_warps", "stages", "words"})
+
+
+def _decode_kind(device, config: dict) -> str:
     """Default decode kernel: on sm_90, where it was measured (bench/kernels.py --sweep decode,
-    docs/BENCHMARKS.md), the raw-CUDA kernel (attention_cuda.py) where it applies; elsewhere the Triton
-    split-K kernel ("split")."""
+    docs/BENCHMARKS.md), the raw-CUDA kernel (attention_cuda.py) where it applies; elsewhere, or for a
+    config with settings of the Triton kernel only, the Triton split-K kernel ("split")."""
+    if _SPLIT_ONLY_KEYS & set(config):
+        return "split"
     return "cuda" if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9 else "split"
 
 
@@ -240,7 +246,7 @@ def _attention(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, causal, page
         max_kv = int(kv_lens.max()) if paged else max_q
     decode = paged and max_q <= 8
     config = dict(config or {})
-    kind = config.pop("kind", None) or (_decode_kind(q.device) if decode else "split")
+    kind = config.pop("kind", None) or (_decode_kind(q.device, config) if decode else "split")
     if decode and kind == "cuda":
         out = decode_cuda(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, max_q, max_kv,
                           dict(decode_cuda_config(q.device), **config))

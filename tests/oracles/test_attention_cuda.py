@@ -31,6 +31,20 @@ def test_source_compiles(arch):
     assert ptx.count(b"movmatrix.sync.aligned.m8n8.trans.b16") >= len(names)
 
 
+def test_default_decode_kind(monkeypatch):
+    """On sm_90 decode runs the CUDA kernel, unless the config names a setting only the Triton kernel
+    reads (which the CUDA kernel would silently ignore); elsewhere the Triton kernel."""
+    from qv.kernels.attention import _decode_kind
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert _decode_kind(cuda, {}) == "cuda" and _decode_kind(cuda, {"waves": 2}) == "cuda"
+    assert all(_decode_kind(cuda, {key: 1}) == "split" for key in ("stages", "BLOCK_N", "words", "num_warps"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert _decode_kind(cuda, {}) == "split"
+    assert _decode_kind(torch.device("cpu"), {}) == "split"
+
+
 def _can_run() -> bool:
     from qv.kernels.cuda_build import cupy_or_none
 
