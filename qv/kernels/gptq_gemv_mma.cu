@@ -18,12 +18,6 @@
 
 #include "cuda_common.cuh"
 
-__device__ __forceinline__ U4 load_codes(const u8* p, bool ok) {
-  U4 v = {0u, 0u, 0u, 0u};
-  if (ok) v = *reinterpret_cast<const U4*>(p);
-  return v;
-}
-
 // MT: 8-row tiles of x (M <= 8 * MT); S: 16-row steps per group (group size 16 * S); 4 warps a block,
 // MIN_BLOCKS resident per SM (a register cap; 1: none). WK: warps along K. WK = 1: the 4 warps own
 // 512 columns; WK = 4: they share 128 columns, warp w taking groups w, w + 4, ... of the block's K
@@ -100,8 +94,8 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) gptq_gemv_mma(
     const u8* p = codes + (long long)(k_group + 4 * t) * stride_qk + n_lane;
 #pragma unroll
     for (int s = 0; s < S; ++s) {
-      const U4 q0 = load_codes(p, n_ok), q1 = load_codes(p + stride_qk, n_ok);
-      const U4 q2 = load_codes(p + 2 * stride_qk, n_ok), q3 = load_codes(p + 3 * stride_qk, n_ok);
+      const U4 q0 = load16(p, n_ok), q1 = load16(p + stride_qk, n_ok);
+      const U4 q2 = load16(p + 2 * stride_qk, n_ok), q3 = load16(p + 3 * stride_qk, n_ok);
       p += 16 * stride_qk;
       u32 xb[MT][2];  // x^T fragments: rows 4t .. 4t+3 of the step for x row m = 8 mt + g, in fp16
 #pragma unroll
