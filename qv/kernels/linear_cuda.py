@@ -44,12 +44,13 @@ def _applies(x2, w, bias, out) -> bool:
             and out.stride(0) % 8 == 0)
 
 
-def _grid(k: int, n: int, group: int, wk: int, resident: int, waves: int) -> tuple[int, int]:
-    """(column tiles, K splits): K split so that the blocks fill `waves` whole rounds of what the SMs hold
-    at once (a partial last round would leave SMs idle while it runs), every warp of a block a group at least."""
+def _grid(k: int, n: int, group: int, wk: int, resident: int, waves: int, splits: int | None = None):
+    """(column tiles, K splits, rows a split): K split so that the blocks fill `waves` whole rounds of what
+    the SMs hold at once (a partial last round would leave SMs idle while it runs), every warp of a block a
+    group at least; or into about `splits` parts where given (the benchmarks' sweep)."""
     tiles = triton.cdiv(n, 128 * 4 // wk)  # 4 warps: 512 columns, or 128 with K split among them
-    split = max(1, min(waves * resident // tiles, k // (group * wk)))
-    return tiles, k_ranges(k, split, group)[0]
+    split = splits or max(1, min(waves * resident // tiles, k // (group * wk)))
+    return (tiles, *k_ranges(k, split, group))
 
 
 def _warps_along_k(m: int, k: int, n: int, group: int, resident: int) -> int:
@@ -61,7 +62,7 @@ def _warps_along_k(m: int, k: int, n: int, group: int, resident: int) -> int:
         return 4
     fill = {}
     for wk in (4, 1):
-        tiles, split = _grid(k, n, group, wk, resident, 1)
+        tiles, split, _ = _grid(k, n, group, wk, resident, 1)
         fill[wk] = tiles * split
     return 1 if fill[1] > fill[4] else 4
 
@@ -82,8 +83,8 @@ def gemv_cuda(x2, w, bias, out, cfg) -> bool:
     if built is None:
         return False
     kernel, regs = built
-    tiles, split = _grid(k, n, w.group_size, wk, resident_blocks(regs, 128, dev), cfg["waves"])
-    split, k_split = k_ranges(k, cfg.get("splits") or split, w.group_size)
+    tiles, split, k_split = _grid(k, n, w.group_size, wk, resident_blocks(regs, 128, dev), cfg["waves"],
+                                  cfg.get("splits"))
     part = tickets = None
     if split > 1:
         tickets = split_tickets(dev)

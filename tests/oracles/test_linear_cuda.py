@@ -117,8 +117,11 @@ def test_warp_layout_by_shape():
     168-register cap): side by side for wide outputs, along K for narrow ones; more rows: along K."""
     from qv.kernels.linear_cuda import _grid, _warps_along_k
 
-    assert _grid(5120, 34816, 128, 1, 396, 1) == (68, 5) and _grid(5120, 34816, 128, 4, 396, 1) == (272, 1)
-    assert _grid(17408, 5120, 128, 4, 396, 1) == (40, 9) and _grid(17408, 5120, 128, 1, 396, 1) == (10, 34)
+    assert _grid(5120, 34816, 128, 1, 396, 1) == (68, 5, 1024)
+    assert _grid(5120, 34816, 128, 4, 396, 1) == (272, 1, 5120)
+    assert _grid(17408, 5120, 128, 4, 396, 1) == (40, 9, 2048)
+    assert _grid(17408, 5120, 128, 1, 396, 1) == (10, 34, 512)
+    assert _grid(17408, 5120, 128, 4, 396, 1, splits=7) == (40, 7, 2560)  # a forced split count
     assert _warps_along_k(1, 5120, 34816, 128, 396) == 1
     assert _warps_along_k(1, 17408, 5120, 128, 396) == 4
     assert _warps_along_k(4, 5120, 34816, 128, 396) == 4
