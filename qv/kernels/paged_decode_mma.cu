@@ -37,6 +37,12 @@ struct Tile {  // one 16-key tile's codes as this lane loads them, and the scale
   float ks[2], vs[2];    // keys g, g + 8
 };
 
+// The scale of key n0 + key (srow0: the tile's first key), or 0 at or past k_end.
+__device__ __forceinline__ float scale_of(const float* s, long long srow0, long long stride_ss, int n0, int key,
+                                          int k_end) {
+  return n0 + key < k_end ? s[srow0 + key * stride_ss] : 0.f;
+}
+
 // (NOW: the codes by load16_now, for the first tile, whose loads must stay ahead of the early exit)
 template <int D, bool NOW = false>
 __device__ __forceinline__ void load_k(Tile<D>& tl, const u8* kc, const float* ks, long long row0, long long srow0,
@@ -48,7 +54,7 @@ __device__ __forceinline__ void load_k(Tile<D>& tl, const u8* kc, const float* k
     for (int i = 0; i < D / 64; ++i)
       tl.k[h][i] = NOW ? load16_now(kc + row0 + key * stride_ks + i * 64 + 16 * t)
                        : load16_nc(kc + row0 + key * stride_ks + i * 64 + 16 * t);
-    tl.ks[h] = n0 + key < k_end ? ks[srow0 + key * stride_ss] : 0.f;
+    tl.ks[h] = scale_of(ks, srow0, stride_ss, n0, key, k_end);
   }
 }
 
@@ -64,10 +70,7 @@ __device__ __forceinline__ void load_v(Tile<D>& tl, const u8* vc, const float* v
                        : load16_nc(vc + row0 + key * stride_ks + h * 128 + 16 * g);
   }
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int key = g + 8 * h;
-    tl.vs[h] = n0 + key < k_end ? vs[srow0 + key * stride_ss] : 0.f;
-  }
+  for (int h = 0; h < 2; ++h) tl.vs[h] = scale_of(vs, srow0, stride_ss, n0, g + 8 * h, k_end);
 }
 
 template <int D>
@@ -75,10 +78,8 @@ __device__ __forceinline__ void load_scales(Tile<D>& tl, const float* ks, const 
                                             long long stride_ss, int n0, int k_end, int g) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int key = g + 8 * h;
-    const bool in = n0 + key < k_end;
-    tl.ks[h] = in ? ks[srow0 + key * stride_ss] : 0.f;
-    tl.vs[h] = in ? vs[srow0 + key * stride_ss] : 0.f;
+    tl.ks[h] = scale_of(ks, srow0, stride_ss, n0, g + 8 * h, k_end);
+    tl.vs[h] = scale_of(vs, srow0, stride_ss, n0, g + 8 * h, k_end);
   }
 }
 
