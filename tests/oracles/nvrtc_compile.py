@@ -8,6 +8,8 @@ import glob
 import os
 import sys
 
+from qv.kernels.cuda_build import COMPILE_OPTIONS
+
 
 def nvrtc():
     """libnvrtc through ctypes (its builtins library loaded first so NVRTC finds it), or None."""
@@ -26,12 +28,13 @@ def nvrtc():
 
 
 def compile_ptx(lib, code: str, names: list[str], arch: int) -> tuple[int, str, bytes]:
-    """NVRTC on `code` with the template instantiations `names`: (return code, log, PTX)."""
+    """NVRTC on `code` with the template instantiations `names` and the options cuda_build compiles with:
+    (return code, log, PTX)."""
     prog = ctypes.c_void_p()
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), code.encode(), b"kernel.cu", 0, None, None) == 0
     for name in names:
         assert lib.nvrtcAddNameExpression(prog, name.encode()) == 0
-    opts = [f"--gpu-architecture=compute_{arch}".encode(), b"-std=c++17"]
+    opts = [f"--gpu-architecture=compute_{arch}".encode(), *(o.encode() for o in COMPILE_OPTIONS)]
     rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
     size = ctypes.c_size_t()
     lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
