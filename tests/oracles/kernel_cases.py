@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 
+import pytest
 import torch
 
 from qv import kernels as K
@@ -91,3 +92,14 @@ def capture_graph(fn):
             result = fn()
     torch.cuda.current_stream().wait_stream(stream)
     return graph, result
+
+
+def _cuda_kernels_can_run() -> bool:
+    from qv.kernels.cuda_build import cupy_or_none
+
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8 and cupy_or_none() is not None
+
+
+# the raw-CUDA kernels (cuda_build: the GEMV, decode attention) run on sm_80+ with CuPy
+needs_cuda_kernels = pytest.mark.skipif(not _cuda_kernels_can_run(),
+                                        reason="needs an sm_80+ GPU and CuPy (the gpu extra)")

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_cases import (BOUND, DEV, K, capture_graph, cu_seqlens, nan_empty, paged_layout, randn, run_reference,
-                          slots_for)
+from kernel_cases import (BOUND, DEV, K, capture_graph, cu_seqlens, nan_empty, needs_cuda_kernels, paged_layout, randn,
+                          run_reference, slots_for)
 from nvrtc_compile import compile_ptx, nvrtc
 from util import assert_close
 
@@ -43,15 +43,6 @@ def test_default_decode_kind(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     assert _decode_kind(cuda, {}) == "split"
     assert _decode_kind(torch.device("cpu"), {}) == "split"
-
-
-def _can_run() -> bool:
-    from qv.kernels.cuda_build import cupy_or_none
-
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8 and cupy_or_none() is not None
-
-
-needs_cuda_decode = pytest.mark.skipif(not _can_run(), reason="needs an sm_80+ GPU and CuPy (the gpu extra)")
 
 
 def _inputs(dtype, hkv, rep, d, q_lens, ctx, block_size, slack, padded=False, pad_page=None):
@@ -99,7 +90,7 @@ def _case(dtype, hkv, rep, d, q_lens, ctx, block_size=16, cfg=None, slack=0, pad
 
 
 @pytest.mark.gpu
-@needs_cuda_decode
+@needs_cuda_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("rep", [1, 3, 6, 8])
@@ -116,7 +107,7 @@ def test_cuda_decode_gpu(dtype, d, rep):
 
 
 @pytest.mark.gpu
-@needs_cuda_decode
+@needs_cuda_kernels
 @pytest.mark.parametrize("pad_page", [-1, 1 << 30])
 def test_cuda_decode_table_padding_out_of_range_gpu(pad_page):
     """Table entries past a sequence that are no page (-1, or past the cache): each warp's first tile loads
@@ -128,7 +119,7 @@ def test_cuda_decode_table_padding_out_of_range_gpu(pad_page):
 
 
 @pytest.mark.gpu
-@needs_cuda_decode
+@needs_cuda_kernels
 @pytest.mark.parametrize("block_size", [32, 64])
 @pytest.mark.parametrize("splits", [1, 3, 40])
 def test_cuda_decode_pages_and_splits_gpu(block_size, splits):
@@ -141,7 +132,7 @@ def test_cuda_decode_pages_and_splits_gpu(block_size, splits):
 
 
 @pytest.mark.gpu
-@needs_cuda_decode
+@needs_cuda_kernels
 @pytest.mark.parametrize("splits", [1, 7])
 def test_cuda_decode_rerun_and_graph_gpu(splits):
     """The same bits on a second call and under CUDA-graph replay (seq_lens changed in place between
@@ -165,7 +156,7 @@ def test_cuda_decode_rerun_and_graph_gpu(splits):
 
 
 @pytest.mark.gpu
-@needs_cuda_decode
+@needs_cuda_kernels
 def test_cuda_decode_declines_gpu():
     """Where the kernel does not apply it returns None and launches nothing (the caller runs Triton)."""
     from qv.kernels.attention_cuda import decode_cuda, decode_cuda_config
@@ -180,7 +171,7 @@ def test_cuda_decode_declines_gpu():
 
 
 @pytest.mark.gpu
-@needs_cuda_decode
+@needs_cuda_kernels
 def test_cuda_decode_eager_policy_gpu():
     """With the default settings a small eager call declines (a CuPy launch costs more host time than the
     Triton kernel's) after building the kernel, and a CUDA-graph capture of the same call runs it."""
@@ -199,7 +190,7 @@ def test_cuda_decode_eager_policy_gpu():
 
 
 @pytest.mark.gpu
-@needs_cuda_decode
+@needs_cuda_kernels
 @pytest.mark.parametrize("pos", [0, 1023, 1024, 2047, 4094, 4095])
 def test_cuda_decode_needle_gpu(pos):
     """One key (at a split's first or last position, or the sequence's last) whose score dominates: the
@@ -220,7 +211,7 @@ def test_cuda_decode_needle_gpu(pos):
 
 
 @pytest.mark.gpu
-@needs_cuda_decode
+@needs_cuda_kernels
 @pytest.mark.parametrize("d", [128, 256])
 def test_cuda_decode_does_not_spill_gpu(d):
     """The default build fits its registers (255 at d 256): a spill would cost speed silently."""

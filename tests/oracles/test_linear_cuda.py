@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_cases import BOUND, DEV, K, capture_graph, randn, run_reference
+from kernel_cases import BOUND, DEV, K, capture_graph, needs_cuda_kernels, randn, run_reference
 from nvrtc_compile import compile_ptx, nvrtc
 from test_linear import gptq_weight
 from util import assert_close
@@ -47,17 +47,8 @@ def _cuda_case(dtype, m, n, k, group, zeros=False, bias=False, cfg=None, x=None)
     return x, w, b, out
 
 
-def _cuda_gemv_can_run() -> bool:
-    from qv.kernels.cuda_build import cupy_or_none
-
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8 and cupy_or_none() is not None
-
-
-needs_cuda_gemv = pytest.mark.skipif(not _cuda_gemv_can_run(), reason="needs an sm_80+ GPU and CuPy (the gpu extra)")
-
-
 @pytest.mark.gpu
-@needs_cuda_gemv
+@needs_cuda_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
 @pytest.mark.parametrize("wk", [1, 4])
@@ -73,7 +64,7 @@ def test_cuda_gemv_gpu(dtype, m, wk):
 
 
 @pytest.mark.gpu
-@needs_cuda_gemv
+@needs_cuda_kernels
 def test_cuda_gemv_bf16_range_gpu():
     x = randn(3, 512, dtype=torch.float32)
     x[0, :128] *= 1e6
@@ -87,7 +78,7 @@ def test_cuda_gemv_bf16_range_gpu():
 
 
 @pytest.mark.gpu
-@needs_cuda_gemv
+@needs_cuda_kernels
 @pytest.mark.parametrize("k", [128, 1024])
 @pytest.mark.parametrize("wk", [1, 4])
 def test_cuda_gemv_split_and_graph_gpu(k, wk):
@@ -138,7 +129,7 @@ def test_wk_is_checked():
 
 
 @pytest.mark.gpu
-@needs_cuda_gemv
+@needs_cuda_kernels
 def test_cuda_gemv_eager_policy_gpu():
     """With the default settings an eager call on a small weight declines (the Triton GEMV's host time is
     the smaller) after building the kernel, and a CUDA-graph capture of the same call runs it."""
@@ -159,7 +150,7 @@ def test_cuda_gemv_eager_policy_gpu():
 
 
 @pytest.mark.gpu
-@needs_cuda_gemv
+@needs_cuda_kernels
 def test_cuda_gemv_does_not_spill_gpu():
     """The builds the wrapper picks by default fit their register caps: a spill would cost speed silently."""
     from qv.kernels.cuda_build import build, device_index
