@@ -74,7 +74,7 @@ def _gated_delta_rule_triton(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, s
         raise ValueError("gated_delta_rule: the state pool needs a unit inner stride")
     args = (q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, state_slots, has_initial_state, scale, state_scale)
     if intermediate_states is not None or (max_query_len is not None and max_query_len <= RECURRENT_MAX_LEN):
-        return gdn_recurrent(*args, intermediate_states, config=config)
+        return gdn_recurrent(*args, intermediate_states, config=config, one_token=max_query_len == 1)
     return gdn_chunked(*args, config=config)
 
 

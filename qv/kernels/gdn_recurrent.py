@@ -64,12 +64,34 @@ def store_state(st_ptr, sc_ptr, b_h, slot, hv, o_k, o_v, DK, DV, stride_ss, stri
 
 
 @triton.jit
+def gdn_token(b_h, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, row, live, hk, hv, o_k, o_v, DK, DV, neg_A, dt_bias, scale,
+              stride_qt, stride_qh, stride_vt, stride_vh, stride_at, stride_bt):
+    """One token at `row` applied to the state tile b_h [BK, BV] (none where `live` is false: nothing is
+    loaded and b_h comes back unchanged); returns the new tile and the output columns."""
+    m_k, m_v = o_k < tl.where(live, DK, 0), o_v < tl.where(live, DV, 0)  # none where there is no token
+    b_q = tl.load(q_ptr + row * stride_qt + hk * stride_qh + o_k, mask=m_k, other=0.).to(tl.float32)
+    b_k = tl.load(k_ptr + row * stride_qt + hk * stride_qh + o_k, mask=m_k, other=0.).to(tl.float32)
+    b_v = tl.load(v_ptr + row * stride_vt + hv * stride_vh + o_v, mask=m_v, other=0.).to(tl.float32)
+    g, beta = gdn_gate(tl.load(a_ptr + row * stride_at + hv, mask=live, other=0.).to(tl.float32),
+                       tl.load(b_ptr + row * stride_bt + hv, mask=live, other=0.).to(tl.float32), neg_A, dt_bias)
+    # no token: decay 1 and beta 0 leave b_h exactly as it was (a second copy of it would cost registers)
+    g, beta = tl.where(live, g, 0.), tl.where(live, beta, 0.)
+    b_q = b_q * tl.math.rsqrt(tl.sum(b_q * b_q) + 1e-6) * scale
+    b_k = b_k * tl.math.rsqrt(tl.sum(b_k * b_k) + 1e-6)
+    b_h *= tl.exp(g)
+    b_d = (b_v - tl.sum(b_h * b_k[:, None], axis=0)) * beta
+    b_h += b_k[:, None] * b_d[None, :]
+    return b_h, tl.sum(b_h * b_q[:, None], axis=0)
+
+
+@triton.jit
 def gdn_recurrent_kernel(
     q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, o_ptr, st_ptr, sc_ptr, inter_ptr,
     cu_ptr, slot_ptr, init_ptr, scale, DK, DV,
     stride_qt, stride_qh, stride_vt, stride_vh, stride_at, stride_bt, stride_ot, stride_oh,
     stride_ss, stride_sh, stride_sk, stride_cs, stride_ch, stride_ib, stride_it, stride_ih, stride_ik,
     REP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, INT16: tl.constexpr, INTER: tl.constexpr,
+    ONE_TOKEN: tl.constexpr,
 ):
     i_b = tl.program_id(0)
     hv = tl.program_id(1).to(tl.int64)
@@ -80,36 +102,43 @@ def gdn_recurrent_kernel(
     bos = tl.load(cu_ptr + i_b).to(tl.int64)
     L = tl.load(cu_ptr + i_b + 1).to(tl.int64) - bos
     slot = tl.load(slot_ptr + i_b).to(tl.int64)
-    if tl.load(init_ptr + i_b) != 0:
-        b_h = load_state(st_ptr, sc_ptr, slot, hv, o_k, o_v, DK, DV, stride_ss, stride_sh, stride_sk, stride_cs,
-                         stride_ch, INT16)
-    else:
-        b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    init = tl.load(init_ptr + i_b) != 0
     neg_A = -tl.exp(tl.load(alog_ptr + hv).to(tl.float32))
     dt_bias = tl.load(dtb_ptr + hv).to(tl.float32)
-    for t in range(0, L):
-        row = bos + t
-        b_q = tl.load(q_ptr + row * stride_qt + hk * stride_qh + o_k, mask=m_k, other=0.).to(tl.float32)
-        b_k = tl.load(k_ptr + row * stride_qt + hk * stride_qh + o_k, mask=m_k, other=0.).to(tl.float32)
-        b_q = b_q * tl.math.rsqrt(tl.sum(b_q * b_q) + 1e-6) * scale
-        b_k = b_k * tl.math.rsqrt(tl.sum(b_k * b_k) + 1e-6)
-        b_v = tl.load(v_ptr + row * stride_vt + hv * stride_vh + o_v, mask=m_v, other=0.).to(tl.float32)
-        g, beta = gdn_gate(tl.load(a_ptr + row * stride_at + hv).to(tl.float32),
-                           tl.load(b_ptr + row * stride_bt + hv).to(tl.float32), neg_A, dt_bias)
-        b_h *= tl.exp(g)
-        b_d = (b_v - tl.sum(b_h * b_k[:, None], axis=0)) * beta
-        b_h += b_k[:, None] * b_d[None, :]
-        b_o = tl.sum(b_h * b_q[:, None], axis=0)
-        tl.store(o_ptr + row * stride_ot + hv * stride_oh + o_v, b_o.to(o_ptr.dtype.element_ty), mask=m_v)
-        if INTER:
-            p_i = inter_ptr + i_b * stride_ib + t * stride_it + hv * stride_ih + o_k[:, None] * stride_ik + o_v[None, :]
-            tl.store(p_i, b_h.to(inter_ptr.dtype.element_ty), mask=m_k[:, None] & m_v[None, :])
+    if ONE_TOKEN:
+        # decode (at most one token a sequence): the state (by its slot) and the token (by its row) load
+        # together, one dependent load deep; the loop below loads the token only after the state
+        b_h = load_state(st_ptr, sc_ptr, slot, hv, o_k, o_v, DK, DV, stride_ss, stride_sh, stride_sk, stride_cs,
+                         stride_ch, INT16)
+        b_h = tl.where(init, b_h, 0.)  # a slot without a state may hold anything (NaN included)
+        live = L > 0
+        b_h, b_o = gdn_token(b_h, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bos, live, hk, hv, o_k, o_v, DK, DV, neg_A,
+                             dt_bias, scale, stride_qt, stride_qh, stride_vt, stride_vh, stride_at, stride_bt)
+        tl.store(o_ptr + bos * stride_ot + hv * stride_oh + o_v, b_o.to(o_ptr.dtype.element_ty),
+                 mask=o_v < tl.where(live, DV, 0))
+    else:
+        if init:
+            b_h = load_state(st_ptr, sc_ptr, slot, hv, o_k, o_v, DK, DV, stride_ss, stride_sh, stride_sk,
+                             stride_cs, stride_ch, INT16)
+        else:
+            b_h = tl.zeros([BK, BV], dtype=tl.float32)
+        for t in range(0, L):
+            row = bos + t
+            b_h, b_o = gdn_token(b_h, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, row, t < L, hk, hv, o_k, o_v, DK, DV,
+                                 neg_A, dt_bias, scale, stride_qt, stride_qh, stride_vt, stride_vh, stride_at,
+                                 stride_bt)
+            tl.store(o_ptr + row * stride_ot + hv * stride_oh + o_v, b_o.to(o_ptr.dtype.element_ty), mask=m_v)
+            if INTER:
+                p_i = (inter_ptr + i_b * stride_ib + t * stride_it + hv * stride_ih + o_k[:, None] * stride_ik
+                       + o_v[None, :])
+                tl.store(p_i, b_h.to(inter_ptr.dtype.element_ty), mask=m_k[:, None] & m_v[None, :])
     store_state(st_ptr, sc_ptr, b_h, slot, hv, o_k, o_v, DK, DV, stride_ss, stride_sh, stride_sk, stride_cs,
                 stride_ch, INT16)
 
 
 def gdn_recurrent(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, state_slots, has_initial_state, scale,
-                  state_scale, intermediate_states, config=None):
+                  state_scale, intermediate_states, config=None, one_token=False):
+    """one_token: no sequence has more than one token (decode; the caller's max_query_len is 1)."""
     t, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     n_seq = cu_seqlens.shape[0] - 1
@@ -132,5 +161,5 @@ def gdn_recurrent(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, state_slots,
         out.stride(1), state.stride(0), state.stride(1), state.stride(2), sc.stride(0) if int16 else 0,
         sc.stride(1) if int16 else 0, inter.stride(0), inter.stride(1), inter.stride(2), inter.stride(3),
         REP=hv // hk, BK=next_pow2(dk), BV=bv, INT16=int16, INTER=intermediate_states is not None,
-        num_warps=cfg.get("warps") or warps)
+        ONE_TOKEN=one_token and intermediate_states is None, num_warps=cfg.get("warps") or warps)
     return out

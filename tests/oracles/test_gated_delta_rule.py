@@ -36,6 +36,11 @@ def _case(dtype, state_dtype, hk, rep, dk, dv, lens, init, max_q="auto", inter=F
     n_slots = n + 3
     slots = torch.randperm(n_slots, device=DEV)[:n]
     pool, scale = _pool(n_slots, hv, dk, dv, state_dtype)
+    fresh = slots[~torch.tensor(init, device=DEV)]  # slots of sequences without a state: poisoned
+    if state_dtype == torch.int16:
+        pool[fresh], scale[fresh] = 32767, float("nan")
+    else:
+        pool[fresh] = float("nan")
     states = [pool.clone(), pool.clone()]
     scales = [None, None] if scale is None else [scale.clone(), scale.clone()]
     inters = [None, None]
@@ -64,6 +69,13 @@ def _case(dtype, state_dtype, hk, rep, dk, dv, lens, init, max_q="auto", inter=F
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16, torch.int16])
 def test_recurrent_decode(state_dtype):
     _case(torch.float32, state_dtype, 2, 2, 16, 24, [1, 1, 1, 1], [True, False, True, True])
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.int16])
+def test_recurrent_decode_with_empty_sequences(state_dtype):
+    """max_query_len 1 with sequences of no token (with and without a state): their state is kept (or
+    zeroed), nothing else of theirs is read or written."""
+    _case(torch.float32, state_dtype, 1, 3, 16, 24, [0, 1, 0, 1, 1], [True, True, False, False, True], max_q=1)
 
 
 def test_recurrent_short_queries_gqa3():
@@ -173,4 +185,6 @@ def test_small_heads_gpu(config, hk, rep, dk, dv):
 def test_real_shapes(dtype, state_dtype):
     _case(dtype, state_dtype, 16, 3, 128, 128, [700, 1, 0, 130], [True, True, False, False])  # chunked
     _case(dtype, state_dtype, 16, 3, 128, 128, [1] * 32, [True] * 31 + [False])  # decode batch 32
+    _case(dtype, state_dtype, 16, 3, 128, 128, [1], [True])  # decode batch 1 (16-column programs)
+    _case(dtype, state_dtype, 16, 3, 128, 128, [1, 0, 1], [False, True, True], max_q=1)  # an empty sequence
     _case(dtype, state_dtype, 16, 3, 128, 128, [4] * 4, [True] * 4, inter=True)  # verification, k = 3
