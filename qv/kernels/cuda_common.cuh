@@ -63,6 +63,8 @@ __device__ __forceinline__ U4 load16_now(const void* p) {
   asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 }
+// Starts bringing the line at p into the L2 (no register waits on it).
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 // Four int8 codes (one word, byte i = code i) to two fp16 pairs, exactly: c ^ 0x80 = c + 128 as a byte,
 // with 0x64 as the high byte that reads as fp16 1024 + 128 + c, less 1152 (5 instructions, no converts).
 __device__ __forceinline__ void codes_to_half2(u32 w, u32& lo, u32& hi) {

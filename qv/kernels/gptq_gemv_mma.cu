@@ -91,6 +91,10 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) gptq_gemv_mma(
 #pragma unroll
         for (int e = 0; e < 4; ++e) mma_sum[mt][j][e] = 0.f;
     }
+    // the group's scales are read after its MMAs: started into the L2 now, they arrive with the codes
+    // rather than after them (a load into registers here would hold 8 more across the MMAs: spills)
+    const int grp = k_group / (16 * S);
+    if (n_ok) prefetch_l2(scales + grp * stride_sg + n_lane);
     const u8* p = codes + (long long)(k_group + 4 * t) * stride_qk + n_lane;
 #pragma unroll
     for (int s = 0; s < S; ++s) {
@@ -129,7 +133,6 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) gptq_gemv_mma(
     }
 
     // acc += s (C - (1024 + z) sum_k x) r, for columns 16g + i and rows m = 2t, 2t + 1 (+ 8 mt)
-    const int grp = k_group / (16 * S);
     float sc[16], off[16];
     if (n_ok) {
       const U4* ps = reinterpret_cast<const U4*>(scales + grp * stride_sg + n_lane);
