@@ -261,7 +261,7 @@ def bench_gdn_step(lim, sweep, fla):
             nxt, n_sets = rotating(make, 2 * state_bytes)
             cfgs = [None] + (GDN_STEP_SWEEP if sweep else [])
             # decode steps run as CUDA graphs in the engine; do_bench at ~10 us measures host launches
-            sets = [nxt() for _ in range(n_sets)]
+            sets = share_index_tensors([nxt() for _ in range(n_sets)])
             best = (float("inf"), None, None)
             for cfg in cfgs:
                 t_dob = try_time(lambda: _gated_delta_rule_triton(*nxt()["ours"], max_query_len=1, config=cfg))
@@ -281,6 +281,14 @@ def bench_gdn_step(lim, sweep, fla):
                 "FLA fused_recurrent", f"{lim['copy_tbs']:.2f} TB/s",
                 f"{t * 1e3:.1f} us; state r+w {hbm:.2f} TB/s", "<= FLA time" if t_fla else "",
                 (t <= t_fla) if t_fla else None, f"{note}; {n_sets} input sets; cfg {best[1]}")
+
+
+def share_index_tensors(sets):
+    """The input sets with the first set's cu_seqlens, slots and has_initial_state: the states, q, k, v, a
+    and b rotate past the L2, but the engine's decode graph reads one static buffer of these in all of a
+    step's GDN layers (48 at 27B), so only the first layer finds them outside the L2."""
+    shared = sets[0]["ours"][8:11]
+    return [dict(s, ours=s["ours"][:8] + shared + s["ours"][11:]) for s in sets]
 
 
 def fla_step_call(fla, inp):
