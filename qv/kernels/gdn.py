@@ -2,8 +2,8 @@
 
 Both work on a packed varlen batch (`cu_seqlens`) whose sequences own one slot each in a state
 pool (`state_slots`); a sequence with `has_initial_state` false starts from zeros. Decode is the
-same call with one token per sequence; `max_query_len` (a host int) lets kernels pick a path
-without a device sync.
+same call with one token per sequence; `max_query_len` (a host int, at least every sequence's
+length: kernels rely on it) lets kernels pick a path without a device sync.
 """
 
 from __future__ import annotations
@@ -62,8 +62,9 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch
 def _gated_delta_rule_triton(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, state_slots, has_initial_state,
                              scale=None, state_scale=None, intermediate_states=None, max_query_len=None, *,
                              config=None):
-    """Token-by-token kernel for decode, verification (per-position states) and short queries;
-    the chunked kernels otherwise (also when max_query_len is unknown: no host sync)."""
+    """Token-by-token kernel for decode (its one-token path at max_query_len 1), verification
+    (per-position states) and short queries; the chunked kernels otherwise (also when max_query_len is
+    unknown: no host sync)."""
     scale = q.shape[2] ** -0.5 if scale is None else scale
     if q.stride() != k.stride() or q.stride(-1) != 1:
         q, k = q.contiguous(), k.contiguous()

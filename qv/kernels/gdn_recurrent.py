@@ -74,7 +74,8 @@ def gdn_token(b_h, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, row, live, hk, hv, o_k, o_
     b_v = tl.load(v_ptr + row * stride_vt + hv * stride_vh + o_v, mask=m_v, other=0.).to(tl.float32)
     g, beta = gdn_gate(tl.load(a_ptr + row * stride_at + hv, mask=live, other=0.).to(tl.float32),
                        tl.load(b_ptr + row * stride_bt + hv, mask=live, other=0.).to(tl.float32), neg_A, dt_bias)
-    # no token: decay 1 and beta 0 leave b_h exactly as it was (a second copy of it would cost registers)
+    # no token: decay 1 and beta 0 give b_h back (finite values bit for bit, -0 as +0), where a second
+    # copy of it to select would cost registers
     g, beta = tl.where(live, g, 0.), tl.where(live, beta, 0.)
     b_q = b_q * tl.math.rsqrt(tl.sum(b_q * b_q) + 1e-6) * scale
     b_k = b_k * tl.math.rsqrt(tl.sum(b_k * b_k) + 1e-6)
@@ -124,6 +125,7 @@ def gdn_recurrent_kernel(
             b_h = tl.zeros([BK, BV], dtype=tl.float32)
         for t in range(0, L):
             row = bos + t
+            # (t < L: always true here; the one-token path passes a live flag that can be false)
             b_h, b_o = gdn_token(b_h, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, row, t < L, hk, hv, o_k, o_v, DK, DV,
                                  neg_A, dt_bias, scale, stride_qt, stride_qh, stride_vt, stride_vh, stride_at,
                                  stride_bt)
@@ -138,7 +140,8 @@ def gdn_recurrent_kernel(
 
 def gdn_recurrent(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, state_slots, has_initial_state, scale,
                   state_scale, intermediate_states, config=None, one_token=False):
-    """one_token: no sequence has more than one token (decode; the caller's max_query_len is 1)."""
+    """one_token: no sequence has more than one token (decode; the caller's max_query_len is 1); ignored
+    where intermediate_states are asked for."""
     t, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     n_seq = cu_seqlens.shape[0] - 1

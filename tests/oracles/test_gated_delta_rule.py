@@ -1,7 +1,8 @@
 """gated_delta_rule against the reference recurrence: the token-by-token kernel (decode, short
 queries, per-position states for verification) and the chunked kernels (prefill: chunks of 64,
 varlen, a ragged last chunk, empty and single-token sequences); GQA ratios 1/2/3, dk != dv,
-fp32 / fp16 / int16 state pools whose other slots must stay untouched."""
+fp32 / fp16 / int16 state pools whose other slots must stay untouched; the slots of sequences without
+an initial state hold NaN, which a kernel must not let through."""
 
 from __future__ import annotations
 
@@ -73,8 +74,8 @@ def test_recurrent_decode(state_dtype):
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.int16])
 def test_recurrent_decode_with_empty_sequences(state_dtype):
-    """max_query_len 1 with sequences of no token (with and without a state): their state is kept (or
-    zeroed), nothing else of theirs is read or written."""
+    """max_query_len 1 with sequences of no token in the middle of the batch (with and without a state):
+    their state comes back unchanged, or zeroed where they had none."""
     _case(torch.float32, state_dtype, 1, 3, 16, 24, [0, 1, 0, 1, 1], [True, True, False, False, True], max_q=1)
 
 
