@@ -52,6 +52,9 @@ def decode_inputs(ctx: int, batch: int, dev, q_len: int = 1):
     return (q, kc, vc, bt, cu, sl, D ** -0.5, ks, vs, q_len, ctx)
 
 
+GDN_INDEX_ARGS = slice(8, 11)  # cu_seqlens, slots, has_initial_state in gdn_inputs(...)["ours"]
+
+
 def gdn_inputs(n: int, batch: int, dev, dtype, state_dtype=torch.float32):
     """`batch` sequences of n tokens; ours: args without max_query_len; fla: [B, T, H, D] tensors."""
     t = n * batch

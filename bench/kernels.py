@@ -28,7 +28,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_profile import kernel_times  # noqa: E402
-from kernel_inputs import attention_inputs, decode_inputs, gdn_inputs, gptq_inputs  # noqa: E402
+from kernel_inputs import GDN_INDEX_ARGS, attention_inputs, decode_inputs, gdn_inputs, gptq_inputs  # noqa: E402
 from qv.kernels import cuda_build  # noqa: E402
 from qv.kernels.attention import _paged_attention_triton, _varlen_attention_triton  # noqa: E402
 from qv.kernels.gdn import _gated_delta_rule_triton  # noqa: E402
@@ -287,8 +287,11 @@ def share_index_tensors(sets):
     """The input sets with the first set's cu_seqlens, slots and has_initial_state: the states, q, k, v, a
     and b rotate past the L2, but the engine's decode graph reads one static buffer of these in all of a
     step's GDN layers (48 at 27B), so only the first layer finds them outside the L2."""
-    shared = sets[0]["ours"][8:11]
-    return [dict(s, ours=s["ours"][:8] + shared + s["ours"][11:]) for s in sets]
+    def with_shared(args):
+        args = list(args)
+        args[GDN_INDEX_ARGS] = sets[0]["ours"][GDN_INDEX_ARGS]
+        return tuple(args)
+    return [dict(s, ours=with_shared(s["ours"])) for s in sets]
 
 
 def fla_step_call(fla, inp):
