@@ -344,6 +344,20 @@ class EngineConfig:
         ("auto", "reference", "triton", "sm70"),
     )
     seed: int = lever(0, "Seed for weight-free randomness (sampling without a per-request seed).", "QV_SEED")
+    load_format: str = lever(
+        "auto",
+        "auto: read the checkpoint's safetensors; random: make weights on the device in the layout the checkpoint "
+        "would load into (vLLM's dummy format, for benchmarks: a folder with only config.json serves).",
+        "QV_LOAD_FORMAT",
+        ("auto", "random"),
+    )
+    quantization: str = lever(
+        "auto",
+        "auto: as the checkpoint's quantization_config says; gptq-int8: with load_format random, GPTQ-Int8 "
+        "(symmetric, group 128) for a config without one.",
+        "QV_QUANTIZATION",
+        ("auto", "gptq-int8"),
+    )
     # -- capacity ------------------------------------------------------------------------------
     max_model_len: int = lever(0, "Longest sequence (prompt + output); 0: the model's max_position_embeddings.", "QV_MAX_MODEL_LEN")
     max_num_seqs: int = lever(64, "Most sequences running in one step.", "QV_MAX_NUM_SEQS")

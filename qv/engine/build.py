@@ -13,14 +13,18 @@ import torch
 from qv import kernels
 from qv.config import ConfigError, EngineConfig, ModelConfig
 from qv.engine.clef_rows import clef_reserve_bytes
+from qv.engine.memory_plan import MemoryPlan
 from qv.engine.prefix_cache import PrefixPlan, plan_prefix_cache
 from qv.model.cache import (KV_DTYPES, STATE_DTYPES, HybridCache, allocate_cache, gdn_bytes_per_slot,
                             kv_bytes_per_block)
-from qv.model.qwen3_5 import Qwen3_5TextModel, load_text_model
+from qv.model.qwen3_5 import Qwen3_5TextModel, held_bytes, load_text_model
+from qv.model.random_weights import checkpoint_reader, with_quantization
 
 log = logging.getLogger("qv")
 
 CPU_KV_BYTES = 256 << 20
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 ACTIVATION_RESERVE = 0.10  # share of the planned GPU budget left for activations and graphs
 
 
@@ -38,6 +42,7 @@ class EngineParts:
     prefix_plan: PrefixPlan = PrefixPlan()  # snapshot pool, chat reserve and host tier sizes
     vision: object | None = None  # qv.model.vision.VisionTower when the checkpoint has one (and media is on)
     clef: object | None = None  # qv.clef.adapters.ClefAssets when the folder has a Clef head and clef is on
+    memory_plan: MemoryPlan | None = None
 
 
 def default_model_dir() -> Path:
@@ -84,25 +89,42 @@ def read_generation_config(model_dir: Path) -> dict:
         return json.load(f)
 
 
-def build_engine_parts(cfg: EngineConfig) -> EngineParts:
+def load_tokenizer(model_dir: Path):
+    """The folder's tokenizer; a folder without one (a config.json for random weights) gets the embedded
+    tiny tokenizer, which is enough to take token ids and to decode the ids it knows."""
     from transformers import AutoTokenizer
 
+    if not any((model_dir / f).is_file() for f in TOKENIZER_FILES):
+        log.warning("%s has no tokenizer files: using the embedded tiny tokenizer (ids past its vocabulary "
+                    "decode to nothing)", model_dir)
+        model_dir = default_model_dir()
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def build_engine_parts(cfg: EngineConfig) -> EngineParts:
     model_dir = Path(cfg.model) if cfg.model else default_model_dir()
     if not model_dir.is_dir():
         raise ConfigError(f"model folder {model_dir} does not exist")
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     kernels.set_backend(cfg.kernels)
-    mcfg = ModelConfig.from_dir(model_dir)
-    log.info("loading %s on %s (%s, kernels=%s)", model_dir, device, dtype, cfg.kernels)
+    mcfg = with_quantization(ModelConfig.from_dir(model_dir), cfg.quantization, cfg.load_format)
+    reader = checkpoint_reader(model_dir, mcfg, cfg.load_format, cfg.seed, device)
+    log.info("loading %s on %s (%s, kernels=%s%s)", model_dir, device, dtype, cfg.kernels,
+             ", random weights" if cfg.load_format == "random" else "")
     vision = None
-    if mcfg.vision is not None and (cfg.media_max_images or cfg.media_max_videos):
+    media = mcfg.vision is not None and (cfg.media_max_images or cfg.media_max_videos)
+    if media and not any((model_dir / f).is_file() for f in PROCESSOR_FILES):
+        log.warning("%s has a vision_config but no processor config (%s): images and videos are off",
+                    model_dir, " or ".join(PROCESSOR_FILES))
+        media = False
+    if media:
         from qv.model.vision import load_multimodal_model
 
-        model, vision = load_multimodal_model(str(model_dir), mcfg, dtype=dtype, device=device)
+        model, vision = load_multimodal_model(str(model_dir), mcfg, dtype=dtype, device=device, reader=reader)
     else:
-        model = load_text_model(str(model_dir), mcfg, dtype=dtype, device=device)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        model = load_text_model(str(model_dir), mcfg, dtype=dtype, device=device, reader=reader)
+    tokenizer = load_tokenizer(model_dir)
     gen = read_generation_config(model_dir)
     eos = gen.get("eos_token_id", list(mcfg.eos_token_ids))
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else mcfg.eos_token_ids)
@@ -114,16 +136,17 @@ def build_engine_parts(cfg: EngineConfig) -> EngineParts:
     if cfg.spec == "mtp" or (cfg.spec == "auto" and mcfg.mtp_num_hidden_layers > 0):
         from qv.spec.mtp import load_mtp_head
 
-        mtp_head = load_mtp_head(str(model_dir), mcfg, model, dtype, device)
+        mtp_head = load_mtp_head(str(model_dir), mcfg, model, dtype, device, reader=reader)
     clef = None
     if cfg.clef:  # Clef's head and low-rank deltas, before the memory plan (qv/clef/adapters.py)
         from qv.clef.adapters import load_clef
 
         clef = load_clef(model_dir, model, delta_host=cfg.clef_delta_host)
-    cache, prefix = plan_cache(cfg, mcfg, device, dtype, mtp_layers=(mcfg.num_hidden_layers,) if mtp_head else (),
-                               reserve_bytes=clef_reserve_bytes(clef, cfg.clef_slots, min(cfg.clef_nmax, max_len)))
-    log.info("KV cache: %d blocks of %d tokens (%d tokens), %d GDN slots", cache.num_blocks, cfg.block_size,
-             cache.num_blocks * cfg.block_size, cache.num_slots - 1)
+    cache, prefix, plan = plan_cache(cfg, mcfg, device, dtype, max_len,
+                                     mtp_layers=(mcfg.num_hidden_layers,) if mtp_head else (),
+                                     reserve_bytes=clef_reserve_bytes(clef, cfg.clef_slots, min(cfg.clef_nmax, max_len)),
+                                     weight_bytes=held_bytes(model, mtp_head, vision, clef))
+    log.info("%s", plan.summary())
     if prefix.enabled:
         log.info("prefix cache: %d GDN snapshots every %d tokens, %d blocks reserved for chat; host tier %d blocks, "
                  "%d snapshots", prefix.num_snapshots, prefix.interval, prefix.reserve_blocks, prefix.host_blocks,
@@ -131,12 +154,14 @@ def build_engine_parts(cfg: EngineConfig) -> EngineParts:
     defaults = {k: gen[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                                     "presence_penalty", "frequency_penalty") if k in gen}
     return EngineParts(model_dir, mcfg, model, tokenizer, cache, max_len, eos_ids, defaults, mtp_head, prefix, vision,
-                       clef=clef)
+                       clef=clef, memory_plan=plan)
 
 
-def plan_cache(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device, dtype: torch.dtype,
-               mtp_layers: tuple[int, ...] = (), reserve_bytes: int = 0) -> tuple[HybridCache, PrefixPlan]:
-    """reserve_bytes: other device memory the engine will hold (Clef head states), off a derived budget."""
+def plan_cache(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_model_len: int,
+               mtp_layers: tuple[int, ...] = (), reserve_bytes: int = 0, weight_bytes: int = 0
+               ) -> tuple[HybridCache, PrefixPlan, MemoryPlan]:
+    """reserve_bytes: other device memory the engine will hold (Clef head states), off a derived budget;
+    weight_bytes: what the loaded weights hold (for the plan's record)."""
     kv_dtype = resolve_kv_dtype(cfg.kv_dtype, dtype)
     state_dtype = STATE_DTYPES[cfg.gdn_state_dtype]
     num_slots = cfg.max_gdn_slots or cfg.max_num_seqs
@@ -146,12 +171,14 @@ def plan_cache(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device, dtype
     if cfg.spec != "off":  # per-position states of the verified sequences (qv/engine/speculator.py)
         spec_bytes = gdn_bytes_per_slot(mcfg, dtype, torch.float32) * (cfg.spec_k + 1) * cfg.spec_max_seqs
     budget = cfg.kv_cache_bytes
+    total = room = 0
+    if device.type == "cuda":
+        # this process may hold total * utilization; what it holds already (weights) counts against
+        # that, and memory other processes hold is simply not free
+        free, total = torch.cuda.mem_get_info(device)
+        room = int(min(total * cfg.gpu_memory_utilization - torch.cuda.memory_reserved(device), free))
     if budget == 0:
         if device.type == "cuda":
-            # this process may hold total * utilization; what it holds already (weights) counts against
-            # that, and memory other processes hold is simply not free
-            free, total = torch.cuda.mem_get_info(device)
-            room = min(total * cfg.gpu_memory_utilization - torch.cuda.memory_reserved(device), free)
             budget = int(room * (1 - ACTIVATION_RESERVE)) - (num_slots + 1) * slot_bytes - spec_bytes - reserve_bytes
         else:
             budget = CPU_KV_BYTES
@@ -163,6 +190,10 @@ def plan_cache(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device, dtype
     if num_blocks < 1:
         raise ConfigError(f"no memory left for the KV cache (budget {budget} bytes, {per_block} bytes per block): "
                           f"lower max_num_seqs / max_gdn_slots or raise kv_cache_bytes")
+    planned = num_blocks * per_block + (num_slots + 1 + prefix.num_snapshots) * slot_bytes + spec_bytes + reserve_bytes
+    plan = MemoryPlan(total, cfg.gpu_memory_utilization, weight_bytes, int(num_blocks), cfg.block_size, per_block, num_slots,
+                      slot_bytes, prefix.num_snapshots, spec_bytes, reserve_bytes, max(0, room - planned), max_model_len)
     # one slot more than sequences: the last is scratch for the padding rows of captured decode graphs
-    return allocate_cache(mcfg, int(num_blocks), cfg.block_size, num_slots + 1, kv_dtype, state_dtype, dtype, device,
-                          extra_attention_layers=mtp_layers), prefix
+    cache = allocate_cache(mcfg, int(num_blocks), cfg.block_size, num_slots + 1, kv_dtype, state_dtype, dtype, device,
+                           extra_attention_layers=mtp_layers)
+    return cache, prefix, plan

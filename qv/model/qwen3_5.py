@@ -77,18 +77,40 @@ class Qwen3_5TextModel:
         return self.lm_head(hidden).float()
 
 
+def held_bytes(*objs) -> int:
+    """Bytes of the tensor storages reachable from `objs` through attributes, lists, tuples and dicts,
+    each storage once (fused weights and their split views share one): what a model holds resident."""
+    seen_objs, storages = set(), {}
+    stack = list(objs)
+    while stack:
+        obj = stack.pop()
+        if obj is None or id(obj) in seen_objs or isinstance(obj, (str, bytes, int, float, bool)):
+            continue
+        seen_objs.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            st = obj.untyped_storage()
+            storages[(st.device, st.data_ptr())] = st.nbytes()
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set)):
+            stack.extend(obj)
+        elif hasattr(obj, "__dict__"):
+            stack.extend(vars(obj).values())
+    return sum(storages.values())
+
+
 # ---------------------------------------------------------------------------------------------
 # building from a checkpoint
 # ---------------------------------------------------------------------------------------------
 
 
 def load_text_model(model_dir: str, cfg: ModelConfig | None = None, dtype: torch.dtype = torch.float32,
-                    device: torch.device | str = "cpu", ignore_prefixes: tuple[str, ...] = ("mtp.", "model.visual.")
-                    ) -> Qwen3_5TextModel:
-    """Build the text model from `model_dir`. Tensors not used by it and not under
-    `ignore_prefixes` are an error (a wrong or mixed-up checkpoint)."""
+                    device: torch.device | str = "cpu", ignore_prefixes: tuple[str, ...] = ("mtp.", "model.visual."),
+                    reader=None) -> Qwen3_5TextModel:
+    """Build the text model from `model_dir` (or `reader`: a CheckpointReader or RandomReader). Tensors
+    not used by it and not under `ignore_prefixes` are an error (a wrong or mixed-up checkpoint)."""
     cfg = cfg or ModelConfig.from_dir(model_dir)
-    reader = CheckpointReader(model_dir, cfg)
+    reader = reader or CheckpointReader(model_dir, cfg)
     model = build_text_model(cfg, reader, dtype, device)
     extra = reader.unused(ignore_prefixes)
     if extra:
@@ -155,7 +177,7 @@ def build_text_model(cfg: ModelConfig, reader: CheckpointReader, dtype: torch.dt
     p, h = cfg.weight_prefix, cfg.hidden_size
     b = LayerBuilder(cfg, reader, dtype, device)
     embed = reader.tensor(f"{p}embed_tokens.weight", dtype, device, shape=(cfg.vocab_size, h))
-    big = sum(f.stat().st_size for f in set(reader.files.values())) > PROGRESS_BYTES
+    big = reader.nbytes() > PROGRESS_BYTES
     layers = [b.decoder_layer(i, kind, f"{p}layers.{i}.")
               for i, kind in tqdm(list(enumerate(cfg.layer_types)), desc="loading layers", unit="layer",
                                   disable=not big)]

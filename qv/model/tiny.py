@@ -185,9 +185,13 @@ def random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator, dtype
         return (0.05 * torch.randn(shape, generator=gen)).to(dtype=dtype, device=device)
     if name.endswith("conv1d.weight"):
         return (0.4 * torch.randn(shape, generator=gen)).to(dtype=dtype, device=device)
+    return (weight_std(name, shape) * torch.randn(shape, generator=gen)).to(dtype=dtype, device=device)
+
+
+def weight_std(name: str, shape: tuple[int, ...]) -> float:
+    """The standard deviation of a random matrix: 1 for embeddings, fan_in^-1/2 for linears (unit-scale outputs)."""
     fan_in = math.prod(shape[1:]) if len(shape) > 1 else shape[0]
-    std = 1.0 if "embed_tokens" in name or "pos_embed" in name else fan_in**-0.5
-    return (std * torch.randn(shape, generator=gen)).to(dtype=dtype, device=device)
+    return 1.0 if "embed_tokens" in name or "pos_embed" in name else fan_in**-0.5
 
 
 def random_tensors(config: dict, seed: int = 0, mtp: bool = False, dtype=torch.float32,
@@ -203,7 +207,7 @@ def make_tiny(out_dir: str | Path, preset: str = "tiny", seed: int = 0, mtp: boo
     `dtype` (e.g. bfloat16 for the benchmark shapes) halves what large presets write."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok_text, special = tokenizer_json()
+    _, special = tokenizer_json()
     vocab = max(special.values()) + 1
     vocab = (vocab + 63) // 64 * 64  # padded like real checkpoints (ids past the tokenizer are never produced)
     config = build_config(preset, vocab, special, mtp)
@@ -218,6 +222,18 @@ def make_tiny(out_dir: str | Path, preset: str = "tiny", seed: int = 0, mtp: boo
             config["dtype"] = dtype_name
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_tokenizer(out)
+    gen_cfg = {"eos_token_id": [special["<|im_end|>"], special["<|endoftext|>"]], "pad_token_id": special["<|endoftext|>"],
+               "do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20}
+    (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
+    if "vision_config" in config:
+        _write_processor_configs(out, config["vision_config"])
+    return out
+
+
+def write_tokenizer(out: Path) -> None:
+    """The embedded tiny tokenizer and chat template, as tokenizer.json + tokenizer_config.json in `out`."""
+    tok_text, _ = tokenizer_json()
     (out / "tokenizer.json").write_text(tok_text)
     template = (Path(__file__).with_name("chat_template.jinja")).read_text()
     tok_cfg = {"tokenizer_class": "Qwen2Tokenizer", "model_max_length": 32768, "eos_token": "<|im_end|>",
@@ -225,12 +241,6 @@ def make_tiny(out_dir: str | Path, preset: str = "tiny", seed: int = 0, mtp: boo
                "clean_up_tokenization_spaces": False, "errors": "replace", "split_special_tokens": False,
                "chat_template": template}
     (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
-    gen_cfg = {"eos_token_id": [special["<|im_end|>"], special["<|endoftext|>"]], "pad_token_id": special["<|endoftext|>"],
-               "do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20}
-    (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
-    if "vision_config" in config:
-        _write_processor_configs(out, config["vision_config"])
-    return out
 
 
 def _cycle_lm_head(tensors: dict[str, torch.Tensor], config: dict, cycle: int, special: dict[str, int]) -> None:

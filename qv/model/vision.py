@@ -170,7 +170,7 @@ def build_vision_tower(vc: VisionConfig, reader: CheckpointReader, dtype: torch.
 
 
 def load_multimodal_model(model_dir: str | Path, cfg: ModelConfig | None = None, dtype: torch.dtype = torch.float32,
-                          device: torch.device | str = "cpu"):
+                          device: torch.device | str = "cpu", reader=None):
     """(text model, vision tower) from one checkpoint read; any tensor neither uses (other than
     the MTP head's) is an error, so a mislabelled vision tensor cannot pass silently."""
     from qv.model.qwen3_5 import build_text_model
@@ -178,7 +178,7 @@ def load_multimodal_model(model_dir: str | Path, cfg: ModelConfig | None = None,
     cfg = cfg or ModelConfig.from_dir(model_dir)
     if cfg.vision is None:
         raise CheckpointError(f"{model_dir} has no vision_config (architecture {cfg.architecture})")
-    reader = CheckpointReader(model_dir, cfg)
+    reader = reader or CheckpointReader(model_dir, cfg)
     text = build_text_model(cfg, reader, dtype, device)
     tower = build_vision_tower(cfg.vision, reader, dtype, device)
     extra = reader.unused(("mtp.",))

@@ -162,6 +162,10 @@ class CheckpointReader:
     def names(self) -> list[str]:
         return sorted(self.files)
 
+    def nbytes(self) -> int:
+        """Bytes of the checkpoint's files: what the progress bar measures."""
+        return sum(f.stat().st_size for f in set(self.files.values()))
+
     def has(self, name: str) -> bool:
         return self._actual(name) in self.files
 

@@ -51,12 +51,12 @@ class MTPHead:
 
 
 def load_mtp_head(model_dir: str, cfg: ModelConfig, target: Qwen3_5TextModel, dtype: torch.dtype,
-                  device: torch.device | str) -> MTPHead:
-    """Build the head from `mtp.*`; a checkpoint without them gives a clear error."""
+                  device: torch.device | str, reader=None) -> MTPHead:
+    """Build the head from `mtp.*` (of `reader` when given); a checkpoint without them gives a clear error."""
     if cfg.mtp_num_hidden_layers < 1:
         raise CheckpointError(f"{model_dir}: config has mtp_num_hidden_layers=0, so there is no MTP head to draft "
                               f"with; use spec=ngram or spec=off")
-    reader = CheckpointReader(model_dir, cfg)
+    reader = reader or CheckpointReader(model_dir, cfg)
     if not reader.has("mtp.fc.weight") and not reader.has("mtp.fc.qweight"):
         raise CheckpointError(f"{model_dir}: config declares an MTP head but the checkpoint has no mtp.* tensors")
     b = LayerBuilder(cfg, reader, dtype, device)
