@@ -378,7 +378,8 @@ class EngineConfig:
         ("fp32", "fp16", "int16"),
     )
     max_gdn_slots: int = lever(0, "GDN state slots (one per running sequence); 0: max_num_seqs.", "QV_MAX_GDN_SLOTS")
-    cuda_graphs: bool = lever(True, "Replay captured CUDA graphs for decode steps.", "QV_CUDA_GRAPHS")
+    cuda_graphs: bool = lever(True, "Replay captured CUDA graphs for decode steps; a graph that disagrees with the eager "
+                              "forward at start-up stops the engine (0: decode runs eagerly).", "QV_CUDA_GRAPHS")
     # -- prefix caching ------------------------------------------------------------------------
     prefix_caching: bool = lever(True, "Reuse KV blocks and GDN state snapshots of earlier prompts.", "QV_PREFIX_CACHING")
     gdn_snapshot_interval: int = lever(

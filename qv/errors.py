@@ -3,3 +3,8 @@
 
 class InvalidRequestError(ValueError):
     """A request qv cannot run as given; the message names the field and the limit (HTTP 400)."""
+
+
+class StartupError(RuntimeError):
+    """The engine cannot start as configured; the message says why and which lever changes that
+    (`qv serve` prints it and exits non-zero)."""

@@ -23,6 +23,7 @@ from qv.config import EngineConfig
 from qv.kernels import get_backend
 from qv.engine.build import build_engine_parts
 from qv.engine.clef_rows import ClefResult, clef_sequence, make_clef_rows
+from qv.engine.cuda_graphs import eager_reason
 from qv.engine.detokenizer import IncrementalDetokenizer
 from qv.engine.kv_cache import KVBlockPool
 from qv.engine.multimodal import MultimodalInputs, MultimodalPrompt, VisionSteps, check_multimodal
@@ -56,6 +57,7 @@ class EngineStats:
     spec_num_draft_tokens: int | None = None
     spec_num_accepted_tokens: int | None = None
     spec_num_accepted_tokens_per_pos: list[int] | None = None
+    cuda_graph_sizes: tuple[int, ...] = ()  # decode batch sizes replayed from CUDA graphs (empty: eager)
 
 
 @dataclass
@@ -72,6 +74,7 @@ class LLMEngine:
         parts = build_engine_parts(cfg)
         self.cfg = cfg
         self.model_config = parts.model_config
+        self.memory_plan = parts.memory_plan  # qv.engine.memory_plan.MemoryPlan (logged at start, shown by qv bench)
         self.model_dir = parts.model_dir
         self.model_name = parts.model_dir.name
         self.tokenizer = parts.tokenizer
@@ -95,14 +98,17 @@ class LLMEngine:
             self.media = VisionSteps(parts.vision, cfg.vision_max_patches_per_step, step_rows, parts.model.device)
         self.runner = ModelRunner(parts.model, parts.cache, cfg.max_num_batched_tokens, cfg.max_num_seqs,
                                   self.max_model_len, self.spec, self.media)
-        if cfg.cuda_graphs and parts.model.device.type == "cuda" and get_backend() != "reference":
-            self.runner.enable_decode_graphs(scratch_slot)
+        why_eager = eager_reason(cfg.cuda_graphs, parts.model.device, get_backend())
+        if why_eager is None:
+            self.runner.enable_decode_graphs(scratch_slot)  # StartupError where a graph disagrees with eager
+        else:
+            log.info("decode runs eagerly: %s", why_eager)
         self.requests: dict[str, _Request] = {}
         self.clef = make_clef_rows(parts.clef, parts.model, cfg.clef_slots, cfg.clef_nmax, self.max_model_len)
         self.runner.clef = self.clef
         self._seq_ids = itertools.count()
         self._rng = random.Random(cfg.seed)
-        self.stats = EngineStats()
+        self.stats = EngineStats(cuda_graph_sizes=tuple(self.runner.graphs.sizes) if self.runner.graphs else ())
         self._steps = 0
 
     # -- requests ------------------------------------------------------------------------------

@@ -114,9 +114,11 @@ class ModelRunner:
         self.clef = None  # qv.engine.clef_rows.ClefRows when Clef records are served (set by the engine)
 
     def enable_decode_graphs(self, scratch_slot: int) -> None:
+        """Capture and check the decode graphs; StartupError (graphs left off) where one fails."""
         graphs = DecodeGraphs(self.model, self.cache, self.max_seqs, self.max_blocks,
                               self.max_model_len, scratch_slot)
-        self.graphs = graphs if graphs.capture() else None
+        graphs.capture()
+        self.graphs = graphs
 
     def _forward(self, st: "_Step") -> torch.Tensor:
         """Replay a captured graph for plain decode steps; run eagerly otherwise."""

@@ -5,7 +5,9 @@ Triton kernels instead of raising in every decode step."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 import warnings
 from pathlib import Path
 
@@ -21,6 +23,7 @@ HEADER = "cuda_common.cuh"
 # benchmarks and profilers set this: eager calls then run the raw-CUDA kernels too (their GPU time, not
 # the host-time policy of worth_launching, is what those tools measure)
 EAGER_ALWAYS = False
+_AS_CAPTURED = threading.local()  # .on: this thread's eager calls choose kernels as a graph capture does
 _BUILT: dict[tuple, tuple | None] = {}  # (file, name, device) -> (function, registers) or None
 
 
@@ -93,9 +96,24 @@ def worth_launching(nbytes: int, cfg: dict) -> bool:
     """Whether a raw-CUDA kernel should run for a call reading `nbytes`. A CuPy launch costs more host time
     than a Triton one (H200 host, bench/host_launch.py, two runs: decode attention 200-219 vs 128-154 us a
     call, the M=4 GEMV 128-145 vs 69-120), which eager steps (speculative verification, delta rows) pay in full when they are
-    host-bound. So: always while a CUDA graph is being captured (replays cost no host time), and eagerly
-    only from cfg["eager_min_bytes"] on, where the GPU time exceeds the host time."""
-    return EAGER_ALWAYS or torch.cuda.is_current_stream_capturing() or nbytes >= cfg.get("eager_min_bytes", 0)
+    host-bound. So: always while a CUDA graph is being captured (replays cost no host time) or under
+    same_kernels_as_capture, and eagerly only from cfg["eager_min_bytes"] on, where the GPU time exceeds the
+    host time."""
+    return (EAGER_ALWAYS or torch.cuda.is_current_stream_capturing() or getattr(_AS_CAPTURED, "on", False)
+            or nbytes >= cfg.get("eager_min_bytes", 0))
+
+
+@contextlib.contextmanager
+def same_kernels_as_capture():
+    """Within: this thread's eager calls run the kernels a CUDA graph capture would (worth_launching says
+    yes), so an eager forward can be compared with a graph's replay kernel for kernel (the decode graphs'
+    start-up check; their Triton twins differ by rounding, which compounds over 64 bf16 layers)."""
+    previous = getattr(_AS_CAPTURED, "on", False)
+    _AS_CAPTURED.on = True
+    try:
+        yield
+    finally:
+        _AS_CAPTURED.on = previous
 
 
 def pointer(t: torch.Tensor | None) -> np.uint64:

@@ -2,7 +2,9 @@
 
 The engine is built in the app's lifespan, so importing this module is cheap and the model loads
 when the server starts: from `cfg` when given, else from the QV_* levers (QV_MODEL unset: the
-embedded tiny model, built into ~/.cache/qv on first start). Requests pass two pure-ASGI guards
+embedded tiny model, built into ~/.cache/qv on first start). `qv serve` builds it before uvicorn
+starts, so an engine that cannot start (StartupError, ConfigError) ends the process with its message
+and exit status 1 rather than inside uvicorn's lifespan traceback. Requests pass two pure-ASGI guards
 first: the body-size limit (413) and, when an API key is set, Bearer auth on /v1/* (401).
 """
 
@@ -19,7 +21,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from qv.config import EngineConfig
+from qv.config import ConfigError, EngineConfig
+from qv.errors import StartupError
 from qv.server import completions, ops, openai, responses, systemone
 from qv.server.errors import APIError, api_error_response, error_response
 from qv.server.state import ServerState
@@ -108,8 +111,9 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
     return error_response(exc.status_code, str(exc.detail))
 
 
-def build_app(cfg: EngineConfig | None = None) -> Starlette:
-    """A Starlette app whose lifespan builds the engine from `cfg` (or the environment)."""
+def build_app(cfg: EngineConfig | None = None, engine=None) -> Starlette:
+    """A Starlette app whose lifespan builds the engine from `cfg` (or the environment), unless given
+    one built from `cfg` already (`serve`)."""
     cfg_ref: dict = {}
 
     @contextlib.asynccontextmanager
@@ -117,15 +121,15 @@ def build_app(cfg: EngineConfig | None = None) -> Starlette:
         from qv.engine.engine import AsyncLLMEngine
 
         config = cfg if cfg is not None else EngineConfig.from_env()
-        engine = AsyncLLMEngine(config)
-        app.state.qv = ServerState(engine, config)
+        running = engine if engine is not None else AsyncLLMEngine(config)
+        app.state.qv = ServerState(running, config)
         cfg_ref["cfg"] = config
         log.info("qv server ready: model %s (%s), max_model_len %d", app.state.qv.model_name,
-                 app.state.qv.model_root, engine.max_model_len)
+                 app.state.qv.model_root, running.max_model_len)
         try:
             yield
         finally:
-            engine.shutdown()
+            running.shutdown()
 
     routes = [Route(path, _endpoint(fn), methods=[method]) for path, fn, method in ROUTES]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error})
@@ -151,11 +155,18 @@ async def _serve(server, state_app: Starlette) -> None:
 
 
 def serve(cfg: EngineConfig) -> None:
-    """`qv serve`: run uvicorn on cfg.host:cfg.port and print where it listens once it does."""
+    """`qv serve`: build the engine, run uvicorn on cfg.host:cfg.port and print where it listens once it
+    does. An engine that cannot start exits the process with its message (SystemExit, status 1)."""
     import uvicorn
 
+    from qv.engine.engine import AsyncLLMEngine
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    application = build_app(cfg)
+    try:
+        engine = AsyncLLMEngine(cfg)  # here, not in the lifespan: uvicorn would bury the message in a traceback
+    except (StartupError, ConfigError) as exc:
+        raise SystemExit(f"qv: the engine did not start: {exc}") from None
+    application = build_app(cfg, engine)
     server = uvicorn.Server(uvicorn.Config(application, host=cfg.host, port=cfg.port, log_level="info",
                                            lifespan="on", timeout_graceful_shutdown=5))
     asyncio.run(_serve(server, application))

@@ -4,7 +4,8 @@ and GuideLLM read qv unchanged.
 Gauges and engine-wide counters (tokens, preemptions, prefix cache, finished requests) are read
 from `engine.stats()` at scrape time by a collector, so they never drift from the engine. Per-request
 latency histograms are observed by the server as each request's outputs arrive. Each app has its
-own registry, so several servers can live in one process (tests).
+own registry, so several servers can live in one process (tests). qv's own gauges, under `qv:`, say
+whether decode steps replay CUDA graphs (`qv:cuda_graphs_enabled`) and for which batch sizes.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
 LABELS = ("model_name", "engine")
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -67,6 +68,12 @@ class _EngineCollector:
         for reason, count in sorted((getattr(s, "finished", None) or {}).items()):
             success.add_metric(lv + [str(reason)], count)
         yield success
+        sizes = tuple(getattr(s, "cuda_graph_sizes", ()))  # qv's own: whether decode replays graphs
+        yield gauge("qv:cuda_graphs_enabled", "1 if decode steps replay CUDA graphs, 0 if they run eagerly.",
+                    1 if sizes else 0)
+        graphs = InfoMetricFamily("qv:cuda_graphs", "Batch sizes with a captured decode CUDA graph.", labels=LABELS)
+        graphs.add_metric(lv, {"batch_sizes": ",".join(map(str, sizes))})
+        yield graphs
         # Speculative decoding, exported once EngineStats carries these counters (vLLM's names).
         for field, doc in (("spec_num_drafts", "Draft rounds."), ("spec_num_draft_tokens", "Draft tokens proposed."),
                            ("spec_num_accepted_tokens", "Draft tokens accepted.")):
