@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from gpu_profile import kernel_times
+from gpu_profile import kernel_table, kernel_times
 from qv.config import EngineConfig
 from qv.engine.engine import LLMEngine
 from qv.engine.request import SamplingParams
@@ -35,14 +35,6 @@ def make_model(preset: str, root: Path) -> Path:
     dense = make_tiny(root / f"{preset}-dense", preset, dtype=torch.bfloat16)
     quantize_checkpoint(dense, path, bits=8, group_size=128, sym=True)
     return path
-
-
-def kernel_table(prof, steps: int, top: int = 15) -> str:
-    """GPU time and launches per decode step of the largest kernels: what the GPU part of a step is."""
-    times = kernel_times(prof, steps)
-    lines = [f"    {name[:70]:<70} {ms * 1e3:8.1f} us {n:6.1f} launches" for name, ms, n in times[:top]]
-    total, launches = sum(ms for _, ms, _ in times), sum(n for _, _, n in times)
-    return "\n".join(lines + [f"    total {total * 1e3:.1f} us of GPU time, {launches:.0f} kernels per step"])
 
 
 def run_case(model_dir: Path, kernels: str, batch: int, prompt_len: int, decode_steps: int,

@@ -1,4 +1,4 @@
-"""`qv serve | generate | make-tiny | quantize | doctor` - thin argument parsing over the package."""
+"""`qv serve | generate | bench | make-tiny | quantize | doctor` - thin argument parsing over the package."""
 
 from __future__ import annotations
 
@@ -43,6 +43,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed_sample)
     for out in llm.generate(args.prompt, params):
         print(out.outputs[0].text)
+    return 0
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import json
+
+    from qv.bench import BenchSpec, bench, markdown
+
+    spec = BenchSpec(batch_sizes=_int_list(args.batch_sizes), batch_context=args.batch_context,
+                     contexts=_int_list(args.contexts), prefill_lengths=_int_list(args.prefill_lengths),
+                     steps=args.steps, warmup=args.warmup, profile=args.profile)
+    report = bench(spec, _overrides(args), model=args.model, preset=args.preset)
+    print(markdown(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
     return 0
 
 
@@ -95,6 +115,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed-sample", type=int, default=None, help="per-request sampling seed")
     _add_lever_flags(g)
     g.set_defaults(fn=cmd_generate)
+
+    b = sub.add_parser("bench", help="whole-model benchmark: decode ms/step and prefill s, each beside its floor")
+    b.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: $QV_MODEL or the tiny model)")
+    b.add_argument("--preset", default=None, help="a config.json of this shape with random weights (27b, 0.5b, tiny, ...)")
+    b.add_argument("--batch-sizes", default="1,8,16,32,64", help="decode rows at these batch sizes")
+    b.add_argument("--batch-context", type=int, default=1024, help="prompt tokens of each sequence in those rows")
+    b.add_argument("--contexts", default="32768,131072", help="decode rows at batch 1 from these contexts")
+    b.add_argument("--prefill-lengths", default="32768,131072,250000", help="prefill rows of these prompt lengths")
+    b.add_argument("--steps", type=int, default=32, help="timed decode steps per row")
+    b.add_argument("--warmup", type=int, default=4, help="decode steps before timing")
+    b.add_argument("--json", default=None, metavar="OUT", help="also write the report as JSON")
+    b.add_argument("--profile", action="store_true",
+                   help="per-kernel table of one decode step at the smallest and the largest batch")
+    _add_lever_flags(b)
+    b.set_defaults(fn=cmd_bench)
 
     t = sub.add_parser("make-tiny", help="write a deterministic tiny HF-format checkpoint folder")
     t.add_argument("out")

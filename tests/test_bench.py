@@ -1,0 +1,176 @@
+"""`qv bench` end to end on the CPU at tiny scale: every requested row is in the table and the
+JSON, each floor is its bytes over the copy rate (decode) or its FLOPs over the matmul rate
+(prefill), and those bytes and FLOPs agree with what the loaded engine really holds (its tensors'
+and caches' sizes) and with the checkpoint's parameter counts, counted here without qv/bench.
+No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from qv.cli import main
+from qv.config import EngineConfig
+from qv.kernels.linear import GPTQWeight
+
+ROW_KEYS = ("kind", "batch", "tokens", "measured_s", "floor_s", "floor_ratio", "weight_bytes", "kv_bytes",
+            "state_bytes", "flops", "tokens_per_s")
+TOP_KEYS = ("copy_bytes_per_s", "matmul_flops_per_s", "gpu", "versions", "date", "start_s",
+            "peak_memory_allocated_bytes", "peak_memory_reserved_bytes", "cuda_graphs", "levers", "memory_plan",
+            "rows", "profile")
+
+
+def _bench(tmp_path, capsys, *args: str) -> tuple[dict, str]:
+    out = tmp_path / "bench.json"
+    assert main(["bench", *args, "--steps", "2", "--warmup", "1", "--json", str(out)]) == 0
+    return json.loads(out.read_text()), capsys.readouterr().out
+
+
+def _check_report(report: dict, text: str, expected_rows: set[tuple[str, int, int]]) -> None:
+    for key in TOP_KEYS:
+        assert key in report, key
+    assert report["copy_bytes_per_s"] > 0 and report["matmul_flops_per_s"] > 0 and report["start_s"] > 0
+    assert {(r["kind"], r["batch"], r["tokens"]) for r in report["rows"]} == expected_rows
+    assert len(report["rows"]) == len(expected_rows)
+    for r in report["rows"]:
+        for key in ROW_KEYS:
+            assert key in r, key
+        for key in ("measured_s", "floor_s", "floor_ratio", "weight_bytes", "flops", "tokens_per_s"):
+            assert r[key] > 0, (key, r)
+        assert r["floor_ratio"] == pytest.approx(r["floor_s"] / r["measured_s"], rel=1e-9)
+        work = r["batch"] if r["kind"] == "decode" else r["tokens"]
+        assert r["tokens_per_s"] == pytest.approx(work / r["measured_s"], rel=1e-9)
+        if r["kind"] == "decode":
+            moved = r["weight_bytes"] + r["kv_bytes"] + r["state_bytes"]
+            assert r["floor_s"] == pytest.approx(moved / report["copy_bytes_per_s"], rel=1e-12)
+            assert r["kv_bytes"] > 0 and r["state_bytes"] > 0 and r["context_read"] >= r["tokens"]
+        else:
+            assert r["floor_s"] == pytest.approx(r["flops"] / report["matmul_flops_per_s"], rel=1e-12)
+    table = [line for line in text.splitlines() if line.startswith(("| decode", "| prefill"))]
+    assert len(table) == len(expected_rows), text
+    assert "ceilings measured in this run" in text and "levers:" in text
+
+
+# -- what the engine holds, counted from its objects -------------------------------------------
+
+
+def _weight_bytes(model) -> int:
+    """Bytes of every tensor a forward reads, the embedding table aside (B rows are added apart)."""
+    seen: dict[int, int] = {}
+
+    def add(*tensors):
+        for t in tensors:
+            if t is not None:
+                seen[t.data_ptr()] = t.numel() * t.element_size()
+
+    def linear(lin):
+        w = lin.weight
+        if isinstance(w, GPTQWeight):
+            add(w.qweight, w.scales, w.zeros)  # g_idx is not read for sequential groups
+        else:
+            add(w)
+        add(lin.bias)
+
+    for layer in model.layers:
+        add(layer.input_norm, layer.post_norm)
+        m = layer.mixer
+        if layer.kind == "full_attention":
+            for lin in m.qkv.parts + [m.o_proj]:
+                linear(lin)
+            add(m.q_norm, m.k_norm)
+        else:
+            for lin in m.in_proj_qkvz.parts + m.in_proj_ba.parts + [m.out_proj]:
+                linear(lin)
+            add(m.conv_weight, m.A_log, m.dt_bias, m.norm_weight)
+        for lin in layer.mlp.gate_up.parts + [layer.mlp.down]:
+            linear(lin)
+    add(model.norm)
+    linear(model.lm_head)  # tied: the embedding table, read whole by the logits
+    return sum(seen.values())
+
+
+def _cache_bytes(cache) -> tuple[int, int]:
+    """(KV bytes of one token across the attention layers, GDN state bytes of one sequence)."""
+    kv = sum(2 * (c.k[0, 0].numel() * c.k.element_size()
+                  + (c.k_scale[0, 0].numel() * c.k_scale.element_size() if c.k_scale is not None else 0))
+             for c in cache.kv.values())
+    state = sum(s.conv[0].numel() * s.conv.element_size() + s.ssm[0].numel() * s.ssm.element_size()
+                + (s.ssm_scale[0].numel() * s.ssm_scale.element_size() if s.ssm_scale is not None else 0)
+                for s in cache.gdn.values())
+    return kv, state
+
+
+def _prefill_flops(config: dict, tokens: int) -> int:
+    from qv.model.tiny import tensor_shapes
+
+    t = config.get("text_config", config)
+    shapes = tensor_shapes(config)
+    matrices = {n: math.prod(s) for n, s in shapes.items() if len(s) == 2 and "visual" not in n}
+    embed = next(n for n in matrices if n.endswith("embed_tokens.weight"))
+    lm_head = matrices.get("lm_head.weight", matrices[embed])
+    body = sum(p for n, p in matrices.items() if n not in (embed, "lm_head.weight"))
+    kinds = t["layer_types"]
+    attn = kinds.count("full_attention") * 2 * tokens**2 * t["head_dim"] * t["num_attention_heads"]
+    gdn = kinds.count("linear_attention") * 6 * tokens * (
+        t["linear_num_value_heads"] * t["linear_key_head_dim"] * t["linear_value_head_dim"])
+    return 2 * tokens * body + 2 * lm_head + attn + gdn
+
+
+def _check_against_engine(report: dict, model_dir, config: dict) -> None:
+    from qv.engine.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig.from_env(environ={}, model=str(model_dir), **report["levers"]))
+    weights = _weight_bytes(engine.runner.model)
+    row_bytes = engine.runner.model.embed_tokens[0].numel() * engine.runner.model.embed_tokens.element_size()
+    kv_per_token, state_per_seq = _cache_bytes(engine.runner.cache)
+    for r in report["rows"]:
+        if r["kind"] == "decode":
+            assert r["weight_bytes"] == weights + r["batch"] * row_bytes
+            assert r["kv_bytes"] == round(kv_per_token * r["batch"] * r["context_read"])
+            assert r["state_bytes"] == 2 * r["batch"] * state_per_seq  # read and written
+        else:
+            assert r["flops"] == _prefill_flops(config, r["tokens"])
+
+
+def test_bench_preset_tiny(tmp_path, capsys):
+    from qv.bench.presets import preset_config, write_preset
+
+    report, text = _bench(tmp_path, capsys, "--preset", "tiny", "--batch-sizes", "1,2", "--contexts", "96",
+                          "--prefill-lengths", "96,128")
+    expected = {("decode", 1, 1024), ("decode", 2, 1024), ("decode", 1, 96), ("prefill", 1, 96), ("prefill", 1, 128)}
+    _check_report(report, text, expected)
+    assert report["levers"]["load_format"] == "random" and report["levers"]["max_num_seqs"] == 2
+    assert report["cuda_graphs"] is False and report["profile"] == []
+    folder = write_preset("tiny", tmp_path / "preset")
+    _check_against_engine(report, folder, preset_config("tiny"))
+
+
+def test_bench_model_folder_gptq_int8_kv(tmp_path, capsys):
+    """A checkpoint folder (tied lm_head, GPTQ-Int8 linears), int8 KV and int16 GDN state: their
+    scales count; --profile adds a per-kernel table at the smallest and largest batch."""
+    from qv.model.quantize import quantize_checkpoint
+    from qv.model.tiny import make_tiny
+
+    folder = make_tiny(tmp_path / "gqa1", "gqa1")
+    quantize_checkpoint(folder, folder, bits=8, group_size=16, sym=True, in_place=True)
+    report, text = _bench(tmp_path, capsys, str(folder), "--batch-sizes", "1,3", "--batch-context", "40",
+                          "--contexts", "64", "--prefill-lengths", "48", "--kv-dtype", "int8",
+                          "--gdn-state-dtype", "int16", "--profile")
+    expected = {("decode", 1, 40), ("decode", 3, 40), ("decode", 1, 64), ("prefill", 1, 48)}
+    _check_report(report, text, expected)
+    assert "load_format" not in report["levers"] and report["levers"]["kv_dtype"] == "int8"
+    assert [p["batch"] for p in report["profile"]] == [1, 3]
+    for p in report["profile"]:
+        assert p["kernels"] and p["wall_us_per_step"] > 0
+    assert text.count("| kernel | us/step |") == 2
+    _check_against_engine(report, folder, json.loads((folder / "config.json").read_text()))
+
+
+def test_bench_rows_need_a_long_enough_model(tmp_path, capsys):
+    from qv.config import ConfigError
+
+    with pytest.raises(ConfigError, match="max_model_len"):
+        main(["bench", "--preset", "tiny", "--batch-sizes", "1", "--contexts", "64", "--prefill-lengths", "64",
+              "--max-model-len", "32", "--steps", "1"])
