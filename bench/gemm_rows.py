@@ -24,7 +24,8 @@ from qv.kernels.reference import dequantize_gptq  # noqa: E402
 
 DEV = torch.device("cuda")
 # (name, K, N) of every linear in a 27B decoder layer (GDN qkvz and out, attention qkv and o, the MLP)
-SHAPES = (("gdn in_proj_qkvz", 5120, 16384), ("gdn out_proj", 6144, 5120), ("attn qkv", 5120, 14336),
+SHAPES = (("gdn in_proj_qkvz", 5120, 16384), ("gdn in_proj_ba", 5120, 96), ("gdn out_proj", 6144, 5120),
+          ("attn qkv", 5120, 14336),
           ("mlp gate_up", 5120, 34816), ("mlp down", 17408, 5120))
 SWEEP = [dict(kind="dot", f16_mode=f, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=st, GROUP_M=1,
               split=None)

@@ -3,15 +3,16 @@ torch.nn.functional.linear (cuBLAS): nothing to gain there.
 
 Weights are qv's GPTQ layout (linear.py): codes [K, N] uint8, scales/zeros [G, N], g_idx [K].
 Paths by rows M (sequential groups, g_idx = k // group_size, unless noted):
-  M <= 16     sm_90, fp16/bf16 rows: the raw-CUDA GEMV (linear_cuda.py, gptq_gemv_mma.cu; the weight is
+  M <= 8      sm_90, fp16/bf16 rows: the raw-CUDA GEMV (linear_cuda.py, gptq_gemv_mma.cu; the weight is
               the wide operand of mma.sync), in CUDA graphs and for eager calls from 1 GiB of weight.
               Where it does not apply (no CuPy, group sizes other than 32/64/128, a smaller eager call:
               cuda_build.worth_launching): M = 1 as on other GPUs, M > 1 gptq_gemv_mma_kernel
               (linear_gemv.py, the same idea in Triton).
   M = 1       other GPUs: gptq_gemv_kernel (linear_gemv.py), CUDA-core FMAs streaming the codes.
-  M <= 16     other GPUs: gptq_matmul_kernel, F16=1: raw codes on fp16 tensor cores, zero and scale
-              applied once per tile and column after the dot (_f16_tile); split-K over the SMs.
-  M < 1024    gptq_matmul_kernel, F16=2: each [BK, BN] tile dequantized in fp16 for tl.dot.
+  M <= 16     other GPUs, and 9..16 on sm_90: gptq_matmul_kernel, F16=1: raw codes on fp16 tensor cores,
+              zero and scale applied once per tile and column after the dot (_f16_tile); split-K over the SMs.
+  M < 1024    gptq_matmul_kernel, F16=2: each [BK, BN] tile dequantized in x's dtype for tl.dot; up to 64
+              rows (decode batches) one row tile and split-K over the SMs.
   M >= 1024   W dequantized once into a [K, N] workspace in x's dtype, then cuBLAS (any g_idx): the
               dequantization costs ~3 K*N bytes of traffic, small next to 2*M*K*N FLOPs.
 Codes become fp16 by bit tricks (no int->float instructions); bf16 activations are scaled into fp16
@@ -60,11 +61,11 @@ def _f16_tile(b_x, b_q, s_ptr, z_ptr, g_off, o_n, m_n, HAS_ZERO: tl.constexpr, T
 
 @triton.jit
 def gptq_matmul_kernel(
-    x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, r_ptr, o_ptr, M, N, K, K_SPLIT, GROUP,
+    x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, o_ptr, M, N, K, K_SPLIT, GROUP,
     stride_xm, stride_qk, stride_sg, stride_om, stride_os,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, GATHER: tl.constexpr, F16: tl.constexpr,  # 0, 1 or 2
-    TILE_SCALE: tl.constexpr, ROW_SCALE: tl.constexpr, SPLIT: tl.constexpr,
+    TILE_SCALE: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_m, n_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
@@ -89,15 +90,20 @@ def gptq_matmul_kernel(
         if F16 == 1:
             acc += _f16_tile(b_x, b_q, s_ptr, z_ptr, (k0 // GROUP).to(tl.int64) * stride_sg, o_n, m_n, HAS_ZERO,
                              TILE_SCALE)
-        elif F16 == 2:  # GEMM: the tile itself dequantized in fp16 ((1024 + c) - (1024 + z) is exact)
+        elif F16 == 2:  # GEMM: the tile dequantized in x's dtype ((1024 + c) - (1024 + z) is exact in fp16,
+            # and |c - z| < 256 exact in bf16 too), so bf16 rows need no conversion pass before the kernel
             g_off = (k0 // GROUP).to(tl.int64) * stride_sg
-            b_s = tl.load(s_ptr + g_off + o_n, mask=m_n, other=0.).to(tl.float16)
+            b_s = tl.load(s_ptr + g_off + o_n, mask=m_n, other=0.)
             if HAS_ZERO:
                 b_z = tl.load(z_ptr + g_off + o_n, mask=m_n, other=0.).to(tl.float32)
             else:
                 b_z = tl.full([BLOCK_N], 128., dtype=tl.float32)
             b_w = codes_f16(b_q, False) - (1024. + b_z).to(tl.float16)[None, :]
-            acc += tl.dot(b_x, b_w * b_s[None, :])
+            if F32_DOT:  # Triton's interpreter has no bf16 arithmetic: the products in fp32
+                acc += tl.dot(b_x.to(tl.float32), b_w.to(tl.float32) * b_s.to(tl.float32)[None, :],
+                              input_precision="ieee")
+            else:
+                acc += tl.dot(b_x, b_w.to(cd) * b_s.to(cd)[None, :])
         elif GATHER:
             b_g = tl.load(g_ptr + o_k, mask=m_k, other=0).to(tl.int64)
             p_sz = b_g[:, None] * stride_sg + o_n[None, :]
@@ -115,8 +121,6 @@ def gptq_matmul_kernel(
             else:
                 b_z = tl.full([BLOCK_N], 128., dtype=tl.float32)
             acc += tl.dot(b_x, ((b_q.to(tl.float32) - b_z[None, :]) * b_s[None, :]).to(cd), input_precision="ieee")
-    if ROW_SCALE:
-        acc *= tl.load(r_ptr + o_m, mask=m_m, other=1.)[:, None]
     m_o = m_m[:, None] & m_n[None, :]
     if SPLIT:
         tl.store(o_ptr + tl.program_id(1).to(tl.int64) * stride_os + o_m[:, None] * stride_om + o_n[None, :], acc,
@@ -180,9 +184,17 @@ def _gptq_config(device, m, n, k, group, f16):
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=bk, GROUP_M=4, num_warps=4, num_stages=1, split=None)
     if m <= 16:  # decode: memory bound; enough programs in flight to stream the weight at full rate
         return dict(BLOCK_M=16, BLOCK_N=256, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=4, split=None)
+    if m <= 64 and f16:  # decode batches: one row tile, split-K over the SMs (bench/gemm_rows.py --sweep)
+        return dict(BLOCK_M=32 if m <= 32 else 64, BLOCK_N=128, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=4,
+                    split=None)
     if not f16:  # fp32 (ieee dots on FMA units) or act-order gathers
         return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=2, split=1)
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, split=1)
+
+
+# the raw-CUDA GEMV up to this many rows; at 16 the Triton tiles read the 27B MLP weights faster
+# (H200 graph replay, bench/gemm_rows.py: gate_up 104 vs 178 us, down 53 vs 66 us)
+CUDA_GEMV_ROWS = 8
 
 
 def _gemv_kind(device, m, dtype):
@@ -190,7 +202,7 @@ def _gemv_kind(device, m, dtype):
     it was measured: the raw-CUDA GEMV ("cuda", linear_cuda.py; where it does not apply, "fma" at M = 1
     and its Triton twin "mma" in linear_gemv.py above, the next best there). Other GPUs keep the older
     kernels: "fma" (CUDA cores) at M = 1 and "dot" (x on the MMA's wide side) above."""
-    if (m <= 16 and dtype in (torch.float16, torch.bfloat16) and device.type == "cuda"
+    if (m <= CUDA_GEMV_ROWS and dtype in (torch.float16, torch.bfloat16) and device.type == "cuda"
             and torch.cuda.get_device_capability(device)[0] == 9):
         return "cuda"
     return "fma" if m == 1 else "dot"
@@ -232,13 +244,8 @@ def gptq_linear(x, w, bias=None, config=None):
         bk //= 2
         if bk < 16:
             gather, f16, bk = True, False, 32
-    rows = None
-    if f16 and x.dtype == torch.bfloat16 and m > 16 and cfg.get("f16_mode", 2) != 0:
-        # GEMM: bf16 rows go to fp16 once, scaled by a power of two into range (undone at the end)
-        amax = x2.abs().amax(dim=1).float().clamp_min(1.0)
-        rows = torch.exp2(torch.ceil(torch.log2(amax / 16384.0)).clamp_min(0.0))
-        x2 = (x2.float() / rows[:, None]).to(torch.float16)
-    # fp16 tensor cores: scale after the dot for the GEMV (few rows), dequantized tiles for the GEMM
+    # tensor cores: scale after the dot for the GEMV (few rows; bf16 rows scaled into fp16 range per tile),
+    # tiles dequantized in x's dtype for the GEMM
     f16_mode = cfg.pop("f16_mode", 1 if m <= 16 else 2) if f16 else 0
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     split = cfg.pop("split")
@@ -248,14 +255,13 @@ def gptq_linear(x, w, bias=None, config=None):
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     zeros = w.zeros if w.zeros is not None else w.scales
     gptq_matmul_kernel[(tiles, split)](
-        x2, w.qweight, w.scales, zeros, w.g_idx, bias if bias is not None else w.scales,
-        rows if rows is not None else w.scales, part, m, n, k, k_split,
+        x2, w.qweight, w.scales, zeros, w.g_idx, bias if bias is not None else w.scales, part, m, n, k, k_split,
         w.group_size, x2.stride(0), w.qweight.stride(0), w.scales.stride(0), part.stride(-2),
         part.stride(0) if split > 1 else 0,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.pop("GROUP_M"), HAS_ZERO=w.zeros is not None,
         HAS_BIAS=bias is not None, GATHER=gather, F16=f16_mode,
-        TILE_SCALE=f16_mode == 1 and x2.dtype == torch.bfloat16,
-        ROW_SCALE=rows is not None, SPLIT=split > 1, **cfg)
+        TILE_SCALE=f16_mode == 1 and x2.dtype == torch.bfloat16, SPLIT=split > 1,
+        F32_DOT=interpreting(x.device) and x2.dtype == torch.bfloat16, **cfg)
     if split > 1:
         sum_partials(part, bias, out)
     return out.view(*shape[:-1], n)

@@ -129,7 +129,7 @@ def test_dense(dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("m", [1, 4, 16, 300])
+@pytest.mark.parametrize("m", [1, 4, 16, 40, 64, 300])
 def test_gptq_real_shapes(dtype, m):
     _case(dtype, m, 34816, 5120, 128, zeros=m == 4)
     _case(dtype, m, 5120, 17408, 128, bias=m == 16)
