@@ -49,13 +49,15 @@ class MemoryPlan:
 
     @property
     def seqs_at_longest(self) -> int:
-        """Sequences of the longest context that fit at once (KV blocks and state slots both)."""
-        return min(self.gdn_slots, self.kv_tokens // max(1, self.longest_context))
+        """Sequences of the longest context that fit at once (KV blocks and state slots both); each
+        holds whole blocks, so a context that ends inside a block takes all of it."""
+        per_seq = -(-self.longest_context // self.block_size)
+        return min(self.gdn_slots, self.kv_blocks // max(1, per_seq))
 
     @property
     def context_at_most_seqs(self) -> int:
-        """Tokens each sequence may hold when every state slot is in use."""
-        return min(self.max_model_len, self.kv_tokens // max(1, self.gdn_slots))
+        """Tokens each sequence may hold when every state slot is in use (whole blocks each)."""
+        return min(self.max_model_len, self.kv_blocks // max(1, self.gdn_slots) * self.block_size)
 
     def as_dict(self) -> dict:
         out = asdict(self)

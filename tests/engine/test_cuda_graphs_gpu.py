@@ -73,8 +73,10 @@ def test_engine_starts_with_graphs_and_replay_equals_eager(llm):
 
 # |logprob difference| of a token graphs and eager both chose, and the eager margin below which they may
 # part: the same kernels sum attention splits in another order (a graph splits over max_model_len, an
-# eager step over the batch's longest sequence), a last-bit difference that can flip a near tie
-TIE = 2e-2
+# eager step over the batch's longest sequence), a last-bit difference that can flip a near tie; bf16
+# rounding of that order moved one logprob by 3.1e-2 on the H200 (4-layer random 27B shapes), a broken
+# graph moves them by O(1)
+TIE = 5e-2
 
 
 def _assert_same_greedy(name: str, graphs, eager) -> None:
