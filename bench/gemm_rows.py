@@ -27,11 +27,13 @@ DEV = torch.device("cuda")
 SHAPES = (("gdn in_proj_qkvz", 5120, 16384), ("gdn in_proj_ba", 5120, 96), ("gdn out_proj", 6144, 5120),
           ("attn qkv", 5120, 14336),
           ("mlp gate_up", 5120, 34816), ("mlp down", 17408, 5120))
-SWEEP = [dict(kind="dot", f16_mode=f, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=st, GROUP_M=1,
-              split=None)
-         for f, bm, bn, bk, nw, st in ((1, 32, 128, 64, 4, 4), (1, 64, 128, 64, 4, 4), (1, 64, 128, 64, 8, 3),
-                                       (1, 64, 64, 128, 4, 4), (2, 64, 128, 64, 4, 4), (2, 64, 128, 64, 8, 3),
-                                       (2, 32, 128, 64, 4, 4), (1, 16, 256, 64, 4, 4))]
+SWEEP = ([dict(kind="dot", x_f16=xf, asm=asm, waves=wv, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4,
+               num_stages=4, GROUP_M=1, split=None)
+          for xf in (False, True) for asm in (False, True) for wv in (4, 2)]
+         + [dict(kind="dot", x_f16=True, asm=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=st,
+                 GROUP_M=1, split=None)
+            for bm, bn, bk, nw, st in ((64, 128, 64, 8, 3), (32, 256, 64, 8, 3), (64, 64, 128, 4, 4),
+                                       (64, 256, 64, 8, 3))])
 
 
 def main() -> None:

@@ -61,11 +61,11 @@ def _f16_tile(b_x, b_q, s_ptr, z_ptr, g_off, o_n, m_n, HAS_ZERO: tl.constexpr, T
 
 @triton.jit
 def gptq_matmul_kernel(
-    x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, o_ptr, M, N, K, K_SPLIT, GROUP,
+    x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, r_ptr, o_ptr, M, N, K, K_SPLIT, GROUP,
     stride_xm, stride_qk, stride_sg, stride_om, stride_os,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, GATHER: tl.constexpr, F16: tl.constexpr,  # 0, 1 or 2
-    TILE_SCALE: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr,
+    TILE_SCALE: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr, ASM: tl.constexpr, ROW_SCALE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_m, n_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
@@ -98,7 +98,7 @@ def gptq_matmul_kernel(
                 b_z = tl.load(z_ptr + g_off + o_n, mask=m_n, other=0.).to(tl.float32)
             else:
                 b_z = tl.full([BLOCK_N], 128., dtype=tl.float32)
-            b_w = codes_f16(b_q, False) - (1024. + b_z).to(tl.float16)[None, :]
+            b_w = codes_f16(b_q, ASM) - (1024. + b_z).to(tl.float16)[None, :]
             if F32_DOT:  # Triton's interpreter has no bf16 arithmetic: the products in fp32
                 acc += tl.dot(b_x.to(tl.float32), b_w.to(tl.float32) * b_s.to(tl.float32)[None, :],
                               input_precision="ieee")
@@ -121,6 +121,8 @@ def gptq_matmul_kernel(
             else:
                 b_z = tl.full([BLOCK_N], 128., dtype=tl.float32)
             acc += tl.dot(b_x, ((b_q.to(tl.float32) - b_z[None, :]) * b_s[None, :]).to(cd), input_precision="ieee")
+    if ROW_SCALE:  # rows that came in scaled by a power of two (rows_to_f16)
+        acc *= tl.load(r_ptr + o_m, mask=m_m, other=1.)[:, None]
     m_o = m_m[:, None] & m_n[None, :]
     if SPLIT:
         tl.store(o_ptr + tl.program_id(1).to(tl.int64) * stride_os + o_m[:, None] * stride_om + o_n[None, :], acc,
@@ -149,6 +151,31 @@ def gptq_dequant_kernel(q_ptr, s_ptr, z_ptr, g_ptr, w_ptr, N, K, stride_qk, stri
     b_c = tl.load(q_ptr + o_k[:, None].to(tl.int64) * stride_qk + o_n[None, :], mask=m, other=0).to(tl.float32)
     tl.store(w_ptr + o_k[:, None].to(tl.int64) * stride_wk + o_n[None, :], ((b_c - b_z) * b_s).to(w_ptr.dtype.element_ty),
              mask=m)
+
+
+@triton.jit
+def rows_to_f16_kernel(x_ptr, y_ptr, r_ptr, K, stride_x, stride_y, BLOCK: tl.constexpr):
+    """One row: its max to (8192, 16384] by a power of two r (at least 1), y = x / r in fp16."""
+    row = tl.program_id(0).to(tl.int64)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        o = k0 + tl.arange(0, BLOCK)
+        amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + row * stride_x + o, mask=o < K, other=0.).to(tl.float32)))
+    r = tl.exp2(tl.maximum(tl.ceil(tl.log2(tl.max(amax) / 16384.)), 0.))
+    for k0 in range(0, K, BLOCK):
+        o = k0 + tl.arange(0, BLOCK)
+        v = tl.load(x_ptr + row * stride_x + o, mask=o < K, other=0.).to(tl.float32)
+        tl.store(y_ptr + row * stride_y + o, (v / r).to(tl.float16), mask=o < K)
+    tl.store(r_ptr + row, r)
+
+
+def rows_to_f16(x2):
+    """bf16 rows -> (fp16 rows scaled into range, fp32 scale per row): one launch."""
+    m, k = x2.shape
+    y = torch.empty((m, k), dtype=torch.float16, device=x2.device)
+    r = torch.empty(m, dtype=torch.float32, device=x2.device)
+    rows_to_f16_kernel[(m,)](x2, y, r, k, x2.stride(0), y.stride(0), BLOCK=min(next_pow2(k), 1024))
+    return y, r
 
 
 def _dequant_matmul(x2, w, bias, out):
@@ -184,9 +211,13 @@ def _gptq_config(device, m, n, k, group, f16):
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=bk, GROUP_M=4, num_warps=4, num_stages=1, split=None)
     if m <= 16:  # decode: memory bound; enough programs in flight to stream the weight at full rate
         return dict(BLOCK_M=16, BLOCK_N=256, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=4, split=None)
-    if m <= 64 and f16:  # decode batches: one row tile, split-K over the SMs (bench/gemm_rows.py --sweep)
-        return dict(BLOCK_M=32 if m <= 32 else 64, BLOCK_N=128, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=4,
-                    split=None)
+    if m <= 64 and f16:
+        # decode batches: one row tile, bf16 rows to fp16 in one launch, codes by byte permutes, split-K over
+        # the SMs; the MLP's long rows or wide outputs in narrower, deeper tiles (H200 graph replay, 27B
+        # shapes, bench/gemm_rows.py --sweep: a layer's linears 331 vs 384 us at M=64, 316 vs 344 at M=32)
+        tile = dict(BLOCK_N=64, BLOCK_K=128, waves=4) if n >= 32768 or k >= 16384 else dict(BLOCK_N=128, BLOCK_K=64,
+                                                                                           waves=2)
+        return dict(BLOCK_M=64, GROUP_M=1, num_warps=4, num_stages=4, split=None, x_f16=True, asm=True, **tile)
     if not f16:  # fp32 (ieee dots on FMA units) or act-order gathers
         return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=2, split=1)
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, split=1)
@@ -247,21 +278,26 @@ def gptq_linear(x, w, bias=None, config=None):
     # tensor cores: scale after the dot for the GEMV (few rows; bf16 rows scaled into fp16 range per tile),
     # tiles dequantized in x's dtype for the GEMM
     f16_mode = cfg.pop("f16_mode", 1 if m <= 16 else 2) if f16 else 0
+    rows = None
+    if cfg.pop("x_f16", False) and f16_mode == 2 and x2.dtype == torch.bfloat16:
+        x2, rows = rows_to_f16(x2)
+    asm = cfg.pop("asm", False) and not interpreting(x.device)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    split = cfg.pop("split")
-    if split is None:  # about four waves of programs over the SMs
-        split = max(1, min(triton.cdiv(4 * num_sms(x.device), tiles), k // (4 * bk)))
+    split, waves = cfg.pop("split"), cfg.pop("waves", 4)
+    if split is None:  # about `waves` waves of programs over the SMs
+        split = max(1, min(triton.cdiv(waves * num_sms(x.device), tiles), k // (4 * bk)))
     split, k_split = k_ranges(k, split, bk)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     zeros = w.zeros if w.zeros is not None else w.scales
     gptq_matmul_kernel[(tiles, split)](
-        x2, w.qweight, w.scales, zeros, w.g_idx, bias if bias is not None else w.scales, part, m, n, k, k_split,
+        x2, w.qweight, w.scales, zeros, w.g_idx, bias if bias is not None else w.scales,
+        rows if rows is not None else w.scales, part, m, n, k, k_split,
         w.group_size, x2.stride(0), w.qweight.stride(0), w.scales.stride(0), part.stride(-2),
         part.stride(0) if split > 1 else 0,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.pop("GROUP_M"), HAS_ZERO=w.zeros is not None,
         HAS_BIAS=bias is not None, GATHER=gather, F16=f16_mode,
         TILE_SCALE=f16_mode == 1 and x2.dtype == torch.bfloat16, SPLIT=split > 1,
-        F32_DOT=interpreting(x.device) and x2.dtype == torch.bfloat16, **cfg)
+        F32_DOT=interpreting(x.device) and x2.dtype == torch.bfloat16, ASM=asm, ROW_SCALE=rows is not None, **cfg)
     if split > 1:
         sum_partials(part, bias, out)
     return out.view(*shape[:-1], n)

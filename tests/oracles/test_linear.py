@@ -112,6 +112,20 @@ def test_gptq_gemm(dtype):
     _case(dtype, 37, 50, 128, 64, zeros=True, bias=True)
 
 
+@pytest.mark.parametrize("cfg", [dict(kind="dot", x_f16=True), dict(kind="dot", x_f16=True, asm=True, waves=2)])
+def test_gptq_decode_batch_variants(cfg):
+    """The 17-64-row tiles with bf16 rows scaled into fp16 by one kernel first (rows_to_f16, undone per row
+    after the dot), the byte-permute codes and fewer split-K waves: the variants bench/gemm_rows.py sweeps."""
+    _case(torch.bfloat16, 37, 50, 128, 64, zeros=True, bias=True, config=cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [dict(kind="dot", x_f16=True, asm=True), dict(kind="dot", asm=True, waves=2)])
+def test_gptq_decode_batch_variants_gpu(cfg):
+    _case(torch.bfloat16, 64, 5120, 17408, 128, config=cfg)
+    _case(torch.bfloat16, 40, 34816, 5120, 128, zeros=True, config=cfg)
+
+
 @pytest.mark.parametrize("m", [3, 20])
 def test_gptq_act_order(m):
     _case(torch.float32, m, 40, 64, 16, zeros=True, act_order=True)
