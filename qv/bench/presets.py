@@ -61,12 +61,14 @@ def bench_config(flags: dict, model: str | None, preset: str | None, max_model_l
                  max_batch: int) -> EngineConfig:
     """The engine's levers: the environment and flags, then what the rows need where the user set
     nothing (max_model_len for the longest row, max_num_seqs for the largest batch, a long-prefill
-    step budget; with a preset also random weights, and int8 KV at a real model's shapes)."""
+    step budget; with a preset also random weights, and int8 KV and the model's own max_model_len at a
+    real model's shapes)."""
     user = EngineConfig.from_env(**flags)
     chosen = levers_set(user, flags)
     picks = {"max_model_len": max_model_len, "max_num_seqs": max_batch, "max_num_batched_tokens": PREFILL_CHUNK}
     if preset is not None and is_model_shape(preset):
         picks["kv_dtype"] = "int8"
+        del picks["max_model_len"]  # served as users serve it: the model's 262,144 (memory plan, graph splits)
     values = {k: v for k, v in picks.items() if k not in chosen}
     if preset is not None:
         values["load_format"] = "random"  # the folder holds a config.json only
