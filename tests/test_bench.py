@@ -81,7 +81,7 @@ def _weight_bytes(model) -> int:
                 linear(lin)
             add(m.q_norm, m.k_norm)
         else:
-            for lin in m.in_proj_qkvz.parts + m.in_proj_ba.parts + [m.out_proj]:
+            for lin in m.in_proj.parts + [m.out_proj]:
                 linear(lin)
             add(m.conv_weight, m.A_log, m.dt_bias, m.norm_weight)
         for lin in layer.mlp.gate_up.parts + [layer.mlp.down]:

@@ -78,9 +78,10 @@ def test_forced_gptq_int8_on_a_dense_config(tmp_path):
     folder = write_config(tmp_path / "m", preset="random-128", **SHAPE_128)
     model = LLM(model=str(folder), load_format="random", quantization="gptq-int8").engine.runner.model
     layers = model.layers
-    weights = [layers[0].mixer.in_proj_qkvz.parts[0].weight, layers[0].mixer.out_proj.weight,
+    weights = [layers[0].mixer.in_proj.parts[0].weight, layers[0].mixer.out_proj.weight,
                layers[3].mixer.qkv.parts[0].weight, layers[3].mlp.gate_up.parts[0].weight]
     assert all(isinstance(w, GPTQWeight) and w.group_size == 128 for w in weights)
+    assert layers[0].mixer.in_proj.runs == [[0, 1, 2, 3]]  # qkv, z, b and a in one GEMV
     folder_odd = write_config(tmp_path / "odd")  # gqa1's 64-wide hidden size is no multiple of 128
     with pytest.raises(CheckpointError, match="group 128"):
         LLM(model=str(folder_odd), load_format="random", quantization="gptq-int8")

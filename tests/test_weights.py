@@ -269,7 +269,7 @@ def test_mixed_formats_allowed_when_config_says_so(gptq):
     _qcfg(modules_to_not_convert=[L0 + "self_attn.k_proj"])(gptq)
     model = load_text_model(str(gptq))
     assert len(model.layers[0].mixer.qkv.parts) == 3  # dense k_proj kept apart from the int8 q/v
-    assert len(model.layers[1].mixer.in_proj_qkvz.parts) == 1 and len(model.layers[1].mixer.in_proj_ba.parts) == 1
+    assert model.layers[1].mixer.in_proj.runs == [[0, 1], [2, 3]]  # int8 qkv+z in one GEMV, dense b+a in another
 
 
 def test_vllm_style_rule_on_multimodal_names(tiny_dirs, tmp_path):

@@ -38,8 +38,8 @@ _MODULE = re.compile(r"(?:model\.language_model\.|model\.)layers\.(\d+)\.(self_a
 _PLACES = {
     ("self_attn", "q_proj"): ("mixer.qkv", 0), ("self_attn", "k_proj"): ("mixer.qkv", 1),
     ("self_attn", "v_proj"): ("mixer.qkv", 2), ("self_attn", "o_proj"): ("mixer.o_proj", None),
-    ("linear_attn", "in_proj_qkv"): ("mixer.in_proj_qkvz", 0), ("linear_attn", "in_proj_z"): ("mixer.in_proj_qkvz", 1),
-    ("linear_attn", "in_proj_b"): ("mixer.in_proj_ba", 0), ("linear_attn", "in_proj_a"): ("mixer.in_proj_ba", 1),
+    ("linear_attn", "in_proj_qkv"): ("mixer.in_proj", 0), ("linear_attn", "in_proj_z"): ("mixer.in_proj", 1),
+    ("linear_attn", "in_proj_b"): ("mixer.in_proj", 2), ("linear_attn", "in_proj_a"): ("mixer.in_proj", 3),
     ("linear_attn", "out_proj"): ("mixer.out_proj", None),
     ("mlp", "gate_proj"): ("mlp.gate_up", 0), ("mlp", "up_proj"): ("mlp.gate_up", 1), ("mlp", "down_proj"): ("mlp.down", None),
 }
@@ -133,11 +133,7 @@ def locate(model, name: str) -> tuple[Linear, int, int]:
     if place[1] is None:
         return target, 0, target.out_features
     assert isinstance(target, FusedLinear)
-    if len(target.parts) == 1:  # fused along N: this module is a column range
-        start = sum(target.sizes[:place[1]])
-        return target.parts[0], start, start + target.sizes[place[1]]
-    part = target.parts[place[1]]
-    return part, 0, part.out_features
+    return target.member(place[1])  # fused along N: this module is a column range of its part
 
 
 def attach(model, modules: list[AdapterModule], dtype: torch.dtype | None = None,

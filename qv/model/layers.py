@@ -51,38 +51,66 @@ class Linear:
         return y
 
 
-def fuse_linears(parts: list[Linear]) -> list[Linear]:
-    """Concatenate linears along N when they share a format (dense, or GPTQ with the same groups);
-    otherwise return them unchanged. Fusing saves launches and re-reads of the activations."""
-    if len(parts) == 1:
-        return parts
-    ws = [p.weight for p in parts]
-    if any(p.bias is not None for p in parts) or any(p.deltas for p in parts):
-        return parts
-    if all(isinstance(w, torch.Tensor) for w in ws) and len({w.dtype for w in ws}) == 1:
-        return [Linear(torch.cat(ws, dim=0))]
-    if all(isinstance(w, GPTQWeight) for w in ws):
-        g0 = ws[0].g_idx
-        same_groups = all(torch.equal(w.g_idx, g0) and w.scales.shape[0] == ws[0].scales.shape[0] for w in ws)
-        same_zero_kind = len({w.zeros is None for w in ws}) == 1
-        if same_groups and same_zero_kind:
-            zeros = None if ws[0].zeros is None else torch.cat([w.zeros for w in ws], dim=1)
-            return [Linear(GPTQWeight(torch.cat([w.qweight for w in ws], dim=1), torch.cat([w.scales for w in ws], dim=1),
-                                      zeros, g0, ws[0].group_size))]
-    return parts
+def _fusable(a: Linear, b: Linear) -> bool:
+    """Whether two linears over the same input concatenate along N into one weight: one format (dense
+    of one dtype, or GPTQ with the same groups and zero kind), no bias, no deltas."""
+    if a.bias is not None or b.bias is not None or a.deltas or b.deltas:
+        return False
+    wa, wb = a.weight, b.weight
+    if isinstance(wa, torch.Tensor) and isinstance(wb, torch.Tensor):
+        return wa.dtype == wb.dtype
+    if isinstance(wa, GPTQWeight) and isinstance(wb, GPTQWeight):
+        return (wa.scales.shape[0] == wb.scales.shape[0] and (wa.zeros is None) == (wb.zeros is None)
+                and torch.equal(wa.g_idx, wb.g_idx))
+    return False
+
+
+def _concat(run: list[Linear]) -> Linear:
+    ws = [p.weight for p in run]
+    if len(run) == 1:
+        return run[0]
+    if isinstance(ws[0], torch.Tensor):
+        return Linear(torch.cat(ws, dim=0))
+    zeros = None if ws[0].zeros is None else torch.cat([w.zeros for w in ws], dim=1)
+    return Linear(GPTQWeight(torch.cat([w.qweight for w in ws], dim=1), torch.cat([w.scales for w in ws], dim=1), zeros,
+                             ws[0].g_idx, ws[0].group_size))
+
+
+def fuse_linears(parts: list[Linear]) -> list[list[int]]:
+    """Runs of consecutive members that fuse (member indices per run). Fusing saves launches and re-reads
+    of the activations; a member of another format (a dense in_proj_b beside GPTQ in_proj_qkv) starts a run."""
+    runs = [[0]]
+    for i in range(1, len(parts)):
+        if _fusable(parts[runs[-1][-1]], parts[i]):
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
 
 
 class FusedLinear:
-    """One or more fused Linears computing the concatenation of `sizes` output columns."""
+    """Linears over one input computing the concatenation of `sizes` output columns, one per member;
+    consecutive members of one format run as one fused Linear (`parts`)."""
 
-    def __init__(self, parts: list[Linear], sizes: list[int]):
+    def __init__(self, members: list[Linear], sizes: list[int]):
         self.sizes = sizes
-        self.parts = fuse_linears(parts)
+        self.runs = fuse_linears(members)
+        self.parts = [_concat([members[i] for i in run]) for run in self.runs]
+
+    def member(self, index: int) -> tuple[Linear, int, int]:
+        """The Linear computing member `index`, and the output columns [start, end) that are its."""
+        for part, run in zip(self.parts, self.runs):
+            if index in run:
+                start = sum(self.sizes[j] for j in run if j < index)
+                return part, start, start + self.sizes[index]
+        raise IndexError(f"FusedLinear has {len(self.sizes)} members, not {index + 1}")
 
     def __call__(self, x: torch.Tensor, delta_rows: torch.Tensor | None = None) -> list[torch.Tensor]:
-        if len(self.parts) == 1:
-            return list(self.parts[0](x, delta_rows).split(self.sizes, dim=-1))
-        return [p(x, delta_rows) for p in self.parts]
+        out = []
+        for part, run in zip(self.parts, self.runs):
+            y = part(x, delta_rows)
+            out.extend(y.split([self.sizes[j] for j in run], dim=-1) if len(run) > 1 else [y])
+        return out
 
     def concat(self, x: torch.Tensor, delta_rows: torch.Tensor | None = None) -> torch.Tensor:
         """All output columns as one [T, sum(sizes)] tensor."""
@@ -122,18 +150,17 @@ class GatedDeltaNet:
     """Linear attention with the gated delta rule: conv1d over [q|k|v], per-head recurrence,
     gated RMSNorm with z, output projection."""
 
-    def __init__(self, cfg: ModelConfig, in_proj_qkvz: FusedLinear, in_proj_ba: FusedLinear, out_proj: Linear,
-                 conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor):
+    def __init__(self, cfg: ModelConfig, in_proj: FusedLinear, out_proj: Linear, conv_weight: torch.Tensor,
+                 A_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor):
         self.cfg = cfg
-        self.in_proj_qkvz, self.in_proj_ba, self.out_proj = in_proj_qkvz, in_proj_ba, out_proj
+        self.in_proj, self.out_proj = in_proj, out_proj  # in_proj: members qkv, z, b, a (one GEMV when one format)
         self.conv_weight, self.A_log, self.dt_bias, self.norm_weight = conv_weight, A_log, dt_bias, norm_weight
 
     def __call__(self, x: torch.Tensor, batch: StepBatch, st: GDNState, layer: int) -> torch.Tensor:
         cfg, t = self.cfg, x.shape[0]
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv, kd = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_key_dim
-        mixed, z = self.in_proj_qkvz(x, batch.delta_rows)
-        b, a = self.in_proj_ba(x, batch.delta_rows)
+        mixed, z, b, a = self.in_proj(x, batch.delta_rows)
         g, cu = batch.gdn, batch.cu_seqlens_q
         mixed = mixed.contiguous()
         if g.num_spec_seqs:  # before the conv overwrites the state it starts from

@@ -150,12 +150,12 @@ class LayerBuilder:
         cfg = self.cfg
         h, hv = cfg.hidden_size, cfg.linear_num_value_heads
         conv_dim, vd = cfg.linear_conv_dim, cfg.linear_value_dim
-        qkvz = FusedLinear([self.lin(gp + "in_proj_qkv", conv_dim, h), self.lin(gp + "in_proj_z", vd, h)],
-                           [conv_dim, vd])
-        ba = FusedLinear([self.lin(gp + "in_proj_b", hv, h), self.lin(gp + "in_proj_a", hv, h)], [hv, hv])
+        in_proj = FusedLinear([self.lin(gp + "in_proj_qkv", conv_dim, h), self.lin(gp + "in_proj_z", vd, h),
+                               self.lin(gp + "in_proj_b", hv, h), self.lin(gp + "in_proj_a", hv, h)],
+                              [conv_dim, vd, hv, hv])
         width = cfg.linear_conv_kernel_dim
         conv = self.reader.tensor(gp + "conv1d.weight", self.dtype, self.device, shape=(conv_dim, 1, width))
-        return GatedDeltaNet(cfg, qkvz, ba, self.lin(gp + "out_proj", h, vd), conv[:, 0, :].contiguous(),
+        return GatedDeltaNet(cfg, in_proj, self.lin(gp + "out_proj", h, vd), conv[:, 0, :].contiguous(),
                              self.vec(gp + "A_log", hv), self.vec(gp + "dt_bias", hv),
                              self.vec(gp + "norm.weight", cfg.linear_value_head_dim))
 

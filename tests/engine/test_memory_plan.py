@@ -71,7 +71,7 @@ def model_tensors(model, tower=None) -> list[torch.Tensor]:
         if layer.kind == "full_attention":
             out += _fused(m.qkv) + _linear(m.o_proj) + [m.q_norm, m.k_norm]
         else:
-            out += (_fused(m.in_proj_qkvz) + _fused(m.in_proj_ba) + _linear(m.out_proj)
+            out += (_fused(m.in_proj) + _linear(m.out_proj)
                     + [m.conv_weight, m.A_log, m.dt_bias, m.norm_weight])
     if tower is not None:
         out += [tower.pos_embed, tower.inv_freq, *tower.merger_norm] + _linear(tower.patch_embed)
