@@ -161,10 +161,12 @@ def test_bench_model_folder_gptq_int8_kv(tmp_path, capsys):
     expected = {("decode", 1, 40), ("decode", 3, 40), ("decode", 1, 64), ("prefill", 1, 48)}
     _check_report(report, text, expected)
     assert "load_format" not in report["levers"] and report["levers"]["kv_dtype"] == "int8"
-    assert [p["batch"] for p in report["profile"]] == [1, 3]
+    # decode steps at the smallest and largest batch, then the longest prefill's last chunk
+    assert [(p["kind"], p["batch"], p["context"]) for p in report["profile"]] == [
+        ("decode", 1, 40), ("decode", 3, 40), ("prefill", 1, 48)]
     for p in report["profile"]:
         assert p["kernels"] and p["wall_us_per_step"] > 0
-    assert text.count("| kernel | us/step |") == 2
+    assert text.count("| kernel | us/step |") == 3 and "the last prefill chunk of a 48-token prompt" in text
     _check_against_engine(report, folder, json.loads((folder / "config.json").read_text()))
 
 

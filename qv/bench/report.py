@@ -136,5 +136,7 @@ def markdown(r: dict) -> str:
              "floor: decode = bytes a step must read (weights, KV, GDN state) / copy rate; prefill = FLOPs / "
              "matmul rate (qv/bench/floors.py). floor/measured 1.00 is the hardware limit."]
     for p in r["profile"]:
-        parts += ["", profile_markdown(f"one decode step at batch {p['batch']}, {_tokens(p['context'])} context", p)]
+        what = (f"the last prefill chunk of a {_tokens(p['context'])}-token prompt" if p.get("kind") == "prefill"
+                else f"one decode step at batch {p['batch']}, {_tokens(p['context'])} context")
+        parts += ["", profile_markdown(what, p)]
     return "\n".join(parts)

@@ -108,9 +108,20 @@ class BenchRun:
                     raise RuntimeError(f"the engine failed benchmark request {out.request_id}: {out.error}")
                 counts[out.request_id] = len(out.outputs[0].token_ids)
 
-    def _prefill(self, counts: dict[str, int]) -> None:
+    def _prefill(self, counts: dict[str, int], profile_last: bool = False) -> None:
+        """Step until every request has its first token; profile_last: the step of the last chunk runs under
+        the profiler (the longest prefill's, where attention over the longest cached prefix costs most)."""
+        last = None
         while any(n == 0 for n in counts.values()):
+            seq = self.engine.requests[next(iter(counts))].seqs[0]
+            if profile_last and seq.num_tokens - seq.num_computed_tokens <= self.engine.cfg.max_num_batched_tokens:
+                # chunks may end early at snapshot boundaries: the last one profiled is the prompt's last
+                last = dict(profile_steps(lambda: self._step(counts), 1, self.device), batch=1,
+                            context=len(seq.prompt_token_ids), kind="prefill")
+                continue
             self._step(counts)
+        if last is not None:
+            self.profiles.append(last)
 
     def _decode(self, counts: dict[str, int], prompt_len: int) -> tuple[float, float]:
         """Warm-up, then the timed steps: (seconds per step, mean context read per sequence)."""
@@ -139,7 +150,7 @@ class BenchRun:
         per_step, context = self._decode(counts, length)
         if profile:
             p = profile_steps(lambda: self._step(counts), PROFILE_STEPS, self.device)
-            self.profiles.append(dict(p, batch=batch, context=length))
+            self.profiles.append(dict(p, batch=batch, context=length, kind="decode"))
         self._finish(counts)
         return Measured("decode", batch, length, per_step, self.spec.steps, context)
 
@@ -148,7 +159,7 @@ class BenchRun:
         self._sync()
         t0 = time.perf_counter()
         counts = {self._add(prompt): 0}
-        self._prefill(counts)
+        self._prefill(counts, self.spec.profile and length == max(self.spec.prefill_lengths, default=0))
         self._sync()
         if length in self.spec.prefill_lengths:
             rows.append(Measured("prefill", 1, length, time.perf_counter() - t0))
