@@ -380,6 +380,15 @@ class EngineConfig:
     max_gdn_slots: int = lever(0, "GDN state slots (one per running sequence); 0: max_num_seqs.", "QV_MAX_GDN_SLOTS")
     cuda_graphs: bool = lever(True, "Replay captured CUDA graphs for decode steps; a graph that disagrees with the eager "
                               "forward at start-up stops the engine (0: decode runs eagerly).", "QV_CUDA_GRAPHS")
+    async_scheduling: bool = lever(
+        True,
+        "Overlap the host work of a decode step with the GPU's: the next step is scheduled and launched before the "
+        "last one's tokens reach the host (their ids go from the device into the next step's inputs; the row of a "
+        "sequence that stopped is dropped). Tokens, text and finish reasons are the synchronous engine's, logprobs "
+        "too up to fp32 rounding where the batches differ; with speculative decoding, Clef records, images/videos, "
+        "penalties, or a plan that could preempt, a step waits for the last one's tokens (0: every step waits).",
+        "QV_ASYNC_SCHEDULING",
+    )
     # -- prefix caching ------------------------------------------------------------------------
     prefix_caching: bool = lever(True, "Reuse KV blocks and GDN state snapshots of earlier prompts.", "QV_PREFIX_CACHING")
     gdn_snapshot_interval: int = lever(

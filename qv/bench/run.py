@@ -114,8 +114,9 @@ class BenchRun:
         last = None
         while any(n == 0 for n in counts.values()):
             seq = self.engine.requests[next(iter(counts))].seqs[0]
-            if profile_last and seq.num_tokens - seq.num_computed_tokens <= self.engine.cfg.max_num_batched_tokens:
-                # chunks may end early at snapshot boundaries: the last one profiled is the prompt's last
+            if profile_last and 0 < seq.num_tokens - seq.num_computed_tokens <= self.engine.cfg.max_num_batched_tokens:
+                # chunks may end early at snapshot boundaries: the last one profiled is the prompt's last (with
+                # async scheduling the call that launches it returns before its token: the next one is not profiled)
                 last = dict(profile_steps(lambda: self._step(counts), 1, self.device), batch=1,
                             context=len(seq.prompt_token_ids), kind="prefill")
                 continue

@@ -1,8 +1,9 @@
 """The step loop (LLMEngine) and its asyncio front (AsyncLLMEngine) used by the server.
 
-LLMEngine: add_request -> step() repeatedly -> RequestOutputs. AsyncLLMEngine runs the same loop
-on its own thread; each request is an async iterator of cumulative outputs, and leaving the
-iterator early aborts the request and frees its cache at once.
+LLMEngine: add_request -> step() repeatedly -> RequestOutputs; with async scheduling (see step)
+one step stays launched between calls and the next is planned before its tokens are in.
+AsyncLLMEngine runs the same loop on its own thread; each request is an async iterator of
+cumulative outputs, and leaving the iterator early aborts the request and frees its cache at once.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ from qv.engine.multimodal import MultimodalInputs, MultimodalPrompt, VisionSteps
 from qv.engine.prefix_cache import make_prefix_cache
 from qv.engine.request import (CompletionOutput, InvalidRequestError, Logprob, RequestMetrics, RequestOutput,
                                SamplingParams)
-from qv.engine.runner import ModelRunner, StepResult
-from qv.engine.scheduler import Scheduler
-from qv.engine.sequence import Sequence
+from qv.engine.runner import ModelRunner, StepHandle, StepResult
+from qv.engine.scheduler import Scheduler, StepPlan
+from qv.engine.sequence import PENDING, SeqStatus, Sequence
 from qv.engine.speculator import Speculator
 from qv.engine.state_pool import GDNStatePool
 
@@ -58,6 +59,7 @@ class EngineStats:
     spec_num_accepted_tokens: int | None = None
     spec_num_accepted_tokens_per_pos: list[int] | None = None
     cuda_graph_sizes: tuple[int, ...] = ()  # decode batch sizes replayed from CUDA graphs (empty: eager)
+    async_steps: int = 0  # steps launched before the previous step's tokens reached the host (async scheduling)
 
 
 @dataclass
@@ -110,6 +112,11 @@ class LLMEngine:
         self._rng = random.Random(cfg.seed)
         self.stats = EngineStats(cuda_graph_sizes=tuple(self.runner.graphs.sizes) if self.runner.graphs else ())
         self._steps = 0
+        # async scheduling (step): off with speculative decoding, whose next step needs this one's drafts
+        self._async = cfg.async_scheduling and self.spec is None
+        if cfg.async_scheduling and self.spec is not None:
+            log.info("async scheduling is off with speculative decoding: each step needs the last one's drafts")
+        self._inflight: StepHandle | None = None  # the step launched but not yet applied (async only)
 
     # -- requests ------------------------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
@@ -203,7 +210,7 @@ class LLMEngine:
         return out
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work() or bool(self.clef and self.clef.num_pending)
+        return self.scheduler.has_work() or bool(self.clef and self.clef.num_pending) or self._inflight is not None
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (device and host tiers); running requests continue. False
@@ -212,12 +219,50 @@ class LLMEngine:
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Run one step; returns the outputs of the requests it changed.
+
+        Synchronously: plan, launch, wait for the tokens, apply them. With async scheduling a step
+        stays in flight between calls: each call plans and launches step N+1 as if step N's tokens
+        were in (PENDING placeholders, filled on the device), then waits for step N, applies its
+        tokens and returns its outputs, so the host's work overlaps the GPU's. `_can_overlap` says
+        when N+1 must wait for N instead. A sequence that stops at step N (eos, stop token or
+        string) still has a row in N+1, dropped; one whose token in flight is its last (length)
+        gives its seat, blocks and slot back before N+1 is planned, as the synchronous engine
+        would. Outputs are the synchronous engine's; where the batches differ (a request added
+        while a step is in flight, or a seat freed by a stop, is used one step later) logprobs may
+        differ by the fp32 rounding of sums over another batch shape, as they do with arrival times."""
         self._steps += 1
         if self.spec and self._steps % SPEC_LOG_EVERY == 0 and self.spec.stats.num_drafts:
             st = self.spec.stats
             log.info("speculation (%s, k=%d): mean acceptance length %.2f over %d drafts", self.spec.mode,
                      self.spec.k, st.mean_acceptance_length, st.num_drafts)
         touched: dict[str, _Request] = {}
+        cur, self._inflight = self._inflight, None
+        if cur is None:
+            cur = self._launch(touched)
+            if cur is None:
+                return self._outputs(touched)
+            if not self._async:
+                self._finish_sync(cur, touched)
+                return self._outputs(touched)
+            self._after_forward(cur.plan, touched)
+        nxt = self._launch(touched, after=cur) if self._can_overlap(cur) else None
+        self._apply_results(self.runner.collect(cur), touched)
+        if nxt is not None:  # its KV rows hold step N's tokens: registered now that they are known
+            self._after_forward(nxt.plan, touched)
+            self._inflight = nxt
+        return self._outputs(touched)
+
+    def _launch(self, touched: dict[str, _Request], after: StepHandle | None = None) -> StepHandle | None:
+        """Plan a step and launch it. after: the step still in flight; its sequences that sampled are
+        planned with one PENDING token more, or retired where that token is their last (length)."""
+        if after is not None:
+            going_on = set(self._continuing(after))
+            for seq in after.sampler_seqs:
+                if seq in going_on:
+                    seq.output_token_ids.append(PENDING)
+                elif seq.status is SeqStatus.RUNNING:  # its token in flight is its last: room for others now
+                    self.scheduler.retire(seq)
         if self.clef:  # records waiting for a Clef slot go in as others finish
             for rid in self.clef.admit(self.scheduler):
                 touched[rid] = self.requests[rid]
@@ -226,28 +271,72 @@ class LLMEngine:
             self.media.fit(plan)
         for seq in plan.failed:
             touched[seq.request_id] = self.requests[seq.request_id]
-        if plan:
-            now = time.time()
-            for seq, _ in plan.scheduled:
-                req = self.requests[seq.request_id]
-                if req.metrics.first_scheduled_time is None:
-                    req.metrics.first_scheduled_time = now
-            results = self.runner.execute(plan)
+        if not plan:
+            return None
+        now = time.time()
+        for seq, _ in plan.scheduled:
+            req = self.requests[seq.request_id]
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+        handle = self.runner.execute(plan)
+        if self._async:  # nothing verifies drafts: every row is computed once launched
             for seq, n in plan.scheduled:
-                res = results.get(seq)
-                # a verified sequence keeps only the rows up to its last accepted draft
-                seq.num_computed_tokens += n if res is None or res.num_accepted is None else 1 + res.num_accepted
-            if self.prefix_cache:  # before finished sequences give their blocks and slots back
-                self.prefix_cache.after_step(plan.scheduled)
-            if self.media is not None:  # free the encodings whose pads are all prefilled
-                self.media.after_step(plan.scheduled)
-            if self.clef:  # records whose last chunk ran: answered (one output token each), cache freed
-                for rid in self.clef.finish_ready(plan.scheduled, self.scheduler):
-                    touched[rid] = self.requests[rid]
-                    self.stats.generation_tokens += touched[rid].seqs[0].finish_reason == "stop"
-            for seq, res in results.items():
-                self._apply_result(seq, res)
-                touched[seq.request_id] = self.requests[seq.request_id]
+                seq.num_computed_tokens += n
+        self.stats.async_steps += after is not None
+        return handle
+
+    def _finish_sync(self, h: StepHandle, touched: dict[str, _Request]) -> None:
+        results = self.runner.collect(h)
+        for seq, n in h.plan.scheduled:
+            res = results.get(seq)
+            # a verified sequence keeps only the rows up to its last accepted draft
+            seq.num_computed_tokens += n if res is None or res.num_accepted is None else 1 + res.num_accepted
+        self._after_forward(h.plan, touched)
+        self._apply_results(results, touched)
+
+    def _after_forward(self, plan: StepPlan, touched: dict[str, _Request]) -> None:
+        """What follows a step's forward once its rows' tokens are all on the host, before its
+        results free finished sequences."""
+        if self.prefix_cache:  # before finished sequences give their blocks and slots back
+            self.prefix_cache.after_step(plan.scheduled)
+        if self.media is not None:  # free the encodings whose pads are all prefilled
+            self.media.after_step(plan.scheduled)
+        if self.clef:  # records whose last chunk ran: answered (one output token each), cache freed
+            for rid in self.clef.finish_ready(plan.scheduled, self.scheduler):
+                touched[rid] = self.requests[rid]
+                self.stats.generation_tokens += touched[rid].seqs[0].finish_reason == "stop"
+
+    def _apply_results(self, results: dict[Sequence, StepResult], touched: dict[str, _Request]) -> None:
+        for seq, res in results.items():
+            if seq.has_pending:
+                seq.output_token_ids.pop()  # the real token replaces it
+            if seq.finished:  # aborted while its step ran (or finished one step earlier): the row is dropped
+                continue
+            self._apply_result(seq, res)
+            touched[seq.request_id] = self.requests[seq.request_id]
+
+    def _continuing(self, h: StepHandle) -> list[Sequence]:
+        """Sequences that sampled in step h and run on whatever token it was (limits known on the host)."""
+        return [s for s in h.sampler_seqs if s.status is SeqStatus.RUNNING
+                and len(s.output_token_ids) + 1 < s.max_tokens and s.num_tokens + 1 < self.max_model_len]
+
+    def _can_overlap(self, h: StepHandle) -> bool:
+        """Whether the next step may be planned and launched before step h's tokens reach the host.
+        Never with speculative decoding (self._async is off: drafts and acceptance come from the
+        results); otherwise the exclusions, one a line:"""
+        s = self.scheduler
+        if self.clef and (self.clef.num_pending or any(not j.seq.finished for j in self.clef.active)):
+            return False  # Clef records: admission, their head's rows and answers stay on the synchronous path
+        if self.media is not None and any(q.media is not None for q in itertools.chain(s.running, s.waiting)):
+            return False  # images/videos: the vision steps stay synchronous
+        going_on = set(self._continuing(h))
+        if any(_penalized(q.params) for q in going_on):
+            return False  # presence/frequency/repetition penalties count the output tokens on the host
+        growth = sum(max(0, self.blocks.blocks_for(q.num_tokens + (q in going_on)) - len(q.block_ids))
+                     for q in s.running)
+        return growth <= self.blocks.num_available()  # else the plan could preempt: the results come first
+
+    def _outputs(self, touched: dict[str, _Request]) -> list[RequestOutput]:
         outputs = [self._output(r) for r in touched.values()]
         self._refresh_stats()
         return outputs
@@ -328,6 +417,10 @@ class LLMEngine:
             pc = self.prefix_cache.stats
             s.prefix_cache_queries, s.prefix_cache_hits = pc.queries, pc.hits
             s.prompt_tokens_cached, s.prefix_cache_host_hits = pc.prompt_tokens_cached, pc.host_hits
+
+
+def _penalized(p: SamplingParams) -> bool:
+    return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
 
 
 class AsyncLLMEngine:

@@ -1,7 +1,14 @@
 """One step: a StepPlan becomes flat tensors (built with NumPy in preallocated pinned buffers and
 copied to the device once), the model runs one forward over all rows, the rows that caught up
 with their tokens are sampled (or, for speculative rows, verified), and the next drafts are made.
-Everything comes back in one transfer: the only device-to-host sync of the step."""
+Everything comes back in one transfer: the only device-to-host sync of the step.
+
+`execute` launches a step and returns its StepHandle (the results' copy to pinned host memory is
+queued right behind the step's kernels); `collect` waits for that copy and unpacks it. Between
+the two the host may launch the next step (async scheduling, qv/engine/engine.py): a row whose
+input token is still PENDING (the last step's sampled id, not on the host yet) takes it from that
+step's sampled-id tensor on the device, copied into the step's ids right after the upload, in
+stream order, before any kernel (or CUDA graph input copy) reads them."""
 
 from __future__ import annotations
 
@@ -93,6 +100,23 @@ class _Step:
     embeds: torch.Tensor | None = None  # input embeddings with vision rows, when a chunk holds media pads
 
 
+@dataclass
+class StepHandle:
+    """A launched step. `collect` turns it into results; until then `host` may still be filling."""
+
+    plan: StepPlan
+    st: _Step
+    host: torch.Tensor | None  # the packed results (pinned host memory on CUDA); None: nothing sampled
+    copied: torch.cuda.Event | None  # recorded after the copy into `host` (CUDA only)
+    k1: int
+    has_drafts: bool
+    sampled: torch.Tensor | None  # [len(samplers)] the sampled ids on the device: the next step's PENDING inputs
+
+    @property
+    def sampler_seqs(self) -> list[Sequence]:
+        return [self.st.seqs[i] for i in self.st.samplers]
+
+
 class ModelRunner:
     def __init__(self, model, cache: HybridCache, max_num_batched_tokens: int, max_num_seqs: int,
                  max_model_len: int, speculator: Speculator | None = None, media: VisionSteps | None = None):
@@ -104,14 +128,16 @@ class ModelRunner:
         k1 = speculator.k + 1 if speculator else 1
         max_tokens = max_num_batched_tokens + (k1 - 1) * max_num_seqs
         # per token (int64): ids, next ids, positions, slots, logits rows, Clef delta rows; per
-        # sequence: cu/rest/lens/slots/init and drafts, plus up to 10 sampling settings per logits
-        # row (k+1 rows for a verified sequence); the block tables; alignment slack
-        self.upload = _Upload(6 * 8 * max_tokens + (96 * k1 + 64) * (max_num_seqs + 1)
+        # sequence: cu/rest/lens/slots/init, drafts and the pending-input rows, plus up to 10
+        # sampling settings per logits row (k+1 rows for a verified sequence); the block tables;
+        # alignment slack
+        self.upload = _Upload(6 * 8 * max_tokens + (96 * k1 + 80) * (max_num_seqs + 1)
                               + 4 * max_num_seqs * max_blocks + 16 * 64, self.device)
         self.vocab_size = model.cfg.vocab_size
         self.max_seqs, self.max_blocks, self.max_model_len = max_num_seqs, max_blocks, max_model_len
         self.graphs: DecodeGraphs | None = None
         self.clef = None  # qv.engine.clef_rows.ClefRows when Clef records are served (set by the engine)
+        self.last: StepHandle | None = None  # the last step launched: where PENDING input tokens come from
 
     def enable_decode_graphs(self, scratch_slot: int) -> None:
         """Capture and check the decode graphs; StartupError (graphs left off) where one fails."""
@@ -156,7 +182,7 @@ class ModelRunner:
         ends = starts + q_lens
         seq_lens[:] = ends
         has_init[:] = starts > 0
-        samplers, n_logits = [], 0
+        samplers, pending, n_logits = [], [], 0
         for i, (seq, n) in enumerate(sched):
             tables[i, :len(seq.block_ids)] = seq.block_ids
             tables[i, len(seq.block_ids):] = 0
@@ -165,6 +191,8 @@ class ModelRunner:
             known = min(n, seq.num_tokens - start)
             ids[c0:c0 + known] = seq.token_slice(start, start + known)
             ids[c0 + known:c0 + n] = seq.draft_token_ids
+            if known and start + known == seq.num_tokens and seq.has_pending:
+                pending.append((c0 + known - 1, seq))  # its last token is still on the device
             # the token after each row (MTP input); a sampled/verified row's is filled on the device
             next_ids[c0:c0 + n - 1] = ids[c0 + 1:c0 + n]
             next_ids[c0 + n - 1] = seq.token_at(start + n) if start + n < seq.num_tokens else 0
@@ -201,7 +229,10 @@ class ModelRunner:
                                max_seq_len=int(ends.max())),
             gdn=gdn, logits_indices=logits_idx_d[:n_logits],
             delta_rows=self.clef.delta_rows(seqs, cu, up.alloc) if self.clef else None)  # Clef rows: low-rank deltas
+        fill = self._pending_rows(pending) if pending else None
         up.send()  # the step's one host-to-device copy
+        if fill is not None:  # in stream order after the copy, before anything reads the ids
+            ids_d.index_copy_(0, fill[0], self.last.sampled.index_select(0, fill[1]))
         st = _Step(ids_d, positions_d, batch, seqs, q_lens, cu.copy(), num_spec, samplers, ids, next_ids_d,
                    sample_batch, verify_batch, drafts)
         if self.media is not None:  # images/videos: encode what the step needs, mRoPE positions, vision rows
@@ -209,8 +240,22 @@ class ModelRunner:
         up.mark()  # the media's pinned buffers are rewritten next step too: one event covers both
         return st
 
+    def _pending_rows(self, pending: list[tuple[int, Sequence]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows of the step's ids, their indices in the last step's sampled ids) on the device."""
+        last = self.last
+        index = {s: j for j, s in enumerate(last.sampler_seqs)} if last is not None and last.sampled is not None else {}
+        missing = [s.request_id for _, s in pending if s not in index]
+        if missing:
+            raise RuntimeError(f"requests {missing} have a pending token the last step did not sample (a bug)")
+        rows, rows_d = self.upload.alloc(len(pending), torch.int64)
+        src, src_d = self.upload.alloc(len(pending), torch.int64)
+        rows[:] = [r for r, _ in pending]
+        src[:] = [index[s] for _, s in pending]
+        return rows_d, src_d
+
     # -- the step ------------------------------------------------------------------------------
-    def execute(self, plan: StepPlan) -> dict[Sequence, StepResult]:
+    def execute(self, plan: StepPlan) -> StepHandle:
+        """Launch the step; its results come from `collect`. With nothing in flight this is the whole step."""
         st = self.prepare(plan)
         hidden = self._forward(st)
         if self.clef is not None:  # Clef records: their rows into the joint head, chunk by chunk
@@ -218,7 +263,8 @@ class ModelRunner:
         if st.batch.logits_indices.numel() == 0:
             if self.spec and self.spec.uses_mtp:  # the head's KV must still catch up with these rows
                 self._draft(st, hidden, None, None, None)
-            return {}
+            self.last = StepHandle(plan, st, None, None, 1, False, None)
+            return self.last
         logits = self.model.compute_logits(hidden[st.batch.logits_indices])[:, :self.vocab_size]
         k1 = self.spec.k + 1 if self.spec else 1
         n_spec_rows = st.num_spec * k1
@@ -236,8 +282,17 @@ class ModelRunner:
         drafts = self._draft(st, hidden, sampled, tokens, n_acc) if self.spec and self.spec.uses_mtp else None
         if drafts is not None:
             packed.append(drafts.reshape(-1))
-        host = torch.cat([p.reshape(-1).long() for p in packed]).cpu().numpy()  # the step's one sync
-        return self._unpack(st, host, k1, drafts is not None)
+        host, copied = _to_host(torch.cat([p.reshape(-1).long() for p in packed]))
+        self.last = StepHandle(plan, st, host, copied, k1, drafts is not None, sampled)
+        return self.last
+
+    def collect(self, h: StepHandle) -> dict[Sequence, StepResult]:
+        """Wait for a launched step's results (the step's one device-to-host sync) and unpack them."""
+        if h.host is None:
+            return {}
+        if h.copied is not None:
+            h.copied.synchronize()
+        return self._unpack(h.st, h.host.numpy(), h.k1, h.has_drafts)
 
     def _verify(self, st: _Step, logits: torch.Tensor, k1: int):
         sb = st.verify_batch
@@ -328,6 +383,17 @@ class ModelRunner:
             b.stop_mask_rows = t(under_min, torch.bool)
             b.stop_token_mask = _counts([s.stop_ids_for_min_tokens for s, _ in rows], vocab, dev) > 0
         return b
+
+
+def _to_host(packed: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """Queue the copy of a step's packed results into pinned host memory (no sync here)."""
+    if packed.device.type != "cuda":
+        return packed, None
+    host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+    host.copy_(packed, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record(torch.cuda.current_stream(packed.device))
+    return host, copied
 
 
 def _logprob_parts(lp, ranks, top_ids, top_lp, sb: SamplingBatch) -> list[torch.Tensor]:

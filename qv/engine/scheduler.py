@@ -68,6 +68,13 @@ class Scheduler:
         seq.status = SeqStatus.FINISHED
         seq.finish_reason, seq.stop_reason, seq.error = reason, stop_reason, error
 
+    def retire(self, seq: Sequence) -> None:
+        """Give back the seat, blocks and slot of a running sequence whose last token is being sampled
+        (async scheduling: it finishes when that token is applied; `finish` then only marks it). The
+        step in flight still writes them; whatever gets them next runs after it in stream order."""
+        self.running.remove(seq)
+        self._free(seq)
+
     def _free(self, seq: Sequence) -> None:
         self.blocks.release(seq.block_ids)
         self.slots.release(seq.state_slot)

@@ -1,6 +1,10 @@
 """The engine's view of one sample being generated: its tokens, how many of them the model has
 computed (vLLM's `num_computed_tokens`), the KV blocks and GDN state slot it holds, and the
-output text decoded so far."""
+output text decoded so far.
+
+With async scheduling the last output token may be PENDING for the length of one engine call:
+the step that samples it is still running, the next step is planned and launched as if it were
+in (its id comes from the device), then the real id replaces it (qv/engine/engine.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +13,9 @@ from dataclasses import dataclass, field
 
 from qv.engine.detokenizer import IncrementalDetokenizer
 from qv.engine.request import Logprob, SamplingParams
+
+
+PENDING = -1  # an output token sampled on the device whose id has not reached the host yet
 
 
 class SeqStatus(enum.Enum):
@@ -54,6 +61,10 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self.output_token_ids) and self.output_token_ids[-1] == PENDING
 
     def token_at(self, pos: int) -> int:
         n = len(self.prompt_token_ids)
