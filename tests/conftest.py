@@ -46,3 +46,14 @@ def tiny_dirs(tmp_path_factory):
         return cache[key]
 
     return get
+
+
+@pytest.fixture(autouse=True)
+def _restore_kernel_backend():
+    """Each engine sets the process-wide kernel backend (QV_KERNELS); a test must not inherit the last
+    test's (a CPU step after a GPU engine's `triton` would ask Triton for CPU tensors)."""
+    from qv.kernels import get_backend, set_backend
+
+    before = get_backend()
+    yield
+    set_backend(before)
