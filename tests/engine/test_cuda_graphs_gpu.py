@@ -9,11 +9,13 @@ Run: `python -m pytest -q -s tests/engine/test_cuda_graphs_gpu.py` (-s prints th
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import random
 import types
 
 import pytest
 import torch
+from shapes_27b import write_27b_config
 
 from qv import LLM, SamplingParams
 from qv.engine.cuda_graphs import REPLAY_BOUND, DecodeGraphs, replay_error
@@ -32,17 +34,10 @@ LEVERS = dict(device="cuda", dtype="bfloat16", load_format="random", quantizatio
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A folder with only the config.json of a 4-layer 27B (random weights need nothing else)."""
-    from qv.model import tiny
-
-    out = tmp_path_factory.mktemp("27b-4l")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(tiny.PRESETS, "27b-4l", dict(tiny.PRESETS["27b"], num_hidden_layers=4))
-        _, special = tiny.tokenizer_json()
-        config = tiny.build_config("27b-4l", 0, special)  # the preset's own vocabulary (248320)
-    assert config["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
-    config["max_position_embeddings"] = MAX_MODEL_LEN
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return str(out)
+    path = write_27b_config(tmp_path_factory.mktemp("27b-4l"), 4, MAX_MODEL_LEN)
+    assert json.loads((Path(path) / "config.json").read_text())["layer_types"] == ["linear_attention"] * 3 + [
+        "full_attention"]
+    return path
 
 
 @pytest.fixture(scope="module")

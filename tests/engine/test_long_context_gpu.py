@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import gc
 import json
+from pathlib import Path
 import math
 import time
 
 import pytest
 import torch
+from shapes_27b import write_27b_config
 
 from qv import LLM, SamplingParams
 
@@ -52,18 +54,10 @@ LOGPROB_TOL = 0.1
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A folder with only the config.json of a 4-layer 27B with a 262,144-token window."""
-    from qv.model import tiny
-
-    out = tmp_path_factory.mktemp("27b-4l-262k")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(tiny.PRESETS, "27b-4l", dict(tiny.PRESETS["27b"], num_hidden_layers=4))
-        _, special = tiny.tokenizer_json()
-        config = tiny.build_config("27b-4l", 0, special)  # the preset's own vocabulary (248320)
-    assert config["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
-    assert config["vocab_size"] == 248320
-    config["max_position_embeddings"] = MAX_MODEL_LEN
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return str(out)
+    path = write_27b_config(tmp_path_factory.mktemp("27b-4l-262k"), 4, MAX_MODEL_LEN)
+    assert json.loads((Path(path) / "config.json").read_text())["layer_types"] == ["linear_attention"] * 3 + [
+        "full_attention"]
+    return path
 
 
 def _run(model_dir: str, prompt: list[int], **levers) -> dict:
