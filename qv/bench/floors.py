@@ -33,11 +33,10 @@ from dataclasses import dataclass
 import torch
 
 from qv.config import ModelConfig
+from qv.engine.build import resolve_kv_dtype
+from qv.model.cache import STATE_DTYPES, gdn_bytes_per_slot, kv_bytes_per_block
 from qv.model.weights import QuantRules
 
-KV_ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "int8": 1, "fp32": 4}
-STATE_ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "int16": 2}
-SCALE_BYTES = 4  # int8 KV and int16 GDN states keep fp32 scales
 VECTOR_BYTES = 4  # norms, A_log and dt_bias are held in fp32 whatever the activation dtype
 
 
@@ -106,20 +105,16 @@ def text_linears(cfg: ModelConfig) -> list[LinearShape]:
 class ModelFloors:
     """Bytes and FLOPs of decode steps and prefills for one model under one set of levers."""
 
-    def __init__(self, cfg: ModelConfig, act_bytes: int, kv_element_bytes: int, kv_scales: bool,
-                 state_element_bytes: int, state_scales: bool):
-        self.cfg, self.act_bytes = cfg, act_bytes
-        self.kv_element_bytes, self.kv_scales = kv_element_bytes, kv_scales
-        self.state_element_bytes, self.state_scales = state_element_bytes, state_scales
+    def __init__(self, cfg: ModelConfig, act_dtype: torch.dtype, kv_dtype: torch.dtype, state_dtype: torch.dtype):
+        self.cfg, self.act_dtype, self.act_bytes = cfg, act_dtype, act_dtype.itemsize
+        self.kv_dtype, self.state_dtype = kv_dtype, state_dtype
         self.linears = text_linears(cfg)
 
     @classmethod
     def from_levers(cls, cfg: ModelConfig, act_dtype: torch.dtype, kv_dtype: str,
                     gdn_state_dtype: str) -> "ModelFloors":
-        """kv_dtype/gdn_state_dtype: the levers' values ("auto" KV is the activation dtype)."""
-        act = act_dtype.itemsize
-        kv = act if kv_dtype == "auto" else KV_ELEMENT_BYTES[kv_dtype]
-        return cls(cfg, act, kv, kv_dtype == "int8", STATE_ELEMENT_BYTES[gdn_state_dtype], gdn_state_dtype == "int16")
+        """kv_dtype/gdn_state_dtype: the levers' values, resolved as the engine resolves them."""
+        return cls(cfg, act_dtype, resolve_kv_dtype(kv_dtype, act_dtype), STATE_DTYPES[gdn_state_dtype])
 
     # -- weights -------------------------------------------------------------------------------
     def linear_bytes(self, lin: LinearShape) -> int:
@@ -154,18 +149,12 @@ class ModelFloors:
 
     # -- caches --------------------------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
-        """K and V of one token across every attention layer."""
-        cfg = self.cfg
-        per_head = cfg.head_dim * self.kv_element_bytes + (SCALE_BYTES if self.kv_scales else 0)
-        return len(cfg.attention_layer_ids) * 2 * cfg.num_key_value_heads * per_head
+        """K and V of one token across every attention layer (the cache's own layout, scales included)."""
+        return kv_bytes_per_block(self.cfg, 1, self.kv_dtype)
 
     def state_bytes_per_seq(self) -> int:
-        """Recurrent and conv state of one sequence across every GDN layer (one pass over it)."""
-        cfg = self.cfg
-        hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        ssm = hv * dk * dv * self.state_element_bytes + (hv * dv * SCALE_BYTES if self.state_scales else 0)
-        conv = (cfg.linear_conv_kernel_dim - 1) * cfg.linear_conv_dim * self.act_bytes
-        return len(cfg.gdn_layer_ids) * (ssm + conv)
+        """Recurrent and conv state of one sequence across every GDN layer (one pass over it): a state slot."""
+        return gdn_bytes_per_slot(self.cfg, self.act_dtype, self.state_dtype)
 
     # -- rows ----------------------------------------------------------------------------------
     def decode(self, batch: int, context: float) -> Footprint:

@@ -28,8 +28,8 @@ from qv.model.batch import AttentionMeta, GDNMeta, StepBatch
 
 log = logging.getLogger("qv")
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-# the same kernels on the same inputs agree but for reduction order (every split-K sum runs in split order
-# today, so bit for bit); a launch shape, pointer or host value frozen at capture moves whole rows by O(1)
+# the same kernels on the same inputs agree but for reduction order (every split-K sum runs in split order,
+# so bit for bit); a launch shape, pointer or host value frozen at capture moves whole rows by O(1)
 REPLAY_BOUND = 1e-3
 EAGER_HINT = "QV_CUDA_GRAPHS=0 (qv serve --cuda-graphs 0) runs decode eagerly"
 

@@ -13,7 +13,7 @@ GIB = 1 << 30
 class MemoryPlan:
     device_bytes: int  # the device's memory (0 on the CPU)
     utilization: float  # gpu_memory_utilization
-    weight_bytes: int  # held after loading, before the cache (device memory allocated by then)
+    weight_bytes: int  # the loaded weights' tensor storages (text model, MTP head, vision tower, Clef)
     kv_blocks: int
     block_size: int
     kv_block_bytes: int  # one block across every attention layer
@@ -24,7 +24,6 @@ class MemoryPlan:
     other_bytes: int  # Clef head states and other reserves
     reserve_bytes: int  # left for activations and CUDA graph pools
     max_model_len: int
-    graph_bytes: int = 0  # measured once the decode graphs are captured
 
     @property
     def kv_tokens(self) -> int:
@@ -74,6 +73,6 @@ class MemoryPlan:
                 f"blocks = {self.kv_tokens:,} tokens), GDN states {gib(self.gdn_bytes)} ({self.gdn_slots} slots + "
                 f"1 scratch), prefix snapshots {gib(self.snapshot_bytes)} ({self.snapshots}), speculation "
                 f"{gib(self.spec_bytes)}, other {gib(self.other_bytes)}, activations and graphs "
-                f"{gib(self.reserve_bytes)}{f' (graphs took {gib(self.graph_bytes)})' if self.graph_bytes else ''}; "
+                f"{gib(self.reserve_bytes)}; "
                 f"holds {self.seqs_at_longest} sequence(s) of {self.longest_context:,} tokens, or {self.gdn_slots} "
                 f"of {self.context_at_most_seqs:,}")

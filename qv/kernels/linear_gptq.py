@@ -213,8 +213,8 @@ def _gptq_config(device, m, n, k, group, f16):
         return dict(BLOCK_M=16, BLOCK_N=256, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=4, split=None)
     if m <= 64 and f16:
         # decode batches: one row tile, bf16 rows to fp16 in one launch, codes by byte permutes, split-K over
-        # the SMs; the MLP's long rows or wide outputs in narrower, deeper tiles (H200 graph replay, 27B
-        # shapes, bench/gemm_rows.py --sweep: a layer's linears 331 vs 384 us at M=64, 316 vs 344 at M=32)
+        # the SMs; the MLP's long rows or wide outputs in narrower, deeper tiles (fastest in the H200 sweep of
+        # bench/gemm_rows.py --sweep at the 27B shapes; numbers in docs/BENCHMARKS.md)
         tile = dict(BLOCK_N=64, BLOCK_K=128, waves=4) if n >= 32768 or k >= 16384 else dict(BLOCK_N=128, BLOCK_K=64,
                                                                                            waves=2)
         return dict(BLOCK_M=64, GROUP_M=1, num_warps=4, num_stages=4, split=None, x_f16=True, asm=True, **tile)
@@ -223,8 +223,8 @@ def _gptq_config(device, m, n, k, group, f16):
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, split=1)
 
 
-# the raw-CUDA GEMV up to this many rows; at 16 the Triton tiles read the 27B MLP weights faster
-# (H200 graph replay, bench/gemm_rows.py: gate_up 104 vs 178 us, down 53 vs 66 us)
+# the raw-CUDA GEMV up to this many rows: at 16 the Triton tiles read the 27B MLP weights faster
+# (bench/gemm_rows.py --sweep)
 CUDA_GEMV_ROWS = 8
 
 
