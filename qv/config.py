@@ -389,6 +389,17 @@ class EngineConfig:
         "penalties, or a plan that could preempt, a step waits for the last one's tokens (0: every step waits).",
         "QV_ASYNC_SCHEDULING",
     )
+    long_prefill_token_threshold: int = lever(
+        0,
+        "A prefill with more prompt tokens left than this is long. While other sequences decode, a long prefill "
+        "(a Clef record or a long chat prompt) takes at most this many tokens of a step; alone it takes the whole "
+        "budget (vLLM's name). 0: max_num_batched_tokens // 4.",
+        "QV_LONG_PREFILL_TOKEN_THRESHOLD",
+    )
+    max_long_partial_prefills: int = lever(
+        1, "Most long prefills that share one step with decoding sequences (vLLM's name).",
+        "QV_MAX_LONG_PARTIAL_PREFILLS",
+    )
     # -- prefix caching ------------------------------------------------------------------------
     prefix_caching: bool = lever(True, "Reuse KV blocks and GDN state snapshots of earlier prompts.", "QV_PREFIX_CACHING")
     gdn_snapshot_interval: int = lever(
@@ -410,10 +421,22 @@ class EngineConfig:
     host: str = lever("127.0.0.1", "Listen address of `qv serve`.", "QV_HOST")
     port: int = lever(8000, "Listen port of `qv serve`.", "QV_PORT")
     served_model_name: str = lever("", "Comma-separated model names the API answers to; empty: the folder name.", "QV_SERVED_MODEL_NAME")
-    api_key: str = lever("", "If set, /v1/* requires `Authorization: Bearer <key>`.", "QV_API_KEY")
+    api_key: str = lever("", "If set, every route but /health requires `Authorization: Bearer <key>`.", "QV_API_KEY")
+    metrics_public: bool = lever(False, "With api_key set, /metrics answers without the key too (for a scraper).",
+                                 "QV_METRICS_PUBLIC")
     enable_thinking: bool = lever(False, "Default enable_thinking for the chat template (per-request override).", "QV_ENABLE_THINKING")
     max_body_bytes: int = lever(32 << 20, "Largest request body; larger gets 413.", "QV_MAX_BODY_BYTES")
-    max_waiting: int = lever(1024, "Most requests waiting; more get 503 with Retry-After.", "QV_MAX_WAITING")
+    max_waiting: int = lever(1024, "Most sequences waiting (prompts x n, counted at admission); a request that would "
+                             "pass it gets 503 with Retry-After.", "QV_MAX_WAITING")
+    max_prompts_per_request: int = lever(256, "Most prompts in one /v1/completions request.", "QV_MAX_PROMPTS_PER_REQUEST")
+    max_stop_strings: int = lever(64, "Most stop strings in one request.", "QV_MAX_STOP_STRINGS")
+    body_read_timeout_s: float = lever(30.0, "Longest wait for a request body to arrive whole; slower gets 408.",
+                                       "QV_BODY_READ_TIMEOUT_S")
+    shutdown_grace_s: float = lever(10.0, "On SIGTERM: new requests get 503 while generations in flight may finish for "
+                                    "this long; then streams get a final error event and [DONE] and the process exits.",
+                                    "QV_SHUTDOWN_GRACE_S")
+    state_dir: str = lever("", "Directory for compiled kernels (Triton, CuPy) and repacked weights, reused by the next "
+                           "start; empty: ~/.cache/qv.", "QV_STATE_DIR")
     max_logprobs: int = lever(20, "Most top logprobs a request may ask for.", "QV_MAX_LOGPROBS")
     # -- media -----------------------------------------------------------------------------------
     media_max_images: int = lever(20, "Most images per chat request (0 with media_max_videos 0: the vision tower is "
@@ -422,6 +445,9 @@ class EngineConfig:
     media_max_bytes: int = lever(20 << 20, "Largest fetched media file.", "QV_MEDIA_MAX_BYTES")
     media_timeout_s: float = lever(10.0, "Timeout for fetching one media URL.", "QV_MEDIA_TIMEOUT_S")
     media_allowed_domains: str = lever("", "Comma-separated domains media URLs may come from; empty: any.", "QV_MEDIA_ALLOWED_DOMAINS")
+    media_allowed_networks: str = lever(
+        "", "Comma-separated CIDR ranges media URLs may resolve to although they are loopback, link-local, private, "
+        "CGNAT, multicast or unspecified (all denied by default, IPv4 and IPv6).", "QV_MEDIA_ALLOWED_NETWORKS")
     media_local_dir: str = lever("", "Directory file:// media may be read from; empty: no local files.", "QV_MEDIA_LOCAL_DIR")
     vision_max_patches_per_step: int = lever(
         16384, "Vision-encoder budget of one engine step, in patches before the 2x2 merge: prefill chunks stop "
@@ -457,12 +483,16 @@ class EngineConfig:
             if choices and getattr(self, f.name) not in choices:
                 raise ConfigError(f"{f.name}={getattr(self, f.name)!r}: expected one of {', '.join(choices)}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "spec_k", "spec_max_seqs", "clef_slots",
-                     "clef_nmax", "vision_max_patches_per_step"):
+                     "clef_nmax", "vision_max_patches_per_step", "max_long_partial_prefills", "max_prompts_per_request",
+                     "max_stop_strings"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        for name in ("max_model_len", "kv_cache_bytes"):
+        for name in ("body_read_timeout_s", "shutdown_grace_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("max_model_len", "kv_cache_bytes", "long_prefill_token_threshold"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
 
