@@ -23,7 +23,6 @@ import gc
 import json
 import math
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -146,7 +145,7 @@ def run_case(eng: LLMEngine, records: list, chats: int, chat_prompt: int, chat_w
         rid = f"clef-{i}-{rec.num_tokens}"
         eng.add_clef(rid, rec, rec.num_tokens, rec.checksum)
         submitted[rid] = time.perf_counter()
-    latency, restarts = {}, 0
+    latency, restarts, last_token, gaps = {}, 0, {}, []
     while len(latency) < len(records) or (not records and time.perf_counter() - t0 < chat_window_s):
         for out in eng.step():
             now = time.perf_counter()
@@ -157,7 +156,12 @@ def run_case(eng: LLMEngine, records: list, chats: int, chat_prompt: int, chat_w
                     latency[out.request_id] = now - submitted[out.request_id]
                     restarts += out.clef.restarts
             elif out.request_id in live:
-                live[out.request_id] = len(out.outputs[0].token_ids)
+                n = len(out.outputs[0].token_ids)
+                if n > live[out.request_id]:  # inter-token latency: from the chat's previous token
+                    if out.request_id in last_token:
+                        gaps.append((now - last_token[out.request_id]) / (n - live[out.request_id]))
+                    last_token[out.request_id] = now
+                live[out.request_id] = n
                 if out.finished:
                     chat_tokens += live.pop(out.request_id)
                     add_chat()
@@ -166,20 +170,40 @@ def run_case(eng: LLMEngine, records: list, chats: int, chat_prompt: int, chat_w
     for rid in list(live):
         eng.abort_request(rid)
     lat = sorted(latency.values())
-    pct = lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] if lat else float("nan")  # noqa: E731
     return {"records": len(records), "records_s": len(records) / wall if records else float("nan"),
-            "p50": statistics.median(lat) if lat else float("nan"), "p95": pct(0.95),
+            "p50": _pct(lat, 0.5), "p95": _pct(lat, 0.95), "itl_p50": _pct(sorted(gaps), 0.5) * 1e3,
+            "itl_p95": _pct(sorted(gaps), 0.95) * 1e3,
             "chat_tok_s": chat_tokens / wall if chats else float("nan"), "restarts": restarts}
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
 def table_row(name: str, length, chats: int, r: dict) -> str:
     return (f"| {name} | {length} | {chats} | {r['records']} | {r['records_s']:.2f} | {r['p50']:.3f} | "
-            f"{r['p95']:.3f} | {r['chat_tok_s']:.1f} | {r['restarts']} | {r.get('peak_gib', float('nan')):.1f} |")
+            f"{r['p95']:.3f} | {r['chat_tok_s']:.1f} | {r['itl_p50']:.2f} | {r['itl_p95']:.2f} | {r['restarts']} | "
+            f"{r.get('peak_gib', float('nan')):.1f} |")
+
+
+def target_lines(rows: list[tuple]) -> list[str]:
+    """Issue 24's targets per record length: chat ITL p95 beside records <= 2x alone, records/s >= 0.7x alone."""
+    alone_chat = {name: r for name, length, chats, r in rows if length == "-"}
+    alone_rec = {(name, length): r for name, length, chats, r in rows if length != "-" and chats == 0}
+    out = []
+    for name, length, chats, r in rows:
+        if length == "-" or not chats or name not in alone_chat or (name, length) not in alone_rec:
+            continue
+        itl = r["itl_p95"] / alone_chat[name]["itl_p95"]
+        rate = r["records_s"] / alone_rec[(name, length)]["records_s"]
+        out.append(f"| {name} | {length} | {itl:.2f}x ({'met' if itl <= 2 else 'missed'}) | "
+                   f"{rate:.2f}x ({'met' if rate >= 0.7 else 'missed'}) |")
+    return out
 
 
 def bench_model(model_dir: Path, preset: str, args) -> list[tuple]:
     levers = dict(max_model_len=max(args.lengths) + 64, max_num_batched_tokens=args.chunk, clef_slots=args.slots,
-                  clef_nmax=max(args.lengths))
+                  clef_nmax=max(args.lengths), long_prefill_token_threshold=args.long_prefill_token_threshold)
     if args.smoke:
         levers.update(device="cpu", kv_cache_bytes=256 << 20)
     eng = LLMEngine(EngineConfig.from_env(environ={}, model=str(model_dir), **levers))
@@ -222,6 +246,7 @@ def main() -> None:
     ap.add_argument("--chat-window", type=float, default=5.0, help="seconds of the chats-only baseline")
     ap.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens")
     ap.add_argument("--slots", type=int, default=4, help="clef_slots")
+    ap.add_argument("--long-prefill-token-threshold", type=int, default=0, help="the lever (0: its default)")
     ap.add_argument("--dir", default="", help="where model folders are written (default: a temp dir)")
     args = ap.parse_args()
     if args.smoke:
@@ -246,10 +271,14 @@ def main() -> None:
     print(f"\nClef records through the engine ({device}; chunk {args.chunk}, {args.slots} Clef slots; latency = "
           "submission to answer, queueing included; chats: greedy decode of 2048 tokens, resubmitted)")
     print("| model | record tokens | chats | records | records/s | p50 latency (s) | p95 latency (s) | "
-          "chat tok/s | restarts | peak GiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "chat tok/s | chat ITL p50 (ms) | chat ITL p95 (ms) | restarts | peak GiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         print(table_row(*row))
+    print("\n| model | record tokens | chat ITL p95 beside records / alone (<= 2x) | records/s beside chats / alone "
+          "(>= 0.7x) |")
+    print("|---|---|---|---|")
+    print("\n".join(target_lines(rows)))
 
 
 if __name__ == "__main__":

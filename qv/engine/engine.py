@@ -92,7 +92,9 @@ class LLMEngine:
         scratch_slot = parts.cache.num_slots - 1  # never handed out (qv/engine/build.py)
         self.scheduler = Scheduler(self.blocks, GDNStatePool(scratch_slot), cfg.max_num_seqs,
                                    cfg.max_num_batched_tokens, lookahead=cfg.spec_k if self.spec else 0,
-                                   prefix_cache=self.prefix_cache)
+                                   prefix_cache=self.prefix_cache,
+                                   long_prefill_token_threshold=cfg.long_prefill_token_threshold,
+                                   max_long_partial_prefills=cfg.max_long_partial_prefills)
         self.multimodal = self.media = None  # images/videos: prompt building and in-step encoding
         if parts.vision is not None:
             self.multimodal = MultimodalInputs(parts.model_dir, parts.model_config, parts.tokenizer)
