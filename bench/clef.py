@@ -206,6 +206,8 @@ def bench_model(model_dir: Path, preset: str, args) -> list[tuple]:
                   clef_nmax=max(args.lengths), long_prefill_token_threshold=args.long_prefill_token_threshold)
     if args.smoke:
         levers.update(device="cpu", kv_cache_bytes=256 << 20)
+    if args.load_format == "random":
+        levers.update(load_format="random", quantization="gptq-int8")
     eng = LLMEngine(EngineConfig.from_env(environ={}, model=str(model_dir), **levers))
     cap = (eng.clef.cap, eng.clef.cap_name)
     n_layers = eng.model_config.num_hidden_layers
@@ -247,6 +249,8 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens")
     ap.add_argument("--slots", type=int, default=4, help="clef_slots")
     ap.add_argument("--long-prefill-token-threshold", type=int, default=0, help="the lever (0: its default)")
+    ap.add_argument("--load-format", default="auto", choices=("auto", "random"),
+                    help="random: GPTQ-Int8 weights made on the device (no weights written to disk)")
     ap.add_argument("--dir", default="", help="where model folders are written (default: a temp dir)")
     args = ap.parse_args()
     if args.smoke:
@@ -265,7 +269,8 @@ def main() -> None:
             model_dir = tiny.make_tiny(root / "tiny", "tiny")
         else:
             layers = args.layers_27b if preset == "27b" else 0
-            model_dir = write_model(root, preset, layers, max(args.lengths) + 4096, torch.bfloat16)
+            model_dir = write_model(root, preset, layers, max(args.lengths) + 4096, torch.bfloat16,
+                                    weights=args.load_format == "auto")
         rows += bench_model(add_clef(model_dir, preset), preset, args)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.smoke else "cpu"
     print(f"\nClef records through the engine ({device}; chunk {args.chunk}, {args.slots} Clef slots; latency = "
