@@ -180,6 +180,39 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
+def profile_mixed(eng: LLMEngine, record, chats: int, chat_prompt: int) -> str:
+    """Per-kernel (GPU) and per-op (host) tables of steps that carry a long-prefill chunk beside
+    decoding chats: with a Clef record, and with a chat prompt of the same length."""
+    from qv.bench.profile import profile_markdown, profile_steps
+
+    rng = random.Random(3)
+    params = SamplingParams(temperature=0.0, max_tokens=4096, ignore_eos=True)
+    out = []
+    for kind in ("clef", "chat"):
+        for i in range(chats):
+            eng.add_request(f"p-{kind}-{i}", [rng.randrange(3, 250) for _ in range(chat_prompt)], params)
+        for _ in range(4):  # the chats' prompts in, decoding
+            eng.step()
+        if kind == "clef":
+            eng.add_clef("p-rec", record, record.num_tokens, record.checksum)
+        else:
+            eng.add_request("p-long", [rng.randrange(3, 250) for _ in range(record.num_tokens)],
+                            SamplingParams(temperature=0.0, max_tokens=1))
+        for _ in range(3):
+            eng.step()
+        p = profile_steps(eng.step, 5, torch.device("cuda"))
+        out.append(profile_markdown(f"{chats} chats decoding beside a {kind} prefill, per step", p))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(5):
+                eng.step()
+        out.append(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+        for rid in [f"p-{kind}-{i}" for i in range(chats)] + ["p-rec", "p-long"]:
+            eng.abort_request(rid)
+        while eng.has_unfinished_requests():
+            eng.step()
+    return "\n\n".join(out)
+
+
 def table_row(name: str, length, chats: int, r: dict) -> str:
     return (f"| {name} | {length} | {chats} | {r['records']} | {r['records_s']:.2f} | {r['p50']:.3f} | "
             f"{r['p95']:.3f} | {r['chat_tok_s']:.1f} | {r['itl_p50']:.2f} | {r['itl_p95']:.2f} | {r['restarts']} | "
@@ -229,6 +262,9 @@ def bench_model(model_dir: Path, preset: str, args) -> list[tuple]:
             r["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
             rows.append((name, length, chats, r))
             print("  " + table_row(*rows[-1]), flush=True)  # kept in the log if a later case runs out of time
+    if args.profile_mixed:
+        print(profile_mixed(eng, make_records(eng.tokenizer, 1, max(args.lengths), cap, seed=9)[0], args.chats,
+                            args.chat_prompt), flush=True)
     del eng
     gc.collect()
     if torch.cuda.is_available():
@@ -249,6 +285,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens")
     ap.add_argument("--slots", type=int, default=4, help="clef_slots")
     ap.add_argument("--long-prefill-token-threshold", type=int, default=0, help="the lever (0: its default)")
+    ap.add_argument("--profile-mixed", action="store_true", help="profile steps with a long prefill beside chats")
     ap.add_argument("--load-format", default="auto", choices=("auto", "random"),
                     help="random: GPTQ-Int8 weights made on the device (no weights written to disk)")
     ap.add_argument("--dir", default="", help="where model folders are written (default: a temp dir)")
