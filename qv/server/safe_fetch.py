@@ -35,7 +35,13 @@ import httpx
 
 MAX_REDIRECTS = 5
 REDIRECTS = (301, 302, 303, 307, 308)
-CGNAT = ipaddress.ip_network("100.64.0.0/10")
+# IANA's not-globally-reachable ranges that some Python versions' is_global misses (3.11 knows
+# neither 192.0.0.0/24 whole nor multicast as non-global); checked beside ipaddress's own flags.
+NOT_GLOBAL = [ipaddress.ip_network(n) for n in (
+    "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12", "192.0.0.0/24",
+    "192.0.2.0/24", "192.88.99.0/24", "192.168.0.0/16", "198.18.0.0/15", "198.51.100.0/24", "203.0.113.0/24",
+    "224.0.0.0/4", "240.0.0.0/4", "::/128", "::1/128", "::ffff:0:0/96", "64:ff9b:1::/48", "100::/64", "2001::/23",
+    "2001:db8::/32", "3fff::/20", "5f00::/16", "fc00::/7", "fe80::/10", "fec0::/10", "ff00::/8")]
 HEADERS = [(b"Accept", b"image/*, video/*;q=0.9, */*;q=0.5"), (b"Accept-Encoding", b"identity"),
            (b"User-Agent", b"qv-media-fetch")]
 
@@ -49,8 +55,7 @@ class FetchError(Exception):
 
 def _internal(ip: IPAddress) -> bool:
     return (ip.is_private or ip.is_loopback or ip.is_link_local or ip.is_multicast or ip.is_reserved
-            or ip.is_unspecified or not ip.is_global or getattr(ip, "is_site_local", False)
-            or (ip.version == 4 and ip in CGNAT))
+            or ip.is_unspecified or not ip.is_global or any(ip in n for n in NOT_GLOBAL if n.version == ip.version))
 
 
 class AddressPolicy:
