@@ -20,6 +20,7 @@ Clef and other callers with their own request shapes use `items`, `load` and `fr
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import functools
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
@@ -90,6 +91,24 @@ def collect_media(messages: list, max_images: int, max_videos: int) -> list[tupl
     return found
 
 
+def _trimmer():
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc
+    except (OSError, AttributeError):
+        return None
+
+
+_MALLOC_TRIM = _trimmer()
+
+
+def _return_free_memory() -> None:
+    """Hand a decoded image's freed pages back to the OS: glibc keeps freed blocks of tens of MB
+    in the worker thread's arena otherwise, and the process's memory would ratchet up with every
+    large image."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
 async def _all(coros: list):
     """Await all; the first failure cancels the rest (nothing keeps fetching for a refused request)."""
     tasks = [asyncio.ensure_future(c) for c in coros]
@@ -149,6 +168,8 @@ class ServerMedia:
             return self.inputs.item(opened)
         except MediaError as exc:
             raise bad_request(f"{where}: {exc}", where) from None
+        finally:
+            _return_free_memory()
 
     async def items(self, found: Sequence[tuple[str, Source, str]], param: str = "messages") -> list:
         """VisionItems of (kind, source, where) entries, in order; kind "image" or "video", where the
