@@ -26,7 +26,8 @@ DENIED = ["127.0.0.1", "127.255.0.9", "0.0.0.0", "0.1.2.3", "10.0.0.5", "172.16.
           "240.0.0.1", "192.0.0.8", "198.18.0.1", "192.0.2.1",
           "::1", "::", "fe80::1", "fe80::1%2", "febf::1", "fec0::1", "fc00::1", "fd12:3456::1", "ff02::1", "ff0e::1",
           "::ffff:127.0.0.1", "::ffff:169.254.169.254", "::ffff:10.0.0.5", "::ffff:0:a00:5", "::127.0.0.1",
-          "64:ff9b::a9fe:a9fe", "2002:7f00:1::1", "2002:a9fe:a9fe::", "2001:db8::1", "100::1", "not an address", ""]
+          "64:ff9b::a9fe:a9fe", "2002:7f00:1::1", "2002:a9fe:a9fe::", "2001:0:4136:e378:8000:63bf:3fff:fdd2",
+          "2001:db8::1", "100::1", "not an address", ""]
 ALLOWED = ["8.8.8.8", "1.1.1.1", "93.184.216.34", "100.128.0.1", "172.32.0.1", "2606:4700:4700::1111",
            "2a00:1450:4001:80b::200e", "::ffff:8.8.8.8", "2002:808:808::1"]
 
@@ -66,7 +67,7 @@ def serve(host: str, port: int, body: bytes, tls: ssl.SSLContext | None = None) 
     srv.hits, srv.body = [], body
     if tls is not None:
         srv.socket = tls.wrap_socket(srv.socket, server_side=True)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     return srv
 
 
