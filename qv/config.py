@@ -9,6 +9,7 @@ the scalars they need, never the whole config.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import os
 from dataclasses import dataclass, field
@@ -449,6 +450,11 @@ class EngineConfig:
         "", "Comma-separated CIDR ranges media URLs may resolve to although they are loopback, link-local, private, "
         "CGNAT, multicast or unspecified (all denied by default, IPv4 and IPv6).", "QV_MEDIA_ALLOWED_NETWORKS")
     media_local_dir: str = lever("", "Directory file:// media may be read from; empty: no local files.", "QV_MEDIA_LOCAL_DIR")
+    media_max_pixels: int = lever(
+        1 << 28, "Most pixels of one request's images and video frames together, read from their headers before "
+        "anything is decoded (one image may have at most 2^26).", "QV_MEDIA_MAX_PIXELS")
+    media_decode_threads: int = lever(2, "Threads that decode and preprocess media, shared by all requests; more media "
+                                      "waits its turn.", "QV_MEDIA_DECODE_THREADS")
     vision_max_patches_per_step: int = lever(
         16384, "Vision-encoder budget of one engine step, in patches before the 2x2 merge: prefill chunks stop "
         "before an image or video whose encoding does not fit (one larger than the budget is encoded alone).",
@@ -484,7 +490,7 @@ class EngineConfig:
                 raise ConfigError(f"{f.name}={getattr(self, f.name)!r}: expected one of {', '.join(choices)}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "spec_k", "spec_max_seqs", "clef_slots",
                      "clef_nmax", "vision_max_patches_per_step", "max_long_partial_prefills", "max_prompts_per_request",
-                     "max_stop_strings"):
+                     "max_stop_strings", "media_max_pixels", "media_decode_threads"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -495,6 +501,11 @@ class EngineConfig:
         for name in ("max_model_len", "kv_cache_bytes", "long_prefill_token_threshold"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for net in (n.strip() for n in self.media_allowed_networks.split(",")):
+            try:
+                ipaddress.ip_network(net or "0.0.0.0/32", strict=False)
+            except ValueError:
+                raise ConfigError(f"media_allowed_networks: {net!r} is not a CIDR range (e.g. 10.0.0.0/8, fd00::/8)") from None
 
 
 def _index(cls, name: str) -> int:
