@@ -84,7 +84,8 @@ class LLMEngine:
                                    cfg.max_num_batched_tokens, lookahead=cfg.spec_k if self.spec else 0,
                                    prefix_cache=self.prefix_cache,
                                    long_prefill_token_threshold=cfg.long_prefill_token_threshold,
-                                   max_long_partial_prefills=cfg.max_long_partial_prefills)
+                                   max_long_partial_prefills=cfg.max_long_partial_prefills,
+                                   max_spec_seqs=self.spec.max_seqs if self.spec else 0)
         self.multimodal = self.media = None  # images/videos: prompt building and in-step encoding
         if parts.vision is not None:
             self.multimodal = MultimodalInputs(parts.model_dir, parts.model_config, parts.tokenizer)

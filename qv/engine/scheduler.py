@@ -47,7 +47,7 @@ class StepPlan:
 class Scheduler:
     def __init__(self, blocks: KVBlockPool, slots: GDNStatePool, max_num_seqs: int, max_num_batched_tokens: int,
                  lookahead: int = 0, prefix_cache: PrefixCache | None = None, long_prefill_token_threshold: int = 0,
-                 max_long_partial_prefills: int = 1):
+                 max_long_partial_prefills: int = 1, max_spec_seqs: int = 0):
         self.blocks, self.slots = blocks, slots
         self.prefix_cache = prefix_cache  # None: prefix caching off
         self.lookahead = lookahead  # extra KV positions a step may write past its tokens (the MTP head's drafts)
@@ -55,6 +55,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.long_prefill_token_threshold = long_prefill_token_threshold or max(1, max_num_batched_tokens // 4)
         self.max_long_partial_prefills = max_long_partial_prefills
+        self.max_spec_seqs = max_spec_seqs  # the speculator's per-position GDN state buffers hold this many
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -97,10 +98,13 @@ class Scheduler:
         return plan
 
     def _schedule_running(self, plan: StepPlan, budget: int, shares: "_LongPrefillShare") -> int:
+        verifying = 0
         # decodes first, then prefills short before long; admission order within each
         for seq in sorted(self.running, key=lambda s: 0 if _decoding(s) else 1 + shares.is_long(s)):
             if seq not in self.running:  # preempted earlier in this loop to make room
                 continue
+            if seq.draft_token_ids and verifying == self.max_spec_seqs:  # beyond it: a plain decode this step
+                seq.draft_token_ids = []
             n = seq.num_tokens - seq.num_computed_tokens + len(seq.draft_token_ids)
             if n > budget and seq.draft_token_ids:  # verification is all k+1 rows or none
                 seq.draft_token_ids = []
@@ -115,6 +119,7 @@ class Scheduler:
             self.blocks.grow(seq.block_ids, self._covered(seq, n))
             plan.scheduled.append((seq, n))
             shares.took(seq)
+            verifying += bool(seq.draft_token_ids)
             budget -= n
         return budget
 

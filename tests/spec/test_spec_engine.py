@@ -112,3 +112,16 @@ def test_acceptance_lengths(fitted_dir):
     free = [{"prompt_token_ids": [rng.randrange(300) for _ in range(12)]} for _ in range(6)]
     _, mtp = _run(fitted_dir, free, params, spec="mtp", spec_k=3)
     assert mtp.engine.spec.stats.mean_acceptance_length >= 2.0, mtp.engine.spec.stats
+
+
+@pytest.mark.parametrize("mode", ["mtp", "auto"])
+def test_more_sequences_than_spec_max_seqs(fitted_dir, mode):
+    """More sequences in flight than the speculator's per-position state buffers: the extras decode
+    without drafts that step (the engine used to fail with an IndexError past 16)."""
+    rng = random.Random()
+    prompts = [{"prompt_token_ids": model_list(rng.randrange(4, 15), rng.randrange(CYCLE)) * 2} for _ in range(11)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    base, _ = _run(fitted_dir, prompts, params)
+    outs, llm = _run(fitted_dir, prompts, params, spec=mode, spec_k=3, spec_max_seqs=4)
+    _assert_same(outs, base, f"spec={mode} with 11 sequences over 4 verification slots")
+    assert llm.engine.spec.stats.num_accepted_tokens > 0
