@@ -35,10 +35,11 @@ ENV_PREFIX = "QV_"
 BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
-def lever(default: Any, doc: str, env: str | None = None, expect: str | None = None, **bounds: Any) -> Any:
+def lever(default: Any, doc: str, env: str | None = None, *, expect: str | None = None, **bounds: Any) -> Any:
     """One lever: its default, one-line meaning and bounds (pydantic's ge / gt / le / lt / pattern). Its
     environment variable is QV_ + the upper-cased name (`env`, if given, must say the same); choices are
-    a `Literal[...]` annotation; `expect` words what a `pattern` accepts, for error messages."""
+    a `Literal[...]` annotation (the old positional choices tuple is refused); `expect` words what a
+    `pattern` accepts, for error messages."""
     return Field(default, description=doc, json_schema_extra={"env": env, "expect": expect}, **bounds)
 
 

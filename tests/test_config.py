@@ -160,6 +160,13 @@ def test_env_and_overrides():
     assert [env_name(n) for n in FIELDS] == ["QV_" + n.upper() for n in FIELDS]
 
 
+def test_declared_env_name_must_be_the_derived_one(monkeypatch):
+    """`lever(default, doc, "QV_NAME")` (the older style) is checked against QV_ + the field name."""
+    monkeypatch.setattr(FIELDS["port"], "json_schema_extra", {"env": "QV_PORTS", "expect": None})
+    with pytest.raises(TypeError, match="lever port: its environment variable is QV_PORT, not QV_PORTS"):
+        config._check_env_names()
+
+
 def test_unknown_environment_names_are_warned_about(caplog):
     with caplog.at_level(logging.WARNING, logger="qv"):
         assert EngineConfig.from_env({"QV_MAX_NUM_SEQ": "3", "HOME": "/x"}) == EngineConfig()
