@@ -23,7 +23,6 @@ import gc
 import json
 import math
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -146,7 +145,7 @@ def run_case(eng: LLMEngine, records: list, chats: int, chat_prompt: int, chat_w
         rid = f"clef-{i}-{rec.num_tokens}"
         eng.add_clef(rid, rec, rec.num_tokens, rec.checksum)
         submitted[rid] = time.perf_counter()
-    latency, restarts = {}, 0
+    latency, restarts, last_token, gaps = {}, 0, {}, []
     while len(latency) < len(records) or (not records and time.perf_counter() - t0 < chat_window_s):
         for out in eng.step():
             now = time.perf_counter()
@@ -157,7 +156,12 @@ def run_case(eng: LLMEngine, records: list, chats: int, chat_prompt: int, chat_w
                     latency[out.request_id] = now - submitted[out.request_id]
                     restarts += out.clef.restarts
             elif out.request_id in live:
-                live[out.request_id] = len(out.outputs[0].token_ids)
+                n = len(out.outputs[0].token_ids)
+                if n > live[out.request_id]:  # inter-token latency: from the chat's previous token
+                    if out.request_id in last_token:
+                        gaps.append((now - last_token[out.request_id]) / (n - live[out.request_id]))
+                    last_token[out.request_id] = now
+                live[out.request_id] = n
                 if out.finished:
                     chat_tokens += live.pop(out.request_id)
                     add_chat()
@@ -166,22 +170,77 @@ def run_case(eng: LLMEngine, records: list, chats: int, chat_prompt: int, chat_w
     for rid in list(live):
         eng.abort_request(rid)
     lat = sorted(latency.values())
-    pct = lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] if lat else float("nan")  # noqa: E731
     return {"records": len(records), "records_s": len(records) / wall if records else float("nan"),
-            "p50": statistics.median(lat) if lat else float("nan"), "p95": pct(0.95),
+            "p50": _pct(lat, 0.5), "p95": _pct(lat, 0.95), "itl_p50": _pct(sorted(gaps), 0.5) * 1e3,
+            "itl_p95": _pct(sorted(gaps), 0.95) * 1e3,
             "chat_tok_s": chat_tokens / wall if chats else float("nan"), "restarts": restarts}
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def profile_mixed(eng: LLMEngine, record, chats: int, chat_prompt: int) -> str:
+    """Per-kernel (GPU) and per-op (host) tables of steps that carry a long-prefill chunk beside
+    decoding chats: with a Clef record, and with a chat prompt of the same length."""
+    from qv.bench.profile import profile_markdown, profile_steps
+
+    rng = random.Random(3)
+    params = SamplingParams(temperature=0.0, max_tokens=4096, ignore_eos=True)
+    out = []
+    for kind in ("clef", "chat"):
+        for i in range(chats):
+            eng.add_request(f"p-{kind}-{i}", [rng.randrange(3, 250) for _ in range(chat_prompt)], params)
+        for _ in range(4):  # the chats' prompts in, decoding
+            eng.step()
+        if kind == "clef":
+            eng.add_clef("p-rec", record, record.num_tokens, record.checksum)
+        else:
+            eng.add_request("p-long", [rng.randrange(3, 250) for _ in range(record.num_tokens)],
+                            SamplingParams(temperature=0.0, max_tokens=1))
+        for _ in range(3):
+            eng.step()
+        p = profile_steps(eng.step, 5, torch.device("cuda"))
+        out.append(profile_markdown(f"{chats} chats decoding beside a {kind} prefill, per step", p))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(5):
+                eng.step()
+        out.append(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+        for rid in [f"p-{kind}-{i}" for i in range(chats)] + ["p-rec", "p-long"]:
+            eng.abort_request(rid)
+        while eng.has_unfinished_requests():
+            eng.step()
+    return "\n\n".join(out)
 
 
 def table_row(name: str, length, chats: int, r: dict) -> str:
     return (f"| {name} | {length} | {chats} | {r['records']} | {r['records_s']:.2f} | {r['p50']:.3f} | "
-            f"{r['p95']:.3f} | {r['chat_tok_s']:.1f} | {r['restarts']} | {r.get('peak_gib', float('nan')):.1f} |")
+            f"{r['p95']:.3f} | {r['chat_tok_s']:.1f} | {r['itl_p50']:.2f} | {r['itl_p95']:.2f} | {r['restarts']} | "
+            f"{r.get('peak_gib', float('nan')):.1f} |")
+
+
+def target_lines(rows: list[tuple]) -> list[str]:
+    """Issue 24's targets per record length: chat ITL p95 beside records <= 2x alone, records/s >= 0.7x alone."""
+    alone_chat = {name: r for name, length, chats, r in rows if length == "-"}
+    alone_rec = {(name, length): r for name, length, chats, r in rows if length != "-" and chats == 0}
+    out = []
+    for name, length, chats, r in rows:
+        if length == "-" or not chats or name not in alone_chat or (name, length) not in alone_rec:
+            continue
+        itl = r["itl_p95"] / alone_chat[name]["itl_p95"]
+        rate = r["records_s"] / alone_rec[(name, length)]["records_s"]
+        out.append(f"| {name} | {length} | {itl:.2f}x ({'met' if itl <= 2 else 'missed'}) | "
+                   f"{rate:.2f}x ({'met' if rate >= 0.7 else 'missed'}) |")
+    return out
 
 
 def bench_model(model_dir: Path, preset: str, args) -> list[tuple]:
     levers = dict(max_model_len=max(args.lengths) + 64, max_num_batched_tokens=args.chunk, clef_slots=args.slots,
-                  clef_nmax=max(args.lengths))
+                  clef_nmax=max(args.lengths), long_prefill_token_threshold=args.long_prefill_token_threshold)
     if args.smoke:
         levers.update(device="cpu", kv_cache_bytes=256 << 20)
+    if args.load_format == "random":
+        levers.update(load_format="random", quantization="gptq-int8")
     eng = LLMEngine(EngineConfig.from_env(environ={}, model=str(model_dir), **levers))
     cap = (eng.clef.cap, eng.clef.cap_name)
     n_layers = eng.model_config.num_hidden_layers
@@ -203,6 +262,9 @@ def bench_model(model_dir: Path, preset: str, args) -> list[tuple]:
             r["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
             rows.append((name, length, chats, r))
             print("  " + table_row(*rows[-1]), flush=True)  # kept in the log if a later case runs out of time
+    if args.profile_mixed:
+        print(profile_mixed(eng, make_records(eng.tokenizer, 1, max(args.lengths), cap, seed=9)[0], args.chats,
+                            args.chat_prompt), flush=True)
     del eng
     gc.collect()
     if torch.cuda.is_available():
@@ -222,6 +284,10 @@ def main() -> None:
     ap.add_argument("--chat-window", type=float, default=5.0, help="seconds of the chats-only baseline")
     ap.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens")
     ap.add_argument("--slots", type=int, default=4, help="clef_slots")
+    ap.add_argument("--long-prefill-token-threshold", type=int, default=0, help="the lever (0: its default)")
+    ap.add_argument("--profile-mixed", action="store_true", help="profile steps with a long prefill beside chats")
+    ap.add_argument("--load-format", default="auto", choices=("auto", "random"),
+                    help="random: GPTQ-Int8 weights made on the device (no weights written to disk)")
     ap.add_argument("--dir", default="", help="where model folders are written (default: a temp dir)")
     args = ap.parse_args()
     if args.smoke:
@@ -240,16 +306,21 @@ def main() -> None:
             model_dir = tiny.make_tiny(root / "tiny", "tiny")
         else:
             layers = args.layers_27b if preset == "27b" else 0
-            model_dir = write_model(root, preset, layers, max(args.lengths) + 4096, torch.bfloat16)
+            model_dir = write_model(root, preset, layers, max(args.lengths) + 4096, torch.bfloat16,
+                                    weights=args.load_format == "auto")
         rows += bench_model(add_clef(model_dir, preset), preset, args)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.smoke else "cpu"
     print(f"\nClef records through the engine ({device}; chunk {args.chunk}, {args.slots} Clef slots; latency = "
           "submission to answer, queueing included; chats: greedy decode of 2048 tokens, resubmitted)")
     print("| model | record tokens | chats | records | records/s | p50 latency (s) | p95 latency (s) | "
-          "chat tok/s | restarts | peak GiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "chat tok/s | chat ITL p50 (ms) | chat ITL p95 (ms) | restarts | peak GiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         print(table_row(*row))
+    print("\n| model | record tokens | chat ITL p95 beside records / alone (<= 2x) | records/s beside chats / alone "
+          "(>= 0.7x) |")
+    print("|---|---|---|---|")
+    print("\n".join(target_lines(rows)))
 
 
 if __name__ == "__main__":

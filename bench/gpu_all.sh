@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call for the engine-level GPU checks and benchmarks; logs under $OUT.
-#   bash bench/gpu_all.sh SECTION...    sections: tests oracles engine spec prefix prefix27 clef clef27 kernels bench27
+#   bash bench/gpu_all.sh SECTION...    sections: tests oracles engine spec prefix prefix27 clef clef27 clefmix kernels bench27
 # BENCH_KERNELS_ARGS passes options to bench/kernels.py (e.g. "--only attn,gdn --sweep attn,gdn");
 # BENCH27_ARGS to `qv bench --preset 27b` (e.g. "--prefill-lengths 32768 --profile").
 set -u
@@ -24,6 +24,9 @@ for section in "$@"; do
     prefix27) run prefix27 200 python3 bench/prefix.py --dir /tmp/qv-prefix-models --presets 27b ;;
     clef) run clef 420 python3 bench/clef.py --dir /tmp/qv-clef-models ;;
     clef27) run clef27 150 python3 bench/clef.py --dir /tmp/qv-clef-models --presets 27b ;;
+    clefmix) for t in ${CLEFMIX_THRESHOLDS:-0}; do  # issue 24's case: four 32K records beside six chats
+        run clefmix-$t 200 python3 bench/clef.py --dir /tmp/qv-clef-models --presets 27b --load-format random \
+          --lengths 32768 --counts 4 --long-prefill-token-threshold $t; done ;;
     bench27) run bench27 ${BENCH27_S:-560} python3 -m qv.cli bench --preset 27b --json "$out/bench27.json" ${BENCH27_ARGS:-} ;;
     kernels) run kernels ${KERNELS_S:-240} python3 bench/kernels.py --json "$out/kernels.json" ${BENCH_KERNELS_ARGS:-} ;;
   esac

@@ -39,8 +39,10 @@ from qv.model.cache import gdn_bytes_per_slot, kv_bytes_per_block  # noqa: E402
 ONE = SamplingParams(temperature=0, max_tokens=1)
 
 
-def write_model(root: Path, preset: str, layers: int, max_len: int, dtype: torch.dtype) -> Path:
-    out = root / f"{preset}-{layers or 'all'}l"
+def write_model(root: Path, preset: str, layers: int, max_len: int, dtype: torch.dtype, weights: bool = True) -> Path:
+    """A preset-shaped checkpoint folder; weights=False writes only config.json and the tokenizer (for
+    load_format=random)."""
+    out = root / f"{preset}-{layers or 'all'}l{'' if weights else '-config'}"
     if (out / "config.json").is_file():
         return out
     part = out.with_name(out.name + ".partial")
@@ -54,9 +56,12 @@ def write_model(root: Path, preset: str, layers: int, max_len: int, dtype: torch
     _, special = tiny.tokenizer_json()
     config = tiny.build_config(name, (max(special.values()) + 1 + 63) // 64 * 64, special)
     config["max_position_embeddings"] = max_len
-    print(f"writing random {preset}-shaped weights ({config['num_hidden_layers']} layers) to {out}", flush=True)
-    save_file(tiny.random_tensors(config, seed=0, dtype=dtype), str(part / "model.safetensors"),
-              metadata={"format": "pt"})
+    if weights:
+        print(f"writing random {preset}-shaped weights ({config['num_hidden_layers']} layers) to {out}", flush=True)
+        save_file(tiny.random_tensors(config, seed=0, dtype=dtype), str(part / "model.safetensors"),
+                  metadata={"format": "pt"})
+    else:
+        (part / "model.safetensors").unlink()  # the tiny fixture's: random weights are made at load
     (part / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     part.rename(out)
     return out

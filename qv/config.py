@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import io
+import ipaddress
 import logging
 import os
 from collections.abc import Mapping
@@ -140,8 +141,14 @@ class EngineConfig(BaseSettings):
     media_allowed_domains: str = lever("", "Comma-separated domains media URLs may come from; empty: any.")
     media_allowed_networks: str = lever(
         "", "Comma-separated CIDR ranges media URLs may resolve to although they are loopback, link-local, private, "
-        "CGNAT, multicast or unspecified (all denied by default, IPv4 and IPv6).")
+        "CGNAT, multicast or unspecified (all denied by default, IPv4 and IPv6).",
+        expect="comma-separated CIDR ranges (e.g. 10.0.0.0/8, fd00::/8)")
     media_local_dir: str = lever("", "Directory file:// media may be read from; empty: no local files.")
+    media_max_pixels: int = lever(
+        1 << 28, "Most pixels of one request's images and video frames together, read from their headers before "
+        "anything is decoded (one image may have at most 2^26).", ge=1)
+    media_decode_threads: int = lever(2, "Threads that decode and preprocess media, shared by all requests; more "
+                                      "media waits its turn.", ge=1)
     vision_max_patches_per_step: int = lever(
         16384, "Vision-encoder budget of one engine step, in patches before the 2x2 merge: prefill chunks stop "
         "before an image or video whose encoding does not fit (one larger than the budget is encoded alone).", ge=1)
@@ -185,6 +192,13 @@ class EngineConfig(BaseSettings):
             return word
         if kind in (int, float) and isinstance(value, bool):
             raise ValueError("a boolean is not a number")
+        return value
+
+    @field_validator("media_allowed_networks")
+    @classmethod
+    def _networks(cls, value: str) -> str:
+        for net in (n.strip() for n in value.split(",")):
+            ipaddress.ip_network(net or "0.0.0.0/32", strict=False)  # a ValueError names the lever
         return value
 
     @classmethod

@@ -1,29 +1,19 @@
-"""The step loop (LLMEngine) and its asyncio front (AsyncLLMEngine) used by the server.
-
-LLMEngine: add_request -> step() repeatedly -> RequestOutputs; with async scheduling (see step)
-one step stays launched between calls and the next is planned before its tokens are in.
-AsyncLLMEngine runs the same loop on its own thread; each request is an async iterator of
-cumulative outputs, and leaving the iterator early aborts the request and frees its cache at once.
-"""
+"""The step loop (LLMEngine): add_request -> step() repeatedly -> RequestOutputs; with async
+scheduling (see step) one step stays launched between calls and the next is planned before its
+tokens are in. qv/engine/async_engine.py runs it on its own thread for the server."""
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import contextlib
 import itertools
 import logging
-import queue
 import random
-import threading
 import time
 from array import array
 from dataclasses import dataclass, field
 
 from qv.config import EngineConfig
-from qv.kernels import get_backend
 from qv.engine.build import build_engine_parts
-from qv.engine.clef_rows import ClefResult, clef_sequence, make_clef_rows
+from qv.engine.clef_rows import clef_sequence, make_clef_rows
 from qv.engine.cuda_graphs import eager_reason
 from qv.engine.detokenizer import IncrementalDetokenizer
 from qv.engine.kv_cache import KVBlockPool
@@ -34,7 +24,7 @@ from qv.engine.request import (CompletionOutput, InvalidRequestError, Logprob, R
 from qv.engine.runner import ModelRunner, StepHandle, StepResult
 from qv.engine.scheduler import Scheduler, StepPlan
 from qv.engine.sequence import PENDING, SeqStatus, Sequence
-from qv.engine.speculator import Speculator
+from qv.spec.speculator import Speculator
 from qv.engine.state_pool import GDNStatePool
 
 log = logging.getLogger("qv")
@@ -92,22 +82,23 @@ class LLMEngine:
         scratch_slot = parts.cache.num_slots - 1  # never handed out (qv/engine/build.py)
         self.scheduler = Scheduler(self.blocks, GDNStatePool(scratch_slot), cfg.max_num_seqs,
                                    cfg.max_num_batched_tokens, lookahead=cfg.spec_k if self.spec else 0,
-                                   prefix_cache=self.prefix_cache)
+                                   prefix_cache=self.prefix_cache,
+                                   long_prefill_token_threshold=cfg.long_prefill_token_threshold,
+                                   max_long_partial_prefills=cfg.max_long_partial_prefills)
         self.multimodal = self.media = None  # images/videos: prompt building and in-step encoding
         if parts.vision is not None:
             self.multimodal = MultimodalInputs(parts.model_dir, parts.model_config, parts.tokenizer)
             step_rows = cfg.max_num_batched_tokens + (cfg.spec_k if self.spec else 0) * cfg.max_num_seqs  # as the runner's
             self.media = VisionSteps(parts.vision, cfg.vision_max_patches_per_step, step_rows, parts.model.device)
+        self.clef = make_clef_rows(parts.clef, parts.model, cfg.clef_slots, cfg.clef_nmax, self.max_model_len)
         self.runner = ModelRunner(parts.model, parts.cache, cfg.max_num_batched_tokens, cfg.max_num_seqs,
-                                  self.max_model_len, self.spec, self.media)
-        why_eager = eager_reason(cfg.cuda_graphs, parts.model.device, get_backend())
+                                  self.max_model_len, self.spec, self.media, self.clef)
+        why_eager = eager_reason(cfg.cuda_graphs, parts.model.device, cfg.kernels)
         if why_eager is None:
             self.runner.enable_decode_graphs(scratch_slot)  # StartupError where a graph disagrees with eager
         else:
             log.info("decode runs eagerly: %s", why_eager)
         self.requests: dict[str, _Request] = {}
-        self.clef = make_clef_rows(parts.clef, parts.model, cfg.clef_slots, cfg.clef_nmax, self.max_model_len)
-        self.runner.clef = self.clef
         self._seq_ids = itertools.count()
         self._rng = random.Random(cfg.seed)
         self.stats = EngineStats(cuda_graph_sizes=tuple(self.runner.graphs.sizes) if self.runner.graphs else ())
@@ -421,160 +412,3 @@ class LLMEngine:
 
 def _penalized(p: SamplingParams) -> bool:
     return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
-
-
-class AsyncLLMEngine:
-    """LLMEngine on its own thread; requests are async iterators of cumulative RequestOutputs."""
-
-    def __init__(self, cfg: EngineConfig):
-        self.engine = LLMEngine(cfg)
-        e = self.engine
-        self.tokenizer, self.model_config, self.model_name = e.tokenizer, e.model_config, e.model_name
-        self.max_model_len, self.generation_defaults = e.max_model_len, e.generation_defaults
-        self.clef_cap = (e.clef.cap, e.clef.cap_name) if e.clef else None  # Clef served: record cap, what sets it
-        self.multimodal = e.multimodal  # MultimodalInputs, or None without a vision tower
-        self.dead_error: str | None = None
-        self._commands: queue.Queue = queue.Queue()
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._futures: set[concurrent.futures.Future] = set()  # answers owed by the engine thread
-        self._lock = threading.Lock()
-        self._stop = False
-        self._thread = threading.Thread(target=self._loop, name="qv-engine", daemon=True)
-        self._thread.start()
-
-    @property
-    def healthy(self) -> bool:
-        return self.dead_error is None and self._thread.is_alive()
-
-    def stats(self) -> EngineStats:
-        return self.engine.stats
-
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.engine.check_request(prompt_token_ids, params)
-
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       prompt: str | None = None, cache_salt: str | None = None,
-                       mm_hashes: list[tuple[int, str]] | None = None, multimodal: MultimodalPrompt | None = None):
-        """multimodal: the prompt's images/videos (LLMEngine.add_request)."""
-        self.check_request(prompt_token_ids, params)
-        command = ("add", request_id, prompt_token_ids, params, prompt, cache_salt, mm_hashes, multimodal)
-        async with contextlib.aclosing(self._outputs(request_id, command)) as outputs:
-            async for out in outputs:
-                yield out
-
-    async def decide(self, request_id: str, record, num_tokens: int, checksum: str) -> ClefResult:
-        """Run one Clef record (LLMEngine.add_clef) on the engine thread; returns its ClefResult
-        (answers in systemone's format). InvalidRequestError: the engine refused the record;
-        RuntimeError: it failed. Cancelling the await aborts the record and frees its cache."""
-        out = None
-        async with contextlib.aclosing(self._outputs(request_id, ("add_clef", request_id, record, num_tokens,
-                                                                   checksum))) as outputs:
-            async for out in outputs:
-                pass
-        if out.clef is None:
-            raise RuntimeError(f"the engine failed this Clef record: {out.error or out.outputs[0].finish_reason}")
-        return out.clef
-
-    async def _outputs(self, request_id: str, command: tuple):
-        """Send `command` (which adds request_id) to the engine thread and yield the request's
-        outputs up to the finished one; leaving early aborts the request."""
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
-        with self._lock:  # the dying loop sets dead_error under this lock, then fails what is registered
-            if not self.healthy:
-                raise RuntimeError(f"the engine is not running: {self.dead_error}")
-            if request_id in self._queues:
-                raise InvalidRequestError(f"request id {request_id!r} is already in use")
-            self._queues[request_id] = (loop, q)
-        self._commands.put(command)
-        finished = False
-        try:
-            while not finished:
-                item = await q.get()
-                while not q.empty() and not isinstance(item, BaseException):
-                    item = q.get_nowait()  # outputs are cumulative: a slow reader skips to the latest
-                if isinstance(item, BaseException):
-                    finished = True  # the engine refused or failed it: nothing to abort
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            with self._lock:
-                self._queues.pop(request_id, None)
-            if not finished:
-                self._commands.put(("abort", request_id))
-
-    async def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
-
-    async def reset_prefix_cache(self) -> bool:
-        """LLMEngine.reset_prefix_cache, run on the engine thread between steps."""
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        with self._lock:
-            if not self.healthy:
-                raise RuntimeError(f"the engine is not running: {self.dead_error}")
-            self._futures.add(done)
-        self._commands.put(("reset_prefix_cache", done))
-        try:
-            return await asyncio.wrap_future(done)
-        finally:
-            with self._lock:
-                self._futures.discard(done)
-
-    def shutdown(self) -> None:
-        self._stop = True
-        self._commands.put(("wake",))
-        self._thread.join(timeout=10)
-
-    # -- engine thread -------------------------------------------------------------------------
-    def _deliver(self, request_id: str, item) -> None:
-        with self._lock:
-            target = self._queues.get(request_id)
-        if target is not None:
-            loop, q = target
-            loop.call_soon_threadsafe(q.put_nowait, item)
-
-    def _apply(self, cmd: tuple) -> None:
-        if cmd[0] == "add":
-            _, rid, ids, params, prompt, salt, mm_hashes, multimodal = cmd
-            try:
-                self.engine.add_request(rid, ids, params, prompt, salt, mm_hashes, multimodal)
-            except InvalidRequestError as exc:
-                self._deliver(rid, exc)
-        elif cmd[0] == "add_clef":
-            try:
-                self.engine.add_clef(*cmd[1:])
-            except InvalidRequestError as exc:
-                self._deliver(cmd[1], exc)
-        elif cmd[0] == "abort":
-            self.engine.abort_request(cmd[1])
-        elif cmd[0] == "reset_prefix_cache":
-            try:
-                cmd[1].set_result(self.engine.reset_prefix_cache())
-            except Exception as exc:  # noqa: BLE001 - the caller gets the error; the engine keeps serving
-                cmd[1].set_exception(exc)
-
-    def _loop(self) -> None:
-        try:
-            while not self._stop:
-                block = not self.engine.has_unfinished_requests()
-                try:
-                    cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
-                    self._apply(cmd)
-                    while True:
-                        self._apply(self._commands.get_nowait())
-                except queue.Empty:
-                    pass
-                if self.engine.has_unfinished_requests():
-                    for out in self.engine.step():
-                        self._deliver(out.request_id, out)
-        except BaseException as exc:  # the engine is dead: fail every waiting request, keep the reason
-            log.exception("engine loop failed")
-            with self._lock:  # under the lock: a caller either sees dead_error or is in the lists below
-                self.dead_error = f"{type(exc).__name__}: {exc}"
-                pending, futures = list(self._queues), list(self._futures)
-            for rid in pending:
-                self._deliver(rid, RuntimeError(f"the engine failed: {self.dead_error}"))
-            for fut in futures:
-                if not fut.done():
-                    fut.set_exception(RuntimeError(f"the engine failed: {self.dead_error}"))

@@ -2,7 +2,8 @@
 
 - `MultimodalInputs` turns a prompt with media placeholders plus its images/videos into a
   `MultimodalPrompt` (the checkpoint's processor, placeholder expansion, mRoPE positions, media
-  hashes for the prefix-cache key). The server and `LLM.generate` build prompts with it.
+  hashes for the prefix-cache key). The server and `LLM.generate` build prompts with it; the
+  server turns media bytes into items with `qv.engine.media.open_media` and `item`.
 - `MediaState` is one request's media: the prompt and the tower outputs of its items, cached
   while some sequence of the request still has that item's pad tokens to prefill, then freed.
 - `VisionSteps` runs the tower inside engine steps. `fit(plan)` (right after scheduling) lets
@@ -29,6 +30,7 @@ import numpy as np
 import torch
 
 from qv.config import ConfigError, ModelConfig
+from qv.engine.media import OpenedMedia, preprocess
 from qv.errors import InvalidRequestError
 from qv.model.vision_processor import MediaError, VisionItem, VisionProcessor, VisionTokenIds
 from qv.model.vision_prompt import MultimodalPrompt
@@ -68,6 +70,11 @@ class MultimodalInputs:
         except MediaError as exc:
             raise InvalidRequestError(str(exc)) from None
         return self.prompt(prompt_ids, self.in_prompt_order(prompt_ids, imgs, vids))
+
+    def item(self, opened: OpenedMedia) -> VisionItem:
+        """Decode and preprocess one item whose header `qv.engine.media.open_media` read (MediaError,
+        an InvalidRequestError, on any refusal). CPU work: call it from a worker thread."""
+        return preprocess(self.processor, opened)
 
     def in_prompt_order(self, prompt_ids: Seq[int], images: list, videos: list) -> list:
         """Interleave separate image and video lists by their placeholders' order in the prompt

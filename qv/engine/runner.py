@@ -18,11 +18,12 @@ import numpy as np
 import torch
 
 from qv.engine.sampler import SamplingBatch, logprobs_of, process, sample
+from qv.engine.clef_rows import ClefRows
 from qv.engine.cuda_graphs import DecodeGraphs
 from qv.engine.multimodal import VisionSteps
 from qv.engine.scheduler import StepPlan
 from qv.engine.sequence import Sequence
-from qv.engine.speculator import Speculator
+from qv.spec.speculator import Speculator
 from qv.model.batch import AttentionMeta, GDNMeta, StepBatch
 from qv.model.cache import HybridCache
 from qv.spec.verify import verify
@@ -119,8 +120,10 @@ class StepHandle:
 
 class ModelRunner:
     def __init__(self, model, cache: HybridCache, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_model_len: int, speculator: Speculator | None = None, media: VisionSteps | None = None):
+                 max_model_len: int, speculator: Speculator | None = None, media: VisionSteps | None = None,
+                 clef: ClefRows | None = None):
         self.model, self.cache, self.spec, self.media = model, cache, speculator, media
+        self.clef = clef  # Clef records' rows: their low-rank deltas and joint-head inputs
         self.device = model.device
         self.block_size = cache.block_size
         lookahead = 2 * speculator.k + 2 if speculator else 1
@@ -136,7 +139,6 @@ class ModelRunner:
         self.vocab_size = model.cfg.vocab_size
         self.max_seqs, self.max_blocks, self.max_model_len = max_num_seqs, max_blocks, max_model_len
         self.graphs: DecodeGraphs | None = None
-        self.clef = None  # qv.engine.clef_rows.ClefRows when Clef records are served (set by the engine)
         self.last: StepHandle | None = None  # the last step launched: where PENDING input tokens come from
 
     def enable_decode_graphs(self, scratch_slot: int) -> None:

@@ -1,7 +1,12 @@
 """Continuous batching with vLLM's one rule: every sequence's `num_computed_tokens` catches up
 with its tokens under a per-step token budget. Running sequences go first (decodes, then the
-rest of chunked prefills), then waiting ones are admitted while blocks, slots and the sequence
-cap allow. Chunked prefill is always on.
+rest of chunked prefills, short before long), then waiting ones are admitted while blocks, slots
+and the sequence cap allow. Chunked prefill is always on.
+
+Chats stay responsive beside long prefills (Clef records, long prompts): while any sequence
+decodes, a prefill with more than `long_prefill_token_threshold` tokens left takes at most that
+many tokens of the step, and at most `max_long_partial_prefills` of them run in it. Without
+decodes they take the whole budget, so a record alone prefills at full speed.
 
 When the KV pool runs out, the newest running sequence is preempted by recompute (its blocks and
 slot are freed, it goes back to the front of the queue). A preempted sequence is readmitted only
@@ -41,12 +46,15 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, blocks: KVBlockPool, slots: GDNStatePool, max_num_seqs: int, max_num_batched_tokens: int,
-                 lookahead: int = 0, prefix_cache: PrefixCache | None = None):
+                 lookahead: int = 0, prefix_cache: PrefixCache | None = None, long_prefill_token_threshold: int = 0,
+                 max_long_partial_prefills: int = 1):
         self.blocks, self.slots = blocks, slots
         self.prefix_cache = prefix_cache  # None: prefix caching off
         self.lookahead = lookahead  # extra KV positions a step may write past its tokens (the MTP head's drafts)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.long_prefill_token_threshold = long_prefill_token_threshold or max(1, max_num_batched_tokens // 4)
+        self.max_long_partial_prefills = max_long_partial_prefills
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -83,19 +91,21 @@ class Scheduler:
     # -- the step plan -------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         plan = StepPlan()
-        budget = self._schedule_running(plan, self.max_num_batched_tokens)
-        self._admit_waiting(plan, budget)
+        shares = _LongPrefillShare(self, self.running, self.waiting)
+        budget = self._schedule_running(plan, self.max_num_batched_tokens, shares)
+        self._admit_waiting(plan, budget, shares)
         return plan
 
-    def _schedule_running(self, plan: StepPlan, budget: int) -> int:
-        for seq in list(self.running):
+    def _schedule_running(self, plan: StepPlan, budget: int, shares: "_LongPrefillShare") -> int:
+        # decodes first, then prefills short before long; admission order within each
+        for seq in sorted(self.running, key=lambda s: 0 if _decoding(s) else 1 + shares.is_long(s)):
             if seq not in self.running:  # preempted earlier in this loop to make room
                 continue
             n = seq.num_tokens - seq.num_computed_tokens + len(seq.draft_token_ids)
             if n > budget and seq.draft_token_ids:  # verification is all k+1 rows or none
                 seq.draft_token_ids = []
                 n = seq.num_tokens - seq.num_computed_tokens
-            n = min(n, budget)
+            n = shares.clip(seq, min(n, budget))
             if self.prefix_cache and not seq.draft_token_ids:  # end prefill chunks on snapshot boundaries
                 n = self.prefix_cache.clip(seq, n)
             if n <= 0:
@@ -104,6 +114,7 @@ class Scheduler:
                 continue
             self.blocks.grow(seq.block_ids, self._covered(seq, n))
             plan.scheduled.append((seq, n))
+            shares.took(seq)
             budget -= n
         return budget
 
@@ -147,9 +158,13 @@ class Scheduler:
             f"or lower max_tokens"))
         plan.failed.append(seq)
 
-    def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
+    def _admit_waiting(self, plan: StepPlan, budget: int, shares: "_LongPrefillShare") -> None:
+        skipped: list[Sequence] = []  # long prefills with no share left this step keep their place
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and self.slots.num_free:
             seq = self.waiting[0]
+            if shares.clip(seq, 1) == 0:
+                skipped.append(self.waiting.popleft())
+                continue
             total_needed = self.blocks.blocks_for(seq.num_tokens + 1 + self.lookahead)
             iso = is_isolated(seq)
             if total_needed > self.blocks.capacity(iso):
@@ -167,11 +182,41 @@ class Scheduler:
             self.waiting.popleft()
             seq.state_slot = self.slots.acquire()
             seq.status = SeqStatus.RUNNING
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = shares.clip(seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
             if self.prefix_cache:  # resume from the hit, then end the chunk on a snapshot boundary
                 self.prefix_cache.admit(seq, hit)
-                n = self.prefix_cache.clip(seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
+                n = self.prefix_cache.clip(seq, shares.clip(seq, min(seq.num_tokens - seq.num_computed_tokens, budget)))
             self.blocks.grow(seq.block_ids, self._covered(seq, n))
             self.running.append(seq)
             plan.scheduled.append((seq, n))
+            shares.took(seq)
             budget -= n
+        self.waiting.extendleft(reversed(skipped))
+
+
+def _decoding(seq: Sequence) -> bool:
+    """Its prompt is computed: the step runs its one new token (and any drafts)."""
+    return seq.num_tokens - seq.num_computed_tokens <= 1
+
+
+class _LongPrefillShare:
+    """One step's limit on long prefills while other sequences decode beside them."""
+
+    def __init__(self, sched: Scheduler, running, waiting):
+        self.threshold = sched.long_prefill_token_threshold
+        # a short request waiting counts as a decode to come: its first token should not wait for a whole chunk
+        shared = any(_decoding(s) for s in running) or any(not self.is_long(s) for s in waiting)
+        self.left = sched.max_long_partial_prefills if shared else None  # None: no limit this step
+
+    def is_long(self, seq: Sequence) -> bool:
+        return seq.num_tokens - seq.num_computed_tokens > self.threshold
+
+    def clip(self, seq: Sequence, n: int) -> int:
+        """The tokens `seq` may take of the n it asks for."""
+        if self.left is None or not self.is_long(seq):
+            return n
+        return min(n, self.threshold) if self.left > 0 else 0
+
+    def took(self, seq: Sequence) -> None:
+        if self.left is not None and self.is_long(seq):
+            self.left -= 1

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from qv.config import ConfigError
+from qv.errors import InvalidRequestError
 
 # HF class defaults, used only for keys a checkpoint's processor config leaves out.
 _OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -40,8 +41,8 @@ _RESAMPLE = {3: "bicubic"}
 MAX_ASPECT_RATIO = 200  # both HF smart_resize functions refuse more extreme images
 
 
-class MediaError(ValueError):
-    """An image or video the processor cannot take (the server answers 400 with the message)."""
+class MediaError(InvalidRequestError):
+    """An image or video qv cannot take: a request error (the server answers 400 with the message)."""
 
 
 @dataclass(frozen=True)

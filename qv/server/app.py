@@ -118,7 +118,7 @@ def build_app(cfg: EngineConfig | None = None, engine=None) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
-        from qv.engine.engine import AsyncLLMEngine
+        from qv.engine.async_engine import AsyncLLMEngine
 
         config = cfg if cfg is not None else EngineConfig.from_env()
         running = engine if engine is not None else AsyncLLMEngine(config)
@@ -159,7 +159,7 @@ def serve(cfg: EngineConfig) -> None:
     does. An engine that cannot start exits the process with its message (SystemExit, status 1)."""
     import uvicorn
 
-    from qv.engine.engine import AsyncLLMEngine
+    from qv.engine.async_engine import AsyncLLMEngine
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

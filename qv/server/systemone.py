@@ -6,7 +6,7 @@ Clef's `systemone()` answers (qv/clef/answers.py). Bodies may be zstd-compressed
 names the field and the limit (qv/clef/request.py: question/option/image counts, types, criteria,
 duplicate or empty ids, unknown fields, the model name, the record cap with its token counts).
 `images` (at most 16) are http(s) URLs, data URLs or bare base64, fetched like chat's image_url
-parts (qv/server/media_fetch.py, the media_* levers) and placed after "STATE:" as Clef does;
+parts (qv/server/media.py, the media_* levers) and placed after "STATE:" as Clef does;
 videos are always refused (Clef takes none).
 
 The endpoint encodes the record; the engine runs it as one prefill-only request and checks that
@@ -24,7 +24,6 @@ from qv.clef.answers import response
 from qv.clef.request import ClefRequestError, encode_request, parse_body, validate_request
 from qv.engine.request import InvalidRequestError
 from qv.server.errors import bad_request
-from qv.server.media_fetch import load_media
 from qv.server.state import ServerState, random_id
 from qv.server.streaming import read_body, until_disconnect
 
@@ -67,8 +66,7 @@ async def fetch_images(state: ServerState, images: list) -> list:
         if not isinstance(url, str) or not url:
             raise bad_request(f"images[{i}] must be a non-empty string: an http(s) URL, a data URL or base64 data",
                               f"images[{i}]")
-    found = [("image", url, f"images[{i}]") for i, url in enumerate(images)]
-    return await load_media(found, state.media.fetcher, state.media.inputs.processor)
+    return await state.media.items([("image", url, f"images[{i}]") for i, url in enumerate(images)], "images")
 
 
 async def create_decision(state: ServerState, request: Request) -> Response:

@@ -9,7 +9,7 @@ import pytest
 
 from qv import LLM, SamplingParams
 from qv.config import ConfigError, EngineConfig
-from qv.engine.engine import AsyncLLMEngine
+from qv.engine.async_engine import AsyncLLMEngine
 from qv.engine.request import InvalidRequestError
 
 

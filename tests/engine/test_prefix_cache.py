@@ -226,7 +226,7 @@ def test_async_engine_resets_between_steps(tiny_dirs):
     import asyncio
 
     from qv.config import EngineConfig
-    from qv.engine.engine import AsyncLLMEngine
+    from qv.engine.async_engine import AsyncLLMEngine
 
     eng = AsyncLLMEngine(EngineConfig.from_env(model=str(tiny_dirs("tiny")), block_size=BS, gdn_snapshot_interval=IV))
     prompt = list(range(40, 110))

@@ -2,7 +2,10 @@
 server), data URLs and bare base64, `video_url` parts (animated GIF), the chat template's
 placeholders expanded to the items' tokens, the same answer as the offline engine; and every
 limit or failure (21 images, 3 videos, oversized, undecodable, unreachable within the timeout,
-disallowed domain, local file) a clear 400, with the server healthy after each."""
+disallowed domain, local file, a decompression bomb, a request over the pixel budget) a clear 400,
+with the server healthy after each. With default levers, URLs that resolve inside (loopback, the
+metadata address, private ranges, the server's own /metrics, a redirect from an allowed host to
+the metadata address) are refused by address before any connection."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import httpx
 import numpy as np
 import pytest
 from conftest import start_server
+from media_files import blank_png
 from PIL import Image
 
 from qv import LLM, SamplingParams
@@ -41,10 +45,13 @@ PNG, GIF = png(0), gif()
 
 
 class Handler(BaseHTTPRequestHandler):
+    hits: list = []  # paths requested, in order
+
     def log_message(self, *a):
         pass
 
     def do_GET(self):  # noqa: N802
+        Handler.hits.append(self.path)
         bodies = {"/img.png": PNG, "/anim.gif": GIF, "/big": b"x" * (MAX_BYTES + 5000), "/text": b"not an image"}
         if self.path == "/slow":
             time.sleep(3 * TIMEOUT_S)
@@ -68,7 +75,7 @@ def media_host():
 @pytest.fixture(scope="module")
 def media_server(tiny_model):
     running, stop = start_server(tiny_model, media_max_bytes=MAX_BYTES, media_timeout_s=TIMEOUT_S,
-                                 media_allowed_domains="127.0.0.1")
+                                 media_allowed_domains="127.0.0.1", media_allowed_networks="127.0.0.0/8")
     yield running
     stop()
 
@@ -146,15 +153,15 @@ def _failures(port: int) -> list[tuple[str, dict, str, str]]:
     return [
         ("21 images", ask(*[image_part(tiny)] * 21), "messages", "at most 20 images per request"),
         ("3 videos", ask(*[gif_url] * 3), "messages", "at most 2 videos per request"),
-        ("oversized", ask(image_part(f"{url}/big")), one, f"larger than the {MAX_BYTES}-byte limit"),
+        ("oversized", ask(image_part(f"{url}/big")), one, f"could not fetch media URL: too large (over the {MAX_BYTES}-byte"),
         ("oversized base64", ask(image_part(b64(b"\0" * (MAX_BYTES + 10)))), one, "byte limit"),
         ("undecodable", ask(image_part(f"{url}/text")), one, "could not decode the image"),
         ("truncated png", ask(image_part(b64(PNG[:60]))), one, "could not decode the image"),
         ("not base64", ask(image_part("%%% not base64 %%%")), one, "not an http(s) URL, a data URL or base64"),
-        ("slow", ask(image_part(f"{url}/slow")), one, f"took longer than {TIMEOUT_S:g} s"),
-        ("missing", ask(image_part(f"{url}/nothing")), one, "gave HTTP 404"),
-        ("refused", ask(image_part("http://127.0.0.1:9/x.png")), one, "could not fetch"),
-        ("disallowed domain", ask(image_part(f"http://localhost:{port}/img.png")), one, "is not allowed"),
+        ("slow", ask(image_part(f"{url}/slow")), one, "could not fetch media URL: timed out (media_timeout_s)"),
+        ("missing", ask(image_part(f"{url}/nothing")), one, "could not fetch media URL: HTTP error"),
+        ("refused", ask(image_part("http://127.0.0.1:9/x.png")), one, "could not fetch media URL: could not connect"),
+        ("disallowed domain", ask(image_part(f"http://localhost:{port}/img.png")), one, "domain not allowed"),
         ("local file", ask(image_part("file:///etc/hostname")), one, "local files are not allowed"),
         ("video not animated", ask({"type": "video_url", "video_url": {"url": b64(PNG)}}), one, "animated GIF"),
         ("placeholder mismatch", {"messages": [{"role": "user", "content": [
@@ -171,6 +178,7 @@ def test_limits_and_failures_are_clear_400s(media_server, media_host):
         assert r.status_code == 400, (name, r.status_code, r.text)
         err = r.json()["error"]
         assert fragment in err["message"] and err["param"] == param, (name, err)
+        assert "404" not in err["message"] and ":9" not in err["message"], (name, err)  # no port, no status
         assert took < 30, (name, took)
         if name == "slow":
             assert took < TIMEOUT_S + 1.5, took  # the timeout holds, not the host's 3x delay
@@ -199,3 +207,44 @@ def test_model_without_vision_refuses_media():
         asyncio.run(ServerMedia(EngineConfig(), None).prompt([{"content": [image_part(b64(PNG))]}], [1, 2]))
     assert e.value.status == 400 and "takes no images or videos" in e.value.message
     assert e.value.param == "messages[0].content[0]"
+
+
+INSIDE = ["http://127.0.0.1:{port}/img.png", "http://localhost:{port}/img.png", "http://[::1]:{port}/img.png",
+          "http://[::ffff:127.0.0.1]:{port}/img.png", "http://0.0.0.0:{port}/img.png", "{server}/metrics",
+          "http://169.254.169.254/latest/meta-data/", "http://10.0.0.5/a.png", "http://100.64.0.1/a.png",
+          "http://192.168.1.1/a.png", "http://[fd00::5]/a.png", "http://[fe80::1]/a.png"]
+
+
+def test_inside_addresses_refused_by_default(server, media_host):
+    """Default levers (the shared server): every URL that resolves inside is refused by address,
+    before a connection (the loopback host sees no request), with one message for all."""
+    Handler.hits.clear()
+    for url in INSIDE:
+        url = url.format(port=media_host, server=server.url)
+        r = post(server, ask(image_part(url)))
+        assert r.status_code == 400, (url, r.text)
+        assert r.json()["error"]["message"] == ("messages[0].content[1]: could not fetch media URL: address not "
+                                                "allowed (media_allowed_networks)"), (url, r.text)
+    assert Handler.hits == []
+    assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+
+
+def test_bombs_and_pixel_budget_refused_by_header(server):
+    """A 20000x20000 PNG of 389 kB, and twenty 8000x8000 PNGs (a 5 MB body, each image within
+    the per-image limit): 400 from the headers, nothing decoded."""
+    bomb = blank_png(20000, 20000, 1)
+    assert len(bomb) < 400_000
+    r = post(server, ask(image_part(b64(bomb))))
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith("messages[0].content[1]: image is over the 67108864-pixel limit")
+    many = [image_part("data:image/png;base64," + b64(blank_png(8000, 8000)))] * 20
+    body = ask(*many)
+    assert 4_500_000 < len(__import__("json").dumps(body)) < 5_500_000
+    t0 = time.time()
+    r = post(server, body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    assert "have 1280000000 pixels in all, over the 268435456-pixel limit of one request (media_max_pixels)" in \
+        r.json()["error"]["message"]
+    assert time.time() - t0 < 20
+    ok = post(server, ask(*many[:2]))  # two of them fit the budget: decoded and answered
+    assert ok.status_code == 200, ok.text

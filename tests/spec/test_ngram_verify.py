@@ -29,6 +29,28 @@ def test_ngram_longest_latest_exactly_k():
         assert d is None or len(d) == k
 
 
+def _ngram_by_brute_force(tokens: list[int], k: int, min_n: int = 2, max_n: int = 8) -> list[int] | None:
+    """The rule spelled out: longest suffix first, latest occurrence first, k followers inside the sequence."""
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = tokens[length - n:]
+        for i in range(length - n - k, -1, -1):
+            if tokens[i:i + n] == suffix:
+                return tokens[i + n:i + n + k]
+    return None
+
+
+@pytest.mark.parametrize("vocab", [2, 3, 8, 40])
+def test_ngram_equals_the_brute_force_rule(vocab):
+    rng = random.Random()
+    for _ in range(200):
+        seq = [rng.randrange(vocab) for _ in range(rng.randrange(1, 120))]
+        k = rng.randrange(1, 6)
+        assert propose_ngram(seq, k) == _ngram_by_brute_force(seq, k), (seq, k)
+    long = [rng.randrange(vocab) for _ in range(20000)]  # past the window: only its last WINDOW tokens count
+    assert propose_ngram(long, 3) == _ngram_by_brute_force(long[-8192:], 3)
+
+
 def _verify_greedy(greedy, drafts):
     g = torch.tensor(greedy)
     d = torch.tensor(drafts)

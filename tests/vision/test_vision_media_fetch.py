@@ -1,5 +1,6 @@
-"""The media fetcher against a real HTTP server on loopback: formats, limits and failures all end
-as 400s naming the part, and the fetcher keeps working after each."""
+"""The media fetcher against a real HTTP server on loopback (opened to it by media_allowed_networks):
+formats, limits and failures all end as 400s naming the part, and the fetcher keeps working after
+each; the engine's header check and decoders (qv/engine/media.py) on the fetched bytes."""
 
 from __future__ import annotations
 
@@ -15,8 +16,11 @@ import torch
 import pytest
 from PIL import Image
 
+from qv.engine.media import MediaError, decode_image, decode_video, open_media
 from qv.server.errors import APIError
 from qv.server.media_fetch import MAX_REDIRECTS, MediaFetcher
+
+LOOPBACK = "127.0.0.0/8"
 
 
 def png(w=40, h=30, color=(200, 10, 30)) -> bytes:
@@ -71,6 +75,10 @@ class Handler(BaseHTTPRequestHandler):
             self._send(302, headers={"Location": "/img.png" if n == 0 else f"/hop/{n - 1}"})
         elif p == "/away":  # redirect to another host name (same server)
             self._send(302, headers={"Location": f"http://localhost:{self.server.server_port}/img.png"})
+        elif p == "/to-metadata":  # an allowed host sending the fetch inside
+            self._send(302, headers={"Location": "http://169.254.169.254/latest/meta-data/"})
+        elif p == "/to-self":
+            self._send(302, headers={"Location": f"http://[::ffff:127.0.0.1]:{self.server.server_port}/img.png"})
         elif p == "/text":
             self._send(200, b"this is not an image")
         else:
@@ -88,7 +96,7 @@ def server():
 
 
 def fetcher(**kw) -> MediaFetcher:
-    args = dict(max_bytes=4000, timeout_s=20.0)  # generous: loaded CI machines are slow
+    args = dict(max_bytes=4000, timeout_s=20.0, allowed_networks=LOOPBACK)  # generous: loaded CI machines are slow
     args.update(kw)
     return MediaFetcher(**args)
 
@@ -113,31 +121,39 @@ def test_sources(server, tmp_path):
     assert run(f.fetch_bytes(f"{server}/hop/{MAX_REDIRECTS - 1}", "part[0]")) == PNG
     (tmp_path / "a.png").write_bytes(PNG)
     assert run(f.fetch_bytes(f"file://{tmp_path}/a.png", "part[0]")) == PNG
-    im = run(f.image(f"{server}/img.png", "part[0]"))
+    im = decode_image(open_media(run(f.fetch_bytes(f"{server}/img.png", "part[0]")), "image"))
     assert im.size == (40, 30) and im.getpixel((0, 0)) == (200, 10, 30)
-    frames, fps, idx = run(fetcher(max_bytes=1 << 20).video(f"{server}/anim.gif", "part[0]"))
+    opened = open_media(run(fetcher(max_bytes=1 << 20).fetch_bytes(f"{server}/anim.gif", "part[0]")), "video")
+    assert opened.frames == 13 and opened.pixels == 13 * 32 * 24
+    frames, fps, idx = decode_video(opened)
     assert len(frames) == 13 and frames[0].size == (32, 24) and fps == pytest.approx(10.0) and idx == list(range(13))
+
+
+def media_error(data: bytes, kind: str, match: str):
+    with pytest.raises(MediaError, match=match):
+        open_media(data, kind)
 
 
 def test_limits_and_failures(server, tmp_path):
     f = fetcher()
-    bad(f.fetch_bytes(f"{server}/big", "part[0]"), "4000-byte limit")
-    bad(f.fetch_bytes(f"{server}/big-chunked", "part[0]"), "4000-byte limit")
+    bad(f.fetch_bytes(f"{server}/big", "part[0]"), "could not fetch media URL: too large (over the 4000-byte limit")
+    bad(f.fetch_bytes(f"{server}/big-chunked", "part[0]"), "too large (over the 4000-byte limit")
     bad(f.fetch_bytes(base64.b64encode(b"z" * 6000).decode(), "part[0]"), "4000-byte limit")
-    bad(f.fetch_bytes(f"{server}/hop/{MAX_REDIRECTS + 1}", "part[0]"), "redirects")
-    bad(f.fetch_bytes(f"{server}/missing", "part[0]"), "HTTP 404")
+    bad(f.fetch_bytes(f"{server}/hop/{MAX_REDIRECTS + 1}", "part[0]"), "could not fetch media URL: too many redirects")
+    bad(f.fetch_bytes(f"{server}/missing", "part[0]"), "could not fetch media URL: HTTP error")
     bad(f.fetch_bytes("not base64 at all!", "part[0]"), "not an http(s) URL")
     bad(f.fetch_bytes("data:image/png,rawdata", "part[0]"), "must be base64")
     bad(f.fetch_bytes("ftp://example.com/a.png", "part[0]"), "unsupported URL scheme")
-    bad(f.image(f"{server}/text", "part[0]"), "could not decode the image")
-    bad(f.video(f"{server}/img.png", "part[0]"), "animated")
-    mp4 = base64.b64encode(b"\x00\x00\x00\x18ftypmp42" + bytes(200)).decode()
-    bad(f.video(mp4, "part[0]"), "no MP4/WebM decoder")
+    media_error(run(f.fetch_bytes(f"{server}/text", "part[0]")), "image", "could not decode the image")
+    media_error(PNG, "video", "animated")
+    media_error(b"\x00\x00\x00\x18ftypmp42" + bytes(200), "video", "no MP4/WebM decoder")
     t0 = time.monotonic()
-    bad(fetcher(timeout_s=1.0).fetch_bytes(f"{server}/slow", "part[0]"), "longer than 1 s")
+    bad(fetcher(timeout_s=1.0).fetch_bytes(f"{server}/slow", "part[0]"), "could not fetch media URL: timed out")
     assert time.monotonic() - t0 < 2.9  # the server answers after 3 s
-    # nothing listens on port 9 of loopback: refused at once
-    bad(f.fetch_bytes("http://127.0.0.1:9/img.png", "part[0]"), "could not fetch")
+    # nothing listens on port 9 of loopback: refused at once, and the message does not say which port
+    with pytest.raises(APIError) as e:
+        run(f.fetch_bytes("http://127.0.0.1:9/img.png", "part[0]"))
+    assert e.value.message == "part[0]: could not fetch media URL: could not connect"
     assert run(f.fetch_bytes(f"{server}/img.png", "part[0]")) == PNG  # still healthy
 
 
@@ -152,17 +168,34 @@ def test_local_files_need_the_lever(tmp_path):
 def test_domain_allow_list(server):
     f = fetcher(allowed_domains="127.0.0.1")
     assert run(f.fetch_bytes(f"{server}/img.png", "part[0]")) == PNG
-    bad(f.fetch_bytes(f"{server}/away", "part[0]"), "'localhost' is not allowed")  # checked on every hop
-    bad(fetcher(allowed_domains="example.com").fetch_bytes(f"{server}/img.png", "part[0]"), "not allowed")
+    bad(f.fetch_bytes(f"{server}/away", "part[0]"), "domain not allowed (media_allowed_domains)")  # every hop
+    bad(fetcher(allowed_domains="example.com").fetch_bytes(f"{server}/img.png", "part[0]"), "domain not allowed")
+
+
+def test_loopback_denied_by_default(server):
+    """The same server without media_allowed_networks: refused before connecting, by address."""
+    port = server.rsplit(":", 1)[1]
+    f = fetcher(allowed_networks="")
+    for url in (f"{server}/img.png", f"http://localhost:{port}/img.png", f"http://[::ffff:127.0.0.1]:{port}/img.png",
+                f"http://0.0.0.0:{port}/img.png", f"http://2130706433:{port}/img.png"):
+        with pytest.raises(APIError) as e:
+            run(f.fetch_bytes(url, "part[0]"))
+        assert e.value.message == "part[0]: could not fetch media URL: address not allowed (media_allowed_networks)"
+
+
+def test_every_redirect_hop_is_checked(server):
+    """Loopback opened by the lever, the metadata address not: a redirect there is refused at
+    its hop; a redirect back to loopback (IPv4-mapped) is followed, as the lever allows."""
+    f = fetcher()
+    bad(f.fetch_bytes(f"{server}/to-metadata", "part[0]"), "address not allowed (media_allowed_networks)")
+    assert run(f.fetch_bytes(f"{server}/to-self", "part[0]")) == PNG
+    bad(fetcher(allowed_networks="127.0.0.1/32").fetch_bytes(f"{server}/to-metadata", "part[0]"), "address not allowed")
 
 
 def test_oversized_image_refused_before_decoding():
-    from qv.server.media_fetch import decode_image
-
     buf = io.BytesIO()
     Image.new("1", (9000, 8000)).save(buf, "PNG")  # 72M pixels, a few kB compressed
-    with pytest.raises(APIError, match="over the"):
-        decode_image(buf.getvalue(), "part[0]")
+    media_error(buf.getvalue(), "image", "9000x8000 pixels is over the 67108864-pixel limit")
 
 
 def _msgs(n_images: int, n_videos: int, url: str, vurl: str) -> list:
@@ -173,7 +206,7 @@ def _msgs(n_images: int, n_videos: int, url: str, vurl: str) -> list:
 
 
 def test_collect_media_limits(server):
-    from qv.server.media_fetch import collect_media
+    from qv.server.media import collect_media
 
     found = collect_media(_msgs(20, 2, "u", "v"), 20, 2)
     assert [k for k, _, _ in found] == ["image"] * 20 + ["video"] * 2
@@ -188,24 +221,43 @@ def test_collect_media_limits(server):
     assert collect_media(responses_style, 20, 2) == [("image", "w", "messages[0].content[0]")]
 
 
-def test_load_media_end_to_end(server, tiny_dirs):
-    """Fetched over loopback, decoded and preprocessed: the same items as processing the bytes directly."""
-    from qv.model.vision_processor import VisionProcessor
-    from qv.server.media_fetch import collect_media, load_media
+@pytest.fixture(scope="module")
+def server_media(tiny_dirs):
+    """The server's media stage on the tiny checkpoint's own prompt builder (the engine's)."""
+    from transformers import AutoTokenizer
 
-    proc = VisionProcessor.from_dir(tiny_dirs("tiny"))
-    f = fetcher(max_bytes=1 << 20)
+    from qv.config import EngineConfig, ModelConfig
+    from qv.engine.multimodal import MultimodalInputs
+    from qv.server.media import ServerMedia
+
+    d = tiny_dirs("tiny")
+    inputs = MultimodalInputs(d, ModelConfig.from_dir(d), AutoTokenizer.from_pretrained(d))
+    return ServerMedia(EngineConfig(media_max_bytes=1 << 20, media_allowed_networks=LOOPBACK), inputs)
+
+
+def test_items_end_to_end(server, server_media):
+    """Fetched over loopback, header-checked, decoded and preprocessed in the decode pool: the same
+    items as processing the bytes directly; raw bytes (`from_bytes`) and `load` give the same."""
+    from qv.server.media import collect_media
+
+    m = server_media
+    proc = m.inputs.processor
     found = collect_media(_msgs(2, 1, f"{server}/img.png", f"{server}/anim.gif"), 20, 2)
-    items = run(load_media(found, f, proc))
+    items = run(m.items(found))
     assert [it.kind for it in items] == ["image", "image", "video"]
     direct = proc.image(Image.open(io.BytesIO(PNG)))
     assert torch.equal(items[0].pixel_values, direct.pixel_values) and items[0].grid_thw == direct.grid_thw
+    for other in (run(m.from_bytes(PNG)), run(m.load(f"{server}/img.png")),
+                  run(m.load("data:image/png;base64," + base64.b64encode(PNG).decode()))):
+        assert torch.equal(other.pixel_values, direct.pixel_values)
     # the video was decoded frame-selectively: same item as sampling from all its frames
-    frames, fps, _ = run(f.video(f"{server}/anim.gif", "part[0]"))
+    frames, fps, _ = decode_video(open_media(GIF, "video"))
     whole = proc.video(frames, fps)
     assert torch.equal(items[2].pixel_values, whole.pixel_values) and items[2].timestamps == whole.timestamps
     with pytest.raises(APIError, match=r"messages\[1\].content\[1\]: could not decode"):
-        run(load_media(collect_media(_msgs(1, 0, f"{server}/text", ""), 20, 2), f, proc))
+        run(m.items(collect_media(_msgs(1, 0, f"{server}/text", ""), 20, 2)))
     thin = "data:image/png;base64," + base64.b64encode(png(2500, 10)).decode()
     with pytest.raises(APIError, match=r"content\[1\]: image aspect ratio 250.0 exceeds 200"):
-        run(load_media(collect_media(_msgs(1, 0, thin, ""), 20, 2), f, proc))
+        run(m.items(collect_media(_msgs(1, 0, thin, ""), 20, 2)))
+    with pytest.raises(APIError, match=r"asset-3: could not decode the image"):
+        run(m.from_bytes(b"GIF89a garbage", "asset-3"))

@@ -14,6 +14,7 @@ from qv.kernels.reference import INT16_MAX
 from qv.model.batch import AttentionMeta, GDNMeta, StepBatch
 from qv.model.cache import HybridCache
 from qv.spec.mtp import MTPHead
+from qv.spec.ngram import WINDOW as NGRAM_WINDOW
 from qv.spec.ngram import propose_ngram
 
 PROBE_SAMPLES = 4  # acceptance samples per source before `auto` trusts its running means
@@ -62,7 +63,8 @@ class Speculator:
     # -- host side: which source drafts next, and n-gram drafts ------------------------------
     def next_drafts(self, seq, mtp_drafts: list[int] | None) -> tuple[list[int], str | None]:
         """Drafts for the sequence's next step: exactly k tokens, or none."""
-        ngram = propose_ngram(seq.all_token_ids(), self.k) if self.mode in ("ngram", "auto") else None
+        tail = seq.token_slice(max(0, seq.num_tokens - NGRAM_WINDOW), seq.num_tokens)  # not the whole context
+        ngram = propose_ngram(tail, self.k) if self.mode in ("ngram", "auto") else None
         if self.mode == "ngram" or mtp_drafts is None:
             return (ngram, "ngram") if ngram else ([], None)
         if self.mode == "mtp" or ngram is None:
