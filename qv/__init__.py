@@ -1,6 +1,6 @@
 """qv: serve hybrid Qwen3.5-family models (Gated DeltaNet + gated attention) on Volta and newer GPUs."""
 
-__version__ = "0.1.0"
+from qv.version import __version__
 
 __all__ = ["LLM", "SamplingParams", "__version__"]
 

@@ -1,36 +1,111 @@
-"""`qv serve | generate | bench | make-tiny | quantize | doctor` - thin argument parsing over the package."""
+"""`qv serve | generate | bench | make-tiny | quantize | doctor` - thin argument parsing over the package.
+
+Errors a user can act on (ConfigError, CheckpointError, StartupError, ...) print as one line with exit
+status 2; `--debug` shows their traceback instead."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
+from typing import Literal, get_args, get_origin
 
-from qv.config import EngineConfig
+from qv.config import ConfigError, EngineConfig, env_name, expected, kernel_cache_dirs, state_path
+from qv.errors import InvalidRequestError, StartupError
+
+# exceptions whose message is the whole story, by module: matched only once their module was imported
+USER_ERRORS = {"qv.model.weights": "CheckpointError", "qv.clef.adapters": "ClefLayoutError"}
+SERVE_EPILOG = """\
+Levers come from, later winning: their defaults, QV_* environment variables, the --env-file (a levers file:
+KEY=value lines, # comments, optional quotes and `export `; every key must be a QV_* lever, once), then
+these flags. See docs/LEVERS.md. Before loading, qv serve refuses (exit 2, one line) a busy port or a memory
+plan that does not fit the device's free memory; --dry-run prints the levers, where each came from and the
+plan, and exits (0, or 2 with the reason a start would be refused)."""
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults in --help, except where there is none to show (lever flags say theirs in the text)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default in (None, False, [], argparse.SUPPRESS) or not action.help:
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+def _metavar(name: str) -> str:
+    kind = EngineConfig.model_fields[name].annotation
+    if get_origin(kind) is Literal:
+        return "{" + ",".join(get_args(kind)) + "}"
+    return {bool: "{1,0}", int: "N", float: "X"}.get(kind, "TEXT")
 
 
 def _add_lever_flags(p: argparse.ArgumentParser) -> None:
-    """One --flag per engine lever (dashes for underscores); unset flags leave env/defaults alone."""
-    for f in dataclasses.fields(EngineConfig):
-        if f.name == "model":
+    """One --flag per engine lever (dashes for underscores); unset flags leave the env file, the environment
+    and the defaults alone, so their argparse default is None and the lever's own default is in the text."""
+    g = p.add_argument_group("levers (docs/LEVERS.md)")
+    for name, info in EngineConfig.model_fields.items():
+        if name == "model":
             continue
-        flag = "--" + f.name.replace("_", "-")
-        p.add_argument(flag, dest=f.name, default=None, help=f"{f.metadata['doc']} (env {f.metadata['env']})")
+        default = "unset" if info.default is None else repr(info.default)
+        metavar = _metavar(name)
+        takes = f" Takes {expected(name)}." if metavar in ("N", "X") or info.json_schema_extra.get("expect") else ""
+        text = f"{info.description}{takes} (env {env_name(name)}, default {default})"
+        g.add_argument("--" + name.replace("_", "-"), dest=name, default=None, metavar=metavar,
+                       help=text.replace("%", "%%"))
 
 
 def _overrides(args: argparse.Namespace) -> dict:
-    names = {f.name for f in dataclasses.fields(EngineConfig)}
-    return {k: v for k, v in vars(args).items() if k in names and v is not None}
+    return {k: v for k, v in vars(args).items() if k in EngineConfig.model_fields and v is not None}
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from qv.server.app import serve
+    from qv.engine.preflight import preflight
 
     overrides = _overrides(args)
     if args.model:
         overrides["model"] = args.model
-    serve(EngineConfig.from_env(**overrides))
+    cfg, origins = EngineConfig.resolve(env_file=args.env_file, **overrides)
+    check = preflight(cfg)
+    if args.dry_run:
+        print(dry_run_text(cfg, origins, check))
+    if check.problems:
+        raise StartupError("; ".join(check.problems))
+    if args.dry_run:
+        return 0
+    from qv.server.app import serve
+
+    try:
+        serve(cfg)
+    except SystemExit as e:  # serve() ends an engine that did not start with its message
+        if not isinstance(e.code, str):
+            raise
+        print(e.code, file=sys.stderr)
+        return 2
     return 0
+
+
+def dry_run_text(cfg: EngineConfig, origins: dict[str, str], check) -> str:
+    """What `qv serve --dry-run` prints: every lever with its value and where it came from, where the
+    model, caches and state live, and the memory plan (weights counted from the config, none loaded)."""
+    from qv.engine.preflight import gib
+
+    lines = ["qv serve --dry-run: nothing loaded", "levers (value, and where it came from when not the default):"]
+    width = max(len(n) for n in EngineConfig.model_fields)
+    for name in EngineConfig.model_fields:
+        value = getattr(cfg, name)
+        shown = "***" if name == "api_key" and value else repr(value)
+        origin = {"argument": "flag"}.get(origins.get(name), origins.get(name))
+        lines.append(f"  {name:<{width}} {shown}" + (f"   <- {origin}" if origin else ""))
+    lines.append(f"model folder: {check.model_dir}")
+    lines.append(f"device: {check.device}, activations {str(check.dtype).removeprefix('torch.')}")
+    lines.append(f"state dir: {state_path(cfg.state_dir)} (" +
+                 ", ".join(f"{k}={v}" for k, v in kernel_cache_dirs(cfg.state_dir).items()) + ")")
+    if check.plan is not None:
+        lines.append(f"{check.plan.summary()} (weights counted from the config)")
+    where = "free on the GPU" if check.device.type == "cuda" else "available on the host"
+    lines.append(f"needs {gib(check.needed_bytes)} of the {gib(check.free_bytes)} {where}")
+    lines.append("a start would be refused: " + "; ".join(check.problems) if check.problems else
+                 f"checks: port {cfg.port} on {cfg.host} is free, the plan fits")
+    return "\n".join(lines)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -98,25 +173,42 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qv", description="Serve hybrid Qwen3.5-family models.")
-    sub = p.add_subparsers(dest="command", required=True)
+def _is_user_error(e: BaseException) -> bool:
+    if isinstance(e, (ConfigError, StartupError, InvalidRequestError)):
+        return True
+    return any(isinstance(e, getattr(sys.modules[m], name)) for m, name in USER_ERRORS.items() if m in sys.modules)
 
-    s = sub.add_parser("serve", help="OpenAI-compatible server (+ /v1/systemone) on MODEL or the tiny default")
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="qv", description="Serve hybrid Qwen3.5-family models.", formatter_class=_Formatter)
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error, not just its message")
+    sub = p.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show the traceback of an error, not just its message")
+
+    def command(name: str, help: str, **kw) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, parents=[common], formatter_class=_Formatter, **kw)
+
+    s = command("serve", "OpenAI-compatible server (+ /v1/systemone) on MODEL or the tiny default",
+                epilog=SERVE_EPILOG)
     s.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: $QV_MODEL or the tiny model)")
+    s.add_argument("--env-file", default=None, metavar="FILE", help="levers file (KEY=value lines of QV_* levers)")
+    s.add_argument("--dry-run", action="store_true",
+                   help="print the resolved levers and the memory plan, load nothing, exit")
     _add_lever_flags(s)
     s.set_defaults(fn=cmd_serve)
 
-    g = sub.add_parser("generate", help="offline generation through qv.LLM")
-    g.add_argument("prompt")
-    g.add_argument("--model", default=None)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--max-tokens", type=int, default=32)
+    g = command("generate", "offline generation through qv.LLM")
+    g.add_argument("prompt", help="the prompt text")
+    g.add_argument("--model", default=None, help="checkpoint folder (default: $QV_MODEL or the tiny model)")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    g.add_argument("--max-tokens", type=int, default=32, help="most tokens to generate")
     g.add_argument("--seed-sample", type=int, default=None, help="per-request sampling seed")
     _add_lever_flags(g)
     g.set_defaults(fn=cmd_generate)
 
-    b = sub.add_parser("bench", help="whole-model benchmark: decode ms/step and prefill s, each beside its floor")
+    b = command("bench", "whole-model benchmark: decode ms/step and prefill s, each beside its floor")
     b.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: $QV_MODEL or the tiny model)")
     b.add_argument("--preset", default=None, help="a config.json of this shape with random weights (27b, 0.5b, tiny, ...)")
     b.add_argument("--batch-sizes", default="1,8,16,32,64", help="decode rows at these batch sizes")
@@ -131,36 +223,42 @@ def build_parser() -> argparse.ArgumentParser:
     _add_lever_flags(b)
     b.set_defaults(fn=cmd_bench)
 
-    t = sub.add_parser("make-tiny", help="write a deterministic tiny HF-format checkpoint folder")
-    t.add_argument("out")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--preset", default="tiny")
+    t = command("make-tiny", "write a deterministic tiny HF-format checkpoint folder")
+    t.add_argument("out", help="folder to write")
+    t.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    t.add_argument("--preset", default="tiny", help="shape preset (qv/model/tiny.py PRESETS)")
     t.add_argument("--mtp", action="store_true", help="include mtp.* tensors")
     t.add_argument("--fit-mtp", type=int, default=0, metavar="STEPS", help="self-distil the MTP head (needs --mtp)")
     t.add_argument("--gptq", action="store_true", help="store linears as GPTQ-int8 (RTN)")
     t.add_argument("--group-size", type=int, default=16, help="GPTQ group size (16 divides every tiny preset's dims)")
     t.set_defaults(fn=cmd_make_tiny)
 
-    q = sub.add_parser("quantize", help="write a GPTQ-Int8 checkpoint (round-to-nearest)")
-    q.add_argument("src")
-    q.add_argument("out")
-    q.add_argument("--bits", type=int, default=8)
-    q.add_argument("--group-size", type=int, default=128)
+    q = command("quantize", "write a GPTQ-Int8 checkpoint (round-to-nearest)")
+    q.add_argument("src", help="checkpoint folder to quantize")
+    q.add_argument("out", help="folder to write")
+    q.add_argument("--bits", type=int, default=8, help="bits per weight (qv loads 8)")
+    q.add_argument("--group-size", type=int, default=128, help="input rows per scale group (-1: one group)")
     sym = q.add_mutually_exclusive_group()
-    sym.add_argument("--sym", action="store_true", default=True)
-    sym.add_argument("--asym", action="store_true")
+    sym.add_argument("--sym", action="store_true", default=True, help="symmetric codes (zero 128)")
+    sym.add_argument("--asym", action="store_true", help="asymmetric codes (a zero point per group)")
     q.add_argument("--exclude", action="append", default=[], metavar="REGEX",
                    help="module name regex to keep unquantized (repeatable)")
     q.set_defaults(fn=cmd_quantize)
 
-    d = sub.add_parser("doctor", help="print devices, toolchain and which kernels qv would use")
+    d = command("doctor", "print versions, devices, the CUDA toolchain and which kernels qv would use")
     d.set_defaults(fn=cmd_doctor)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except Exception as e:
+        if args.debug or not _is_user_error(e):
+            raise
+        print(f"qv {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,538 +1,372 @@
-"""Configuration: the model (parsed from a Hugging Face config.json) and every engine lever.
-
-Every `QV_*` environment variable is declared once in `EngineConfig` below, with its default
-and meaning, and read only by `EngineConfig.from_env`. `docs/LEVERS.md` is generated from this
-table (`python -m qv.config > docs/LEVERS.md`; a test checks it is current). Components take
-the scalars they need, never the whole config.
+"""Every engine lever, declared once in `EngineConfig` (a pydantic-settings model: env prefix `QV_`,
+`Literal` choices, numeric bounds) with its default and meaning. Only this module reads os.environ:
+`EngineConfig.from_env` reads the levers (and a levers file, `read_env_file`), `use_state_dir` points the
+compiled-kernel caches at the state directory. `docs/LEVERS.md` is generated from the table
+(`python -m qv.config > docs/LEVERS.md`; a test checks it is current) and so are `qv serve`'s flags.
+Components take the scalars they need, never the whole config. The model's own config (config.json)
+is parsed in qv/model_config.py; its names are re-exported here.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import difflib
+import io
 import ipaddress
-import json
+import logging
 import os
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args, get_origin
 
-SUPPORTED_ARCHITECTURES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM")
-SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+from dotenv.parser import parse_stream
+from pydantic import Field, ValidationError, ValidationInfo, field_validator
+from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
+from qv.errors import ConfigError
+from qv.model_config import (SUPPORTED_ARCHITECTURES, SUPPORTED_MODEL_TYPES, ModelConfig, QuantConfig,  # noqa: F401
+                             VisionConfig)
 
-class ConfigError(ValueError):
-    """A checkpoint config or a lever value that qv cannot use; the message names the cause."""
-
-
-# --------------------------------------------------------------------------------------------
-# Model config
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class QuantConfig:
-    """GPTQ settings from `quantization_config` (or `quantize_config.json`)."""
-
-    bits: int
-    group_size: int  # -1: one group over the whole input dim
-    sym: bool
-    desc_act: bool
-    checkpoint_format: str  # "gptq" (zero stored minus one) or "gptq_v2" (true zero)
-    dynamic: dict[str, dict]  # "-:regex" excludes modules; "+:regex"/"regex" overrides
-    modules_to_not_convert: tuple[str, ...]
-    lm_head: bool
-
-
-@dataclass(frozen=True)
-class VisionConfig:
-    depth: int
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    in_channels: int
-    patch_size: int
-    temporal_patch_size: int
-    spatial_merge_size: int
-    out_hidden_size: int
-    num_position_embeddings: int
-    hidden_act: str
-    deepstack_visual_indexes: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The text model's geometry, plus the optional vision tower and quantization settings."""
-
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    layer_types: tuple[str, ...]  # "linear_attention" (GDN) or "full_attention"
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    linear_num_key_heads: int
-    linear_num_value_heads: int
-    linear_key_head_dim: int
-    linear_value_head_dim: int
-    linear_conv_kernel_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    partial_rotary_factor: float
-    mrope_section: tuple[int, ...] | None
-    mrope_interleaved: bool
-    attn_output_gate: bool
-    attention_bias: bool
-    tie_word_embeddings: bool
-    max_position_embeddings: int
-    hidden_act: str
-    eos_token_ids: tuple[int, ...]
-    mtp_num_hidden_layers: int
-    image_token_id: int | None
-    video_token_id: int | None
-    vision_start_token_id: int | None
-    vision_end_token_id: int | None
-    vision: VisionConfig | None
-    quant: QuantConfig | None
-    torch_dtype: str | None
-
-    # ---- derived geometry -------------------------------------------------------------------
-    @property
-    def rotary_dim(self) -> int:
-        return int(self.head_dim * self.partial_rotary_factor)
-
-    @property
-    def linear_key_dim(self) -> int:
-        return self.linear_num_key_heads * self.linear_key_head_dim
-
-    @property
-    def linear_value_dim(self) -> int:
-        return self.linear_num_value_heads * self.linear_value_head_dim
-
-    @property
-    def linear_conv_dim(self) -> int:
-        return 2 * self.linear_key_dim + self.linear_value_dim
-
-    @property
-    def attention_layer_ids(self) -> list[int]:
-        return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
-
-    @property
-    def gdn_layer_ids(self) -> list[int]:
-        return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
-
-    @property
-    def weight_prefix(self) -> str:
-        """Checkpoint prefix of the text model's tensors."""
-        if self.architecture == "Qwen3_5ForConditionalGeneration":
-            return "model.language_model."
-        return "model."
-
-    @classmethod
-    def from_dir(cls, model_dir: str | os.PathLike) -> "ModelConfig":
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise ConfigError(f"no config.json in {model_dir}")
-        with open(path) as f:
-            raw = json.load(f)
-        quant = raw.get("quantization_config")
-        if quant is None and (Path(model_dir) / "quantize_config.json").is_file():
-            with open(Path(model_dir) / "quantize_config.json") as f:
-                quant = json.load(f)
-        return cls.from_dict(raw, quant_override=quant)
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any], quant_override: dict | None = None) -> "ModelConfig":
-        model_type = raw.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(
-                f"unsupported model_type {model_type!r}: qv serves {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        archs = raw.get("architectures") or [
-            "Qwen3_5ForConditionalGeneration" if model_type == "qwen3_5" else "Qwen3_5ForCausalLM"
-        ]
-        arch = archs[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ConfigError(
-                f"unsupported architecture {arch!r}: qv serves {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        if model_type == "qwen3_5":
-            text = raw.get("text_config")
-            if not isinstance(text, dict):
-                raise ConfigError("config.json of model_type 'qwen3_5' lacks a 'text_config' object")
-        else:
-            text = raw
-        return _parse_text(raw, text, arch, quant_override)
-
-
-_REQUIRED_TEXT = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "linear_num_key_heads",
-    "linear_num_value_heads",
-    "linear_key_head_dim",
-    "linear_value_head_dim",
-    "linear_conv_kernel_dim",
-)
-
-
-def _parse_text(top: dict, text: dict, arch: str, quant_override: dict | None) -> ModelConfig:
-    missing = [k for k in _REQUIRED_TEXT if k not in text]
-    if missing:
-        raise ConfigError(f"config.json lacks required text fields: {', '.join(missing)}")
-    n_layers = int(text["num_hidden_layers"])
-    layer_types = text.get("layer_types")
-    if layer_types is None:
-        interval = int(text.get("full_attention_interval", 4))
-        layer_types = [
-            "linear_attention" if (i + 1) % interval else "full_attention" for i in range(n_layers)
-        ]
-    layer_types = tuple(layer_types)
-    if len(layer_types) != n_layers:
-        raise ConfigError(f"layer_types has {len(layer_types)} entries but num_hidden_layers is {n_layers}")
-    bad = sorted(set(layer_types) - {"linear_attention", "full_attention"})
-    if bad:
-        raise ConfigError(f"unknown layer types {bad}: expected 'linear_attention' or 'full_attention'")
-
-    rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "mrope"):
-        raise ConfigError(f"unsupported rope_type {rope_type!r}: qv implements default/mrope rotary")
-    theta = rope.get("rope_theta", text.get("rope_theta"))
-    if theta is None:
-        raise ConfigError("config.json lacks rope_theta (in rope_parameters or the text config)")
-    prf = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
-    section = rope.get("mrope_section")
-
-    heads = int(text["num_attention_heads"])
-    head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
-    if heads % int(text["num_key_value_heads"]):
-        raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
-    if int(text["linear_num_value_heads"]) % int(text["linear_num_key_heads"]):
-        raise ConfigError("linear_num_value_heads must be a multiple of linear_num_key_heads")
-    if section is not None and 2 * sum(section) != int(head_dim * prf):
-        raise ConfigError(
-            f"mrope_section {section} sums to {sum(section)}, expected rotary_dim/2 = {int(head_dim * prf) // 2}"
-        )
-
-    eos = text.get("eos_token_id", top.get("eos_token_id"))
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-
-    vision = _parse_vision(top.get("vision_config")) if arch == "Qwen3_5ForConditionalGeneration" else None
-    quant_raw = quant_override if quant_override is not None else top.get("quantization_config")
-    tie = bool(text.get("tie_word_embeddings", top.get("tie_word_embeddings", False)))
-    return ModelConfig(
-        architecture=arch,
-        vocab_size=int(text["vocab_size"]),
-        hidden_size=int(text["hidden_size"]),
-        intermediate_size=int(text["intermediate_size"]),
-        num_hidden_layers=n_layers,
-        layer_types=layer_types,
-        num_attention_heads=heads,
-        num_key_value_heads=int(text["num_key_value_heads"]),
-        head_dim=head_dim,
-        linear_num_key_heads=int(text["linear_num_key_heads"]),
-        linear_num_value_heads=int(text["linear_num_value_heads"]),
-        linear_key_head_dim=int(text["linear_key_head_dim"]),
-        linear_value_head_dim=int(text["linear_value_head_dim"]),
-        linear_conv_kernel_dim=int(text["linear_conv_kernel_dim"]),
-        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(theta),
-        partial_rotary_factor=float(prf),
-        mrope_section=tuple(section) if section else None,
-        mrope_interleaved=bool(rope.get("mrope_interleaved", False)),
-        attn_output_gate=bool(text.get("attn_output_gate", True)),
-        attention_bias=bool(text.get("attention_bias", False)),
-        tie_word_embeddings=tie,
-        max_position_embeddings=int(text.get("max_position_embeddings", 262144)),
-        hidden_act=str(text.get("hidden_act", "silu")),
-        eos_token_ids=eos_ids,
-        mtp_num_hidden_layers=int(text.get("mtp_num_hidden_layers", 0)),
-        image_token_id=top.get("image_token_id"),
-        video_token_id=top.get("video_token_id"),
-        vision_start_token_id=top.get("vision_start_token_id"),
-        vision_end_token_id=top.get("vision_end_token_id"),
-        vision=vision,
-        quant=_parse_quant(quant_raw) if quant_raw else None,
-        torch_dtype=text.get("dtype", text.get("torch_dtype", top.get("dtype", top.get("torch_dtype")))),
-    )
-
-
-def _parse_vision(raw: dict | None) -> VisionConfig | None:
-    if not raw:
-        return None
-    patch = raw.get("patch_size", 16)
-    tpatch = raw.get("temporal_patch_size", 2)
-    return VisionConfig(
-        depth=int(raw.get("depth", raw.get("num_hidden_layers", 27))),
-        hidden_size=int(raw.get("hidden_size", 1152)),
-        intermediate_size=int(raw.get("intermediate_size", 4304)),
-        num_heads=int(raw.get("num_heads", raw.get("num_attention_heads", 16))),
-        in_channels=int(raw.get("in_channels", 3)),
-        patch_size=int(patch[0] if isinstance(patch, (list, tuple)) else patch),
-        temporal_patch_size=int(tpatch[0] if isinstance(tpatch, (list, tuple)) else tpatch),
-        spatial_merge_size=int(raw.get("spatial_merge_size", 2)),
-        out_hidden_size=int(raw.get("out_hidden_size", 3584)),
-        num_position_embeddings=int(raw.get("num_position_embeddings", 2304)),
-        hidden_act=str(raw.get("hidden_act", "gelu_pytorch_tanh")),
-        deepstack_visual_indexes=tuple(raw.get("deepstack_visual_indexes") or ()),
-    )
-
-
-def _parse_quant(raw: dict) -> QuantConfig:
-    method = raw.get("quant_method", "gptq")
-    if method != "gptq":
-        raise ConfigError(f"unsupported quant_method {method!r}: qv loads GPTQ checkpoints")
-    bits = int(raw.get("bits", 8))
-    if bits != 8:
-        raise ConfigError(f"GPTQ bits={bits} is not supported: qv loads GPTQ-Int8 (bits=8)")
-    fmt = raw.get("checkpoint_format", "gptq")
-    if fmt not in ("gptq", "gptq_v2"):
-        raise ConfigError(f"unsupported GPTQ checkpoint_format {fmt!r}: expected 'gptq' or 'gptq_v2'")
-    group_size = int(raw.get("group_size", 128))
-    if group_size == 0 or group_size < -1:
-        raise ConfigError(f"GPTQ group_size={group_size}: expected a positive group size or -1 (one group)")
-    return QuantConfig(
-        bits=bits,
-        group_size=group_size,
-        sym=_json_bool(raw, "sym", True),
-        desc_act=_json_bool(raw, "desc_act", False),
-        checkpoint_format=fmt,
-        dynamic=dict(raw.get("dynamic") or {}),
-        modules_to_not_convert=tuple(raw.get("modules_to_not_convert") or ()),
-        lm_head=_json_bool(raw, "lm_head", False),
-    )
-
-
-def _json_bool(raw: dict, key: str, default: bool) -> bool:
-    """A JSON boolean; strings like "false" are refused rather than read as truthy."""
-    value = raw.get(key, default)
-    if not isinstance(value, bool):
-        raise ConfigError(f"quantization_config.{key}={value!r}: expected true or false")
-    return value
-
+log = logging.getLogger("qv")
 
 # --------------------------------------------------------------------------------------------
 # Engine levers
 # --------------------------------------------------------------------------------------------
 
-
-def lever(default: Any, doc: str, env: str | None = None, choices: tuple | None = None):
-    """One lever: a typed field with its environment variable, default and one-line meaning."""
-    return field(default=default, metadata={"doc": doc, "env": env, "choices": choices})
+ENV_PREFIX = "QV_"
+BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
-@dataclass
-class EngineConfig:
+def lever(default: Any, doc: str, env: str | None = None, *, expect: str | None = None, **bounds: Any) -> Any:
+    """One lever: its default, one-line meaning and bounds (pydantic's ge / gt / le / lt / pattern). Its
+    environment variable is QV_ + the upper-cased name (`env`, if given, must say the same); choices are
+    a `Literal[...]` annotation (the old positional choices tuple is refused); `expect` words what a
+    `pattern` accepts, for error messages."""
+    return Field(default, description=doc, json_schema_extra={"env": env, "expect": expect}, **bounds)
+
+
+class EngineConfig(BaseSettings):
+    """Every QV_* lever. `EngineConfig(**levers)` takes keywords only; `EngineConfig.from_env` reads the
+    environment (and a levers file) too. Bad values raise ConfigError naming the lever and what it takes."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_ignore_empty=True, extra="forbid",
+                                      allow_inf_nan=False, validate_assignment=True)
+
     # -- model and device ----------------------------------------------------------------------
-    model: str | None = lever(None, "Checkpoint folder; unset serves the embedded tiny default model.", "QV_MODEL")
-    device: str = lever("auto", "auto: CUDA when present, else CPU; or cpu, cuda, cuda:N.", "QV_DEVICE")
-    dtype: str = lever(
-        "auto",
-        "Activation dtype. auto: float16 on sm_70, bfloat16 on sm_80+, float32 on CPU.",
-        "QV_DTYPE",
-        ("auto", "float32", "float16", "bfloat16"),
-    )
-    kernels: str = lever(
-        "auto",
-        "Op implementations: auto (triton on CUDA, reference on CPU), reference, triton, sm70.",
-        "QV_KERNELS",
-        ("auto", "reference", "triton", "sm70"),
-    )
-    seed: int = lever(0, "Seed for weight-free randomness (sampling without a per-request seed).", "QV_SEED")
-    load_format: str = lever(
+    model: str | None = lever(None, "Checkpoint folder; unset serves the embedded tiny default model.")
+    device: str = lever("auto", "auto: CUDA when present, else CPU; or cpu, cuda, cuda:N.",
+                        pattern=r"^(auto|cpu|cuda(:\d+)?)$", expect="auto, cpu, cuda or cuda:N")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = lever(
+        "auto", "Activation dtype. auto: float16 on sm_70, bfloat16 on sm_80+, float32 on CPU.")
+    kernels: Literal["auto", "reference", "triton", "sm70"] = lever(
+        "auto", "Op implementations: auto (triton on CUDA, reference on CPU), reference, triton, sm70.")
+    seed: int = lever(0, "Seed for weight-free randomness (sampling without a per-request seed).")
+    load_format: Literal["auto", "random"] = lever(
         "auto",
         "auto: read the checkpoint's safetensors; random: make weights on the device in the layout the checkpoint "
-        "would load into (vLLM's dummy format, for benchmarks: a folder with only config.json serves).",
-        "QV_LOAD_FORMAT",
-        ("auto", "random"),
-    )
-    quantization: str = lever(
+        "would load into (vLLM's dummy format, for benchmarks: a folder with only config.json serves).")
+    quantization: Literal["auto", "gptq-int8"] = lever(
         "auto",
         "auto: as the checkpoint's quantization_config says; gptq-int8: with load_format random, GPTQ-Int8 "
-        "(symmetric, group 128) for a config without one.",
-        "QV_QUANTIZATION",
-        ("auto", "gptq-int8"),
-    )
+        "(symmetric, group 128) for a config without one.")
     # -- capacity ------------------------------------------------------------------------------
-    max_model_len: int = lever(0, "Longest sequence (prompt + output); 0: the model's max_position_embeddings.", "QV_MAX_MODEL_LEN")
-    max_num_seqs: int = lever(64, "Most sequences running in one step.", "QV_MAX_NUM_SEQS")
-    max_num_batched_tokens: int = lever(2048, "Token budget of one step (prefill chunks + decodes).", "QV_MAX_NUM_BATCHED_TOKENS")
-    kv_cache_bytes: int = lever(0, "Bytes for attention KV blocks and GDN prefix snapshots; 0: derived from gpu_memory_utilization (CPU: 256 MiB).", "QV_KV_CACHE_BYTES")
-    gpu_memory_utilization: float = lever(0.90, "Share of GPU memory qv may plan for when kv_cache_bytes is 0.", "QV_GPU_MEMORY_UTILIZATION")
-    block_size: int = lever(16, "Tokens per KV block.", "QV_BLOCK_SIZE")
-    kv_dtype: str = lever(
-        "auto",
-        "KV cache storage: auto (activation dtype), fp16, bf16, int8 (symmetric, fp32 scale per token and KV head).",
-        "QV_KV_DTYPE",
-        ("auto", "fp16", "bf16", "int8"),
-    )
-    gdn_state_dtype: str = lever(
-        "fp32",
-        "Gated DeltaNet recurrent state storage: fp32, fp16, int16 (uniform grid with a scale per column).",
-        "QV_GDN_STATE_DTYPE",
-        ("fp32", "fp16", "int16"),
-    )
-    max_gdn_slots: int = lever(0, "GDN state slots (one per running sequence); 0: max_num_seqs.", "QV_MAX_GDN_SLOTS")
-    cuda_graphs: bool = lever(True, "Replay captured CUDA graphs for decode steps; a graph that disagrees with the eager "
-                              "forward at start-up stops the engine (0: decode runs eagerly).", "QV_CUDA_GRAPHS")
+    max_model_len: int = lever(0, "Longest sequence (prompt + output); 0: the model's max_position_embeddings.", ge=0)
+    max_num_seqs: int = lever(64, "Most sequences running in one step.", ge=1)
+    max_num_batched_tokens: int = lever(2048, "Token budget of one step (prefill chunks + decodes).", ge=1)
+    kv_cache_bytes: int = lever(0, "Bytes for attention KV blocks and GDN prefix snapshots; 0: derived from "
+                                "gpu_memory_utilization (CPU: 256 MiB).", ge=0)
+    gpu_memory_utilization: float = lever(0.90, "Share of GPU memory qv may plan for when kv_cache_bytes is 0.",
+                                          gt=0, le=1)
+    block_size: int = lever(16, "Tokens per KV block.", ge=1)
+    kv_dtype: Literal["auto", "fp16", "bf16", "int8"] = lever(
+        "auto", "KV cache storage: auto (activation dtype), fp16, bf16, int8 (symmetric, fp32 scale per token and "
+        "KV head).")
+    gdn_state_dtype: Literal["fp32", "fp16", "int16"] = lever(
+        "fp32", "Gated DeltaNet recurrent state storage: fp32, fp16, int16 (uniform grid with a scale per column).")
+    max_gdn_slots: int = lever(0, "GDN state slots (one per running sequence); 0: max_num_seqs.", ge=0)
+    cuda_graphs: bool = lever(True, "Replay captured CUDA graphs for decode steps; a graph that disagrees with the "
+                              "eager forward at start-up stops the engine (0: decode runs eagerly).")
     async_scheduling: bool = lever(
         True,
         "Overlap the host work of a decode step with the GPU's: the next step is scheduled and launched before the "
         "last one's tokens reach the host (their ids go from the device into the next step's inputs; the row of a "
         "sequence that stopped is dropped). Tokens, text and finish reasons are the synchronous engine's, logprobs "
         "too up to fp32 rounding where the batches differ; with speculative decoding, Clef records, images/videos, "
-        "penalties, or a plan that could preempt, a step waits for the last one's tokens (0: every step waits).",
-        "QV_ASYNC_SCHEDULING",
-    )
+        "penalties, or a plan that could preempt, a step waits for the last one's tokens (0: every step waits).")
     long_prefill_token_threshold: int = lever(
         0,
         "A prefill with more prompt tokens left than this is long. While other sequences decode, a long prefill "
         "(a Clef record or a long chat prompt) takes at most this many tokens of a step; alone it takes the whole "
-        "budget (vLLM's name). 0: max_num_batched_tokens // 4.",
-        "QV_LONG_PREFILL_TOKEN_THRESHOLD",
-    )
+        "budget (vLLM's name). 0: max_num_batched_tokens // 4.", ge=0)
     max_long_partial_prefills: int = lever(
-        1, "Most long prefills that share one step with decoding sequences (vLLM's name).",
-        "QV_MAX_LONG_PARTIAL_PREFILLS",
-    )
+        1, "Most long prefills that share one step with decoding sequences (vLLM's name).", ge=1)
     # -- prefix caching ------------------------------------------------------------------------
-    prefix_caching: bool = lever(True, "Reuse KV blocks and GDN state snapshots of earlier prompts.", "QV_PREFIX_CACHING")
+    prefix_caching: bool = lever(True, "Reuse KV blocks and GDN state snapshots of earlier prompts.")
     gdn_snapshot_interval: int = lever(
         0,
         "Tokens between GDN state snapshots for prefix reuse (a multiple of block_size; hits round down to it); "
-        "0: the smallest multiple of 64 blocks at which snapshots cost at most half the KV bytes per token.",
-        "QV_GDN_SNAPSHOT_INTERVAL",
-    )
+        "0: the smallest multiple of 64 blocks at which snapshots cost at most half the KV bytes per token.", ge=0)
     prefix_cache_chat_reserve: float = lever(
-        0.2, "Share of KV blocks whose cached chat prefixes Clef records may not evict (Clef rows hold at most the rest).",
-        "QV_PREFIX_CACHE_CHAT_RESERVE",
-    )
-    kv_offload_bytes: int = lever(0, "Pinned host memory for evicted KV blocks and snapshots; 0: off.", "QV_KV_OFFLOAD_BYTES")
+        0.2, "Share of KV blocks whose cached chat prefixes Clef records may not evict (Clef rows hold at most the "
+        "rest).", ge=0, lt=1)
+    kv_offload_bytes: int = lever(0, "Pinned host memory for evicted KV blocks and snapshots; 0: off.", ge=0)
     # -- speculative decoding -------------------------------------------------------------------
-    spec: str = lever("off", "Speculative decoding: off, mtp, ngram, auto.", "QV_SPEC", ("off", "mtp", "ngram", "auto"))
-    spec_k: int = lever(3, "Draft tokens per step.", "QV_SPEC_K")
-    spec_max_seqs: int = lever(16, "Most sequences verifying drafts in one step (each keeps k+1 GDN states).", "QV_SPEC_MAX_SEQS")
+    spec: Literal["off", "mtp", "ngram", "auto"] = lever("off", "Speculative decoding: off, mtp, ngram, auto.")
+    spec_k: int = lever(3, "Draft tokens per step.", ge=1)
+    spec_max_seqs: int = lever(16, "Most sequences verifying drafts in one step (each keeps k+1 GDN states).", ge=1)
     # -- server ----------------------------------------------------------------------------------
-    host: str = lever("127.0.0.1", "Listen address of `qv serve`.", "QV_HOST")
-    port: int = lever(8000, "Listen port of `qv serve`.", "QV_PORT")
-    served_model_name: str = lever("", "Comma-separated model names the API answers to; empty: the folder name.", "QV_SERVED_MODEL_NAME")
-    api_key: str = lever("", "If set, every route but /health requires `Authorization: Bearer <key>`.", "QV_API_KEY")
-    metrics_public: bool = lever(False, "With api_key set, /metrics answers without the key too (for a scraper).",
-                                 "QV_METRICS_PUBLIC")
-    enable_thinking: bool = lever(False, "Default enable_thinking for the chat template (per-request override).", "QV_ENABLE_THINKING")
-    max_body_bytes: int = lever(32 << 20, "Largest request body; larger gets 413.", "QV_MAX_BODY_BYTES")
-    max_waiting: int = lever(1024, "Most sequences waiting (prompts x n, counted at admission); a request that would "
-                             "pass it gets 503 with Retry-After.", "QV_MAX_WAITING")
-    max_prompts_per_request: int = lever(256, "Most prompts in one /v1/completions request.", "QV_MAX_PROMPTS_PER_REQUEST")
-    max_stop_strings: int = lever(64, "Most stop strings in one request.", "QV_MAX_STOP_STRINGS")
-    body_read_timeout_s: float = lever(30.0, "Longest wait for a request body to arrive whole; slower gets 408.",
-                                       "QV_BODY_READ_TIMEOUT_S")
-    shutdown_grace_s: float = lever(10.0, "On SIGTERM: new requests get 503 while generations in flight may finish for "
-                                    "this long; then streams get a final error event and [DONE] and the process exits.",
-                                    "QV_SHUTDOWN_GRACE_S")
-    state_dir: str = lever("", "Directory for compiled kernels (Triton, CuPy) and repacked weights, reused by the next "
-                           "start; empty: ~/.cache/qv.", "QV_STATE_DIR")
-    max_logprobs: int = lever(20, "Most top logprobs a request may ask for.", "QV_MAX_LOGPROBS")
+    host: str = lever("127.0.0.1", "Listen address of `qv serve`.")
+    port: int = lever(8000, "Listen port of `qv serve` (0: any free port).", ge=0, le=65535)
+    served_model_name: str = lever("", "Comma-separated model names the API answers to; empty: the folder name.")
+    api_key: str = lever("", "If set, every route but /health requires `Authorization: Bearer <key>`.")
+    metrics_public: bool = lever(False, "With api_key set, /metrics answers without the key too (for a scraper).")
+    enable_thinking: bool = lever(False, "Default enable_thinking for the chat template (per-request override).")
+    max_body_bytes: int = lever(32 << 20, "Largest request body; larger gets 413.", ge=1)
+    max_waiting: int = lever(1024, "Most sequences waiting (prompts x n, counted at admission); a request that "
+                             "would pass it gets 503 with Retry-After.", ge=0)
+    max_prompts_per_request: int = lever(256, "Most prompts in one /v1/completions request.", ge=1)
+    max_stop_strings: int = lever(64, "Most stop strings in one request.", ge=1)
+    body_read_timeout_s: float = lever(30.0, "Longest wait for a request body to arrive whole; slower gets 408.", gt=0)
+    shutdown_grace_s: float = lever(10.0, "On SIGTERM: new requests get 503 while generations in flight may finish "
+                                    "for this long; then streams get a final error event and [DONE] and the process "
+                                    "exits.", gt=0)
+    state_dir: str = lever("", "Directory for compiled kernels (Triton, CuPy), the embedded tiny model and "
+                           "anything else reused by the next start; empty: ~/.cache/qv.")
+    max_logprobs: int = lever(20, "Most top logprobs a request may ask for.", ge=0)
     # -- media -----------------------------------------------------------------------------------
-    media_max_images: int = lever(20, "Most images per chat request (0 with media_max_videos 0: the vision tower is "
-                                  "not loaded).", "QV_MEDIA_MAX_IMAGES")
-    media_max_videos: int = lever(2, "Most videos per chat request.", "QV_MEDIA_MAX_VIDEOS")
-    media_max_bytes: int = lever(20 << 20, "Largest fetched media file.", "QV_MEDIA_MAX_BYTES")
-    media_timeout_s: float = lever(10.0, "Timeout for fetching one media URL.", "QV_MEDIA_TIMEOUT_S")
-    media_allowed_domains: str = lever("", "Comma-separated domains media URLs may come from; empty: any.", "QV_MEDIA_ALLOWED_DOMAINS")
+    media_max_images: int = lever(20, "Most images per chat request (0 with media_max_videos 0: the vision tower "
+                                  "is not loaded).", ge=0)
+    media_max_videos: int = lever(2, "Most videos per chat request.", ge=0)
+    media_max_bytes: int = lever(20 << 20, "Largest fetched media file.", ge=1)
+    media_timeout_s: float = lever(10.0, "Timeout for fetching one media URL.", gt=0)
+    media_allowed_domains: str = lever("", "Comma-separated domains media URLs may come from; empty: any.")
     media_allowed_networks: str = lever(
         "", "Comma-separated CIDR ranges media URLs may resolve to although they are loopback, link-local, private, "
-        "CGNAT, multicast or unspecified (all denied by default, IPv4 and IPv6).", "QV_MEDIA_ALLOWED_NETWORKS")
-    media_local_dir: str = lever("", "Directory file:// media may be read from; empty: no local files.", "QV_MEDIA_LOCAL_DIR")
+        "CGNAT, multicast or unspecified (all denied by default, IPv4 and IPv6).",
+        expect="comma-separated CIDR ranges (e.g. 10.0.0.0/8, fd00::/8)")
+    media_local_dir: str = lever("", "Directory file:// media may be read from; empty: no local files.")
     media_max_pixels: int = lever(
         1 << 28, "Most pixels of one request's images and video frames together, read from their headers before "
-        "anything is decoded (one image may have at most 2^26).", "QV_MEDIA_MAX_PIXELS")
-    media_decode_threads: int = lever(2, "Threads that decode and preprocess media, shared by all requests; more media "
-                                      "waits its turn.", "QV_MEDIA_DECODE_THREADS")
+        "anything is decoded (one image may have at most 2^26).", ge=1)
+    media_decode_threads: int = lever(2, "Threads that decode and preprocess media, shared by all requests; more "
+                                      "media waits its turn.", ge=1)
     vision_max_patches_per_step: int = lever(
         16384, "Vision-encoder budget of one engine step, in patches before the 2x2 merge: prefill chunks stop "
-        "before an image or video whose encoding does not fit (one larger than the budget is encoded alone).",
-        "QV_VISION_MAX_PATCHES_PER_STEP")
+        "before an image or video whose encoding does not fit (one larger than the budget is encoded alone).", ge=1)
     # -- Clef -----------------------------------------------------------------------------------
-    clef: bool = lever(True, "Serve Clef decisions (POST /v1/systemone) when the checkpoint has a Clef head.", "QV_CLEF")
-    clef_nmax: int = lever(34816, "Largest Clef record in tokens (images included).", "QV_CLEF_NMAX")
-    clef_slots: int = lever(4, "Clef records in flight at once; others queue.", "QV_CLEF_SLOTS")
-    clef_delta_host: bool = lever(False, "Keep Clef low-rank deltas in pinned host memory, streamed per layer.", "QV_CLEF_DELTA_HOST")
+    clef: bool = lever(True, "Serve Clef decisions (POST /v1/systemone) when the checkpoint has a Clef head.")
+    clef_nmax: int = lever(34816, "Largest Clef record in tokens (images included).", ge=1)
+    clef_slots: int = lever(4, "Clef records in flight at once; others queue.", ge=1)
+    clef_delta_host: bool = lever(False, "Keep Clef low-rank deltas in pinned host memory, streamed per layer.")
 
-    @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> "EngineConfig":
-        """Levers from the environment, then keyword overrides (which win). Unknown keywords raise."""
-        environ = os.environ if environ is None else environ
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(overrides) - names)
+    def __init__(self, **levers: Any):
+        origins = levers.pop("_origins", None)  # from resolve: where each value came from, for the message
+        unknown = sorted(set(levers) - set(type(self).model_fields))
         if unknown:
             raise ConfigError(f"unknown engine option(s): {', '.join(unknown)}")
-        values: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):
-            env = f.metadata.get("env")
-            if env and env in environ and environ[env] != "":
-                values[f.name] = _coerce(f, environ[env], env)
-        for k, v in overrides.items():
-            if v is not None:
-                values[k] = _coerce(dataclasses.fields(cls)[_index(cls, k)], v, k)
-        return cls(**values)
+        try:
+            super().__init__(**levers)
+        except ValidationError as e:
+            raise ConfigError(explain(e, levers, origins)) from None
 
-    def __post_init__(self):
-        for f in dataclasses.fields(self):
-            choices = f.metadata.get("choices")
-            if choices and getattr(self, f.name) not in choices:
-                raise ConfigError(f"{f.name}={getattr(self, f.name)!r}: expected one of {', '.join(choices)}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "spec_k", "spec_max_seqs", "clef_slots",
-                     "clef_nmax", "vision_max_patches_per_step", "max_long_partial_prefills", "max_prompts_per_request",
-                     "max_stop_strings", "media_max_pixels", "media_decode_threads"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        for name in ("body_read_timeout_s", "shutdown_grace_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("max_model_len", "kv_cache_bytes", "long_prefill_token_threshold"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for net in (n.strip() for n in self.media_allowed_networks.split(",")):
-            try:
-                ipaddress.ip_network(net or "0.0.0.0/32", strict=False)
-            except ValueError:
-                raise ConfigError(f"media_allowed_networks: {net!r} is not a CIDR range (e.g. 10.0.0.0/8, fd00::/8)") from None
+    def __setattr__(self, name: str, value: Any) -> None:
+        try:
+            super().__setattr__(name, value)
+        except ValidationError as e:
+            raise ConfigError(explain(e, {name: value})) from None
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
+                                   file_secret_settings):
+        return (init_settings,)  # the environment is read by from_env only, so EngineConfig() is the defaults
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _parse(cls, value: Any, info: ValidationInfo) -> Any:
+        kind = cls.model_fields[info.field_name].annotation
+        if isinstance(value, os.PathLike):
+            return os.fspath(value)
+        if kind is bool and not isinstance(value, bool):
+            word = BOOL_WORDS.get(str(value).strip().lower())
+            if word is None:
+                raise ValueError("not a boolean")
+            return word
+        if kind in (int, float) and isinstance(value, bool):
+            raise ValueError("a boolean is not a number")
+        return value
+
+    @field_validator("media_allowed_networks")
+    @classmethod
+    def _networks(cls, value: str) -> str:
+        for net in (n.strip() for n in value.split(",")):
+            ipaddress.ip_network(net or "0.0.0.0/32", strict=False)  # a ValueError names the lever
+        return value
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, env_file: str | os.PathLike | None = None,
+                 **overrides: Any) -> "EngineConfig":
+        """Levers from the environment (os.environ unless given), then a levers file, then keyword overrides
+        (None ones are ignored): later wins. Unknown keywords and bad values raise ConfigError."""
+        return cls.resolve(environ, env_file, **overrides)[0]
+
+    @classmethod
+    def resolve(cls, environ: Mapping[str, str] | None = None, env_file: str | os.PathLike | None = None,
+                **overrides: Any) -> tuple["EngineConfig", dict[str, str]]:
+        """from_env, plus where each lever that was set came from ("QV_X in the environment", "QV_X in
+        FILE:LINE", "argument")."""
+        unknown = sorted(set(overrides) - set(cls.model_fields))
+        if unknown:
+            raise ConfigError(f"unknown engine option(s): {', '.join(unknown)}")
+        environ = os.environ if environ is None else environ
+        known = {env_name(n) for n in cls.model_fields}
+        for key in sorted(k for k in environ if k.upper().startswith(ENV_PREFIX) and k.upper() not in known):
+            log.warning("%s in the environment is no qv lever and is ignored (see docs/LEVERS.md)", key)
+        values = _EnvSource(cls, environ)()
+        origins = {name: f"{env_name(name)} in the environment" for name in values}
+        if env_file is not None:
+            lines = read_env_file(env_file)
+            for name, value in _EnvSource(cls, {k: v for k, (v, _) in lines.items()})().items():
+                key = env_name(name)
+                loc = f"{env_file}:{lines[key][1]}"
+                if name in values and values[name] != value:
+                    log.warning("%s=%s in the environment is overridden by %s=%s in %s", key, values[name], key, value,
+                                loc)
+                values[name], origins[name] = value, f"{key} in {loc}"
+        for name, value in overrides.items():
+            if value is not None:
+                values[name], origins[name] = value, "argument"
+        return cls(**values, _origins=origins), origins
+
+    def replace(self, **changes: Any) -> "EngineConfig":
+        """A copy with `changes` applied and checked (dataclasses.replace for levers)."""
+        return type(self)(**{**self.model_dump(), **changes})
 
 
-def _index(cls, name: str) -> int:
-    return [f.name for f in dataclasses.fields(cls)].index(name)
+class _EnvSource(EnvSettingsSource):
+    """pydantic-settings' environment source over a given mapping (os.environ, or a levers file's keys)."""
+
+    def __init__(self, settings_cls: type[BaseSettings], environ: Mapping[str, str]):
+        self._environ = environ
+        super().__init__(settings_cls)
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:  # the hook pydantic-settings' dotenv source overrides too
+        return {k.lower(): v for k, v in self._environ.items() if v != ""}  # case-insensitive; empty means unset
 
 
-def _coerce(f: dataclasses.Field, value: Any, source: str) -> Any:
-    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+def env_name(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+def expected(name: str) -> str:
+    """What lever `name` takes, in words (for errors, LEVERS.md and --help)."""
+    info = EngineConfig.model_fields[name]
+    kind = info.annotation
+    if get_origin(kind) is Literal:
+        return "one of " + ", ".join(get_args(kind))
+    if kind is bool:
+        return "a boolean (1/0, true/false, yes/no, on/off)"
+    extra = info.json_schema_extra or {}
+    if extra.get("expect"):
+        return extra["expect"]
+    words = {int: "an integer", float: "a number"}.get(kind, "a string")
+    return " ".join([words, bounds(name).replace(", ", " and ")]).strip()
+
+
+def bounds(name: str) -> str:
+    """The lever's numeric bounds, as ">= 1, <= 65535"; empty without any."""
+    out = []
+    for m in EngineConfig.model_fields[name].metadata:
+        for attr, sign in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+            if getattr(m, attr, None) is not None:
+                out.append(f"{sign} {getattr(m, attr)}")
+    return ", ".join(out)
+
+
+def explain(error: ValidationError, values: Mapping[str, Any], origins: Mapping[str, str] | None = None) -> str:
+    """One line per bad lever: its name, the value, where it came from and what it takes."""
+    parts = []
+    for err in error.errors():
+        name = str(err["loc"][0]) if err["loc"] else "?"
+        if name not in EngineConfig.model_fields:
+            parts.append(err["msg"])
+            continue
+        where = (origins or {}).get(name, "argument")
+        source = "" if where == "argument" else f" (from {where})"
+        parts.append(f"{name}={values.get(name, err.get('input'))!r}{source}: expected {expected(name)}")
+    return "; ".join(parts)
+
+
+def _check_env_names() -> None:
+    for name, info in EngineConfig.model_fields.items():
+        env = (info.json_schema_extra or {}).get("env")
+        if env is not None and env != env_name(name):
+            raise TypeError(f"lever {name}: its environment variable is {env_name(name)}, not {env}")
+
+
+_check_env_names()
+
+
+# --------------------------------------------------------------------------------------------
+# Levers files and the state directory
+# --------------------------------------------------------------------------------------------
+
+
+def read_env_file(path: str | os.PathLike) -> dict[str, tuple[str, int]]:
+    """A levers file in the original stack's format: `KEY=value` lines, `#` comments, blank lines,
+    optional quotes and `export ` prefixes (python-dotenv's grammar, no interpolation). Every key must be a
+    QV_* lever and appear once; anything else is a ConfigError naming the file, line and key.
+    Returns env name -> (value, line)."""
     try:
-        if kind.startswith("bool"):
-            if isinstance(value, bool):
-                return value
-            s = str(value).strip().lower()
-            if s in ("1", "true", "yes", "on"):
-                return True
-            if s in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(value)
-        if kind.startswith("int"):
-            if isinstance(value, bool):
-                raise ValueError(value)
-            return int(value)
-        if kind.startswith("float"):
-            return float(value)
-        return None if value is None else str(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{source}={value!r}: expected {kind}") from None
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"levers file {path}: {e.strerror or e}") from None
+    known = {env_name(n) for n in EngineConfig.model_fields}
+    out: dict[str, tuple[str, int]] = {}
+    for b in parse_stream(io.StringIO(text)):
+        raw = b.original.string
+        line = b.original.line + len(raw) - len(raw.lstrip("\n"))
+        shown = raw.strip()
+        if b.error or (b.key is not None and b.value is None):
+            raise ConfigError(f"{path}:{line}: cannot read {shown!r}: expected KEY=value")
+        if b.key is None:
+            continue
+        if b.key not in known:
+            close = difflib.get_close_matches(b.key.upper(), sorted(known), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            what = "no qv lever" if b.key.startswith(ENV_PREFIX) else "not a QV_* lever (a levers file holds levers only)"
+            raise ConfigError(f"{path}:{line}: {b.key} is {what}{hint}; see docs/LEVERS.md")
+        if b.key in out:
+            raise ConfigError(f"{path}:{line}: {b.key} is set twice (first on line {out[b.key][1]})")
+        out[b.key] = (b.value, line)
+    return out
+
+
+# compiled-kernel caches of the libraries qv compiles through, and their folder under the state dir
+KERNEL_CACHES = {"TRITON_CACHE_DIR": "triton", "CUPY_CACHE_DIR": "cupy"}
+_SET_HERE: dict[str, str] = {}  # the cache variables this process set (re-pointed by a later state dir)
+
+
+def state_path(state_dir: str = "") -> Path:
+    """The state directory a `state_dir` lever value names (empty: ~/.cache/qv)."""
+    return Path(state_dir).expanduser() if state_dir else Path.home() / ".cache" / "qv"
+
+
+def use_state_dir(state_dir: str = "") -> dict[str, str]:
+    """Point Triton's and CuPy's compiled-kernel caches under the state directory, before either compiles
+    anything (both read their variable at each compile). A variable the operator set stays as it is.
+    Returns variable -> folder in effect."""
+    root = state_path(state_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    for var, sub in KERNEL_CACHES.items():
+        if var not in os.environ or os.environ[var] == _SET_HERE.get(var):
+            os.environ[var] = _SET_HERE[var] = str(root / sub)
+    return {var: os.environ[var] for var in KERNEL_CACHES}
+
+
+def kernel_cache_dirs(state_dir: str = "") -> dict[str, str]:
+    """What use_state_dir would give, without setting anything (for --dry-run and doctor)."""
+    root = state_path(state_dir)
+    return {var: os.environ[var] if var in os.environ and os.environ[var] != _SET_HERE.get(var) else str(root / sub)
+            for var, sub in KERNEL_CACHES.items()}
 
 
 def levers_markdown() -> str:
@@ -541,18 +375,20 @@ def levers_markdown() -> str:
         "# Levers",
         "",
         "Generated from `qv/config.py` by `python -m qv.config > docs/LEVERS.md`; do not edit by hand.",
-        "Every lever is an environment variable and the same-named keyword of `LLM(...)` / `EngineConfig`",
-        "(and a `qv serve` flag with dashes).",
+        "Every lever is an environment variable, a line of a levers file (`qv serve --env-file FILE`), the",
+        "same-named keyword of `LLM(...)` / `EngineConfig` and a `qv serve` flag with dashes.",
         "",
         "| env | keyword | default | effect |",
         "| --- | --- | --- | --- |",
     ]
-    for f in dataclasses.fields(EngineConfig):
-        doc = f.metadata["doc"]
-        if f.metadata.get("choices"):
-            doc += f" Choices: {', '.join(f.metadata['choices'])}."
-        default = "unset" if f.default is None else repr(f.default)
-        lines.append(f"| `{f.metadata['env']}` | `{f.name}` | `{default}` | {doc} |")
+    for name, info in EngineConfig.model_fields.items():
+        doc = info.description
+        if get_origin(info.annotation) is Literal:
+            doc += f" Choices: {', '.join(get_args(info.annotation))}."
+        elif bounds(name):
+            doc += f" Range: {bounds(name)}."
+        default = "unset" if info.default is None else repr(info.default)
+        lines.append(f"| `{env_name(name)}` | `{name}` | `{default}` | {doc} |")
     return "\n".join(lines) + "\n"
 
 

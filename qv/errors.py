@@ -1,6 +1,10 @@
 """Errors shared by every layer (so lower layers need not import the engine to raise them)."""
 
 
+class ConfigError(ValueError):
+    """A checkpoint config or a lever value that qv cannot use; the message names the cause."""
+
+
 class InvalidRequestError(ValueError):
     """A request qv cannot run as given; the message names the field and the limit (HTTP 400)."""
 

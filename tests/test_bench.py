@@ -173,6 +173,6 @@ def test_bench_model_folder_gptq_int8_kv(tmp_path, capsys):
 def test_bench_rows_need_a_long_enough_model(tmp_path, capsys):
     from qv.config import ConfigError
 
-    with pytest.raises(ConfigError, match="max_model_len"):
-        main(["bench", "--preset", "tiny", "--batch-sizes", "1", "--contexts", "64", "--prefill-lengths", "64",
+    with pytest.raises(ConfigError, match="max_model_len"):  # --debug: the CLI raises instead of printing one line
+        main(["--debug", "bench", "--preset", "tiny", "--batch-sizes", "1", "--contexts", "64", "--prefill-lengths", "64",
               "--max-model-len", "32", "--steps", "1"])

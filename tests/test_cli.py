@@ -1,29 +1,122 @@
-"""The command line: make-tiny, quantize and generate run end to end."""
+"""The command line: make-tiny, quantize and generate run end to end; every subcommand's --help works and
+shows defaults; errors a user can act on are one line with exit status 2 (their traceback only with
+--debug); `qv doctor` reports on a machine without CUDA."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
+import pytest
 
-def _qv(*args: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "qv.cli", *args], capture_output=True, text=True, timeout=600)
+from qv.cli import main
+from qv.doctor import report
+
+COMMANDS = ["serve", "generate", "bench", "make-tiny", "quantize", "doctor"]
+
+
+def _qv(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "qv.cli", *args], capture_output=True, text=True, timeout=600,
+                          env=env)
+
+
+def _ok(*args: str) -> str:
+    out = _qv(*args)
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout
 
 
 def test_make_tiny_quantize_generate(tmp_path):
     tiny = tmp_path / "tiny"
-    assert _qv("make-tiny", str(tiny), "--preset", "gqa3").strip() == str(tiny)
+    assert _ok("make-tiny", str(tiny), "--preset", "gqa3").strip() == str(tiny)
     quant = tmp_path / "gptq"
-    _qv("quantize", str(tiny), str(quant), "--group-size", "16")
+    _ok("quantize", str(tiny), str(quant), "--group-size", "16")
     assert json.loads((quant / "config.json").read_text())["quantization_config"]["bits"] == 8
-    text = _qv("generate", "Hello", "--model", str(quant), "--max-tokens", "4")
+    text = _ok("generate", "Hello", "--model", str(quant), "--max-tokens", "4")
     assert text.strip() != ""
 
 
-def test_bad_lever_flag_is_a_clear_error(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "qv.cli", "generate", "hi", "--kv-dtype", "int4"],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode != 0 and "kv_dtype" in out.stderr
+@pytest.mark.parametrize("command", [None] + COMMANDS)
+def test_help_of_every_command(command, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(([command] if command else []) + ["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and out.startswith(f"usage: qv {command or ''}".rstrip())
+    assert "--debug" in out
+    flat = " ".join(out.split())  # argparse wraps at the terminal width
+    shows = {"serve": ["(env QV_MAX_NUM_SEQS, default 64)", "--env-file FILE", "--dry-run", "then these flags"],
+             "generate": ["(default: 32)", "(env QV_KV_DTYPE, default 'auto')"],
+             "bench": ["(default: 1,8,16,32,64)", "(default: 1024)"],
+             "make-tiny": ["(default: tiny)", "(default: 16)"], "quantize": ["(default: 128)", "(default: 8)"],
+             None: COMMANDS}
+    for needle in shows.get(command, []):
+        assert needle in flat, (needle, out)
+
+
+def test_lever_flag_help_says_what_it_takes(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--kv-dtype {auto,fp16,bf16,int8}" in out and "--cuda-graphs {1,0}" in out
+    assert "Takes a number > 0 and <= 1. (env QV_GPU_MEMORY_UTILIZATION, default 0.9)" in out
+
+
+def test_bad_lever_flag_is_one_line_with_status_2():
+    out = _qv("generate", "hi", "--kv-dtype", "int4")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines() == ["qv generate: error: kv_dtype='int4': expected one of auto, fp16, bf16, int8"]
+    debug = _qv("generate", "hi", "--kv-dtype", "int4", "--debug")
+    assert debug.returncode == 1 and "Traceback" in debug.stderr and "ConfigError" in debug.stderr
+
+
+def test_engine_that_cannot_start_is_one_line(tmp_path, tiny_dirs):
+    """Past the checks before loading, `qv serve` on a folder without weights stops with the loader's message."""
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text((tiny_dirs("gqa3") / "config.json").read_text())
+    out = _qv("serve", str(bare), "--device", "cpu", "--port", "0")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1] == f"qv serve: error: no *.safetensors files in {bare}"
+
+
+def test_user_errors_are_one_line(tmp_path, tiny_dirs, capsys):
+    """ConfigError (no such folder), CheckpointError (a config without weights): exit 2, the message alone;
+    --debug (before or after the command) raises the exception itself."""
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text((tiny_dirs("gqa3") / "config.json").read_text())
+    cases = [(["generate", "hi", "--model", str(tmp_path / "nope")], "does not exist"),
+             (["generate", "hi", "--model", str(bare), "--device", "cpu"], "no *.safetensors files"),
+             (["serve", str(tmp_path / "nope"), "--dry-run"], "does not exist")]
+    for argv, needle in cases:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and needle in err and err.startswith(f"qv {argv[0]}: error: ")
+        for debug in ([argv[0], "--debug", *argv[1:]], ["--debug", *argv]):
+            with pytest.raises(Exception, match=needle.replace("*", r"\*")):
+                main(debug)
+
+
+def test_doctor_on_this_machine():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QV_")}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # as a machine without CUDA sees it, whatever this one has
+    out = _qv("doctor", env=env)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    for needle in ("qv 0.1.0 on Python", "packages:", "torch ", "devices:", "CUDA: no device available",
+                   "toolchain:", "Triton ", "NVRTC", "kernels (which implementations run):",
+                   "cpu: kernels=auto runs reference", "state dir", "TRITON_CACHE_DIR=", "CUPY_CACHE_DIR=",
+                   "none set (every lever at its default)"):
+        assert needle in text, (needle, text)
+    assert "error" not in text
+
+
+def test_doctor_reports_bad_levers_instead_of_crashing(tmp_path):
+    text = report({"QV_KERNELS": "bogus", "QV_PORT": "1"})
+    assert "error: kernels='bogus' (from QV_KERNELS in the environment): expected one of" in text
+    assert "cpu: kernels=auto runs reference" in text  # the rest of the report still prints
+    text = report({"QV_KERNELS": "reference", "QV_API_KEY": "sekret", "QV_STATE_DIR": str(tmp_path)})
+    assert "QV_KERNELS='reference'" in text and "QV_API_KEY='***'" in text and "sekret" not in text
+    assert f"state dir {tmp_path}\n" in text

@@ -3,7 +3,6 @@ device, `load_format=random`), and the levers a benchmark needs unless the user 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -53,8 +52,7 @@ def levers_set(user: EngineConfig, flags: dict) -> set[str]:
     """Levers the user chose: given as flags, or from the environment (a lever set to its default
     value reads as unset, which only matters for the few the benchmark picks itself)."""
     default = EngineConfig()
-    return set(flags) | {f.name for f in dataclasses.fields(EngineConfig)
-                         if getattr(user, f.name) != getattr(default, f.name)}
+    return set(flags) | {name for name in EngineConfig.model_fields if getattr(user, name) != getattr(default, name)}
 
 
 def bench_config(flags: dict, model: str | None, preset: str | None, max_model_len: int,
@@ -74,4 +72,4 @@ def bench_config(flags: dict, model: str | None, preset: str | None, max_model_l
         values["load_format"] = "random"  # the folder holds a config.json only
     if model is not None:
         values["model"] = model
-    return dataclasses.replace(user, **values)
+    return user.replace(**values)

@@ -38,8 +38,8 @@ def device_name(device: torch.device) -> str:
 def levers_changed(cfg: EngineConfig) -> dict:
     """Every lever whose value differs from its default (the model folder aside)."""
     default = EngineConfig()
-    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(EngineConfig)
-            if f.name != "model" and getattr(cfg, f.name) != getattr(default, f.name)}
+    return {name: getattr(cfg, name) for name in EngineConfig.model_fields
+            if name != "model" and getattr(cfg, name) != getattr(default, name)}
 
 
 def memory_plan_dict(plan) -> dict | None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from qv import kernels
-from qv.config import ConfigError, EngineConfig, ModelConfig
+from qv.config import ConfigError, EngineConfig, ModelConfig, state_path, use_state_dir
 from qv.engine.clef_rows import clef_reserve_bytes
 from qv.engine.memory_plan import MemoryPlan
 from qv.engine.prefix_cache import PrefixPlan, plan_prefix_cache
@@ -19,6 +19,7 @@ from qv.model.cache import (KV_DTYPES, STATE_DTYPES, HybridCache, allocate_cache
                             kv_bytes_per_block)
 from qv.model.qwen3_5 import Qwen3_5TextModel, held_bytes, load_text_model
 from qv.model.random_weights import checkpoint_reader, with_quantization
+from qv.version import __version__
 
 log = logging.getLogger("qv")
 
@@ -45,12 +46,11 @@ class EngineParts:
     memory_plan: MemoryPlan | None = None
 
 
-def default_model_dir() -> Path:
-    """The embedded tiny model, built deterministically on first use and reused after."""
-    import qv
+def default_model_dir(state_dir: str = "") -> Path:
+    """The embedded tiny model, built deterministically on first use into the state directory and reused after."""
     from qv.model.tiny import make_tiny
 
-    path = Path.home() / ".cache" / "qv" / f"tiny-{qv.__version__}"
+    path = state_path(state_dir) / f"tiny-{__version__}"
     if not (path / "config.json").is_file():
         log.warning("building the embedded tiny default model in %s (first start only)", path)
         tmp = path.with_name(path.name + ".partial")
@@ -89,7 +89,7 @@ def read_generation_config(model_dir: Path) -> dict:
         return json.load(f)
 
 
-def load_tokenizer(model_dir: Path):
+def load_tokenizer(model_dir: Path, state_dir: str = ""):
     """The folder's tokenizer; a folder without one (a config.json for random weights) gets the embedded
     tiny tokenizer, which is enough to take token ids and to decode the ids it knows."""
     from transformers import AutoTokenizer
@@ -97,14 +97,42 @@ def load_tokenizer(model_dir: Path):
     if not any((model_dir / f).is_file() for f in TOKENIZER_FILES):
         log.warning("%s has no tokenizer files: using the embedded tiny tokenizer (ids past its vocabulary "
                     "decode to nothing)", model_dir)
-        model_dir = default_model_dir()
+        model_dir = default_model_dir(state_dir)
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
-def build_engine_parts(cfg: EngineConfig) -> EngineParts:
-    model_dir = Path(cfg.model) if cfg.model else default_model_dir()
+def resolve_model_dir(cfg: EngineConfig) -> Path:
+    model_dir = Path(cfg.model) if cfg.model else default_model_dir(cfg.state_dir)
     if not model_dir.is_dir():
         raise ConfigError(f"model folder {model_dir} does not exist")
+    return model_dir
+
+
+def wants_media(cfg: EngineConfig, mcfg: ModelConfig, model_dir: Path) -> bool:
+    """Whether the vision tower loads: the config has one, media is on, and the folder has a processor config."""
+    media = mcfg.vision is not None and bool(cfg.media_max_images or cfg.media_max_videos)
+    if media and not any((model_dir / f).is_file() for f in PROCESSOR_FILES):
+        log.warning("%s has a vision_config but no processor config (%s): images and videos are off",
+                    model_dir, " or ".join(PROCESSOR_FILES))
+        return False
+    return media
+
+
+def resolve_max_len(cfg: EngineConfig, mcfg: ModelConfig) -> int:
+    max_len = cfg.max_model_len or mcfg.max_position_embeddings
+    if max_len > mcfg.max_position_embeddings:
+        raise ConfigError(f"max_model_len={max_len} exceeds the model's max_position_embeddings "
+                          f"{mcfg.max_position_embeddings}")
+    return max_len
+
+
+def wants_mtp(cfg: EngineConfig, mcfg: ModelConfig) -> bool:
+    return cfg.spec == "mtp" or (cfg.spec == "auto" and mcfg.mtp_num_hidden_layers > 0)
+
+
+def build_engine_parts(cfg: EngineConfig) -> EngineParts:
+    use_state_dir(cfg.state_dir)  # before Triton or CuPy compiles anything
+    model_dir = resolve_model_dir(cfg)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     kernels.set_backend(cfg.kernels)
@@ -113,27 +141,19 @@ def build_engine_parts(cfg: EngineConfig) -> EngineParts:
     log.info("loading %s on %s (%s, kernels=%s%s)", model_dir, device, dtype, cfg.kernels,
              ", random weights" if cfg.load_format == "random" else "")
     vision = None
-    media = mcfg.vision is not None and (cfg.media_max_images or cfg.media_max_videos)
-    if media and not any((model_dir / f).is_file() for f in PROCESSOR_FILES):
-        log.warning("%s has a vision_config but no processor config (%s): images and videos are off",
-                    model_dir, " or ".join(PROCESSOR_FILES))
-        media = False
-    if media:
+    if wants_media(cfg, mcfg, model_dir):
         from qv.model.vision import load_multimodal_model
 
         model, vision = load_multimodal_model(str(model_dir), mcfg, dtype=dtype, device=device, reader=reader)
     else:
         model = load_text_model(str(model_dir), mcfg, dtype=dtype, device=device, reader=reader)
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = load_tokenizer(model_dir, cfg.state_dir)
     gen = read_generation_config(model_dir)
     eos = gen.get("eos_token_id", list(mcfg.eos_token_ids))
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else mcfg.eos_token_ids)
-    max_len = cfg.max_model_len or mcfg.max_position_embeddings
-    if max_len > mcfg.max_position_embeddings:
-        raise ConfigError(f"max_model_len={max_len} exceeds the model's max_position_embeddings "
-                          f"{mcfg.max_position_embeddings}")
+    max_len = resolve_max_len(cfg, mcfg)
     mtp_head = None
-    if cfg.spec == "mtp" or (cfg.spec == "auto" and mcfg.mtp_num_hidden_layers > 0):
+    if wants_mtp(cfg, mcfg):
         from qv.spec.mtp import load_mtp_head
 
         mtp_head = load_mtp_head(str(model_dir), mcfg, model, dtype, device, reader=reader)
@@ -162,6 +182,24 @@ def plan_cache(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device, dtype
                ) -> tuple[HybridCache, PrefixPlan, MemoryPlan]:
     """reserve_bytes: other device memory the engine will hold (Clef head states), off a derived budget;
     weight_bytes: what the loaded weights hold (for the plan's record)."""
+    room = total = 0
+    if device.type == "cuda":
+        # this process may hold total * utilization; what it holds already (weights) counts against
+        # that, and memory other processes hold is simply not free
+        free, total = torch.cuda.mem_get_info(device)
+        room = int(min(total * cfg.gpu_memory_utilization - torch.cuda.memory_reserved(device), free))
+    prefix, plan = plan_memory(cfg, mcfg, dtype, max_model_len, room, total, mtp_layers, reserve_bytes, weight_bytes)
+    # one slot more than sequences: the last is scratch for the padding rows of captured decode graphs
+    cache = allocate_cache(mcfg, plan.kv_blocks, cfg.block_size, plan.gdn_slots + 1, resolve_kv_dtype(cfg.kv_dtype, dtype),
+                           STATE_DTYPES[cfg.gdn_state_dtype], dtype, device, extra_attention_layers=mtp_layers)
+    return cache, prefix, plan
+
+
+def plan_memory(cfg: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, max_model_len: int, room: int, total: int,
+                mtp_layers: tuple[int, ...] = (), reserve_bytes: int = 0, weight_bytes: int = 0
+                ) -> tuple[PrefixPlan, MemoryPlan]:
+    """The plan alone (nothing allocated). room: the GPU bytes this process may still take once its weights
+    are loaded, total: the GPU's memory (both 0 on the CPU)."""
     kv_dtype = resolve_kv_dtype(cfg.kv_dtype, dtype)
     state_dtype = STATE_DTYPES[cfg.gdn_state_dtype]
     num_slots = cfg.max_gdn_slots or cfg.max_num_seqs
@@ -171,14 +209,8 @@ def plan_cache(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device, dtype
     if cfg.spec != "off":  # per-position states of the verified sequences (qv/engine/speculator.py)
         spec_bytes = gdn_bytes_per_slot(mcfg, dtype, torch.float32) * (cfg.spec_k + 1) * cfg.spec_max_seqs
     budget = cfg.kv_cache_bytes
-    total = room = 0
-    if device.type == "cuda":
-        # this process may hold total * utilization; what it holds already (weights) counts against
-        # that, and memory other processes hold is simply not free
-        free, total = torch.cuda.mem_get_info(device)
-        room = int(min(total * cfg.gpu_memory_utilization - torch.cuda.memory_reserved(device), free))
     if budget == 0:
-        if device.type == "cuda":
+        if total:
             budget = int(room * (1 - ACTIVATION_RESERVE)) - (num_slots + 1) * slot_bytes - spec_bytes - reserve_bytes
         else:
             budget = CPU_KV_BYTES
@@ -193,7 +225,4 @@ def plan_cache(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device, dtype
     planned = num_blocks * per_block + (num_slots + 1 + prefix.num_snapshots) * slot_bytes + spec_bytes + reserve_bytes
     plan = MemoryPlan(total, cfg.gpu_memory_utilization, weight_bytes, int(num_blocks), cfg.block_size, per_block, num_slots,
                       slot_bytes, prefix.num_snapshots, spec_bytes, reserve_bytes, max(0, room - planned), max_model_len)
-    # one slot more than sequences: the last is scratch for the padding rows of captured decode graphs
-    cache = allocate_cache(mcfg, int(num_blocks), cfg.block_size, num_slots + 1, kv_dtype, state_dtype, dtype, device,
-                           extra_attention_layers=mtp_layers)
-    return cache, prefix, plan
+    return prefix, plan

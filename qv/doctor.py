@@ -1,0 +1,118 @@
+"""`qv doctor`: what this machine offers qv. Versions, devices, the CUDA toolchain (runtime, NVRTC
+through CuPy, Triton's backend), which kernels the `kernels` lever picks on each device, and where
+compiled kernels are cached. Every probe reports its own failure as a line, so the report always
+prints (a CPU machine without CUDA included)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+import sys
+from collections.abc import Callable
+
+from qv.config import ConfigError, EngineConfig, env_name, kernel_cache_dirs, state_path
+from qv.version import __version__
+
+PACKAGES = ("torch", "triton", "cupy-cuda12x", "cupy-cuda13x", "cupy", "transformers", "tokenizers", "safetensors",
+            "numpy", "pydantic", "pydantic-settings", "starlette", "uvicorn", "pillow")
+
+
+def _probe(fn: Callable[[], list[str]]) -> list[str]:
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - a failing probe is itself the finding
+        return [f"  error: {type(e).__name__}: {e}"]
+
+
+def _packages() -> list[str]:
+    found = []
+    for name in PACKAGES:
+        try:
+            found.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            if not name.startswith("cupy"):
+                found.append(f"{name} not installed")
+    if not any(f.startswith("cupy") for f in found):
+        found.append("cupy not installed (the `gpu` extra: raw-CUDA decode kernels)")
+    return ["  " + ", ".join(found)]
+
+
+def _devices() -> list[str]:
+    import torch
+
+    lines = [f"  torch {torch.__version__}, built for CUDA {torch.version.cuda or 'none (CPU build)'}"]
+    if not torch.cuda.is_available():
+        return lines + ["  CUDA: no device available (qv runs on the CPU with the reference kernels)"]
+    for i in range(torch.cuda.device_count()):
+        major, minor = torch.cuda.get_device_capability(i)
+        free, total = torch.cuda.mem_get_info(i)
+        lines.append(f"  cuda:{i} {torch.cuda.get_device_name(i)}, sm_{major}{minor}, "
+                     f"{free / (1 << 30):.1f} GiB free of {total / (1 << 30):.1f} GiB")
+    return lines
+
+
+def _toolchain() -> list[str]:
+    lines = []
+    try:
+        import triton
+        from triton import knobs
+
+        if knobs.runtime.interpret:
+            mode = "interpreter (TRITON_INTERPRET=1: kernels run on the CPU, slowly)"
+        else:
+            try:
+                mode = f"backend {triton.runtime.driver.active.get_current_target().backend}"
+            except Exception as e:  # noqa: BLE001 - no GPU driver: Triton can compile nothing here
+                mode = f"no active GPU driver ({type(e).__name__})"
+        lines.append(f"  Triton {triton.__version__}: {mode}")
+    except ImportError as e:
+        lines.append(f"  Triton: not importable ({e})")
+    from qv.kernels.cuda_build import cupy_or_none
+
+    cupy = cupy_or_none()
+    if cupy is None:
+        lines.append("  CuPy / NVRTC: CuPy not installed (install the `gpu` extra for the raw-CUDA decode kernels)")
+    else:
+        try:
+            major, minor = cupy.cuda.nvrtc.getVersion()
+            lines.append(f"  CuPy {cupy.__version__}, NVRTC {major}.{minor}")
+        except Exception as e:  # noqa: BLE001 - a CuPy without a usable NVRTC
+            lines.append(f"  CuPy {cupy.__version__}, NVRTC unavailable ({type(e).__name__}: {e})")
+    return lines
+
+
+def _kernels(choice: str) -> list[str]:
+    import torch
+
+    from qv.kernels import registry
+    from qv.kernels.cuda_build import cupy_or_none
+
+    devices = [torch.device("cpu")] + [torch.device(f"cuda:{i}") for i in range(torch.cuda.device_count())]
+    lines = []
+    with registry.backend(choice):
+        for dev in devices:
+            chain = " -> ".join(registry._chain_for(dev))
+            line = f"  {dev}: kernels={choice} runs {chain}"
+            if dev.type == "cuda":
+                raw = torch.cuda.get_device_capability(dev)[0] >= 8 and cupy_or_none() is not None
+                line += f"; raw-CUDA decode GEMV and attention {'available' if raw else 'off (needs sm_80+ and CuPy)'}"
+            lines.append(line)
+    return lines
+
+
+def report(environ=None) -> str:
+    """The whole report, as text."""
+    try:
+        cfg = EngineConfig.from_env(environ)
+        levers = [f"  {env_name(n)}={'***' if n == 'api_key' else getattr(cfg, n)!r}"
+                  for n, info in EngineConfig.model_fields.items() if getattr(cfg, n) != info.default]
+        levers = levers or ["  none set (every lever at its default)"]
+    except ConfigError as e:
+        cfg, levers = EngineConfig(), [f"  error: {e}"]
+    out = [f"qv {__version__} on Python {sys.version.split()[0]}, {platform.platform()}", "packages:"]
+    out += _probe(_packages) + ["devices:"] + _probe(_devices) + ["toolchain:"] + _probe(_toolchain)
+    out += ["kernels (which implementations run):"] + _probe(lambda: _kernels(cfg.kernels))
+    caches = kernel_cache_dirs(cfg.state_dir)
+    out += ["state:", f"  state dir {state_path(cfg.state_dir)}"] + [f"  {k}={v}" for k, v in caches.items()]
+    out += ["levers from the environment:"] + levers
+    return "\n".join(out)
