@@ -12,3 +12,7 @@ class InvalidRequestError(ValueError):
 class StartupError(RuntimeError):
     """The engine cannot start as configured; the message says why and which lever changes that
     (`qv serve` prints it and exits non-zero)."""
+
+
+class MediaError(InvalidRequestError):
+    """An image or video qv cannot take: a request error (the server answers 400 with the message)."""

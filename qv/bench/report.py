@@ -10,7 +10,7 @@ import platform
 
 import torch
 
-import qv
+from qv.version import __version__
 from qv.bench.floors import Ceilings, ModelFloors, floor_s
 from qv.bench.profile import profile_markdown
 from qv.bench.run import Measured
@@ -20,7 +20,7 @@ GIB = 1 << 30
 
 
 def versions() -> dict:
-    out = {"qv": qv.__version__, "torch": torch.__version__, "triton": None, "cupy": None}
+    out = {"qv": __version__, "torch": torch.__version__, "triton": None, "cupy": None}
     for name in ("triton", "cupy"):
         try:
             out[name] = __import__(name).__version__

@@ -21,9 +21,12 @@ from __future__ import annotations
 import io
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from qv.model.vision_processor import MediaError, VisionItem, VisionProcessor
+from qv.errors import MediaError
+
+if TYPE_CHECKING:  # the processor (and torch) load only when something is decoded, not with the server
+    from qv.model.vision_processor import VisionItem, VisionProcessor
 
 __all__ = ["MAX_IMAGE_PIXELS", "MAX_VIDEO_FRAMES", "MediaError", "OpenedMedia", "open_media", "preprocess",
            "decode_image", "decode_video"]

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from qv.config import ConfigError
-from qv.errors import InvalidRequestError
+from qv.errors import MediaError
 
 # HF class defaults, used only for keys a checkpoint's processor config leaves out.
 _OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -39,10 +39,6 @@ _VIDEO_DEFAULTS = dict(patch_size=16, temporal_patch_size=2, merge_size=2, image
 # CPU kernel torchvision calls on every CPU; others would need torchvision's per-CPU fallbacks.
 _RESAMPLE = {3: "bicubic"}
 MAX_ASPECT_RATIO = 200  # both HF smart_resize functions refuse more extreme images
-
-
-class MediaError(InvalidRequestError):
-    """An image or video qv cannot take: a request error (the server answers 400 with the message)."""
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-import qv
+from qv.version import __version__
 from qv.server.chat import apply_template, build_conversation, template_kwargs
 from qv.server.errors import bad_request, error_response
 from qv.server.openai import parse_body
@@ -23,7 +23,7 @@ async def health(state: ServerState, request: Request) -> Response:
 
 
 async def version(state: ServerState, request: Request) -> Response:
-    return JSONResponse({"version": qv.__version__})
+    return JSONResponse({"version": __version__})
 
 
 async def metrics(state: ServerState, request: Request) -> Response:
@@ -35,7 +35,7 @@ async def list_models(state: ServerState, request: Request) -> Response:
     `name` (what the SystemOne/TypeSafe SDKs read)."""
     data = [{"id": name, "object": "model", "created": state.created, "owned_by": "qv", "root": state.model_root,
              "parent": None, "max_model_len": state.max_model_len, "permission": []} for name in state.served_names]
-    models = [{"name": name, "description": f"{state.model_root} served by qv {qv.__version__}",
+    models = [{"name": name, "description": f"{state.model_root} served by qv {__version__}",
                "release_date": None} for name in state.served_names]
     return JSONResponse({"object": "list", "data": data, "models": models})
 
