@@ -48,13 +48,13 @@ class EngineParts:
 def default_model_dir() -> Path:
     """The embedded tiny model, built deterministically on first use and reused after."""
     import qv
-    from qv.model.tiny import make_tiny
+    from qv.model.tiny import EMBEDDED_BUILD, make_embedded
 
-    path = Path.home() / ".cache" / "qv" / f"tiny-{qv.__version__}"
+    path = Path.home() / ".cache" / "qv" / f"tiny-{qv.__version__}-{EMBEDDED_BUILD}"
     if not (path / "config.json").is_file():
         log.warning("building the embedded tiny default model in %s (first start only)", path)
         tmp = path.with_name(path.name + ".partial")
-        make_tiny(tmp, "tiny", seed=0)
+        make_embedded(tmp)
         tmp.rename(path)
     return path
 
