@@ -67,16 +67,17 @@ class LLM:
 
     def decide(self, bodies: dict | list[dict]) -> dict | list[dict]:
         """Clef decisions offline: systemone request bodies -> systemone responses, run together
-        (records validated and encoded as POST /v1/systemone does; any model name is accepted).
-        `images` entries are PIL images or HxWx3 uint8 arrays here (the server fetches URLs)."""
-        from qv.clef.answers import response
+        (validated and encoded as POST /v1/systemone does; any model name is accepted). `images`
+        entries are PIL images or HxWx3 uint8 arrays here (URLs are not fetched), `assets` carry
+        `data_base64`."""
+        from qv.engine.clef_api import decision_response
 
         single = isinstance(bodies, dict)
         bodies = [bodies] if single else list(bodies)
-        records = [self.encode_clef(b) for b in bodies]
+        encoded = [self._encode_clef(b) for b in bodies]
         order = []
         try:
-            for rec in records:
+            for _, rec in encoded:
                 order.append(f"clef-{self._next_id}")
                 self._next_id += 1
                 self.engine.add_clef(order[-1], rec, rec.num_tokens, rec.checksum)
@@ -90,22 +91,38 @@ class LLM:
         failed = [f"{rid}: {done[rid].error}" for rid in order if done[rid].clef is None]
         if failed:
             raise RuntimeError("Clef records failed: " + "; ".join(failed))
-        outs = [response(b["model"], rec, done[rid].clef.probabilities) for b, rec, rid in zip(bodies, records, order)]
+        outs = [decision_response(d.model, rec, done[rid].clef.probabilities) for (d, rec), rid in zip(encoded, order)]
         return outs[0] if single else outs
 
     def encode_clef(self, body: dict):
         """A systemone body -> the EncodedRecord the engine runs (images preprocessed here)."""
-        from qv.clef.request import encode_request
-        from qv.model.vision_processor import MediaError
+        return self._encode_clef(body)[1]
+
+    def _encode_clef(self, body: dict):
+        from qv.engine.clef_api import encode_decision, parse_decision
 
         clef, mm = self.engine.clef, self.engine.multimodal
         if clef is None:
             raise InvalidRequestError("this model serves no Clef decisions (no Clef head in its folder, or clef=False)")
-        images = body.get("images") if isinstance(body, dict) else None
-        items = []
-        if isinstance(images, list) and images and mm is not None:
+        decision = parse_decision(body)
+        images = [self._clef_image(src, where) for src, where in decision.image_sources()] if mm is not None else []
+        return decision, encode_decision(self.tokenizer, decision, (clef.cap, clef.cap_name), images, mm)
+
+    def _clef_image(self, source, where: str):
+        """One offline record image (a PIL image, an array, or an asset's base64) -> its VisionItem."""
+        import base64
+        import binascii
+        import io
+
+        from PIL import Image, UnidentifiedImageError
+
+        if isinstance(source, str):
             try:
-                items = [mm.processor.image(im) for im in images]
-            except MediaError as exc:
-                raise InvalidRequestError(str(exc)) from None
-        return encode_request(self.tokenizer, body, clef.cap, cap_name=clef.cap_name, images=items, multimodal=mm)
+                source = Image.open(io.BytesIO(base64.b64decode(source, validate=True)))
+            except (binascii.Error, UnidentifiedImageError):
+                raise InvalidRequestError(f"{where}: offline, images are PIL images, HxWx3 uint8 arrays or base64 "
+                                          "image data (URLs are fetched by the server only)") from None
+        try:
+            return self.engine.multimodal.processor.image(source)
+        except (ValueError, TypeError) as exc:  # the processor's MediaError, or not an image at all
+            raise InvalidRequestError(f"{where}: {exc}") from None

@@ -1,3 +1,4 @@
-"""Clef decisions (POST /v1/systemone) on the served weights: record encoding and limits
-(encode.py, request.py), the joint schema head (head.py), answers (answers.py), the weight
-layouts and low-rank deltas (adapters.py), and an engine-free driver (offline.py)."""
+"""Clef decisions (POST /v1/systemone) on the served weights: the request's one validation and its
+encoding (request.py, with the limits in limits.py and the record encoder in encode.py), the joint
+schema head (head.py), answers (answers.py), the weight layouts and low-rank deltas (adapters.py),
+and an engine-free driver (offline.py). Above the engine, only qv/engine/clef_api.py reaches in."""

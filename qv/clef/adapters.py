@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import load_file
 
 from qv.clef.head import JointHead
+from qv.model.joint_head_layout import HEAD_CONFIG, HEAD_WEIGHTS
 from qv.model.layers import FusedLinear, Linear, LowRankDelta
 
 # PEFT options that change the math in ways a plain (x A^T) B^T * scale delta does not express.
@@ -192,8 +193,8 @@ class ClefAssets:
 def clef_layout(model_dir: str | Path) -> str | None:
     """"release", "adapters" or None (no Clef head: the model serves chat only)."""
     d = Path(model_dir)
-    release = (d / "joint_head.safetensors").is_file()
-    adapters = (d / "clef" / "joint_head.safetensors").is_file()
+    release = (d / HEAD_WEIGHTS).is_file()
+    adapters = (d / "clef" / HEAD_WEIGHTS).is_file()
     if release and adapters:
         raise ClefLayoutError(f"{d} holds both a Clef release head and clef/: keep one layout")
     return "release" if release else "adapters" if adapters else None
@@ -211,8 +212,8 @@ def load_clef(model_dir: str | Path, model, head_device: torch.device | str | No
     if layout == "release":
         return ClefAssets(layout, JointHead.load(d, head_device), 0, 0, 0)
     clef = d / "clef"
-    config_dir = clef if (clef / "joint_head_config.json").is_file() else d
-    if not (config_dir / "joint_head_config.json").is_file():
+    config_dir = clef if (clef / HEAD_CONFIG).is_file() else d
+    if not (config_dir / HEAD_CONFIG).is_file():
         raise ClefLayoutError(f"{clef}: no joint_head_config.json (in clef/ or beside the base weights)")
     head = JointHead.load(clef, head_device, config_dir)
     lora_dir = clef if (clef / "adapter_config.json").is_file() else clef / "adapter"

@@ -6,12 +6,17 @@ The template is re-stated here (qv cannot depend on the test-only clef-finetune 
 tests compare every field against `encode_record` itself. All template pieces of a record are
 tokenized in one batched tokenizer call, which gives the same ids as one call per piece (each
 piece is tokenized on its own either way) without ~5 Python round trips per option.
+
+The state is tokenized last, and only as far as the record has room: a prefix of its text long
+enough to hold the tokens that fit (`truncated_ids`), so a 10 MB state costs what its first
+max_length tokens cost, with the ids tokenizing the whole state would give.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,8 +37,13 @@ NOUL_CRITERIA = {
     "false": "The proposition is false or the answer is no.",
 }
 DEFAULT_MAX_LENGTH = 16384  # Clef's own default record length
+STATE_CHARS_PER_TOKEN = 6  # first guess at the characters a state token covers; the cut doubles while short
+STABLE_MARGIN = 64  # characters a kept token must end before the cut, out of reach of what the cut changes
+WORD_END = re.compile(r"\S\s")  # a cut after a word and before whitespace leaves every pre-token whole
+WORD_END_WINDOW = 4096
 
 Tokenize = Callable[[list[str]], list[list[int]]]
+OffsetTokenize = Callable[[str], tuple[list[int], list[int]]]  # text -> ids, end character of each
 
 
 def render(value: Any) -> str:
@@ -72,7 +82,7 @@ class EncodedRecord:
     questions: tuple[EncodedQuestion, ...]
     record_id: str = "unknown"
     state_tokens: int = 0  # state tokens kept
-    state_dropped: int = 0  # state tokens cut by the length limit
+    state_truncated: bool = False  # the length limit cut the state
     media_offset: int = 0  # where the images' tokens start (right after the prefix), when there are any
     media_tokens: int = 0  # how many tokens they take (placeholders expanded, the newline after them)
     # the images as the engine takes them: a qv.model.vision_prompt.MultimodalPrompt over input_ids
@@ -128,6 +138,47 @@ def batch_tokenizer(tokenizer: Any) -> Tokenize:
     if isinstance(tokenizer, Tokenizer):
         return lambda texts: [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
     return lambda texts: list(tokenizer(texts, add_special_tokens=False).input_ids) if texts else []
+
+
+def offsets_tokenizer(tokenizer: Any) -> OffsetTokenize | None:
+    """text -> (ids, end character offset of each id) for a fast transformers tokenizer or a
+    `tokenizers.Tokenizer`; None for tokenizers without offsets (the state is then tokenized whole)."""
+    from tokenizers import Tokenizer
+
+    if isinstance(tokenizer, Tokenizer):
+        def encode(text: str):
+            e = tokenizer.encode(text, add_special_tokens=False)
+            return e.ids, [end for _, end in e.offsets]
+        return encode
+    if not getattr(tokenizer, "is_fast", False):
+        return None
+
+    def encode_fast(text: str):
+        e = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return list(e.input_ids), [end for _, end in e.offset_mapping]
+    return encode_fast
+
+
+def truncated_ids(text: str, budget: int, tokenize: Tokenize, offsets: OffsetTokenize | None) -> tuple[list[int], bool]:
+    """The first `budget` ids of `text`, as tokenizing all of it gives them, and whether it has more.
+
+    Only a prefix is tokenized: cut after a word (every pre-token before the cut is then whole,
+    as in the full text), and long enough that the last kept token ends STABLE_MARGIN characters
+    before the cut; a cut that holds too few tokens doubles. So the work is bounded by what
+    `budget` tokens can hold, not by the length of the state."""
+    if budget <= 0:
+        return [], bool(text)
+    cut = budget * STATE_CHARS_PER_TOKEN + STABLE_MARGIN
+    while offsets is not None and cut < len(text):
+        word_end = WORD_END.search(text, cut - 1, cut + WORD_END_WINDOW)
+        if word_end is not None:
+            cut = word_end.start() + 1
+        ids, ends = offsets(text[:cut])
+        if len(ids) > budget and ends[budget - 1] + STABLE_MARGIN <= cut:
+            return list(ids[:budget]), True
+        cut *= 2
+    ids = tokenize([text])[0]
+    return list(ids[:budget]), len(ids) > budget
 
 
 class _Pieces:
@@ -212,19 +263,18 @@ def encode_record(tokenizer: Any, record: dict[str, Any], max_length: int = DEFA
     tokenize = tokenize or batch_tokenizer(tokenizer)
     pieces = _Pieces()
     plan = _schema_plan(record["questions"], pieces)
-    prefix, suffix, state = pieces.add(PREFIX), pieces.add(SUFFIX), pieces.add(render(record["state"]))
+    prefix, suffix = pieces.add(PREFIX), pieces.add(SUFFIX)
     ids = tokenize(pieces.texts)
     schema_ids, questions = _assemble_schema(plan, ids)
-    prefix_ids, suffix_ids, state_ids = ids[prefix], ids[suffix], list(ids[state])
+    prefix_ids, suffix_ids = ids[prefix], ids[suffix]
     media_offset, media = len(prefix_ids), list(media_ids or ())
     prefix_ids = prefix_ids + media
-    if max_state_tokens is not None:
-        state_ids = state_ids[:max_state_tokens]
     fixed = len(prefix_ids) + len(schema_ids) + len(suffix_ids)
     if fixed > max_length:
         raise SchemaTooLong(fixed, max_length, len(schema_ids), len(media))
-    total_state = len(ids[state])
-    state_ids = state_ids[: max_length - fixed]
+    budget = max_length - fixed if max_state_tokens is None else min(max_length - fixed, max_state_tokens)
+    state_ids, truncated = truncated_ids(render(record["state"]), budget, tokenize,
+                                         offsets_tokenizer(tokenizer) if tokenizer is not None else None)
     offset = len(prefix_ids) + len(state_ids)
     shifted = tuple(
         EncodedQuestion(q.question_id, q.question_type, _shift(q.question_span, offset),
@@ -234,8 +284,8 @@ def encode_record(tokenizer: Any, record: dict[str, Any], max_length: int = DEFA
     input_ids = tuple(prefix_ids + state_ids + schema_ids + suffix_ids)
     if not input_ids or not shifted:
         raise ValueError("record produced no model input or questions")
-    return EncodedRecord(input_ids, shifted, str(record.get("id", "unknown")), len(state_ids),
-                         total_state - len(state_ids), media_offset if media else 0, len(media))
+    return EncodedRecord(input_ids, shifted, str(record.get("id", "unknown")), len(state_ids), truncated,
+                         media_offset if media else 0, len(media))
 
 
 def _shift(span: tuple[int, int], offset: int) -> tuple[int, int]:

@@ -22,9 +22,7 @@ for the fp32 hidden states themselves (T*H*4). docs/VALIDATION.md ("Clef") has t
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,31 +30,15 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from qv.clef.encode import EncodedRecord, all_spans, option_token_ids
-from qv.clef.request import MAX_OPTIONS_TOTAL, MAX_QUESTIONS
+from qv.clef.limits import MAX_OPTIONS_TOTAL, MAX_QUESTIONS
 from qv.kernels.linear import GPTQWeight
+from qv.model.joint_head_layout import HEAD_CONFIG, HEAD_WEIGHTS, HeadConfig, expected_shapes
+
+__all__ = ["HeadConfig", "HeadState", "JointHead", "expected_shapes", "max_state_bytes"]
 
 KEY_BLOCK = 2048  # most memory rows per attention block: bounds the transient K/V tensors
 SCORE_ELEMENTS = 1 << 22  # most attention scores per block (16 MiB fp32), whatever heads x queries
 LEXICAL_BLOCK = 1024  # output-embedding rows gathered at once for the lexical vectors
-
-
-@dataclass(frozen=True)
-class HeadConfig:
-    hidden_size: int
-    width: int
-    routing_layers: int
-    layers: int
-    heads: int
-    feedforward: int
-
-    @classmethod
-    def from_json(cls, path: str | Path) -> "HeadConfig":
-        raw = json.loads(Path(path).read_text())
-        names = [f for f in cls.__dataclass_fields__]
-        missing = [n for n in names if n not in raw]
-        if missing:
-            raise ValueError(f"{path}: missing {', '.join(missing)}")
-        return cls(**{n: int(raw[n]) for n in names})
 
 
 def max_state_bytes(c: HeadConfig, num_tokens: int, memory_bytes: int = 4, max_questions: int = MAX_QUESTIONS,
@@ -64,31 +46,6 @@ def max_state_bytes(c: HeadConfig, num_tokens: int, memory_bytes: int = 4, max_q
     """Most bytes one record's HeadState holds between chunks (the formula above, at the request
     limits): what the engine reserves per Clef slot when it plans memory."""
     return num_tokens * c.width * memory_bytes + (max_questions + 2 * max_options + 1) * c.hidden_size * 4
-
-
-def expected_shapes(c: HeadConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor of JointSchemaHead's state dict and its shape."""
-    h, w, f = c.hidden_size, c.width, c.feedforward
-    s: dict[str, tuple[int, ...]] = {"prior_logit_scale": (), "joint_logit_scale": (), "residual_gate": (),
-                                     "hidden_norm.weight": (h,), "hidden_norm.bias": (h,), "type_embedding.weight": (3, w)}
-    for p in ("memory", "question", "option_question", "global", "option_context", "option_lexical"):
-        s[f"{p}_projection.weight"] = (w, h)
-    mha = lambda p: {p + "in_proj_weight": (3 * w, w), p + "in_proj_bias": (3 * w,),  # noqa: E731
-                     p + "out_proj.weight": (w, w), p + "out_proj.bias": (w,)}
-    norm = lambda p: {p + ".weight": (w,), p + ".bias": (w,)}  # noqa: E731
-    for i in range(c.routing_layers):
-        p = f"evidence_layers.{i}."
-        s.update(mha(p + "attention.") | norm(p + "query_norm") | norm(p + "memory_norm") | norm(p + "feedforward_norm"))
-        s.update({p + "feedforward.0.weight": (f, w), p + "feedforward.0.bias": (f,), p + "feedforward.3.weight": (w, f),
-                  p + "feedforward.3.bias": (w,)})
-    for i in range(c.layers):
-        p = f"layers.{i}."
-        s.update(mha(p + "self_attn.") | mha(p + "multihead_attn.") | norm(p + "norm1") | norm(p + "norm2") | norm(p + "norm3"))
-        s.update({p + "linear1.weight": (f, w), p + "linear1.bias": (f,), p + "linear2.weight": (w, f), p + "linear2.bias": (w,)})
-    s.update(norm("option_summary_norm") | norm("field_norm") | norm("option_norm"))
-    s.update({"residual_scorer.0.weight": (w, 4 * w), "residual_scorer.0.bias": (w,),
-              "residual_scorer.3.weight": (1, w), "residual_scorer.3.bias": (1,)})
-    return s
 
 
 class JointHead:
@@ -111,8 +68,8 @@ class JointHead:
     @classmethod
     def load(cls, folder: str | Path, device: torch.device | str = "cpu", config_dir: str | Path | None = None) -> "JointHead":
         folder = Path(folder)
-        config = HeadConfig.from_json(Path(config_dir or folder) / "joint_head_config.json")
-        return cls(config, load_file(str(folder / "joint_head.safetensors")), device)
+        config = HeadConfig.from_json(Path(config_dir or folder) / HEAD_CONFIG)
+        return cls(config, load_file(str(folder / HEAD_WEIGHTS)), device)
 
     @property
     def device(self) -> torch.device:

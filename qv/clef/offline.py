@@ -14,7 +14,7 @@ import torch
 from qv.clef.answers import response
 from qv.clef.encode import EncodedRecord
 from qv.clef.head import HeadState, JointHead
-from qv.clef.request import encode_request
+from qv.clef.request import encode_request, validate
 from qv.model.batch import build_step_batch
 from qv.model.cache import allocate_cache
 
@@ -40,9 +40,9 @@ def run_record(model, head: JointHead, record: EncodedRecord, chunk_size: int | 
     return state
 
 
-def decide(model, head: JointHead, tokenizer: Any, body: dict, nmax: int, chunk_size: int | None = None,
-           served_models=None) -> dict:
-    """A systemone body -> the systemone response, computed offline."""
-    record = encode_request(tokenizer, body, nmax, served_models)
+def decide(model, head: JointHead, tokenizer: Any, body: dict, nmax: int, chunk_size: int | None = None) -> dict:
+    """A systemone body (text only) -> the systemone response, computed offline."""
+    request = validate(body)
+    record = encode_request(tokenizer, request, nmax)
     state = run_record(model, head, record, chunk_size)
-    return response(body["model"], record, state.probabilities())
+    return response(request.model, record, state.probabilities())

@@ -1,28 +1,44 @@
-"""Validation of a `POST /v1/systemone` body and its limits, then encoding.
+"""A `POST /v1/systemone` body: its one validation (SystemOneRequest, a pydantic model) and its
+encoding into the record the engine runs (`encode_request`).
 
 Every refusal is a ClefRequestError (a 400: the server maps InvalidRequestError to 400) whose
-message names the field and the limit, with the counts where there are counts. The limits are
-the original stack's: 64 questions, 256 options in a question, 448 options in all, 16 images,
-records up to the server's token cap (QV_CLEF_NMAX), Clef's default max_length 16,384.
+message names the field and the limit, with the counts where there are counts; `param` is the
+field's path. The limits are the original stack's (qv/clef/limits.py); records go up to the
+server's token cap (QV_CLEF_NMAX), Clef's default max_length is 16,384. The body's JSON values
+must be JSON: no NaN or Infinity, no lone UTF-16 surrogates, nested at most MAX_JSON_DEPTH deep.
+
+Images, at most MAX_IMAGES in all, go after "STATE:" as Clef places them, in this order:
+- `images`: each an http(s) URL, a data URL or bare base64, or chat's `{"image_url": {"url": ...}}`
+  (also `{"type": "image_url", "image_url": "..."}`); offline, PIL images or arrays too;
+- `assets`, the TypeSafe SDK's form: `{placeholder: {"type": "image", "part": "asset-0"}}` naming a
+  part of a multipart body, or `{"data_base64": ...}`. Each placeholder found in a string of the
+  state, an instruction or a criterion becomes "[image N]", N the image's place in the record.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+import math
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from qv.clef.encode import (DEFAULT_MAX_LENGTH, QUESTION_TYPES, EncodedRecord, SchemaTooLong, Tokenize,
                             batch_tokenizer, encode_record, media_text)
+from qv.clef.limits import (MAX_IMAGES, MAX_JSON_DEPTH, MAX_OPTIONS_PER_QUESTION, MAX_OPTIONS_TOTAL,
+                            MAX_QUESTIONS)
 from qv.errors import InvalidRequestError
 
-MAX_QUESTIONS = 64
-MAX_OPTIONS_PER_QUESTION = 256
-MAX_OPTIONS_TOTAL = 448
-MAX_IMAGES = 16
-TOP_LEVEL_FIELDS = ("model", "state", "questions", "images", "videos", "max_length")
+__all__ = ["MAX_IMAGES", "MAX_OPTIONS_PER_QUESTION", "MAX_OPTIONS_TOTAL", "MAX_QUESTIONS", "ClefRequestError",
+           "SystemOneRequest", "decode_json", "encode_request", "validate"]
+
+TOP_LEVEL_FIELDS = ("model", "state", "questions", "images", "assets", "videos", "max_length")
 QUESTION_FIELDS = ("type", "instructions", "criteria")
+ASSET_FIELDS = ("type", "format", "data_base64", "part")
 
 
 class ClefRequestError(InvalidRequestError):
@@ -33,35 +49,8 @@ class ClefRequestError(InvalidRequestError):
         self.param = param
 
 
-class _Object(dict):
-    """A JSON object that remembers keys the body gave more than once (json keeps the last)."""
-
-    duplicate_keys: tuple[str, ...] = ()
-
-
-def _pairs(pairs: list[tuple[str, Any]]) -> _Object:
-    obj = _Object(pairs)
-    if len(obj) != len(pairs):
-        seen: set[str] = set()
-        dups = []
-        for key, _ in pairs:
-            if key in seen:
-                dups.append(key)
-            seen.add(key)
-        obj.duplicate_keys = tuple(dups)
-    return obj
-
-
-def parse_body(raw: bytes | str) -> dict[str, Any]:
-    """JSON body -> dict, keeping track of duplicate keys so that a duplicated question or option
-    id is refused instead of silently dropped."""
-    try:
-        body = json.loads(raw, object_pairs_hook=_pairs)
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise ClefRequestError(f"request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise ClefRequestError(f"request body must be a JSON object, got {type(body).__name__}")
-    return body
+def _fail(message: str, param: str | None = None) -> PydanticCustomError:
+    return PydanticCustomError("clef", "{message}", {"message": message, "param": param})
 
 
 def _kind(value: Any) -> str:
@@ -74,115 +63,363 @@ def _kind(value: Any) -> str:
     return type(value).__name__
 
 
+# ---- JSON ----------------------------------------------------------------------------------------
+class _Object(dict):
+    """A JSON object that remembers keys the body gave more than once (json keeps the last)."""
+
+    duplicate_keys: tuple[str, ...] = ()
+
+
+def _pairs(pairs: list[tuple[str, Any]]) -> _Object:
+    obj = _Object(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        obj.duplicate_keys = tuple(k for k, _ in pairs if k in seen or seen.add(k))
+    return obj
+
+
+def decode_json(raw: bytes | str) -> Any:
+    """JSON text -> Python values, keeping track of duplicate keys so that a duplicated question
+    or option id is refused instead of silently dropped."""
+    try:
+        return json.loads(raw, object_pairs_hook=_pairs)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise ClefRequestError(f"request body is not valid JSON: {e}") from None
+
+
 def _check_duplicates(obj: Any, what: str, param: str) -> None:
     dups = getattr(obj, "duplicate_keys", ())
     if dups:
-        raise ClefRequestError(f"{what} {', '.join(repr(d) for d in dups)} given more than once", param)
+        raise _fail(f"{what} {', '.join(repr(d) for d in dups)} given more than once", param)
 
 
-def _check_question(qid: str, question: Any) -> int:
-    """Validate one question; returns its number of options."""
-    param = f"questions.{qid}"
-    if qid == "":
-        raise ClefRequestError("question ids must be non-empty strings", "questions")
-    if not isinstance(question, dict):
-        raise ClefRequestError(f"question {qid!r} must be an object, got {_kind(question)}", param)
-    unknown = [k for k in question if k not in QUESTION_FIELDS]
+def _join(where: str, key: Any) -> str:
+    if isinstance(key, int):
+        return f"{where}[{key}]"
+    return f"{where}.{key}" if where else str(key)
+
+
+def _check_string(s: str, where: str, key: Any) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:  # the path may hold the surrogate too: escaped, so the answer is valid JSON
+        path = _join(where, key).encode("utf-8", "backslashreplace").decode("utf-8")
+        raise _fail(f"{path}: a lone UTF-16 surrogate ({s[e.start]!r} at character {e.start}) is not text; "
+                    "send valid Unicode", path) from None
+
+
+def check_json_values(body: Mapping) -> None:
+    """Refuse non-finite numbers, lone surrogates (keys too) and nesting past MAX_JSON_DEPTH, with
+    the path of the value. Iterative, so a deep body cannot exhaust the stack; paths are made for
+    containers and for the value that fails only."""
+    stack: list[tuple[Any, str, int]] = [(body, "", 0)]
+    while stack:
+        node, where, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            top = re.split(r"[.\[]", where, maxsplit=1)[0]
+            raise _fail(f"{top}: JSON nested deeper than {MAX_JSON_DEPTH} levels", top)
+        for key, value in (node.items() if isinstance(node, dict) else enumerate(node)):
+            if isinstance(key, str) and not key.isascii():
+                _check_string(key, where, key)
+            if isinstance(value, str):
+                if not value.isascii():
+                    _check_string(value, where, key)
+            elif isinstance(value, float):
+                if not math.isfinite(value):
+                    path = _join(where, key)
+                    name = "NaN" if value != value else "Infinity" if value > 0 else "-Infinity"
+                    raise _fail(f"{path}: {name} is not a number JSON allows; numbers must be finite", path)
+            elif isinstance(value, (dict, list, tuple)):
+                stack.append((value, _join(where, key), depth + 1))
+
+
+# ---- the model -----------------------------------------------------------------------------------
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, frozen=True)
+
+
+def _object_with(data: Any, fields: tuple[str, ...]) -> Any:
+    if not isinstance(data, dict):
+        raise _fail(f"must be an object, got {_kind(data)}")
+    unknown = [k for k in data if k not in fields]
     if unknown:
-        raise ClefRequestError(f"question {qid!r}: unknown field(s) {', '.join(map(repr, unknown))}; "
-                               f"allowed: {', '.join(QUESTION_FIELDS)}", param)
-    kind = question.get("type")
-    if not isinstance(kind, str) or kind not in QUESTION_TYPES:
-        raise ClefRequestError(f"question {qid!r}: unknown type {kind!r}; supported: noul, choice, score",
-                               param + ".type")
-    criteria = question.get("criteria")
-    cparam = param + ".criteria"
-    if kind == "noul":
-        if criteria is None:
-            return 2
-        if not isinstance(criteria, dict):
-            raise ClefRequestError(f"question {qid!r}: noul criteria must be an object with keys 'true'/'false', "
-                                   f"got {_kind(criteria)}", cparam)
-        _check_duplicates(criteria, f"question {qid!r}: noul criteria key(s)", cparam)
-        extra = [k for k in criteria if k not in ("true", "false")]
-        if extra:
-            raise ClefRequestError(f"question {qid!r}: noul criteria keys must be 'true' and/or 'false', "
-                                   f"got {', '.join(map(repr, extra))}", cparam)
-        return 2
-    if not criteria:
-        raise ClefRequestError(f"question {qid!r}: a {kind} question needs non-empty criteria", cparam)
-    if kind == "choice":
-        if not isinstance(criteria, dict):
-            raise ClefRequestError(f"question {qid!r}: choice criteria must be an object mapping option id to "
-                                   f"description, got {_kind(criteria)}", cparam)
-        _check_duplicates(criteria, f"question {qid!r}: duplicate option id(s)", cparam)
-        if any(str(k) == "" for k in criteria):
-            raise ClefRequestError(f"question {qid!r}: option ids must be non-empty", cparam)
-        if len({str(k) for k in criteria}) != len(criteria):
-            raise ClefRequestError(f"question {qid!r}: duplicate option id(s)", cparam)
-    elif not isinstance(criteria, list):
-        raise ClefRequestError(f"question {qid!r}: score criteria must be an array of levels (lowest first), "
-                               f"got {_kind(criteria)}", cparam)
-    if len(criteria) > MAX_OPTIONS_PER_QUESTION:
-        raise ClefRequestError(f"question {qid!r} has {len(criteria)} options; at most {MAX_OPTIONS_PER_QUESTION} "
-                               "options per question", cparam)
-    return len(criteria)
+        raise _fail(f"unknown field(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(fields)}")
+    return data
 
 
-def validate_request(body: Any, served_models: Iterable[str] | None = None) -> None:
-    """Refuse a body that breaks the contract or a limit (ClefRequestError); return if it is fine."""
-    if not isinstance(body, dict):
-        raise ClefRequestError(f"request body must be a JSON object, got {_kind(body)}")
-    unknown = [k for k in body if k not in TOP_LEVEL_FIELDS]
-    if unknown:
-        raise ClefRequestError(f"unknown field(s) {', '.join(map(repr, unknown))}; allowed: "
-                               f"{', '.join(TOP_LEVEL_FIELDS)}", unknown[0])
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise ClefRequestError("'model' is required and must be a non-empty string", "model")
-    if served_models is not None:
-        served = list(served_models)
-        if model not in served:
-            raise ClefRequestError(f"model {model!r} is not served here; served: {', '.join(served)}", "model")
-    if "state" not in body:
-        raise ClefRequestError("'state' is required (a string or any JSON value)", "state")
-    questions = body.get("questions")
-    if not isinstance(questions, dict):
-        raise ClefRequestError(f"'questions' must be an object mapping question id to question, got "
-                               f"{_kind(questions)}", "questions")
-    if not questions:
-        raise ClefRequestError("'questions' is empty: at least one question is required", "questions")
-    _check_duplicates(questions, "question id(s)", "questions")
-    if len(questions) > MAX_QUESTIONS:
-        raise ClefRequestError(f"{len(questions)} questions; at most {MAX_QUESTIONS} questions per record",
-                               "questions")
-    total = sum(_check_question(qid, q) for qid, q in questions.items())
-    if total > MAX_OPTIONS_TOTAL:
-        raise ClefRequestError(f"the questions have {total} options in total; at most {MAX_OPTIONS_TOTAL} "
-                               "options per record", "questions")
-    _check_media(body)
-    _check_max_length(body.get("max_length"))
+class Question(_Strict):
+    type: str = Field(None, validate_default=True)
+    instructions: Any = None
+    criteria: Any = Field(None, validate_default=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shape(cls, data: Any) -> Any:
+        return _object_with(data, QUESTION_FIELDS)
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _type(cls, kind: Any) -> str:
+        if not isinstance(kind, str) or kind not in QUESTION_TYPES:
+            raise _fail(f"unknown type {kind!r}; supported: noul, choice, score")
+        return kind
+
+    @field_validator("criteria", mode="before")
+    @classmethod
+    def _criteria(cls, criteria: Any, info: ValidationInfo) -> Any:
+        kind = info.data.get("type")
+        if kind == "noul":
+            if criteria is None:
+                return None
+            if not isinstance(criteria, dict):
+                raise _fail(f"noul criteria must be an object with keys 'true'/'false', got {_kind(criteria)}")
+            _check_duplicates(criteria, "noul criteria key(s)", None)
+            extra = [k for k in criteria if k not in ("true", "false")]
+            if extra:
+                raise _fail(f"noul criteria keys must be 'true' and/or 'false', got {', '.join(map(repr, extra))}")
+            return criteria
+        if kind is None:  # the type failed already
+            return criteria
+        if not criteria:
+            raise _fail(f"a {kind} question needs non-empty criteria")
+        if kind == "choice":
+            if not isinstance(criteria, dict):
+                raise _fail(f"choice criteria must be an object mapping option id to description, got {_kind(criteria)}")
+            _check_duplicates(criteria, "duplicate option id(s)", None)
+            if any(k == "" for k in criteria):
+                raise _fail("option ids must be non-empty")
+        elif not isinstance(criteria, list):
+            raise _fail(f"score criteria must be an array of levels (lowest first), got {_kind(criteria)}")
+        if len(criteria) > MAX_OPTIONS_PER_QUESTION:
+            raise _fail(f"{len(criteria)} options; at most {MAX_OPTIONS_PER_QUESTION} options per question")
+        return criteria
+
+    @property
+    def num_options(self) -> int:
+        return 2 if self.type == "noul" else len(self.criteria)
 
 
-def _check_media(body: dict) -> None:
-    images = body.get("images")
-    if images is not None:
-        if not isinstance(images, list):
-            raise ClefRequestError(f"'images' must be an array, got {_kind(images)}", "images")
+class Asset(_Strict):
+    """An image asset, as the TypeSafe SDK writes it: a multipart part's name, or base64 data."""
+
+    type: Literal["image"] = "image"
+    format: Literal["png", "jpg", "jpeg", "webp"] | None = None  # informational: the bytes say what they are
+    data_base64: str | None = None
+    part: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shape(cls, data: Any) -> Any:
+        data = _object_with(data, ASSET_FIELDS)
+        if (data.get("part") is None) == (data.get("data_base64") is None):
+            raise _fail("give the multipart 'part' that holds the image, or its 'data_base64', exactly one of them")
+        return data
+
+
+def _image_entry(entry: Any, where: str) -> Any:
+    """An `images` entry -> its URL string (chat-style objects unwrapped); other Python objects
+    (PIL images, arrays: the offline API's) as they are."""
+    if isinstance(entry, dict):
+        ref = entry.get("image_url")
+        url = ref.get("url") if isinstance(ref, dict) else ref
+        if set(entry) - {"type", "image_url"} or entry.get("type", "image_url") not in ("image_url", "input_image") \
+                or not isinstance(url, str) or not url:
+            raise _fail(f'{where}: an image object is {{"image_url": {{"url": "..."}}}} (optionally with '
+                        '"type": "image_url")', where)
+        return url
+    if isinstance(entry, str) and entry:
+        return entry
+    if entry is None or isinstance(entry, (str, int, float, bool, list, tuple)):
+        raise _fail(f"{where} must be a non-empty string: an http(s) URL, a data URL or base64 data (or an "
+                    '{"image_url": {"url": ...}} object)', where)
+    return entry
+
+
+class SystemOneRequest(_Strict):
+    """A validated systemone body. Validate with `validate(body, parts)` (ClefRequestError on refusal)."""
+
+    model: str
+    state: Any
+    questions: dict[str, Question]
+    images: tuple[Any, ...] = ()
+    assets: dict[str, Asset] | None = None
+    videos: Any = None
+    max_length: int | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _body(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            raise _fail(f"request body must be a JSON object, got {_kind(data)}")
+        check_json_values(data)  # first: messages below may quote the body's strings
+        unknown = [k for k in data if k not in TOP_LEVEL_FIELDS]
+        if unknown:
+            raise _fail(f"unknown field(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(TOP_LEVEL_FIELDS)}",
+                        unknown[0])
+        return data
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _model(cls, model: Any) -> str:
+        if not isinstance(model, str) or not model:
+            raise _fail("'model' is required and must be a non-empty string")
+        return model
+
+    @field_validator("questions", mode="before")
+    @classmethod
+    def _questions(cls, questions: Any) -> Any:
+        if not isinstance(questions, dict):
+            raise _fail(f"'questions' must be an object mapping question id to question, got {_kind(questions)}")
+        if not questions:
+            raise _fail("'questions' is empty: at least one question is required")
+        _check_duplicates(questions, "question id(s)", "questions")
+        if len(questions) > MAX_QUESTIONS:
+            raise _fail(f"{len(questions)} questions; at most {MAX_QUESTIONS} questions per record")
+        if "" in questions:
+            raise _fail("question ids must be non-empty strings")
+        return questions
+
+    @field_validator("images", mode="before")
+    @classmethod
+    def _images(cls, images: Any) -> tuple:
+        if images is None:
+            return ()
+        if not isinstance(images, (list, tuple)):
+            raise _fail(f"'images' must be an array, got {_kind(images)}")
         if len(images) > MAX_IMAGES:
-            raise ClefRequestError(f"{len(images)} images; at most {MAX_IMAGES} images per record", "images")
-    videos = body.get("videos")
-    if videos not in (None, []):
-        raise ClefRequestError("videos are not supported for Clef records (Clef takes images only)", "videos")
+            raise _fail(f"{len(images)} images; at most {MAX_IMAGES} images per record")
+        return tuple(_image_entry(e, f"images[{i}]") for i, e in enumerate(images))
+
+    @field_validator("assets", mode="before")
+    @classmethod
+    def _assets(cls, assets: Any) -> Any:
+        if assets is None:
+            return None
+        if not isinstance(assets, dict):
+            raise _fail(f"'assets' must be an object mapping placeholder to asset, got {_kind(assets)}")
+        if not assets:
+            raise _fail("'assets' is empty: leave it out, or give at least one asset")
+        _check_duplicates(assets, "asset placeholder(s)", "assets")
+        if "" in assets:
+            raise _fail("asset placeholders must be non-empty strings")
+        return assets
+
+    @field_validator("videos", mode="before")
+    @classmethod
+    def _videos(cls, videos: Any) -> None:
+        if videos not in (None, []):
+            raise _fail("videos are not supported for Clef records (Clef takes images only)")
+        return None
+
+    @field_validator("max_length", mode="before")
+    @classmethod
+    def _max_length(cls, value: Any) -> int | None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise _fail(f"'max_length' must be a positive integer, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _totals(self, info: ValidationInfo) -> "SystemOneRequest":
+        total = sum(q.num_options for q in self.questions.values())
+        if total > MAX_OPTIONS_TOTAL:
+            raise _fail(f"the questions have {total} options in total; at most {MAX_OPTIONS_TOTAL} options per "
+                        "record", "questions")
+        if self.num_images > MAX_IMAGES:
+            raise _fail(f"{len(self.images)} images and {len(self.assets)} assets; at most {MAX_IMAGES} images per "
+                        "record", "assets")
+        _check_parts(self.assets or {}, set((info.context or {}).get("parts") or ()))
+        return self
+
+    # -- what the record is made of -------------------------------------------------------------
+    @property
+    def num_images(self) -> int:
+        return len(self.images) + len(self.assets or {})
+
+    def image_sources(self, parts: Mapping[str, bytes] | None = None) -> list[tuple[Any, str]]:
+        """(source, where) of every image in record order: `images` entries (URL strings, or the
+        offline API's objects), then the assets: a part's bytes, or the base64 text."""
+        out: list[tuple[Any, str]] = [(e, f"images[{i}]") for i, e in enumerate(self.images)]
+        for key, asset in (self.assets or {}).items():
+            out.append((parts[asset.part] if asset.part is not None else asset.data_base64, f"assets.{key}"))
+        return out
+
+    def record(self) -> dict[str, Any]:
+        """The record as encode_record reads it, each asset placeholder replaced by its image label."""
+        sub = _placeholders({k: f"[image {len(self.images) + i + 1}]" for i, k in enumerate(self.assets or {})})
+        questions = {}
+        for qid, q in self.questions.items():
+            criteria = q.criteria
+            if isinstance(criteria, dict):
+                criteria = {k: sub(v) for k, v in criteria.items()}
+            elif isinstance(criteria, list):
+                criteria = [sub(v) for v in criteria]
+            questions[qid] = {"type": q.type, "instructions": sub(q.instructions), "criteria": criteria}
+        return {"state": sub(self.state), "questions": questions, "images": [None] * self.num_images}
 
 
-def _check_max_length(value: Any) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ClefRequestError(f"'max_length' must be a positive integer, got {value!r}", "max_length")
+def _check_parts(assets: Mapping[str, Asset], parts: set[str]) -> None:
+    """Every multipart part is claimed by exactly one asset, and every asset's part exists."""
+    claimed: dict[str, str] = {}
+    for key, asset in assets.items():
+        if asset.part is None:
+            continue
+        if asset.part not in parts:
+            raise _fail(f"asset {key!r} names part {asset.part!r}, which the request does not have"
+                        + ("" if parts else " (it is not a multipart body)"), f"assets.{key}.part")
+        if asset.part in claimed:
+            raise _fail(f"assets {claimed[asset.part]!r} and {key!r} both name part {asset.part!r}; each part "
+                        "belongs to one asset", f"assets.{key}.part")
+        claimed[asset.part] = key
+    unused = sorted(parts - set(claimed))
+    if unused:
+        raise _fail(f"multipart part(s) {', '.join(map(repr, unused))} belong to no asset", "assets")
 
 
+def _placeholders(labels: Mapping[str, str]):
+    """value -> value with every placeholder inside its strings replaced by its label."""
+    if not labels:
+        return lambda value: value
+    pattern = re.compile("|".join(re.escape(k) for k in sorted(labels, key=len, reverse=True)))
+
+    def sub(value: Any) -> Any:
+        if isinstance(value, str):
+            return pattern.sub(lambda m: labels[m.group(0)], value)
+        if isinstance(value, dict):
+            return {k: sub(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [sub(v) for v in value]
+        return value
+    return sub
+
+
+def _refusal(exc: ValidationError) -> ClefRequestError:
+    """pydantic's first error as a ClefRequestError: the message names the field (and the question)."""
+    err = exc.errors(include_url=False)[0]
+    loc = tuple(str(p) for p in err["loc"])
+    ctx = err.get("ctx") or {}
+    path = ".".join(loc) or None
+    within = len(loc) >= 2 and loc[0] in ("questions", "assets")  # named by the question or asset
+    if err["type"] == "clef":
+        message, param = ctx["message"], ctx.get("param") or path
+    elif err["type"] == "missing":
+        message, param = f"'{loc[-1]}' is required", path
+    else:
+        message, param = f"'{'.'.join(loc[2:]) if within else path}': {err['msg']}", path
+    if within:
+        message = f"{loc[0][:-1]} {loc[1]!r}: {message}"
+    return ClefRequestError(message, param)
+
+
+def validate(body: Any, parts: Mapping[str, bytes] | None = None) -> SystemOneRequest:
+    """A decoded body (and the names of its multipart parts, if it came as multipart) -> the request;
+    ClefRequestError on refusal."""
+    try:
+        return SystemOneRequest.model_validate(body, context={"parts": set(parts or ())})
+    except ValidationError as exc:
+        raise _refusal(exc) from None
+
+
+# ---- encoding ------------------------------------------------------------------------------------
 def effective_max_length(requested: int | None, nmax: int, cap_name: str = "QV_CLEF_NMAX") -> int:
     """Clef's default (16,384) unless the request lowers it; never above the server cap."""
     if requested is None:
@@ -193,28 +430,28 @@ def effective_max_length(requested: int | None, nmax: int, cap_name: str = "QV_C
     return requested
 
 
-def encode_request(tokenizer: Any, body: Any, nmax: int, served_models: Iterable[str] | None = None,
-                   tokenize: Tokenize | None = None, cap_name: str = "QV_CLEF_NMAX", images: Sequence = (),
-                   multimodal: Any = None) -> EncodedRecord:
-    """Validate and encode a systemone body: the record the engine will run. `nmax` is the
+def encode_request(tokenizer: Any, body: SystemOneRequest | Mapping, nmax: int, tokenize: Tokenize | None = None,
+                   cap_name: str = "QV_CLEF_NMAX", images: Sequence = (), multimodal: Any = None) -> EncodedRecord:
+    """Encode a request (a body is validated first): the record the engine will run. `nmax` is the
     server's record cap and `cap_name` what sets it (named in the messages).
 
-    A body with images needs them preprocessed, in body order (`images`: VisionItems from the
+    A request with images needs them preprocessed, in record order (`images`: VisionItems from the
     checkpoint's processor), and `multimodal`, the engine's prompt builder
     (qv.engine.multimodal.MultimodalInputs); the record then carries its MultimodalPrompt."""
-    validate_request(body, served_models)
-    n_images = len(body.get("images") or ())
+    request = body if isinstance(body, SystemOneRequest) else validate(body)
+    n_images = request.num_images
     if n_images and multimodal is None:
         raise ClefRequestError("this model takes no images (it has no vision tower): send the record without "
-                               "'images'", "images")
+                               "'images' or 'assets'", "images" if request.images else "assets")
     if n_images != len(images):
-        raise ClefRequestError(f"the record lists {n_images} images but {len(images)} were given", "images")
+        raise ClefRequestError(f"the record has {n_images} images but {len(images)} were given", "images")
     tokenize = tokenize or batch_tokenizer(tokenizer)
     placeholders = tokenize([media_text(n_images)])[0] if n_images else []
     media_ids = multimodal.prompt(placeholders, images).token_ids if n_images else None
-    max_length = effective_max_length(body.get("max_length"), nmax, cap_name)
+    max_length = effective_max_length(request.max_length, nmax, cap_name)
     try:
-        record = encode_record(tokenizer, body, max_length=max_length, tokenize=tokenize, media_ids=media_ids)
+        record = encode_record(tokenizer, request.record(), max_length=max_length, tokenize=tokenize,
+                               media_ids=media_ids)
     except SchemaTooLong as e:
         limit = "max_length" if max_length < nmax else f"Clef record cap ({cap_name})"
         images_part = f", {e.media} the images" if e.media else ""

@@ -47,14 +47,15 @@ class EngineParts:
 
 
 def default_model_dir(state_dir: str = "") -> Path:
-    """The embedded tiny model, built deterministically on first use into the state directory and reused after."""
-    from qv.model.tiny import make_tiny
+    """The embedded tiny model (with a tiny Clef head), built deterministically on first use into the
+    state directory and reused after."""
+    from qv.model.tiny import EMBEDDED_BUILD, make_embedded
 
-    path = state_path(state_dir) / f"tiny-{__version__}"
+    path = state_path(state_dir) / f"tiny-{__version__}-{EMBEDDED_BUILD}"
     if not (path / "config.json").is_file():
         log.warning("building the embedded tiny default model in %s (first start only)", path)
         tmp = path.with_name(path.name + ".partial")
-        make_tiny(tmp, "tiny", seed=0)
+        make_embedded(tmp)
         tmp.rename(path)
     return path
 

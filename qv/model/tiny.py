@@ -1,6 +1,7 @@
 """Deterministic tiny checkpoints written as complete Hugging Face folders (config.json,
-safetensors, tokenizer, chat template, generation config): the embedded default model, the
-test fixtures, and random full-size shapes for benchmarks (`random_tensors` without a folder).
+safetensors, tokenizer, chat template, generation config): the embedded default model (with a
+tiny Clef head, `make_embedded`), the test fixtures, and random full-size shapes for benchmarks
+(`random_tensors` without a folder).
 
 Every tensor, norms and biases included, is random (seeded), so tests that compare logits are
 meaningful: a skipped (1 + w), a swapped shard or a transposed weight changes the answer.
@@ -15,7 +16,17 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from qv.model.joint_head_layout import HEAD_CONFIG, HEAD_WEIGHTS, SCALARS, HeadConfig, expected_shapes
 from qv.model.tiny_tokenizer import tokenizer_json
+
+# The embedded default model's build: bump it whenever what make_embedded writes changes, so that
+# builds cached under ~/.cache/qv by an older qv are made again.
+EMBEDDED_BUILD = 2
+# its Clef head (release layout): one layer of each kind, width 32
+EMBEDDED_CLEF_HEAD = dict(width=32, routing_layers=1, layers=1, heads=4, feedforward=64)
+# the head's scalars: exp(prior) and exp(joint) scale cosines in [-1, 1] into logits that decide
+# without saturating
+HEAD_SCALARS = {"prior_logit_scale": 1.5, "joint_logit_scale": 2.0, "residual_gate": 1.0}
 
 # Geometry presets. "layer_types" overrides the every-4th rule when given.
 PRESETS: dict[str, dict] = {
@@ -201,10 +212,37 @@ def random_tensors(config: dict, seed: int = 0, mtp: bool = False, dtype=torch.f
             for name, shape in sorted(tensor_shapes(config, mtp).items())}
 
 
+def make_embedded(out_dir: str | Path) -> Path:
+    """The embedded default model (what `qv serve` serves without a model): the "tiny" preset,
+    seed 0, with a tiny Clef head so that /v1/systemone answers too."""
+    return make_tiny(out_dir, "tiny", seed=0, clef_head=True)
+
+
+def write_clef_head(out: Path, hidden_size: int, seed: int, **geometry) -> None:
+    """A random Clef joint schema head in the release layout (joint_head.safetensors and
+    joint_head_config.json beside the backbone, the files qv/clef/head.py loads). Every tensor is
+    random (seeded), norm gains and biases included; linears fan_in^-1/2, as the backbone's."""
+    config = HeadConfig(hidden_size=hidden_size, **geometry)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, shape in sorted(expected_shapes(config).items()):
+        if name in SCALARS:
+            tensors[name] = torch.tensor(HEAD_SCALARS[name])
+        elif "norm" in name:
+            tensors[name] = (1.0 if name.endswith("weight") else 0.0) + 0.2 * torch.randn(shape, generator=gen)
+        elif name.endswith("bias"):
+            tensors[name] = 0.05 * torch.randn(shape, generator=gen)
+        else:
+            tensors[name] = weight_std(name, shape) * torch.randn(shape, generator=gen)
+    save_file(tensors, str(out / HEAD_WEIGHTS), metadata={"format": "pt"})
+    (out / HEAD_CONFIG).write_text(config.to_json())
+
+
 def make_tiny(out_dir: str | Path, preset: str = "tiny", seed: int = 0, mtp: bool = False,
-              dtype: torch.dtype = torch.float32) -> Path:
+              dtype: torch.dtype = torch.float32, clef_head: bool = False) -> Path:
     """Write a complete tiny checkpoint folder; returns its path. Same arguments, same bytes.
-    `dtype` (e.g. bfloat16 for the benchmark shapes) halves what large presets write."""
+    `dtype` (e.g. bfloat16 for the benchmark shapes) halves what large presets write; `clef_head`
+    adds a random Clef head (EMBEDDED_CLEF_HEAD, release layout)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     _, special = tokenizer_json()
@@ -228,6 +266,8 @@ def make_tiny(out_dir: str | Path, preset: str = "tiny", seed: int = 0, mtp: boo
     (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
     if "vision_config" in config:
         _write_processor_configs(out, config["vision_config"])
+    if clef_head:
+        write_clef_head(out, _text_cfg(config)["hidden_size"], seed + 100, **EMBEDDED_CLEF_HEAD)
     return out
 
 

@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from qv.version import __version__
+from qv.engine.clef_api import CLEF_MODEL_NAMES
 from qv.server.chat import apply_template, build_conversation, template_kwargs
 from qv.server.errors import bad_request, error_response
 from qv.server.openai import parse_body
@@ -32,11 +34,13 @@ async def metrics(state: ServerState, request: Request) -> Response:
 
 async def list_models(state: ServerState, request: Request) -> Response:
     """OpenAI's `data` list (what the openai SDK and GuideLLM read) plus a `models` list with
-    `name` (what the SystemOne/TypeSafe SDKs read)."""
+    `name` (what the SystemOne/TypeSafe SDKs read), where the Clef names join the served ones."""
     data = [{"id": name, "object": "model", "created": state.created, "owned_by": "qv", "root": state.model_root,
              "parent": None, "max_model_len": state.max_model_len, "permission": []} for name in state.served_names]
+    clef = [n for n in CLEF_MODEL_NAMES if n not in state.served_names] if state.engine.clef_cap else []
+    started = time.strftime("%Y-%m-%d", time.gmtime(state.created))  # the SDKs read a YYYY-MM-DD date
     models = [{"name": name, "description": f"{state.model_root} served by qv {__version__}",
-               "release_date": None} for name in state.served_names]
+               "release_date": started} for name in state.served_names + clef]
     return JSONResponse({"object": "list", "data": data, "models": models})
 
 

@@ -51,11 +51,12 @@ async def read_json(request: Request, max_body_bytes: int) -> dict:
     return body
 
 
-async def read_body(request: Request, max_body_bytes: int) -> bytes:
-    """The JSON request body's bytes, zstd-decoded when `Content-Encoding: zstd`; the checks of read_json."""
+async def read_body(request: Request, max_body_bytes: int, media_types: tuple[str, ...] = ("application/json",)) -> bytes:
+    """The request body's bytes (of one of `media_types`), zstd-decoded when `Content-Encoding: zstd`;
+    the checks of read_json."""
     media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-    if media != "application/json":
-        raise bad_request("Unsupported Media Type: Only 'application/json' is allowed")
+    if media not in media_types:
+        raise bad_request(f"Unsupported Media Type: Only {' or '.join(repr(m) for m in media_types)} is allowed")
     raw = await request.body()
     encoding = request.headers.get("content-encoding", "").strip().lower()
     if encoding == "zstd":

@@ -1,78 +1,136 @@
 """POST /v1/systemone: Clef decisions on the served weights (research/serving.md part A).
 
-`{model, state, questions, images?, videos?, max_length?}` -> `{model, answers, usage}` exactly as
-Clef's `systemone()` answers (qv/clef/answers.py). Bodies may be zstd-compressed
-(`Content-Encoding: zstd`, as the TypeSafe SDK sends them). Every refusal is a 400 whose message
-names the field and the limit (qv/clef/request.py: question/option/image counts, types, criteria,
-duplicate or empty ids, unknown fields, the model name, the record cap with its token counts).
-`images` (at most 16) are http(s) URLs, data URLs or bare base64, fetched like chat's image_url
-parts (qv/server/media.py, the media_* levers) and placed after "STATE:" as Clef does;
-videos are always refused (Clef takes none).
-
-The endpoint encodes the record; the engine runs it as one prefill-only request and checks that
-what ran is what was encoded (length + checksum) before answering (qv/engine/clef_rows.py).
+`{model, state, questions, images?, assets?, max_length?}` -> `{model, answers, usage}` exactly as
+Clef's `systemone()` answers. `model` is a served name, `clef` or `jev-latest` (the TypeSafe SDK's
+default); any other name is the usual 404. The body is JSON, or the TypeSafe SDK's multipart form
+(a `request` part holding the JSON, then the `asset-N` parts its `assets` name); either may be
+zstd-compressed (`Content-Encoding: zstd`). Validation, encoding and answers are the engine's
+(qv/engine/clef_api.py): every refusal is a 400 whose message names the field and the limit.
+Images (`images` entries and `assets`) are fetched and decoded like chat's image_url parts, under
+the media_* levers (`load_images`); the engine runs the record as one prefill-only request and
+checks that what ran is what was encoded (length + checksum) before answering.
 """
 
 from __future__ import annotations
 
 import asyncio
 
+from python_multipart.multipart import MultipartParseError, MultipartParser, parse_options_header
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from qv.clef.answers import response
-from qv.clef.request import ClefRequestError, encode_request, parse_body, validate_request
+from qv.engine.clef_api import (CLEF_MODEL_NAMES, MAX_IMAGES, NOT_SERVED, ClefRequestError, Decision,
+                                decision_response, encode_decision, parse_decision)
 from qv.engine.request import InvalidRequestError
 from qv.server.errors import bad_request
 from qv.server.state import ServerState, random_id
 from qv.server.streaming import read_body, until_disconnect
 
-NOT_SERVED = ("this server does not serve Clef decisions: the model folder has no Clef head "
-              "(joint_head.safetensors, or clef/ with the head and adapters) or QV_CLEF is off")
+JSON, MULTIPART = "application/json", "multipart/form-data"
+REQUEST_PART = "request"  # the multipart part that holds the JSON body (the TypeSafe SDK's name)
 
 
-async def encode(state: ServerState, raw: bytes):
-    """Validate and encode a body, fetching and preprocessing its images (400 with the message of
-    the limit it breaks; image failures name the entry, e.g. `images[2]`)."""
+async def create_decision(state: ServerState, request: Request) -> Response:
     cap = state.engine.clef_cap
     if cap is None:
         raise bad_request(NOT_SERVED)
-    nmax, cap_name = cap
+    decision, parts = await read_decision(state, request)
+    if decision.model not in CLEF_MODEL_NAMES:
+        state.check_model(decision.model)
+    images = await load_images(state, decision.image_sources(parts))
     try:
-        body = parse_body(raw)
-        validate_request(body, state.served_names)
-        items = await fetch_images(state, body.get("images") or [])
-        record = await asyncio.to_thread(encode_request, state.tokenizer, body, nmax, state.served_names,
-                                         cap_name=cap_name, images=items, multimodal=state.media.inputs)
+        record = await asyncio.to_thread(encode_decision, state.tokenizer, decision, cap, images, state.media.inputs)
     except ClefRequestError as exc:
         raise bad_request(str(exc), exc.param) from None
     except InvalidRequestError as exc:
         raise bad_request(str(exc), "images") from None
-    return body, record
-
-
-async def fetch_images(state: ServerState, images: list) -> list:
-    """The body's images as VisionItems, in order: each an http(s) URL, a data URL or bare base64,
-    fetched under the media_* levers like chat's image_url parts."""
-    if not images:
-        return []
-    if state.media.inputs is None:
-        raise bad_request("this model takes no images (it has no vision tower): send the record without 'images'",
-                          "images")
-    if len(images) > state.media.max_images:
-        raise bad_request(f"{len(images)} images; this server takes at most {state.media.max_images} images per "
-                          "request (media_max_images)", "images")
-    for i, url in enumerate(images):
-        if not isinstance(url, str) or not url:
-            raise bad_request(f"images[{i}] must be a non-empty string: an http(s) URL, a data URL or base64 data",
-                              f"images[{i}]")
-    return await state.media.items([("image", url, f"images[{i}]") for i, url in enumerate(images)], "images")
-
-
-async def create_decision(state: ServerState, request: Request) -> Response:
-    body, record = await encode(state, await read_body(request, state.max_body_bytes))
     state.check_capacity()
     with state.engine_call():
         result = await until_disconnect(request, state.engine.decide(
             random_id("clef"), record, record.num_tokens, record.checksum))
-    return JSONResponse(response(body["model"], record, result.probabilities))
+    return JSONResponse(decision_response(decision.model, record, result.probabilities))
+
+
+async def read_decision(state: ServerState, request: Request) -> tuple[Decision, dict[str, bytes]]:
+    """The validated body and its multipart parts (name -> bytes; none for a JSON body). Parsing
+    runs off the event loop: a body may be megabytes."""
+    raw = await read_body(request, state.max_body_bytes, (JSON, MULTIPART))
+    parts: dict[str, bytes] = {}
+    body: bytes | None = raw
+    if request.headers.get("content-type", "").split(";", 1)[0].strip().lower() == MULTIPART:
+        parts = await asyncio.to_thread(read_multipart, request.headers["content-type"], raw, MAX_IMAGES + 1)
+        body = parts.pop(REQUEST_PART, None)
+        if body is None:
+            raise bad_request(f"a multipart systemone body needs a {REQUEST_PART!r} part holding the JSON request",
+                              REQUEST_PART)
+    try:
+        return await asyncio.to_thread(parse_decision, body, parts), parts
+    except ClefRequestError as exc:
+        raise bad_request(str(exc), exc.param) from None
+
+
+class _PartError(Exception):
+    pass
+
+
+def read_multipart(content_type: str, body: bytes, max_parts: int) -> dict[str, bytes]:
+    """A multipart/form-data body (RFC 7578) -> {part name: bytes}: at most `max_parts` parts, each
+    named once, the body complete up to its closing boundary. 400 otherwise."""
+    _, params = parse_options_header(content_type)
+    boundary = params.get(b"boundary")
+    if not boundary:
+        raise bad_request("the multipart body's Content-Type has no boundary")
+    parts: dict[str, bytearray] = {}
+    header: list[bytes] = [b"", b""]  # the header line being read: name, value
+    seen = {"disposition": b"", "current": bytearray(), "ended": False}
+
+    def header_end() -> None:
+        if header[0].strip().lower() == b"content-disposition":
+            seen["disposition"] = header[1]
+        header[0] = header[1] = b""
+
+    def headers_done() -> None:
+        _, options = parse_options_header(seen["disposition"])
+        seen["disposition"] = b""
+        name = options.get(b"name", b"").decode("utf-8", "replace")
+        if not name:
+            raise _PartError("a part has no name (Content-Disposition: form-data; name=...)")
+        if name in parts:
+            raise _PartError(f"part {name!r} is given more than once")
+        if len(parts) >= max_parts:
+            raise _PartError(f"more than {max_parts} parts (a 'request' part and at most {max_parts - 1} images)")
+        parts[name] = seen["current"] = bytearray()
+
+    callbacks = {
+        "on_header_field": lambda data, start, end: header.__setitem__(0, header[0] + data[start:end]),
+        "on_header_value": lambda data, start, end: header.__setitem__(1, header[1] + data[start:end]),
+        "on_header_end": header_end,
+        "on_headers_finished": headers_done,
+        "on_part_data": lambda data, start, end: seen["current"].extend(data[start:end]),
+        "on_end": lambda: seen.__setitem__("ended", True),
+    }
+    try:
+        parser = MultipartParser(boundary, callbacks)
+        parser.write(body)
+        parser.finalize()
+    except (MultipartParseError, _PartError) as exc:
+        raise bad_request(f"the multipart body could not be read: {exc}") from None
+    if not seen["ended"]:
+        raise bad_request("the multipart body ends before its closing boundary")
+    return {name: bytes(data) for name, data in parts.items()}
+
+
+async def load_images(state: ServerState, sources: list[tuple[str | bytes, str]]) -> list:
+    """The decision's images as VisionItems, in record order: URL strings (http(s), data URLs,
+    base64) and multipart parts' bytes, fetched and preprocessed under the media_* levers. The
+    one place that calls the media API."""
+    if not sources:
+        return []
+    param = sources[0][1].split(".", 1)[0].split("[", 1)[0]
+    if state.media.inputs is None:
+        raise bad_request("this model takes no images (it has no vision tower): send the record without 'images' "
+                          "or 'assets'", param)
+    if len(sources) > state.media.max_images:
+        raise bad_request(f"{len(sources)} images; this server takes at most {state.media.max_images} images per "
+                          "request (media_max_images)", param)
+    return await state.media.items([("image", src, where) for src, where in sources], param)

@@ -35,7 +35,7 @@ def jsm():
 @pytest.fixture(scope="session")
 def clef_dirs(tmp_path_factory):
     """{"release": layout (a) folder, "adapters": layout (b) folder with LoRA + deabl}."""
-    from qv.clef.fixtures import make_clef_adapters, make_clef_release
+    from clef.fixtures import make_clef_adapters, make_clef_release
 
     root = tmp_path_factory.mktemp("clef")
     return {"release": make_clef_release(root / "release", "tiny", seed=3),
@@ -61,6 +61,12 @@ def _reference_model(jsm, release: Path):
     head.load_state_dict(load_file(str(release / "joint_head.safetensors")), strict=True)
     model = jsm.ClefModel(backbone, head.float()).eval()
     return model, types.SimpleNamespace(tokenizer=AutoTokenizer.from_pretrained(release))
+
+
+@pytest.fixture(scope="session")
+def reference_model(jsm):
+    """folder -> Cloudflare's (ClefModel, processor) on that release folder."""
+    return lambda folder: _reference_model(jsm, Path(folder))
 
 
 def merge_adapters_release(base: Path, out: Path) -> Path:

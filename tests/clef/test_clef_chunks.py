@@ -100,7 +100,8 @@ def test_peak_memory_measured():
     probe = Path(__file__).with_name("clef_memprobe.py")
     # glibc would keep freed blocks of up to 32 MiB mapped after the first large free (its dynamic
     # mmap threshold); a fixed threshold returns them at once, so RSS tracks live memory
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072")
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072",
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, str(probe), str(t), str(h), str(w), str(chunk)], capture_output=True,
                          text=True, timeout=300, check=True, env=env)
     m = json.loads(out.stdout.strip().splitlines()[-1])

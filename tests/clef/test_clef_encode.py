@@ -1,12 +1,14 @@
 """qv's record encoder against Cloudflare's `encode_record`: ids, spans, option ids and order,
-question types, truncation, and the schema-too-long refusal, on varied records."""
+question types, truncation, and the schema-too-long refusal, on varied records. The state is
+tokenized only as far as the record has room: the ids equal tokenizing the whole state, on
+adversarial texts, and a 10 MB state costs what its first tokens cost."""
 
 from __future__ import annotations
 
 import pytest
 
 from clef_records import encode_cases, make_record
-from qv.clef.encode import SchemaTooLong, encode_record
+from qv.clef.encode import SchemaTooLong, batch_tokenizer, encode_record, offsets_tokenizer, render, truncated_ids
 
 CASES = encode_cases()
 
@@ -36,12 +38,59 @@ def test_encode_matches_clef(jsm, tokenizers, index):
     assert ours.num_tokens <= max_length
     # the state really was cut for the truncation cases, and left whole otherwise
     full = len(tok(jsm.render(record["state"]), add_special_tokens=False).input_ids)
-    assert ours.state_tokens + ours.state_dropped == full
+    assert ours.state_truncated == (ours.state_tokens < full) and ours.state_tokens <= full
 
 
 def test_truncation_cases_do_truncate(tokenizers):
     cut = [encode_record(tokenizers["release"], r, max_length=m) for r, m in CASES if m < 16384]
-    assert cut and all(r.state_dropped > 0 for r in cut)
+    assert cut and all(r.state_truncated for r in cut)
+
+
+PIECES = ["a", "b", " ", "  ", "\n", "\r\n", "\t", "é", "e\u0301", "😀", "Привет", "こんにちは世界", "<|im_end|>",
+          "<think>", "42", "3.14", ".", "!!", "aaaaaaaa", "the ", "quick ", "'s", "'ll", "\u00a0", "  \n  ", "___"]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_state_prefix_gives_the_whole_states_ids(clef_dirs, tokenizers, seed):
+    """truncated_ids on random texts of every kind (long runs without spaces, whitespace runs,
+    combining marks, emoji split into bytes, special tokens) and budgets up to and past the text's
+    tokens: the ids of tokenizing the whole text, cut to the budget, with both tokenizer kinds."""
+    import random
+
+    from tokenizers import Tokenizer
+
+    rng = random.Random(seed)
+    raw = Tokenizer.from_file(str(clef_dirs["release"] / "tokenizer.json"))
+    for tok in (tokenizers["release"], raw):
+        whole, offsets = batch_tokenizer(tok), offsets_tokenizer(tok)
+        assert offsets is not None
+        for _ in range(25):
+            weights = [rng.random() ** 3 for _ in PIECES]
+            text = "".join(rng.choices(PIECES, weights, k=rng.choice([3, 60, 700, 4000])))
+            full = whole([text])[0]
+            for budget in {0, 1, 7, len(full) // 3, len(full) - 1, len(full), len(full) + 5}:
+                ids, truncated = truncated_ids(text, max(budget, 0), whole, offsets)
+                assert ids == full[:max(budget, 0)] and truncated == (len(full) > max(budget, 0)), (seed, budget)
+
+
+def test_ten_megabyte_state_costs_its_first_tokens(tokenizers):
+    """A 10 MB state in a 4,096-token record: encoded in well under a second (tokenizing it whole
+    takes tens of seconds on real tokenizers), with the ids of the state's first 200 KB."""
+    import time
+
+    tok = tokenizers["release"]
+    words = "the checkout fails again and every order is blocked ".split()
+    state = {"log": " ".join(words[i % len(words)] for i in range(2_000_000)), "tail": "x" * 100_000}
+    assert len(render(state)) > 10_000_000
+    record = make_record(1, n_questions=2)
+    start = time.perf_counter()
+    rec = encode_record(tok, dict(record, state=state), max_length=4096)
+    took = time.perf_counter() - start
+    assert rec.num_tokens == 4096 and rec.state_truncated
+    head = render(state)[:200_000]
+    short = encode_record(tok, dict(record, state=head), max_length=4096)
+    assert short.input_ids == rec.input_ids
+    assert took < 1.5, took
 
 
 def test_max_state_tokens_matches_clef(jsm, tokenizers):

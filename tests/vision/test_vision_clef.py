@@ -56,7 +56,7 @@ def records() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def release(tmp_path_factory) -> Path:
-    from qv.clef.fixtures import make_clef_release
+    from clef.fixtures import make_clef_release
 
     return make_clef_release(tmp_path_factory.mktemp("clef-vision") / "release", "tiny", seed=11)
 

@@ -5,7 +5,8 @@ The files are written by the tools that write them for real: Cloudflare's JointS
 own target discovery (`discover_lora_targets`, `targets_regex`) and checkpoint writer
 (`save_checkpoint`) for the LoRA adapter, PEFT's `save_pretrained` for the rank-1 deabl adapter.
 So these folders have exactly clef-finetune's layout. Needs the test extra (clef-finetune
-installed with --no-deps, peft); qv itself never imports this module.
+installed with --no-deps, peft): test code only, imported as `clef.fixtures` (tests/ is on sys.path).
+The embedded default model's head is qv's own (qv/model/tiny.py, write_clef_head).
 """
 
 from __future__ import annotations
