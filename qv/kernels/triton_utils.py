@@ -1,4 +1,5 @@
-"""Small host-side helpers shared by the Triton kernels (block sizes, SM count, dtype checks)."""
+"""Small helpers shared by the Triton kernels: block sizes, SM count, row views, and the varlen
+sequence search of the attention and chunked-GDN kernels."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import functools
 
 import torch
 import triton
+import triton.language as tl
 
 
 def next_pow2(n: int, floor: int = 1) -> int:
@@ -33,6 +35,30 @@ def rows2d(x: torch.Tensor) -> torch.Tensor:
 
 def interpreting(device: torch.device) -> bool:
     return device.type != "cuda"
+
+
+def row_blocks(n_rows: int, d: int) -> tuple[int, int]:
+    """(rows, padded row length) of a row-norm program: whole rows, at most 16 and about 4096 values a program."""
+    block_d = next_pow2(d)
+    block_r = max(1, min(16, 4096 // block_d))
+    return block_r, block_d
+
+
+@triton.jit
+def find_seq(cu_ptr, x, B, BQ: tl.constexpr, VIRTUAL: tl.constexpr):
+    """Largest b in [0, B) with start(b) <= x; start(b) = cu[b] (tokens) or cu[b] // BQ + b (tiles)."""
+    lo = tl.zeros([], dtype=tl.int32)
+    hi = B - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        v = tl.load(cu_ptr + mid)
+        if VIRTUAL:
+            v = v // BQ + mid
+        if v <= x:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _patch_interpreter_bf16() -> None:

@@ -8,7 +8,6 @@ import torch
 import triton
 import triton.language as tl
 
-from qv.kernels.registry import register
 from qv.kernels.triton_utils import interpreting, next_pow2
 
 
@@ -81,6 +80,3 @@ def causal_conv1d(x, weight, conv_state, cu_seqlens, state_slots, has_initial_st
                                conv_state.stride(1), W=width, ACT=activation, BLOCK_T=block_t, BLOCK_C=block_c,
                                BLOCK_W=next_pow2(width - 1))
     return y
-
-
-register("causal_conv1d", "triton", causal_conv1d)

@@ -1,7 +1,7 @@
 """Triton chunked gated delta rule for prefill (chunks of BT = 64 tokens, varlen, initial and
 final state per slot). Three stages:
 
-1. prep (gdn_prep.py), parallel over (chunk, value head): gating g, beta and the in-chunk
+1. prep (triton_prep.py), parallel over (chunk, value head): gating g, beta and the in-chunk
    cumulative decay gc; the WY form W = T (beta exp(gc) k), U = T (beta v) with T = (I + A)^-1,
    A[t, s] = beta_t exp(gc_t - gc_s) k_t.k_s (s < t); also gc and k's inverse l2 norms per
    (token, value head).
@@ -9,8 +9,8 @@ final state per slot). Three stages:
    state at the chunk start, v_new = U - W H and H <- exp(gc_last) H + k^T diag(rk exp(gc_last - gc)) v_new:
    the norms and decays scale the [BT, BV] tile of v_new, so the raw k tile feeds the dot as loaded
    (no fp32 copy and row reduction of a [BT, dk] tile per chunk on the sequential path).
-   It stores each chunk's start state and v_new (SPLIT_O, the default on the GPU: measured faster)
-   or computes the output itself. The next chunk's small reads are loaded a step ahead (PREFETCH).
+   It stores each chunk's start state and v_new (SPLIT_O, the default on the GPU: measured faster by
+   bench/kernels.py --sweep gdn) or computes the output itself. The next chunk's small reads are loaded a step ahead (PREFETCH).
 3. out, parallel over (chunk, value head, BV columns): o = scale (exp(gc) q_n H + tril(q_n k_n^T
    exp(gc_t - gc_s)) v_new) from raw q and k: q's inverse norms (computed here) and rk scale the rows
    of q H and the entries of q k^T.
@@ -25,9 +25,12 @@ import torch
 import triton
 import triton.language as tl
 
-from qv.kernels.gdn_prep import _chunk_of_tile, chunk_prep, chunk_prep_split
-from qv.kernels.gdn_recurrent import gdn_recurrent, l2norm_rows, load_state, store_state
+from qv.kernels.gated_delta_rule.configs import (OUT_MAXNREG, OUT_WARPS, SCAN_PREFETCH, SCAN_STAGES, out_bv, scan_bv,
+                                                 scan_warps)
+from qv.kernels.gated_delta_rule.triton_prep import _chunk_of_tile, chunk_prep, chunk_prep_split
+from qv.kernels.gated_delta_rule.triton_recurrent import gdn_recurrent, load_state, store_state
 from qv.kernels.triton_utils import interpreting, next_pow2
+
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
@@ -159,7 +162,6 @@ def gdn_chunk_out_kernel(
     """Outputs of every (chunk, value head, BV columns) in parallel from the scan's chunk-start
     states and v_new."""
     # column tiles fastest: those of one chunk run side by side and share its q and k tiles in L2
-    # (0.280 vs 0.290 ms at 8K with chunks fastest)
     tile = tl.program_id(1)
     hv = tl.program_id(2).to(tl.int64)
     o_v = tl.program_id(0) * BV + tl.arange(0, BV)
@@ -191,30 +193,6 @@ def gdn_chunk_out_kernel(
              b_o.to(o_ptr.dtype.element_ty), mask=m_u)
 
 
-# config= variants of gdn_chunked that only a measurement can rank (bench/kernels.py --sweep gdn times them on the
-# GPU; tests/oracles/test_gated_delta_rule.py runs each, on the GPU too). Offline sm_90 builds with triton 3.6 (the
-# H200's) at dk = dv = 128: scan 64 columns / 8 warps / 3 stages with the read-ahead (the default) 255 regs + 8 B
-# spilled, 120 KB shared (one program per SM); 32 columns / 4 warps / 3 stages 197 regs, 108 KB (two per SM; without
-# the read-ahead 116 KB, 8 B too many for two); out 64 columns / 4 warps 204 regs uncapped, 168 with the cap (no
-# spills), 56 KB. Split prep: solve 1 warp / 32-column k slices 240 regs, 2 stages (cp.async, the default) 255, 2
-# warps 207, 4 warps / 64 columns 244, "ieee" merges at 4 warps 242 (at 1 or 2 warps they spill 112-1096 B); wy 4
-# warps 130 regs, 8 warps (default) 70, two wgmma each; the fused prep 255 regs + 96 B spilled. Measured times:
-# docs/BENCHMARKS.md.
-SWEEP_CONFIGS = [dict(scan_prefetch=False, scan_stages=2, bv=32, scan_warps=4),  # the scan before 2026-12-01 noon
-                 dict(bv=32, scan_warps=4), dict(bv=64, scan_warps=8, scan_stages=2), dict(scan_stages=4),
-                 dict(solve_stages=1), dict(solve_stages=3), dict(out_warps=8), dict(out_bv=128, out_warps=8),
-                 dict(prep="fused"), dict(split_o=False, bv=64, scan_warps=8)]
-
-
-def _scan_bv(device, dv):
-    """Value columns per scan program. H200, 8K tokens, 48 value heads: 64 columns, 8 warps and
-    3 stages (one program per SM, 96 programs) 0.289 ms against 0.33 for 32 columns / 4 warps (192
-    programs, two per SM); at 2 stages the 64-column program takes 0.381."""
-    if interpreting(device):
-        return 16
-    return min(next_pow2(dv, 16), 64)
-
-
 def gdn_chunked(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, state_slots, has_initial_state, scale,
                 state_scale, config=None):
     t, hk, dk = q.shape
@@ -235,7 +213,7 @@ def gdn_chunked(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, state_slots, h
     if split_o and n_tiles > 65535:  # the output kernel's grid axis (checked before any state is touched)
         raise ValueError(f"gdn_chunked: {t} tokens in {n_seq} sequences make {n_tiles} chunks of {bt} (at most "
                          "65535 a call); split the batch")
-    # the prep settings' defaults live in chunk_prep_split / chunk_prep; config overrides them
+    # the prep settings' defaults live in configs (chunk_prep_split / chunk_prep); config overrides them
     if cfg.get("prep", "split") == "split":
         keys = ("solve_warps", "solve_bk", "wy_warps", "wy_bv", "solve_precision", "solve_stages")
         w, u, gc, rk = chunk_prep_split(k, v, a, b, A_log, dt_bias, cu_seqlens, hv,
@@ -243,7 +221,7 @@ def gdn_chunked(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, state_slots, h
     else:
         w, u, gc, rk = chunk_prep(k, v, a, b, A_log, dt_bias, cu_seqlens, hv,
                                   **({"warps": cfg["prep_warps"]} if "prep_warps" in cfg else {}))
-    bv = cfg.get("bv") or _scan_bv(q.device, dv)
+    bv = cfg.get("bv") or scan_bv(q.device, dv)
     int16 = state.dtype == torch.int16
     sc = state_scale if int16 else state
     h_all = torch.empty((n_tiles, hv, bk, bvf), dtype=dt, device=q.device) if split_o else w
@@ -252,14 +230,13 @@ def gdn_chunked(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, state_slots, h
         q.stride(0), q.stride(1), w.stride(0), w.stride(1), u.stride(0), u.stride(1), out.stride(0), out.stride(1),
         h_all.stride(0), h_all.stride(1), h_all.stride(2) if split_o else 0,
         state.stride(0), state.stride(1), state.stride(2), sc.stride(0) if int16 else 0, sc.stride(1) if int16 else 0,
-        REP=hv // hk, BK=bk, BV=bv, BT=bt, INT16=int16, SPLIT_O=split_o, PREFETCH=cfg.get("scan_prefetch", True),
-        num_warps=cfg.get("scan_warps", 4 if interpreting(q.device) or bv < 64 else 8),
-        num_stages=cfg.get("scan_stages", 3))
+        REP=hv // hk, BK=bk, BV=bv, BT=bt, INT16=int16, SPLIT_O=split_o, PREFETCH=cfg.get("scan_prefetch", SCAN_PREFETCH),
+        num_warps=cfg.get("scan_warps", scan_warps(q.device, bv)), num_stages=cfg.get("scan_stages", SCAN_STAGES))
     if split_o:
-        bvo = cfg.get("out_bv", min(bvf, 64))
+        bvo = cfg.get("out_bv", out_bv(bvf))
         gdn_chunk_out_kernel[(triton.cdiv(dv, bvo), n_tiles, hv)](
             q, k, u, gc, rk, h_all, out, cu_seqlens, n_seq, scale, dk, dv, hv, q.stride(0), q.stride(1), u.stride(0),
             u.stride(1), out.stride(0), out.stride(1), h_all.stride(0), h_all.stride(1), h_all.stride(2),
-            REP=hv // hk, BK=bk, BV=bvo, BT=bt, num_warps=cfg.get("out_warps", 4), num_stages=1,
-            **({} if interpreting(q.device) else dict(maxnreg=cfg.get("out_maxnreg", 168))))
+            REP=hv // hk, BK=bk, BV=bvo, BT=bt, num_warps=cfg.get("out_warps", OUT_WARPS), num_stages=1,
+            **({} if interpreting(q.device) else dict(maxnreg=cfg.get("out_maxnreg", OUT_MAXNREG))))
     return out

@@ -1,10 +1,10 @@
-"""The WY prep of the chunked gated delta rule (gdn_chunk.py's stage 1), per (chunk of BT = 64 tokens,
+"""The WY prep of the chunked gated delta rule (triton_chunk.py's stage 1), per (chunk of BT = 64 tokens,
 value head): gating g, beta = sigmoid(b) and the in-chunk cumulative decay gc; W = T (beta exp(gc) k),
 U = T (beta v) with T = (I + A)^-1, A[t, s] = beta_t exp(gc_t - gc_s) k_t.k_s (s < t) over l2-normalised
 k; and gc and k's inverse l2 norms per (token, value head), which the scan and out kernels reuse.
 
 Two implementations with the same outputs:
-- split (the default; H200, 8K tokens: 0.29 vs 0.51 ms), in the style of FLA's kkt_solve and
+- split (the default, the faster: bench/kernels.py --sweep gdn), in the style of FLA's kkt_solve and
   recompute_w_u: gdn_chunk_solve_kernel (gates, norms, the ten 16 x 16 blocks of k k^T streamed over
   k's columns, T stored as a [64, 64] matrix per chunk and value head; one warp a program) and
   gdn_chunk_wy_kernel (W and U as 64-row dots of T, which sm_90 runs as warpgroup MMAs);
@@ -19,16 +19,16 @@ import torch
 import triton
 import triton.language as tl
 
-from qv.kernels.attention_kernels import _find_seq
-from qv.kernels.gdn_recurrent import gdn_gate
-from qv.kernels.triton_utils import next_pow2
+from qv.kernels.gated_delta_rule.configs import FUSED_PREP_WARPS, SOLVE_BK, SOLVE_STAGES, SOLVE_WARPS, WY_WARPS
+from qv.kernels.gated_delta_rule.triton_recurrent import gdn_gate
+from qv.kernels.triton_utils import find_seq, next_pow2
 
 
 @triton.jit
 def _chunk_of_tile(cu_ptr, tile, B, BT: tl.constexpr):
     """Start row and length of the sequence that owns virtual tile `tile`, and the tile's first row
     within it (c0 >= L: a tile past the sequence end, nothing to do)."""
-    i_b = _find_seq(cu_ptr, tile, B, BT, True)
+    i_b = find_seq(cu_ptr, tile, B, BT, True)
     bos = tl.load(cu_ptr + i_b).to(tl.int64)
     L = tl.load(cu_ptr + i_b + 1).to(tl.int64) - bos
     c0 = (tile - (tl.load(cu_ptr + i_b) // BT + i_b)).to(tl.int64) * BT
@@ -392,15 +392,13 @@ def _prep_outputs(k, hv, bk, bv):
             torch.empty((t, hv), dtype=torch.float32, device=k.device))
 
 
-def chunk_prep(k, v, a, b, A_log, dt_bias, cu_seqlens, hv, warps=4):
+def chunk_prep(k, v, a, b, A_log, dt_bias, cu_seqlens, hv, warps=FUSED_PREP_WARPS):
     """W [T, Hv, BK], U [T, Hv, BV] (activation dtype), gc [T, Hv] and the inverse l2 norms of k
     per value head rk [T, Hv] (fp32) of every chunk.
 
     warps: at dk = dv = 128 (bf16, sm_90) a program holds four 16 x 128 sub-blocks each of k and
     v plus the fp32 blocks of A and T: about 255 registers a thread with 4 warps (a few spills),
-    so two programs share an SM and one's loads and stores overlap the other's barrier-bound
-    solve; 8 warps fit without spills but leave one program per SM, and were slower on the H200
-    (whole op at 8K tokens: 1.675 vs 1.229 ms, bench/kernels.py --sweep gdn)."""
+    so two programs share an SM (configs.FUSED_PREP_WARPS)."""
     t, hk, dk = k.shape
     dv, n_seq = v.shape[2], cu_seqlens.shape[0] - 1
     bk, bvf = next_pow2(dk, 16), next_pow2(dv, 16)
@@ -412,8 +410,8 @@ def chunk_prep(k, v, a, b, A_log, dt_bias, cu_seqlens, hv, warps=4):
     return w, u, gc, rk
 
 
-def chunk_prep_split(k, v, a, b, A_log, dt_bias, cu_seqlens, hv, solve_warps=1, solve_bk=32, wy_warps=8, wy_bv=None,
-                     solve_precision=None, solve_stages=2):
+def chunk_prep_split(k, v, a, b, A_log, dt_bias, cu_seqlens, hv, solve_warps=SOLVE_WARPS, solve_bk=SOLVE_BK,
+                     wy_warps=WY_WARPS, wy_bv=None, solve_precision=None, solve_stages=SOLVE_STAGES):
     """chunk_prep's outputs from two kernels in the style of FLA's kkt_solve and recompute_w_u:
     gdn_chunk_solve_kernel stores gc, the inverse norms of k and T = (I + A)^-1 [T, Hv, 64]
     (activation dtype), gdn_chunk_wy_kernel forms W and U from it with 64-row dots.

@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from qv.kernels.triton_utils import interpreting, next_pow2, num_sms
+from qv.kernels.gated_delta_rule.configs import recurrent_tile
+from qv.kernels.triton_utils import next_pow2
 
 
 @triton.jit
@@ -150,12 +151,7 @@ def gdn_recurrent(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, state_slots,
         return out
     cfg = config or {}
     int16 = state.dtype == torch.int16
-    # measured on the H200 (graph replay, bench/kernels.py --sweep step): 64 columns a program where
-    # that fills the GPU; below one program per SM (batch 1 at 27B: 96) 16-column programs, 5.6 vs 6.8 us
-    bv = cfg.get("bv") or min(next_pow2(dv), 8 if interpreting(v.device) else 64)
-    warps = 4 if dk * bv >= 2048 else 2
-    if not cfg.get("bv") and not interpreting(v.device) and n_seq * hv * triton.cdiv(dv, 64) < num_sms(v.device):
-        bv, warps = 16, 2 if int16 else 1
+    bv, warps = recurrent_tile(v.device, n_seq, hv, dk, dv, int16, cfg.get("bv"))
     sc = state_scale if int16 else state
     inter = intermediate_states if intermediate_states is not None else state
     gdn_recurrent_kernel[(n_seq, hv, triton.cdiv(dv, bv))](

@@ -1,8 +1,8 @@
-"""Linear layers over dense or GPTQ-int8 weights, and the per-row low-rank delta (Clef rows)."""
+"""Linear layers over dense or GPTQ-int8 weights, and qv's runtime layout of a GPTQ-int8 weight."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,6 +18,7 @@ class GPTQWeight:
     zeros   [G, N] fp | None - per (group, output) true zero point; None means symmetric (128)
     g_idx   [K] int32     - group of each input row (k // group_size unless desc_act)
     group_size: int       - rows per group (K for a single group); informational when desc_act
+    sequential: bool | None - whether g_idx is k // group_size; None until is_sequential() first checks
     """
 
     qweight: torch.Tensor
@@ -25,6 +26,7 @@ class GPTQWeight:
     zeros: torch.Tensor | None
     g_idx: torch.Tensor
     group_size: int
+    sequential: bool | None = field(default=None, compare=False)
 
     @property
     def in_features(self) -> int:
@@ -38,6 +40,14 @@ class GPTQWeight:
     def shape(self) -> tuple[int, int]:  # nn.Linear orientation [N, K]
         return (self.out_features, self.in_features)
 
+    def is_sequential(self) -> bool:
+        """Whether g_idx is k // group_size (no act-order): the kernels' fast paths need it. Checked once per
+        weight (one host sync at first use) and kept in `sequential`."""
+        if self.sequential is None:
+            expect = torch.arange(self.in_features, device=self.g_idx.device, dtype=torch.int64) // self.group_size
+            self.sequential = bool(torch.equal(self.g_idx.long(), expect))
+        return self.sequential
+
     def to(self, device) -> "GPTQWeight":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return GPTQWeight(move(self.qweight), move(self.scales), move(self.zeros), move(self.g_idx), self.group_size)
@@ -49,14 +59,3 @@ def linear(x: torch.Tensor, weight: torch.Tensor | GPTQWeight, bias: torch.Tenso
     if x.shape[-1] != k:
         raise ValueError(f"linear: x last dim {x.shape[-1]} != weight in_features {k}")
     return impl("linear", x.device)(x, weight, bias)
-
-
-def lora_delta(y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-               scale: float) -> torch.Tensor:
-    """y[rows] += (x[rows] A^T) B^T * scale, other rows untouched; returns y (possibly in place).
-
-    y [T, N], x [T, K], rows [R] int64 (row indices), a [r, K], b [N, r].
-    """
-    if a.shape[1] != x.shape[-1] or b.shape[0] != y.shape[-1] or a.shape[0] != b.shape[1]:
-        raise ValueError(f"lora_delta: x {tuple(x.shape)}, y {tuple(y.shape)}, a {tuple(a.shape)}, b {tuple(b.shape)}")
-    return impl("lora_delta", x.device)(y, x, rows, a, b, scale)

@@ -12,22 +12,13 @@ import torch
 import triton
 
 from qv.kernels.cuda_build import cupy_or_none, kernel_for, launch, pointer, resident_blocks
-from qv.kernels.linear_gemv import MAX_TICKET_TILES, k_ranges, split_tickets
+from qv.kernels.linear.triton_gemv import MAX_TICKET_TILES, k_ranges, split_tickets
 from qv.kernels.triton_utils import num_sms
 
-SOURCE = "gptq_gemv_mma.cu"
+
+SOURCE = "linear/gptq_gemv_mma.cu"  # under qv/kernels (cuda_build.KERNEL_DIR)
 GROUPS = (32, 64, 128)  # rows per scale group the kernel is built for (16 * S)
 _HALF = (torch.float16, torch.bfloat16)
-
-
-def gemv_cuda_config(device):
-    """Launch settings, measured on the H200 (bench/kernels.py --sweep gemv; docs/BENCHMARKS.md "Fifth
-    round" and "Seventh round"): wk, the 4 warps of a block along K (4) or side by side (1), None: by shape
-    (_warps_along_k); K split so the blocks fill one round of the SMs (waves=1); min_blocks None: the
-    register cap gemv_cuda picks per shape. Eagerly (outside graph capture) only for weights from 1 GiB on
-    (an lm_head): below, the Triton kernels' host time is the smaller (cuda_build.worth_launching) and their
-    GPU time within 10% at M = 1."""
-    return dict(waves=1, min_blocks=None, wk=None, eager_min_bytes=1 << 30)
 
 
 def _applies(x2, w, bias, out) -> bool:
@@ -53,11 +44,9 @@ def _grid(k: int, n: int, group: int, wk: int, resident: int, waves: int, splits
     return (tiles, *k_ranges(k, split, group))
 
 
-def _warps_along_k(m: int, k: int, n: int, group: int, resident: int) -> int:
-    """wk for one row of x: the layout whose blocks fill more of one round (H200, graph replay: 5120->34816
-    51.0-51.3 us with wk 1, whose 340 blocks fill 86% of the 396 slots, against 54.0-54.2 us with wk 4's
-    272; 17408->5120 28.4 us with wk 4 (360 blocks), 31.7 with wk 1). With more rows wk 4 (5120->34816, M=4:
-    54.5-55.8 against 56.6-56.7 us)."""
+def warps_along_k(m: int, k: int, n: int, group: int, resident: int) -> int:
+    """wk for one row of x: the layout whose blocks fill more of one round of the SMs (a partly filled round
+    leaves SMs idle); with more rows wk 4. Re-measure: python bench/kernels.py --sweep gemv"""
     if m > 1:
         return 4
     fill = {}
@@ -78,7 +67,7 @@ def gemv_cuda(x2, w, bias, out, cfg) -> bool:
     dev = x2.device
     mt = (m + 7) // 8
     min_blocks = cfg["min_blocks"] or (3 if mt == 1 else 2)  # the register caps that do not spill
-    wk = cfg["wk"] or _warps_along_k(m, k, n, w.group_size, min_blocks * num_sms(dev))
+    wk = cfg["wk"] or warps_along_k(m, k, n, w.group_size, min_blocks * num_sms(dev))
     built = kernel_for(SOURCE, f"gptq_gemv_mma<{mt}, {w.group_size // 16}, {min_blocks}, {wk}>", dev, k * n, cfg)
     if built is None:
         return False

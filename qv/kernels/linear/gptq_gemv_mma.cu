@@ -1,5 +1,5 @@
 // GPTQ-int8 GEMV for a few rows (M <= 16) on tensor cores with mma.sync.m16n8k16 (sm_80 and newer).
-// Compiled at run time by NVRTC through CuPy (qv/kernels/linear_cuda.py); no CUDA headers needed.
+// Compiled at run time by NVRTC through CuPy (cuda_sm90.py beside it); no CUDA headers needed.
 //
 // y[m, n] = sum_k x[m, k] (c[k, n] - z[G(k), n]) s[G(k), n] (+ bias[n]): codes c uint8 [K, N] row-major,
 // scale group G(k) = k / group size.
@@ -16,7 +16,7 @@
 // scaled per (row, group) by a power of two. Split-K over gridDim.y: partial sums in fp32, and the last
 // block of each column range (a ticket) adds them up in split order (deterministic).
 
-#include "cuda_common.cuh"
+#include "../cuda_common.cuh"
 
 // MT: 8-row tiles of x (M <= 8 * MT); S: 16-row steps per group (group size 16 * S); 4 warps a block,
 // MIN_BLOCKS resident per SM (a register cap; 1: none). WK: warps along K. WK = 1: the 4 warps own

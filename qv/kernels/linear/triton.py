@@ -1,24 +1,26 @@
-"""Triton linear layers over GPTQ-int8 weights, and the per-row low-rank delta. Dense weights use
-torch.nn.functional.linear (cuBLAS): nothing to gain there.
+"""Triton linear layers over GPTQ-int8 weights. Dense weights use torch.nn.functional.linear (cuBLAS):
+nothing to gain there.
 
-Weights are qv's GPTQ layout (linear.py): codes [K, N] uint8, scales/zeros [G, N], g_idx [K].
-Paths by rows M (sequential groups, g_idx = k // group_size, unless noted):
-  M <= 8      sm_90, fp16/bf16 rows: the raw-CUDA GEMV (linear_cuda.py, gptq_gemv_mma.cu; the weight is
+Weights are qv's GPTQ layout (GPTQWeight in __init__.py): codes [K, N] uint8, scales/zeros [G, N], g_idx [K].
+Paths by rows M (sequential groups, g_idx = k // group_size, unless noted; configs.py holds the row limits
+and the tiles):
+  M <= 8      sm_90, fp16/bf16 rows: the raw-CUDA GEMV (cuda_sm90.py, gptq_gemv_mma.cu; the weight is
               the wide operand of mma.sync), in CUDA graphs and for eager calls from 1 GiB of weight.
               Where it does not apply (no CuPy, group sizes other than 32/64/128, a smaller eager call:
               cuda_build.worth_launching): M = 1 as on other GPUs, M > 1 gptq_gemv_mma_kernel
-              (linear_gemv.py, the same idea in Triton).
-  M = 1       other GPUs: gptq_gemv_kernel (linear_gemv.py), CUDA-core FMAs streaming the codes.
+              (triton_gemv.py, the same idea in Triton).
+  M = 1       other GPUs: gptq_gemv_kernel (triton_gemv.py), CUDA-core FMAs streaming the codes.
   M <= 16     other GPUs, and 9..16 on sm_90: gptq_matmul_kernel, F16=1: raw codes on fp16 tensor cores,
               zero and scale applied once per tile and column after the dot (_f16_tile); split-K over the SMs.
   M < 1024    gptq_matmul_kernel, F16=2: each [BK, BN] tile dequantized in x's dtype for tl.dot; up to 64
               rows (decode batches) one row tile and split-K over the SMs.
   M >= 1024   W dequantized once into a [K, N] workspace in x's dtype, then cuBLAS (any g_idx): the
-              dequantization costs ~3 K*N bytes of traffic, small next to 2*M*K*N FLOPs.
+              dequantization costs about 3 K*N bytes of traffic, small next to 2*M*K*N FLOPs.
 Codes become fp16 by bit tricks (no int->float instructions); bf16 activations are scaled into fp16
 range by powers of two. fp32 activations and act-order weights (any g_idx, "GATHER") below the
 cuBLAS threshold dequantize exactly in fp32.
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,10 +29,9 @@ import triton
 import triton.language as tl
 
 from qv.kernels.linear import GPTQWeight
-from qv.kernels.linear_cuda import gemv_cuda, gemv_cuda_config
-from qv.kernels.linear_gemv import (codes_f16, gemv_config, gemv_fma, gemv_mma, gemv_mma_config, k_ranges,
-                                    sum_partials)
-from qv.kernels.registry import register
+from qv.kernels.linear.configs import gemv_config, gemv_cuda_config, gemv_kind, gemv_mma_config, gptq_config
+from qv.kernels.linear.cuda_sm90 import gemv_cuda
+from qv.kernels.linear.triton_gemv import codes_f16, gemv_fma, gemv_mma, k_ranges, sum_partials
 from qv.kernels.triton_utils import interpreting, next_pow2, num_sms
 
 
@@ -193,52 +194,6 @@ def _dequant_matmul(x2, w, bias, out):
         torch.mm(x2, wd, out=out)
 
 
-def _sequential_groups(w) -> bool:
-    """Whether g_idx is k // group_size (checked once per weight; one host sync at first use)."""
-    cached = getattr(w, "_qv_sequential", None)
-    if cached is None:
-        k = w.qweight.shape[0]
-        expect = torch.arange(k, device=w.g_idx.device, dtype=torch.int64) // w.group_size
-        cached = bool(torch.equal(w.g_idx.long(), expect))
-        w._qv_sequential = cached
-    return cached
-
-
-def _gptq_config(device, m, n, k, group, f16):
-    """Tiles (measured on the H200, bench/kernels.py --sweep; docs/BENCHMARKS.md)."""
-    if interpreting(device):
-        bk = 16 if group % 32 else 32
-        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=bk, GROUP_M=4, num_warps=4, num_stages=1, split=None)
-    if m <= 16:  # decode: memory bound; enough programs in flight to stream the weight at full rate
-        return dict(BLOCK_M=16, BLOCK_N=256, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=4, split=None)
-    if m <= 64 and f16:
-        # decode batches: one row tile, bf16 rows to fp16 in one launch, codes by byte permutes, split-K over
-        # the SMs; the MLP's long rows or wide outputs in narrower, deeper tiles (fastest in the H200 sweep of
-        # bench/gemm_rows.py --sweep at the 27B shapes; numbers in docs/BENCHMARKS.md)
-        tile = dict(BLOCK_N=64, BLOCK_K=128, waves=4) if n >= 32768 or k >= 16384 else dict(BLOCK_N=128, BLOCK_K=64,
-                                                                                           waves=2)
-        return dict(BLOCK_M=64, GROUP_M=1, num_warps=4, num_stages=4, split=None, x_f16=True, asm=True, **tile)
-    if not f16:  # fp32 (ieee dots on FMA units) or act-order gathers
-        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=2, split=1)
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, split=1)
-
-
-# the raw-CUDA GEMV up to this many rows: at 16 the Triton tiles read the 27B MLP weights faster
-# (bench/gemm_rows.py --sweep)
-CUDA_GEMV_ROWS = 8
-
-
-def _gemv_kind(device, m, dtype):
-    """Default kernel for few rows (bench/kernels.py --sweep gemv, docs/BENCHMARKS.md). On sm_90, where
-    it was measured: the raw-CUDA GEMV ("cuda", linear_cuda.py; where it does not apply, "fma" at M = 1
-    and its Triton twin "mma" in linear_gemv.py above, the next best there). Other GPUs keep the older
-    kernels: "fma" (CUDA cores) at M = 1 and "dot" (x on the MMA's wide side) above."""
-    if (m <= CUDA_GEMV_ROWS and dtype in (torch.float16, torch.bfloat16) and device.type == "cuda"
-            and torch.cuda.get_device_capability(device)[0] == 9):
-        return "cuda"
-    return "fma" if m == 1 else "dot"
-
-
 def gptq_linear(x, w, bias=None, config=None):
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
@@ -249,9 +204,9 @@ def gptq_linear(x, w, bias=None, config=None):
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out.view(*shape[:-1], n)
-    sequential = _sequential_groups(w)
+    sequential = w.is_sequential()
     config = dict(config or {})
-    kind = config.pop("kind", None) or _gemv_kind(x.device, m, x.dtype)
+    kind = config.pop("kind", None) or gemv_kind(x.device, m, x.dtype)
     if kind == "cuda":
         if sequential and gemv_cuda(x2, w, bias, out, dict(gemv_cuda_config(x.device), **config)):
             return out.view(*shape[:-1], n)
@@ -268,7 +223,7 @@ def gptq_linear(x, w, bias=None, config=None):
         _dequant_matmul(x2, w, bias, out)
         return out.view(*shape[:-1], n)
     f16 = sequential and x.dtype in (torch.float16, torch.bfloat16)
-    cfg = dict(_gptq_config(x.device, m, n, k, w.group_size, f16), **(config or {}))
+    cfg = dict(gptq_config(x.device, m, n, k, w.group_size, f16), **(config or {}))
     bm, bn, bk = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
     gather = not sequential
     while not gather and w.group_size % bk:  # a K tile must not straddle two groups
@@ -303,61 +258,8 @@ def gptq_linear(x, w, bias=None, config=None):
     return out.view(*shape[:-1], n)
 
 
-def _linear_triton(x, weight, bias=None, *, config=None):
+def linear(x, weight, bias=None, *, config=None):
     if isinstance(weight, GPTQWeight):
         return gptq_linear(x, weight, bias, config)
     w = weight if weight.dtype == x.dtype else weight.to(x.dtype)
     return F.linear(x, w, None if bias is None else bias.to(x.dtype))
-
-
-@triton.jit
-def lora_delta_kernel(y_ptr, x_ptr, rows_ptr, a_ptr, b_ptr, scale, N, K, R,
-                      stride_ym, stride_xm, stride_ar, stride_bn,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
-    row = tl.load(rows_ptr + tl.program_id(0)).to(tl.int64)
-    o_r = tl.arange(0, BLOCK_R)
-    m_r = o_r < R
-    b_t = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # t = x[row] A^T, recomputed per column block (r is small)
-        o_k = k0 + tl.arange(0, BLOCK_K)
-        m_k = o_k < K
-        b_x = tl.load(x_ptr + row * stride_xm + o_k, mask=m_k, other=0.).to(tl.float32)
-        b_a = tl.load(a_ptr + o_r[:, None] * stride_ar + o_k[None, :], mask=m_r[:, None] & m_k[None, :],
-                      other=0.).to(tl.float32)
-        b_t += tl.sum(b_a * b_x[None, :], axis=1)
-    o_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_n = o_n < N
-    b_b = tl.load(b_ptr + o_n[:, None] * stride_bn + o_r[None, :], mask=m_n[:, None] & m_r[None, :],
-                  other=0.).to(tl.float32)
-    b_d = tl.sum(b_b * b_t[None, :], axis=1) * scale
-    p_y = y_ptr + row * stride_ym + o_n
-    b_y = tl.load(p_y, mask=m_n, other=0.).to(tl.float32)
-    tl.store(p_y, (b_y + b_d).to(y_ptr.dtype.element_ty), mask=m_n)
-
-
-LORA_GEMM_ROWS = 16  # from this many delta rows on, two tensor-core GEMMs beat the per-row kernel
-
-
-def _lora_delta_triton(y, x, rows, a, b, scale):
-    """In place on y (rows must be distinct); returns y. Few rows (decode): one program per (row,
-    column block) recomputes x[row] A^T, cheap at small K * r. Many rows (a Clef record's prefill
-    chunk): that recompute costs N/256 * K * r multiply-adds per row on CUDA cores (rank 256 on the
-    27B shapes ran Clef prefill 25x slower than chat prefill on the H200), so gather the rows and
-    run (x_rows A^T) B^T as two GEMMs, adding to y in fp32."""
-    n, k = y.shape[-1], x.shape[-1]
-    r = a.shape[0]
-    if y.stride(-1) != 1 or x.stride(-1) != 1 or a.stride(-1) != 1 or b.stride(-1) != 1:
-        raise ValueError("lora_delta: tensors need a unit inner stride")
-    if rows.numel() >= LORA_GEMM_ROWS:
-        d = (x.index_select(0, rows) @ a.to(x.dtype).t()) @ b.to(x.dtype).t()
-        y.index_copy_(0, rows, (y.index_select(0, rows).float() + d.float() * scale).to(y.dtype))
-    elif rows.numel():
-        block_n = min(next_pow2(n), 32 if interpreting(y.device) else 256)
-        lora_delta_kernel[(rows.numel(), triton.cdiv(n, block_n))](
-            y, x, rows, a, b, float(scale), n, k, r, y.stride(0), x.stride(0), a.stride(0), b.stride(0),
-            BLOCK_N=block_n, BLOCK_K=min(next_pow2(k), 128), BLOCK_R=next_pow2(r))
-    return y
-
-
-register("linear", "triton", _linear_triton)
-register("lora_delta", "triton", _lora_delta_triton)

@@ -1,6 +1,6 @@
 """GPTQ-int8 GEMV for decode: on CUDA cores (M <= 4 rows), and on tensor cores with the weight as the
-MMA's wide operand (gptq_gemv_mma_kernel, M <= 16; the Triton twin of linear_cuda.py's kernel); and
-the split-K partial sums shared with the tensor-core kernels of linear_gptq.py and linear_cuda.py.
+MMA's wide operand (gptq_gemv_mma_kernel, M <= 16; the Triton twin of cuda_sm90.py's kernel); and
+the split-K partial sums shared with the tensor-core kernels of triton.py and cuda_sm90.py.
 
 Decode reads every weight byte once per step, so the kernel is built to stream codes at HBM rate:
 vector loads of 8 codes per thread, all loads of a step issued before any use, no tensor-core tiles
@@ -9,7 +9,7 @@ straight into per-thread partial sums; split-K over a (column tile, K range) gri
 varies fastest, so programs running together read whole rows of the weight; the partials are summed
 by the last program of each column tile (fused, the default) or by split_sum_kernel, both in split
 order (deterministic). Used for M = 1 by default: at M = 4 the FMAs (about 7 instructions per
-weight byte) make it issue-bound and the tensor-core kernel is faster (docs/BENCHMARKS.md).
+weight byte) make it issue-bound and the tensor-core kernel is faster (configs.gemv_kind).
 """
 
 from __future__ import annotations
@@ -237,19 +237,6 @@ def _gemv_store(p_o, acc, bias_ptr, o_n, m_n, HAS_BIAS: tl.constexpr, SPLIT: tl.
         tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=m_n)
 
 
-def gemv_config(device, m, n, k):
-    """CUDA-core GEMV settings, measured on the H200 (bench/kernels.py --sweep gemv, docs/BENCHMARKS.md):
-    4-warp programs over 8 waves of the SMs; narrow outputs (< 64 column tiles, so long K ranges per
-    program) take 16 rows a warp per step (33.5-34.2 vs 34.9-35.2 us at 17408->5120 against 8-warp
-    programs of 8 rows over 4 waves; at 5120->34816 16 rows measured 64.7 vs 59 us). The split-K
-    partials are summed by the last program of each column tile (fused)."""
-    if interpreting(device):
-        return dict(NW=2, BK=4, waves=2, ASM=False, fused=True)
-    if triton.cdiv(n, 256) >= 64:  # fused split-K reduce: 59 vs 62 us at 5120->34816, 35.5 vs 38.6 at 17408->5120
-        return dict(NW=4, BK=8, waves=8, ASM=True, fused=True)
-    return dict(NW=4, BK=16, waves=8, ASM=True, fused=True)
-
-
 _TICKETS: dict[torch.device, torch.Tensor] = {}
 MAX_TICKET_TILES = 4096
 
@@ -317,13 +304,6 @@ def gemv_fma(x2, w, bias, out, cfg):
     if split > 1 and tickets is None:
         sum_partials(part, bias, out)
     return True
-
-
-def gemv_mma_config(device):
-    """Tensor-core GEMV settings (bench/kernels.py --sweep gemv, docs/BENCHMARKS.md)."""
-    if interpreting(device):
-        return dict(BLOCK_N=32, BLOCK_K=16, waves=2, fused=True, num_warps=4, num_stages=1)
-    return dict(BLOCK_N=64, BLOCK_K=128, waves=4, fused=True, num_warps=4, num_stages=1)
 
 
 def gemv_mma(x2, w, bias, out, cfg):

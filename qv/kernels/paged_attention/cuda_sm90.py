@@ -14,22 +14,15 @@ import numpy as np
 import torch
 import triton
 
-from qv.kernels.attention_kernels import LOG2E, reduce_splits, split_length, split_outputs
 from qv.kernels.cuda_build import cupy_or_none, kernel_for, launch, pointer, resident_blocks
+from qv.kernels.paged_attention.triton_decode import LOG2E, reduce_splits, split_length, split_outputs
 
-SOURCE = "paged_decode_mma.cu"
+
+SOURCE = "paged_attention/paged_decode_mma.cu"  # under qv/kernels (cuda_build.KERNEL_DIR)
 HEAD_DIMS = (128, 256)
 TILE = 16  # keys per MMA tile; WARPS warps a block take tiles in turn (both as in the .cu)
 WARPS = 4
 THREADS = 32 * WARPS
-
-
-def decode_cuda_config(device):
-    """Launch settings (bench/kernels.py --sweep decode, docs/BENCHMARKS.md): blocks sized so that the
-    splits fill `waves` rounds of what the SMs hold at once, 2 blocks per SM by the register cap; eagerly
-    (outside graph capture) only from 512 MB of K/V on, where the Triton kernel's GPU time (~2.2 TB/s)
-    passes the CuPy launch's host time (cuda_build.worth_launching)."""
-    return dict(waves=1, min_blocks=2, eager_min_bytes=512 << 20)
 
 
 def _applies(q, k, v, ks, vs, block_tables, cu_q, kv_lens) -> bool:

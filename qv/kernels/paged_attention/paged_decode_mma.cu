@@ -1,5 +1,5 @@
 // Decode attention over the paged int8 KV cache on tensor cores (mma.sync.m16n8k16 and movmatrix, sm_80
-// and newer). Compiled at run time by NVRTC through CuPy (qv/kernels/attention_cuda.py).
+// and newer). Compiled at run time by NVRTC through CuPy (cuda_sm90.py beside it).
 //
 // One block of 4 warps serves (sequence b, KV head, split, chunk of 8 query rows): rows r0 .. r0 + 7 of b's
 // GQA group (row r = token r / rep, head kvh * rep + r % rep; speculative rows have several tokens, and the
@@ -7,7 +7,7 @@
 // against the keys split * split_len .. + split_len.
 // Warp w takes the 16-key tiles w, w + 4, ... of the split; the 4 partial softmaxes meet in shared
 // memory at the end. With more than one split the block writes fp32 partials and their base-2
-// log-sum-exps, which decode_reduce_kernel (attention_kernels.py) merges, as for the Triton kernel.
+// log-sum-exps, which decode_reduce_kernel (triton_decode.py) merges, as for the Triton kernel.
 //
 // The keys sit on the MMA's 16-row side so that each code byte costs about one instruction: S^T = K q^T
 // takes a tile of 16 keys as A (rows = keys, columns = head dims) and q^T as B (8 columns = query rows);
@@ -25,7 +25,7 @@
 // Codes become fp16 exactly (codes_to_half2); the K scale multiplies the scores and the V scale the
 // probabilities (as in the Triton kernel), so the MMAs see the codes themselves.
 
-#include "cuda_common.cuh"
+#include "../cuda_common.cuh"
 
 constexpr int WARPS = 4;
 #define NEG_INF __int_as_float(0xff800000)

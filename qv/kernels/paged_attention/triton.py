@@ -1,5 +1,14 @@
-"""Attention over the paged KV cache (prefill chunks, decode and speculative rows alike), the
-cache write (with int8 quantization), and dense varlen attention for the vision tower."""
+"""Triton attention: one flash-attention kernel serves prefill chunks over the paged cache, decode
+and speculative rows (split-K over the context, then a reduce pass) where the decode kernels
+(triton_decode.py, cuda_sm90.py) are not chosen, and the vision tower's dense varlen attention
+(varlen_attention/triton.py calls `attention` here).
+
+Rows of a program tile are (query token, q head of one KV head's group) pairs: row r is token
+r // REP, head kvh * REP + r % REP, so each K/V tile is loaded once for the whole GQA group.
+Query i of a sequence with q_len queries and kv_len keys sits at position kv_len - q_len + i and
+sees keys 0..position (CAUSAL) or all kv_len keys. Scores use exp2 with log2(e) folded into the
+scale; int8 K/V scales (one per key and KV head) multiply score columns and P columns.
+"""
 
 from __future__ import annotations
 
@@ -7,153 +16,208 @@ import torch
 import triton
 import triton.language as tl
 
-from qv.kernels.attention_kernels import (LOG2E, attn_fwd_kernel, attn_reduce_kernel, paged_decode_kernel,
-                                         reduce_splits, split_length, split_outputs)
-from qv.kernels.attention_cuda import decode_cuda, decode_cuda_config
-from qv.kernels.registry import impl, register
-from qv.kernels.triton_utils import interpreting, next_pow2, num_sms
-
-
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
-             v_scale: torch.Tensor | None = None) -> None:
-    """Store new keys/values in the paged cache. k, v [T, Hkv, D]; caches [NB, BS, Hkv, D];
-    slot_mapping [T] (block * BS + offset; -1 skips the row). int8 caches quantize symmetrically
-    with one fp32 scale per (token, head) written to k_scale/v_scale [NB, BS, Hkv]."""
-    if k.shape != v.shape or k.shape[1:] != k_cache.shape[2:]:
-        raise ValueError(f"write_kv: k {tuple(k.shape)}, v {tuple(v.shape)}, cache {tuple(k_cache.shape)}")
-    if k_cache.dtype == torch.int8 and (k_scale is None or v_scale is None):
-        raise ValueError("write_kv: an int8 cache needs k_scale and v_scale tables")
-    impl("write_kv", k.device)(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-
-
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                    max_query_len: int | None = None, max_seq_len: int | None = None,
-                    k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal GQA attention of packed queries over each sequence's cached keys (new ones included).
-
-    q [T, Hq, D]; caches [NB, BS, Hkv, D] (+ int8 scales [NB, BS, Hkv]); block_tables [B, MB] int32;
-    cu_seqlens_q [B+1] int32; seq_lens [B] int32 = keys of each sequence after this step. Query i
-    of sequence b sits at position seq_lens[b] - q_len[b] + i and sees keys up to it, so decode
-    (q_len 1), prefill chunks over a cached prefix and the k+1 speculative rows are one op.
-    Returns [T, Hq, D].
-
-    max_query_len / max_seq_len: host ints, upper bounds of the query lengths and of seq_lens (each
-    computed with a device->host sync when omitted). Decode batches (max_query_len <= 8) split the
-    context into a number of parts that depends only on B, the head counts and max_seq_len, and the
-    programs past a sequence's own seq_lens[b] exit on the device. So a CUDA graph captured with a
-    fixed B, max_query_len and an upper bound for max_seq_len (e.g. the model's max length) stays
-    valid for every replay whose seq_lens stay under that bound; only block_tables, cu_seqlens_q,
-    seq_lens and q change between replays (in place).
-
-    k_new / v_new [T, Hkv, D] (optional): the keys and values this step wrote with write_kv, rows
-    packed like q. They must equal what the cache holds for those positions; a kernel may read the
-    chunk's own keys from them (contiguous) instead of from the pages. Ignored where the cache
-    stores another dtype (int8).
-    """
-    if q.shape[1] % k_cache.shape[2] or q.shape[2] != k_cache.shape[3]:
-        raise ValueError(f"paged_attention: q {tuple(q.shape)} vs cache {tuple(k_cache.shape)}")
-    if k_new is not None and (k_new.shape != (q.shape[0], *k_cache.shape[2:]) or v_new is None
-                              or v_new.shape != k_new.shape):
-        raise ValueError(f"paged_attention: k_new/v_new must be [T, Hkv, D] = {(q.shape[0], *k_cache.shape[2:])}")
-    return impl("paged_attention", q.device)(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-                                             k_scale, v_scale, max_query_len, max_seq_len, k_new, v_new)
-
-
-def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
-                     causal: bool = False, max_seqlen: int | None = None) -> torch.Tensor:
-    """Attention within each packed sequence, no cache. q [T, Hq, D], k/v [T, Hkv, D]; returns [T, Hq, D]."""
-    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[1] % k.shape[1]:
-        raise ValueError(f"varlen_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    return impl("varlen_attention", q.device)(q, k, v, cu_seqlens, scale, causal, max_seqlen)
-
-
-
-# ---------------------------------------------------------------------------------------------
-# Triton: the cache write (+ int8 quantization)
-# ---------------------------------------------------------------------------------------------
+from qv.kernels.paged_attention.configs import attn_config, decode_config, decode_cuda_config, decode_kind
+from qv.kernels.paged_attention.cuda_sm90 import decode_cuda
+from qv.kernels.paged_attention.triton_decode import (LOG2E, decode_attention, kv_codes, split_length,
+                                                      split_outputs)
+from qv.kernels.triton_utils import find_seq, interpreting, next_pow2, num_sms
 
 
 @triton.jit
-def _store_kv_row(x_ptr, c_ptr, s_ptr, i_t, blk, off, H, D, stride_xt, stride_xh, stride_cb, stride_cs,
-                  stride_ch, stride_sb, stride_ss, QUANT: tl.constexpr, BLOCK_H: tl.constexpr,
-                  BLOCK_D: tl.constexpr):
-    o_h = tl.arange(0, BLOCK_H).to(tl.int64)
-    o_d = tl.arange(0, BLOCK_D)
-    m = (o_h[:, None] < H) & (o_d[None, :] < D)
-    b_x = tl.load(x_ptr + i_t * stride_xt + o_h[:, None] * stride_xh + o_d[None, :], mask=m, other=0.)
-    p_c = c_ptr + blk * stride_cb + off * stride_cs + o_h[:, None] * stride_ch + o_d[None, :]
-    if QUANT:
-        b_x = b_x.to(tl.float32)
-        b_a = tl.maximum(tl.max(tl.abs(b_x), axis=1), 1e-30)  # [BLOCK_H]
-        b_s = tl.math.div_rn(b_a, tl.full(b_a.shape, 127.0, tl.float32))  # IEEE division, like the reference
-        b_q = tl.math.div_rn(b_x, b_s[:, None])
-        # +- 1.5 * 2**23 rounds half-to-even like torch.round (libdevice.rint is missing in the interpreter)
-        b_q = tl.minimum(tl.maximum((b_q + 12582912.0) - 12582912.0, -127.0), 127.0)
-        tl.store(p_c, b_q.to(tl.int8), mask=m)
-        tl.store(s_ptr + blk * stride_sb + off * stride_ss + o_h, b_s, mask=o_h < H)
+def _kv_offsets(o_n, kv_len, b, kvh, kv_start, bt_ptr, stride_bt, stride_kb, stride_ks, stride_kh,
+                stride_sb, stride_ss, BS, PAGED: tl.constexpr):
+    """int64 offsets of key rows o_n in the K/V storage and in the scale tables (paged only)."""
+    if PAGED:
+        page = tl.load(bt_ptr + b * stride_bt + o_n // BS, mask=o_n < kv_len, other=0).to(tl.int64)
+        off = (o_n % BS).to(tl.int64)
+        return page * stride_kb + off * stride_ks + kvh * stride_kh, page * stride_sb + off * stride_ss + kvh
     else:
-        tl.store(p_c, b_x.to(c_ptr.dtype.element_ty), mask=m)
+        rows = (kv_start + o_n).to(tl.int64)
+        return rows * stride_kb + kvh * stride_kh, rows
 
 
 @triton.jit
-def write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr, H, D, BS,
-                    stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
-                    stride_sb, stride_ss, QUANT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    i_t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + i_t).to(tl.int64)
-    if slot >= 0:
-        blk, off = slot // BS, slot % BS
-        _store_kv_row(k_ptr, kc_ptr, ks_ptr, i_t, blk, off, H, D, stride_kt, stride_kh, stride_cb, stride_cs,
-                      stride_ch, stride_sb, stride_ss, QUANT, BLOCK_H, BLOCK_D)
-        _store_kv_row(v_ptr, vc_ptr, vs_ptr, i_t, blk, off, H, D, stride_vt, stride_vh, stride_cb, stride_cs,
-                      stride_ch, stride_sb, stride_ss, QUANT, BLOCK_H, BLOCK_D)
+def _attn_tile(acc, m_i, l_i, b_q, qpos, start, kv_len, b, kvh, kv_start, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr,
+               stride_bt, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, BS, qk_scale,
+               D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGED: tl.constexpr,
+               QUANT: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr, TMA: tl.constexpr):
+    """One BLOCK_N-key tile of online softmax. TMA: k_ptr/v_ptr are tensor descriptors over the
+    contiguous rows [T, Hkv * D] (rows past kv_len are masked below; past the tensor, zero-filled)."""
+    o_n = start + tl.arange(0, BLOCK_N)
+    o_d = tl.arange(0, BLOCK_D)
+    m_n = o_n < kv_len
+    m_kd = m_n[:, None] & (o_d[None, :] < D)
+    if TMA:
+        row0 = (kv_start + start).to(tl.int32)
+        b_k = k_ptr.load([row0, (kvh * D).to(tl.int32)])
+    else:
+        kv_off, s_off = _kv_offsets(o_n, kv_len, b, kvh, kv_start, bt_ptr, stride_bt, stride_kb, stride_ks, stride_kh,
+                                    stride_sb, stride_ss, BS, PAGED)
+        b_k = kv_codes(tl.load(k_ptr + kv_off[:, None] + o_d[None, :], mask=m_kd, other=0.), b_q.dtype, QUANT)
+    b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")  # [BM, BN]
+    if MASK or QUANT:
+        if QUANT:
+            b_s = b_s * tl.load(ks_ptr + s_off, mask=m_n, other=0.)[None, :]
+        b_s = b_s * qk_scale
+        if MASK:
+            vis = m_n[None, :]
+            if CAUSAL:
+                vis = vis & (o_n[None, :] <= qpos[:, None])
+            b_s = tl.where(vis, b_s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(b_s, axis=1))
+        # a row may see no key in this tile (split-K over speculative rows): keep exp2 finite
+        m_safe = tl.where(m_new == float("-inf"), 0., m_new)
+        b_p = tl.math.exp2(b_s - m_safe[:, None])
+    else:  # every score finite: the scale folds into one FMA with the max
+        m_new = tl.maximum(m_i, tl.max(b_s, axis=1) * qk_scale)
+        m_safe = m_new
+        b_p = tl.math.exp2(b_s * qk_scale - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(b_p, axis=1)
+    if TMA:
+        b_v = v_ptr.load([row0, (kvh * D).to(tl.int32)])
+    else:
+        b_v = kv_codes(tl.load(v_ptr + kv_off[:, None] + o_d[None, :], mask=m_kd, other=0.), b_q.dtype, QUANT)
+    if QUANT:
+        b_p = b_p * tl.load(vs_ptr + s_off, mask=m_n, other=0.)[None, :]
+    acc = tl.dot(b_p.to(b_q.dtype), b_v, acc * alpha[:, None], input_precision="ieee")
+    return acc, m_new, l_i
 
 
-def _write_kv_triton(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
-    t, h, d = k.shape
-    if k.stride(-1) != 1 or v.stride(-1) != 1:
-        k, v = k.contiguous(), v.contiguous()
-    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
-        raise ValueError("write_kv: K and V caches must share one layout with a unit inner stride")
-    quant = k_cache.dtype == torch.int8
-    ks = k_scale if quant else k_cache
-    vs = v_scale if quant else v_cache
-    if quant and (k_scale.stride() != v_scale.stride() or k_scale.stride(-1) != 1):
-        raise ValueError("write_kv: K and V scale tables must share one layout with a unit inner stride")
-    if t:
-        write_kv_kernel[(t,)](k, v, k_cache, v_cache, ks, vs, slot_mapping, h, d, k_cache.shape[1],
-                              k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0),
-                              k_cache.stride(1), k_cache.stride(2), ks.stride(0), ks.stride(1),
-                              QUANT=quant, BLOCK_H=next_pow2(h), BLOCK_D=next_pow2(d))
+@triton.jit
+def _attn_span(acc, m_i, l_i, b_q, qpos, lo, hi, free, kv_len, b, kvh, kv_start, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr,
+               stride_bt, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, BS, qk_scale,
+               D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGED: tl.constexpr,
+               QUANT: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr = False):
+    """Keys lo..hi-1 (positions; key row kv_start + position when not PAGED, mask n < kv_len): whole
+    tiles below `free` (keys every row sees) skip the mask, the rest are masked."""
+    mid = tl.minimum(free, hi)
+    mid = tl.where(mid > lo, lo + (mid - lo) // BLOCK_N * BLOCK_N, lo)
+    for start in range(lo, mid, BLOCK_N):
+        acc, m_i, l_i = _attn_tile(acc, m_i, l_i, b_q, qpos, start, kv_len, b, kvh, kv_start, k_ptr, v_ptr, ks_ptr,
+                                   vs_ptr, bt_ptr, stride_bt, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss,
+                                   BS, qk_scale, D, BLOCK_N, BLOCK_D, PAGED, QUANT, CAUSAL, False, TMA)
+    for start in range(mid, hi, BLOCK_N):
+        acc, m_i, l_i = _attn_tile(acc, m_i, l_i, b_q, qpos, start, kv_len, b, kvh, kv_start, k_ptr, v_ptr, ks_ptr,
+                                   vs_ptr, bt_ptr, stride_bt, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss,
+                                   BS, qk_scale, D, BLOCK_N, BLOCK_D, PAGED, QUANT, CAUSAL, True, TMA)
+    return acc, m_i, l_i
 
 
+@triton.jit
+def attn_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, lse_ptr, bt_ptr, cu_q_ptr, kv_len_ptr, kn_ptr, vn_ptr,
+    qk_scale, B, T, HQ,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_os,
+    stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, stride_bt, BS, SPLIT_LEN, stride_nt, stride_nh,
+    D: tl.constexpr, REP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGED: tl.constexpr, QUANT: tl.constexpr, CAUSAL: tl.constexpr, DECODE: tl.constexpr, SPLIT: tl.constexpr,
+    NEW_KV: tl.constexpr, TMA: tl.constexpr = False,
+):
+    """NEW_KV (paged prefill): the chunk's own keys (positions kv_len - q_len ..) are read from the
+    packed K/V it was written from (kn_ptr/vn_ptr [T, Hkv, D], rows like q's), contiguous rows
+    instead of 16-token pages; only the cached prefix comes from the pages. TMA: kn_ptr/vn_ptr are
+    tensor descriptors of them (Hopper's bulk copies; sm_90+)."""
+    BQ: tl.constexpr = BLOCK_M // REP
+    kvh = tl.program_id(1).to(tl.int64)
+    if DECODE:  # one program per sequence holds all its (few) query rows
+        b = tl.program_id(0)
+        q_lo = 0
+    else:  # virtual tiles: sequence b owns tiles cu[b] // BQ + b ..; the heaviest (last) tiles go first
+        tile = tl.num_programs(0) - 1 - tl.program_id(0)
+        b = find_seq(cu_q_ptr, tile, B, BQ, True)
+        q_lo = (tile - (tl.load(cu_q_ptr + b) // BQ + b)) * BQ
+    q_start = tl.load(cu_q_ptr + b)
+    q_len = tl.load(cu_q_ptr + b + 1) - q_start
+    if q_lo >= q_len:
+        return
+    if PAGED:
+        kv_len = tl.load(kv_len_ptr + b)
+    else:
+        kv_len = q_len
+    o_m = tl.arange(0, BLOCK_M)
+    tok = o_m // REP
+    o_h = kvh * REP + o_m % REP
+    row_ok = (tok < BQ) & (q_lo + tok < q_len)
+    # padding rows take the last position so they see keys (no empty softmax); they are never stored
+    qpos = tl.where(row_ok, kv_len - q_len + q_lo + tok, kv_len - 1)
+    o_d = tl.arange(0, BLOCK_D)
+    rows = (q_start + q_lo + tok).to(tl.int64)
+    m_q = row_ok[:, None] & (o_d[None, :] < D)
+    b_q = tl.load(q_ptr + rows[:, None] * stride_qt + o_h[:, None] * stride_qh + o_d[None, :], mask=m_q, other=0.)
+    if QUANT and b_q.dtype == tl.bfloat16:  # int8 K/V run their dots in fp16 (see kv_codes)
+        b_q = b_q.to(tl.float16)
 
-# ---------------------------------------------------------------------------------------------
-# Triton: attention launchers (kernels in attention_kernels.py)
-# ---------------------------------------------------------------------------------------------
+    k_lo = 0
+    if CAUSAL:
+        k_end = kv_len - q_len + tl.minimum(q_lo + BQ, q_len)
+        k_free = kv_len - q_len + q_lo + 1  # keys every row of the tile sees
+    else:
+        k_end = kv_len
+        k_free = kv_len
+    if SPLIT:
+        k_lo = tl.program_id(2) * SPLIT_LEN
+        k_end = tl.minimum(k_end, k_lo + SPLIT_LEN)
+        if k_lo >= k_end:  # no row of this tile reaches this split; the reduce pass skips it
+            return
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if NEW_KV:
+        prefix = kv_len - q_len
+        acc, m_i, l_i = _attn_span(acc, m_i, l_i, b_q, qpos, k_lo, tl.minimum(k_end, prefix), prefix, prefix, b,
+                                   kvh, 0, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, stride_bt, stride_kb, stride_ks,
+                                   stride_kh, stride_sb, stride_ss, BS, qk_scale, D, BLOCK_N, BLOCK_D, True, QUANT,
+                                   CAUSAL)
+        # its tiles start at `prefix`, off the split grid: keys past k_end belong to the next split
+        acc, m_i, l_i = _attn_span(acc, m_i, l_i, b_q, qpos, tl.maximum(k_lo, prefix), k_end, k_free, k_end, b,
+                                   kvh, q_start - prefix, kn_ptr, vn_ptr, ks_ptr, vs_ptr, bt_ptr, 0, stride_nt, 0,
+                                   stride_nh, 0, 0, 1, qk_scale, D, BLOCK_N, BLOCK_D, False, False, CAUSAL, TMA)
+    else:
+        acc, m_i, l_i = _attn_span(acc, m_i, l_i, b_q, qpos, k_lo, k_end, k_free, kv_len, b, kvh, q_start, k_ptr,
+                                   v_ptr, ks_ptr, vs_ptr, bt_ptr, stride_bt, stride_kb, stride_ks, stride_kh,
+                                   stride_sb, stride_ss, BS, qk_scale, D, BLOCK_N, BLOCK_D, PAGED, QUANT, CAUSAL)
+
+    b_o = acc / tl.where(l_i == 0., 1., l_i)[:, None]
+    p_o = o_ptr + rows[:, None] * stride_ot + o_h[:, None] * stride_oh + o_d[None, :]
+    if SPLIT:
+        split = tl.program_id(2).to(tl.int64)
+        tl.store(p_o + split * stride_os, b_o, mask=m_q)
+        b_lse = tl.where(l_i == 0., float("-inf"), m_i + tl.math.log2(tl.where(l_i == 0., 1., l_i)))
+        tl.store(lse_ptr + (split * T + rows) * HQ + o_h, b_lse, mask=row_ok)
+    else:
+        tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=m_q)
 
 
-def _attn_config(device, dtype, d, rep, decode, max_q, n_seq, hkv):
-    """Tile sizes: (BLOCK_M rows = query tokens x GQA group, BLOCK_N keys, warps, stages)."""
-    m_floor = next_pow2(rep, 16)
-    if interpreting(device):  # tiny tiles so CPU tests cross many tile, split and page boundaries
-        m = next_pow2(max_q * rep, m_floor) if decode else m_floor
-        return dict(BLOCK_M=m, BLOCK_N=16, num_warps=4, num_stages=1)
-    wide = dtype != torch.float32
-    if decode:  # measured on the H200 (bench/kernels.py --sweep): short splits like deeper pipelines
-        long_splits = n_seq * hkv >= num_sms(device) // 4  # few (batch, KV head) pairs: many short splits
-        return dict(BLOCK_M=next_pow2(max_q * rep, m_floor), BLOCK_N=(128 if long_splits else 64) if wide else 32,
-                    num_warps=4, num_stages=(3 if long_splits else 4) if wide else 2)
-    if not wide:  # fp32 runs its dots on FMA units (ieee): small tiles
-        return dict(BLOCK_M=max(m_floor, 32 if d > 128 else 64), BLOCK_N=32, num_warps=4, num_stages=1)
-    # Hopper+: the chunk's new keys by TMA bulk copies (H200, 8K d256: 1.61 vs 1.69 ms; docs/BENCHMARKS.md)
-    tma = torch.cuda.get_device_capability(device)[0] >= 9
-    if d <= 64:
-        return dict(BLOCK_M=max(m_floor, 128), BLOCK_N=64, num_warps=4, num_stages=3, tma=tma)
-    return dict(BLOCK_M=max(m_floor, 128), BLOCK_N=64, num_warps=8, num_stages=3 if d <= 128 else 2, tma=tma)
+@triton.jit
+def attn_reduce_kernel(po_ptr, lse_ptr, o_ptr, cu_q_ptr, kv_len_ptr, B, T, HQ, stride_ot, stride_oh, SPLIT_LEN,
+                       D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Combines the split partials of one (token, head): split s holds keys s*SPLIT_LEN.. and is
+    used by a row iff its position reaches it."""
+    t = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    b = find_seq(cu_q_ptr, t, B, 1, False)
+    q_start = tl.load(cu_q_ptr + b)
+    q_len = tl.load(cu_q_ptr + b + 1) - q_start
+    qpos = tl.load(kv_len_ptr + b) - q_len + (t - q_start)
+    n_split = qpos // SPLIT_LEN + 1
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < D
+    m = tl.full([], float("-inf"), dtype=tl.float32)
+    w = tl.zeros([], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    row = t.to(tl.int64) * HQ + h
+    for s in range(0, n_split):
+        lse = tl.load(lse_ptr + s * T * HQ + row)
+        m_new = tl.maximum(m, lse)
+        alpha = tl.math.exp2(m - m_new)
+        beta = tl.math.exp2(lse - m_new)
+        b_o = tl.load(po_ptr + (s * T * HQ + row) * D + o_d, mask=m_d, other=0.)
+        acc = acc * alpha + b_o * beta
+        w = w * alpha + beta
+        m = m_new
+    tl.store(o_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + o_d, (acc / w).to(o_ptr.dtype.element_ty), mask=m_d)
 
 
 def _num_splits(device, programs, max_kv, block_n, min_keys):
@@ -165,74 +229,8 @@ def _num_splits(device, programs, max_kv, block_n, min_keys):
     return split_length(max_kv, splits, block_n)
 
 
-def _decode_config(device, dtype, d, rep, max_q, n_seq, hkv):
-    """paged_decode_kernel settings (measured on the H200: bench/kernels.py --sweep decode)."""
-    m = next_pow2(max_q * rep, 16)
-    if interpreting(device):
-        return dict(BLOCK_M=m, BLOCK_N=16, num_warps=4, waves=2)
-    if dtype == torch.float32:  # ieee dots on FMA units: small tiles
-        return dict(BLOCK_M=m, BLOCK_N=16, num_warps=4, waves=6)
-    # measured on the H200 (bench/kernels.py --sweep decode, CUDA-graph replay): 32-key tiles, 4 warps;
-    # few (sequence, KV head) pairs: one full wave of programs (3 of 168 registers per SM; 41.9 vs 46.9 us
-    # at 32K x 1 for two waves); many pairs: more, shorter splits (24) and K/V through cp.async
-    # (stages=5: two tiles in flight; 0.50 vs 0.52 ms at 32K x 16)
-    if n_seq * hkv < num_sms(device) // 8:
-        return dict(BLOCK_M=m, BLOCK_N=32, num_warps=4, waves=3)
-    return dict(BLOCK_M=m, BLOCK_N=32, num_warps=4, waves=24, stages=5, maxnreg=168)
-
-
-# settings only the Triton split-K decode kernel reads: a config that names one means that kernel
-_SPLIT_ONLY_KEYS = frozenset({"BLOCK_M", "BLOCK_N", "num_warps", "stages", "words"})
-
-
-def _decode_kind(device, config: dict) -> str:
-    """Default decode kernel: on sm_90, where it was measured (bench/kernels.py --sweep decode,
-    docs/BENCHMARKS.md), the raw-CUDA kernel (attention_cuda.py) where it applies; elsewhere, or for a
-    config with settings of the Triton kernel only, the Triton split-K kernel ("split")."""
-    if _SPLIT_ONLY_KEYS & set(config):
-        return "split"
-    return "cuda" if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9 else "split"
-
-
-def _decode_attention(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, max_q, max_kv, cfg):
-    """Decode / speculative rows: split-K over the context with one program per (sequence, KV head,
-    split), then the splits are merged by a reduce pass. The split count depends only on the batch size, the
-    head counts and max_kv (an upper bound of seq_lens, max_seq_len from the caller), never on device
-    values. cfg (from _decode_config, overridable for the sweep): BLOCK_M, BLOCK_N, num_warps; waves
-    (programs per multiprocessor the splits aim at) or splits; stages (0: register prefetch, >= 2:
-    cp.async pipeline depth); words."""
-    t, hq, d = q.shape
-    hkv, bs = k.shape[-2], k.shape[1]
-    n_seq = cu_q.shape[0] - 1
-    cfg = dict(cfg)
-    block_m, block_n, waves = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("waves")
-    stages = cfg.pop("stages", 0)
-    splits = max(1, min(triton.cdiv(waves * num_sms(q.device), n_seq * hkv), triton.cdiv(max_kv, 2 * block_n)))
-    splits = cfg.pop("splits", splits)
-    splits, split_len = split_length(max_kv, splits, block_n)
-    quant = k.dtype == torch.int8
-    words = (quant and q.dtype != torch.float32 and d % 4 == 0 and k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0
-             and all(st % 4 == 0 for st in k.stride()[:3]) and cfg.pop("words", True))
-    cfg.pop("words", None)
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    out = torch.empty_like(q)
-    o_t, plse, o_s, o_h, o_x = split_outputs(out, splits)
-    sc = ks if quant else k
-    paged_decode_kernel[(n_seq, hkv, splits)](
-        q, k, v, sc, vs if quant else v, o_t, plse, block_tables, cu_q, kv_lens, scale * LOG2E, t,
-        hq, q.stride(0), q.stride(1), o_h, o_x, o_s, k.stride(0), k.stride(1), k.stride(2),
-        ks.stride(0) if quant else 0, ks.stride(1) if quant else 0, block_tables.stride(0), split_len,
-        D=d, REP=hq // hkv, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=next_pow2(d, 16), BS=bs, QUANT=quant,
-        SPLIT=splits > 1, WORDS=words, ASM=words and not interpreting(q.device), STAGES=stages,
-        num_stages=1, **cfg)
-    if splits > 1:
-        reduce_splits(o_t, plse, out, cu_q, kv_lens, split_len)
-    return out
-
-
-def _attention(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, causal, paged, max_q, max_kv, config=None,
-               k_new=None, v_new=None):
+def attention(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, causal, paged, max_q, max_kv, config=None,
+              k_new=None, v_new=None):
     t, hq, d = q.shape
     hkv = k.shape[-2]
     rep = hq // hkv
@@ -246,7 +244,7 @@ def _attention(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, causal, page
         max_kv = int(kv_lens.max()) if paged else max_q
     decode = paged and max_q <= 8
     config = dict(config or {})
-    kind = config.pop("kind", None) or (_decode_kind(q.device, config) if decode else "split")
+    kind = config.pop("kind", None) or (decode_kind(q.device, config) if decode else "split")
     if decode and kind == "cuda":
         out = decode_cuda(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, max_q, max_kv,
                           dict(decode_cuda_config(q.device), **config))
@@ -254,9 +252,9 @@ def _attention(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, causal, page
             return out
         kind, config = "split", {}  # where it does not apply: the Triton kernel below
     if decode and kind == "split":
-        cfg = dict(_decode_config(q.device, q.dtype, d, rep, max_q, n_seq, hkv), **config)
-        return _decode_attention(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, max_q, max_kv, cfg)
-    cfg = dict(_attn_config(q.device, q.dtype, d, rep, decode, max_q, n_seq, hkv), **(config or {}))
+        cfg = dict(decode_config(q.device, q.dtype, d, rep, max_q, n_seq, hkv), **config)
+        return decode_attention(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, max_q, max_kv, cfg)
+    cfg = dict(attn_config(q.device, q.dtype, d, rep, decode, max_q, n_seq, hkv), **(config or {}))
     block_m, block_n = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
     bq = block_m // rep
     grid0 = n_seq if decode else t // bq + n_seq
@@ -299,24 +297,12 @@ def _attention(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, causal, page
     return out
 
 
-def _paged_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, k_scale=None,
-                            v_scale=None, max_query_len=None, max_seq_len=None, k_new=None, v_new=None, *,
-                            config=None):
+def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, k_scale=None,
+                    v_scale=None, max_query_len=None, max_seq_len=None, k_new=None, v_new=None, *,
+                    config=None):
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError("paged_attention: K and V caches must share one layout with a unit inner stride")
     if k_cache.dtype == torch.int8 and k_scale.stride() != v_scale.stride():
         raise ValueError("paged_attention: K and V scale tables must share one layout")
-    return _attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_seqlens_q, seq_lens, scale, True, True,
+    return attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_seqlens_q, seq_lens, scale, True, True,
                       max_query_len, max_seq_len, config, k_new, v_new)
-
-
-def _varlen_attention_triton(q, k, v, cu_seqlens, scale, causal=False, max_seqlen=None, *, config=None):
-    if k.stride(-1) != 1 or k.stride() != v.stride():
-        k, v = k.contiguous(), v.contiguous()
-    return _attention(q, k, v, None, None, None, cu_seqlens, None, scale, causal, False, max_seqlen, max_seqlen,
-                      config)
-
-
-register("write_kv", "triton", _write_kv_triton)
-register("paged_attention", "triton", _paged_attention_triton)
-register("varlen_attention", "triton", _varlen_attention_triton)

@@ -1,13 +1,7 @@
-"""Triton attention: one flash-attention kernel serves prefill chunks over the paged cache, decode
-and speculative rows (split-K over the context, then a reduce pass), and the vision tower's dense
-varlen attention.
-
-Rows of a program tile are (query token, q head of one KV head's group) pairs: row r is token
-r // REP, head kvh * REP + r % REP, so each K/V tile is loaded once for the whole GQA group.
-Query i of a sequence with q_len queries and kv_len keys sits at position kv_len - q_len + i and
-sees keys 0..position (CAUSAL) or all kv_len keys. Scores use exp2 with log2(e) folded into the
-scale; int8 K/V scales (one per key and KV head) multiply score columns and P columns.
-"""
+"""Triton decode attention over the paged cache: decode and speculative rows (few queries a sequence),
+split-K over the context with one program per (sequence, KV head, split), then a reduce pass that merges
+the splits; also the split-K host helpers the flash kernel (triton.py) and the raw-CUDA decode
+(cuda_sm90.py) share. int8 K/V codes become fp16 without int->float instructions (see kv_codes)."""
 
 from __future__ import annotations
 
@@ -15,41 +9,14 @@ import torch
 import triton
 import triton.language as tl
 
+from qv.kernels.triton_utils import find_seq, interpreting, next_pow2, num_sms
+
+
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _find_seq(cu_ptr, x, B, BQ: tl.constexpr, VIRTUAL: tl.constexpr):
-    """Largest b in [0, B) with start(b) <= x; start(b) = cu[b] (tokens) or cu[b] // BQ + b (tiles)."""
-    lo = tl.zeros([], dtype=tl.int32)
-    hi = B - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        v = tl.load(cu_ptr + mid)
-        if VIRTUAL:
-            v = v // BQ + mid
-        if v <= x:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-@triton.jit
-def _kv_offsets(o_n, kv_len, b, kvh, kv_start, bt_ptr, stride_bt, stride_kb, stride_ks, stride_kh,
-                stride_sb, stride_ss, BS, PAGED: tl.constexpr):
-    """int64 offsets of key rows o_n in the K/V storage and in the scale tables (paged only)."""
-    if PAGED:
-        page = tl.load(bt_ptr + b * stride_bt + o_n // BS, mask=o_n < kv_len, other=0).to(tl.int64)
-        off = (o_n % BS).to(tl.int64)
-        return page * stride_kb + off * stride_ks + kvh * stride_kh, page * stride_sb + off * stride_ss + kvh
-    else:
-        rows = (kv_start + o_n).to(tl.int64)
-        return rows * stride_kb + kvh * stride_kh, rows
-
-
-@triton.jit
-def _kv_codes(b_x, dtype: tl.constexpr, QUANT: tl.constexpr):
+def kv_codes(b_x, dtype: tl.constexpr, QUANT: tl.constexpr):
     """A loaded K/V tile in the dot dtype. int8 codes become fp16 without int->float conversion
     instructions (a quarter-rate unit that would bound decode): the bits 0x6480 + c read as fp16
     are 1152 + c exactly. fp32 dots take the exact fp32 conversion."""
@@ -58,190 +25,6 @@ def _kv_codes(b_x, dtype: tl.constexpr, QUANT: tl.constexpr):
             return (b_x.to(tl.int16) + 0x6480).to(tl.float16, bitcast=True) - 1152.0
         return b_x.to(tl.float32).to(dtype)
     return b_x.to(dtype)
-
-
-@triton.jit
-def _attn_tile(acc, m_i, l_i, b_q, qpos, start, kv_len, b, kvh, kv_start, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr,
-               stride_bt, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, BS, qk_scale,
-               D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGED: tl.constexpr,
-               QUANT: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr, TMA: tl.constexpr):
-    """One BLOCK_N-key tile of online softmax. TMA: k_ptr/v_ptr are tensor descriptors over the
-    contiguous rows [T, Hkv * D] (rows past kv_len are masked below; past the tensor, zero-filled)."""
-    o_n = start + tl.arange(0, BLOCK_N)
-    o_d = tl.arange(0, BLOCK_D)
-    m_n = o_n < kv_len
-    m_kd = m_n[:, None] & (o_d[None, :] < D)
-    if TMA:
-        row0 = (kv_start + start).to(tl.int32)
-        b_k = k_ptr.load([row0, (kvh * D).to(tl.int32)])
-    else:
-        kv_off, s_off = _kv_offsets(o_n, kv_len, b, kvh, kv_start, bt_ptr, stride_bt, stride_kb, stride_ks, stride_kh,
-                                    stride_sb, stride_ss, BS, PAGED)
-        b_k = _kv_codes(tl.load(k_ptr + kv_off[:, None] + o_d[None, :], mask=m_kd, other=0.), b_q.dtype, QUANT)
-    b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")  # [BM, BN]
-    if MASK or QUANT:
-        if QUANT:
-            b_s = b_s * tl.load(ks_ptr + s_off, mask=m_n, other=0.)[None, :]
-        b_s = b_s * qk_scale
-        if MASK:
-            vis = m_n[None, :]
-            if CAUSAL:
-                vis = vis & (o_n[None, :] <= qpos[:, None])
-            b_s = tl.where(vis, b_s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(b_s, axis=1))
-        # a row may see no key in this tile (split-K over speculative rows): keep exp2 finite
-        m_safe = tl.where(m_new == float("-inf"), 0., m_new)
-        b_p = tl.math.exp2(b_s - m_safe[:, None])
-    else:  # every score finite: the scale folds into one FMA with the max
-        m_new = tl.maximum(m_i, tl.max(b_s, axis=1) * qk_scale)
-        m_safe = m_new
-        b_p = tl.math.exp2(b_s * qk_scale - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(b_p, axis=1)
-    if TMA:
-        b_v = v_ptr.load([row0, (kvh * D).to(tl.int32)])
-    else:
-        b_v = _kv_codes(tl.load(v_ptr + kv_off[:, None] + o_d[None, :], mask=m_kd, other=0.), b_q.dtype, QUANT)
-    if QUANT:
-        b_p = b_p * tl.load(vs_ptr + s_off, mask=m_n, other=0.)[None, :]
-    acc = tl.dot(b_p.to(b_q.dtype), b_v, acc * alpha[:, None], input_precision="ieee")
-    return acc, m_new, l_i
-
-
-@triton.jit
-def _attn_span(acc, m_i, l_i, b_q, qpos, lo, hi, free, kv_len, b, kvh, kv_start, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr,
-               stride_bt, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, BS, qk_scale,
-               D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGED: tl.constexpr,
-               QUANT: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr = False):
-    """Keys lo..hi-1 (positions; key row kv_start + position when not PAGED, mask n < kv_len): whole
-    tiles below `free` (keys every row sees) skip the mask, the rest are masked."""
-    mid = tl.minimum(free, hi)
-    mid = tl.where(mid > lo, lo + (mid - lo) // BLOCK_N * BLOCK_N, lo)
-    for start in range(lo, mid, BLOCK_N):
-        acc, m_i, l_i = _attn_tile(acc, m_i, l_i, b_q, qpos, start, kv_len, b, kvh, kv_start, k_ptr, v_ptr, ks_ptr,
-                                   vs_ptr, bt_ptr, stride_bt, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss,
-                                   BS, qk_scale, D, BLOCK_N, BLOCK_D, PAGED, QUANT, CAUSAL, False, TMA)
-    for start in range(mid, hi, BLOCK_N):
-        acc, m_i, l_i = _attn_tile(acc, m_i, l_i, b_q, qpos, start, kv_len, b, kvh, kv_start, k_ptr, v_ptr, ks_ptr,
-                                   vs_ptr, bt_ptr, stride_bt, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss,
-                                   BS, qk_scale, D, BLOCK_N, BLOCK_D, PAGED, QUANT, CAUSAL, True, TMA)
-    return acc, m_i, l_i
-
-
-@triton.jit
-def attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, lse_ptr, bt_ptr, cu_q_ptr, kv_len_ptr, kn_ptr, vn_ptr,
-    qk_scale, B, T, HQ,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_os,
-    stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, stride_bt, BS, SPLIT_LEN, stride_nt, stride_nh,
-    D: tl.constexpr, REP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGED: tl.constexpr, QUANT: tl.constexpr, CAUSAL: tl.constexpr, DECODE: tl.constexpr, SPLIT: tl.constexpr,
-    NEW_KV: tl.constexpr, TMA: tl.constexpr = False,
-):
-    """NEW_KV (paged prefill): the chunk's own keys (positions kv_len - q_len ..) are read from the
-    packed K/V it was written from (kn_ptr/vn_ptr [T, Hkv, D], rows like q's), contiguous rows
-    instead of 16-token pages; only the cached prefix comes from the pages. TMA: kn_ptr/vn_ptr are
-    tensor descriptors of them (Hopper's bulk copies; sm_90+)."""
-    BQ: tl.constexpr = BLOCK_M // REP
-    kvh = tl.program_id(1).to(tl.int64)
-    if DECODE:  # one program per sequence holds all its (few) query rows
-        b = tl.program_id(0)
-        q_lo = 0
-    else:  # virtual tiles: sequence b owns tiles cu[b] // BQ + b ..; the heaviest (last) tiles go first
-        tile = tl.num_programs(0) - 1 - tl.program_id(0)
-        b = _find_seq(cu_q_ptr, tile, B, BQ, True)
-        q_lo = (tile - (tl.load(cu_q_ptr + b) // BQ + b)) * BQ
-    q_start = tl.load(cu_q_ptr + b)
-    q_len = tl.load(cu_q_ptr + b + 1) - q_start
-    if q_lo >= q_len:
-        return
-    if PAGED:
-        kv_len = tl.load(kv_len_ptr + b)
-    else:
-        kv_len = q_len
-    o_m = tl.arange(0, BLOCK_M)
-    tok = o_m // REP
-    o_h = kvh * REP + o_m % REP
-    row_ok = (tok < BQ) & (q_lo + tok < q_len)
-    # padding rows take the last position so they see keys (no empty softmax); they are never stored
-    qpos = tl.where(row_ok, kv_len - q_len + q_lo + tok, kv_len - 1)
-    o_d = tl.arange(0, BLOCK_D)
-    rows = (q_start + q_lo + tok).to(tl.int64)
-    m_q = row_ok[:, None] & (o_d[None, :] < D)
-    b_q = tl.load(q_ptr + rows[:, None] * stride_qt + o_h[:, None] * stride_qh + o_d[None, :], mask=m_q, other=0.)
-    if QUANT and b_q.dtype == tl.bfloat16:  # int8 K/V run their dots in fp16 (see _kv_codes)
-        b_q = b_q.to(tl.float16)
-
-    k_lo = 0
-    if CAUSAL:
-        k_end = kv_len - q_len + tl.minimum(q_lo + BQ, q_len)
-        k_free = kv_len - q_len + q_lo + 1  # keys every row of the tile sees
-    else:
-        k_end = kv_len
-        k_free = kv_len
-    if SPLIT:
-        k_lo = tl.program_id(2) * SPLIT_LEN
-        k_end = tl.minimum(k_end, k_lo + SPLIT_LEN)
-        if k_lo >= k_end:  # no row of this tile reaches this split; the reduce pass skips it
-            return
-
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if NEW_KV:
-        prefix = kv_len - q_len
-        acc, m_i, l_i = _attn_span(acc, m_i, l_i, b_q, qpos, k_lo, tl.minimum(k_end, prefix), prefix, prefix, b,
-                                   kvh, 0, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, stride_bt, stride_kb, stride_ks,
-                                   stride_kh, stride_sb, stride_ss, BS, qk_scale, D, BLOCK_N, BLOCK_D, True, QUANT,
-                                   CAUSAL)
-        # its tiles start at `prefix`, off the split grid: keys past k_end belong to the next split
-        acc, m_i, l_i = _attn_span(acc, m_i, l_i, b_q, qpos, tl.maximum(k_lo, prefix), k_end, k_free, k_end, b,
-                                   kvh, q_start - prefix, kn_ptr, vn_ptr, ks_ptr, vs_ptr, bt_ptr, 0, stride_nt, 0,
-                                   stride_nh, 0, 0, 1, qk_scale, D, BLOCK_N, BLOCK_D, False, False, CAUSAL, TMA)
-    else:
-        acc, m_i, l_i = _attn_span(acc, m_i, l_i, b_q, qpos, k_lo, k_end, k_free, kv_len, b, kvh, q_start, k_ptr,
-                                   v_ptr, ks_ptr, vs_ptr, bt_ptr, stride_bt, stride_kb, stride_ks, stride_kh,
-                                   stride_sb, stride_ss, BS, qk_scale, D, BLOCK_N, BLOCK_D, PAGED, QUANT, CAUSAL)
-
-    b_o = acc / tl.where(l_i == 0., 1., l_i)[:, None]
-    p_o = o_ptr + rows[:, None] * stride_ot + o_h[:, None] * stride_oh + o_d[None, :]
-    if SPLIT:
-        split = tl.program_id(2).to(tl.int64)
-        tl.store(p_o + split * stride_os, b_o, mask=m_q)
-        b_lse = tl.where(l_i == 0., float("-inf"), m_i + tl.math.log2(tl.where(l_i == 0., 1., l_i)))
-        tl.store(lse_ptr + (split * T + rows) * HQ + o_h, b_lse, mask=row_ok)
-    else:
-        tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=m_q)
-
-
-@triton.jit
-def attn_reduce_kernel(po_ptr, lse_ptr, o_ptr, cu_q_ptr, kv_len_ptr, B, T, HQ, stride_ot, stride_oh, SPLIT_LEN,
-                       D: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Combines the split partials of one (token, head): split s holds keys s*SPLIT_LEN.. and is
-    used by a row iff its position reaches it."""
-    t = tl.program_id(0)
-    h = tl.program_id(1).to(tl.int64)
-    b = _find_seq(cu_q_ptr, t, B, 1, False)
-    q_start = tl.load(cu_q_ptr + b)
-    q_len = tl.load(cu_q_ptr + b + 1) - q_start
-    qpos = tl.load(kv_len_ptr + b) - q_len + (t - q_start)
-    n_split = qpos // SPLIT_LEN + 1
-    o_d = tl.arange(0, BLOCK_D)
-    m_d = o_d < D
-    m = tl.full([], float("-inf"), dtype=tl.float32)
-    w = tl.zeros([], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    row = t.to(tl.int64) * HQ + h
-    for s in range(0, n_split):
-        lse = tl.load(lse_ptr + s * T * HQ + row)
-        m_new = tl.maximum(m, lse)
-        alpha = tl.math.exp2(m - m_new)
-        beta = tl.math.exp2(lse - m_new)
-        b_o = tl.load(po_ptr + (s * T * HQ + row) * D + o_d, mask=m_d, other=0.)
-        acc = acc * alpha + b_o * beta
-        w = w * alpha + beta
-        m = m_new
-    tl.store(o_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + o_d, (acc / w).to(o_ptr.dtype.element_ty), mask=m_d)
 
 
 @triton.jit
@@ -270,7 +53,7 @@ def _decode_codes(b_x, dtype: tl.constexpr, QUANT: tl.constexpr, WORDS: tl.const
     if WORDS:
         b_y = _kv_words_f16(b_x, ASM)
     else:
-        b_y = _kv_codes(b_x, dtype, QUANT)
+        b_y = kv_codes(b_x, dtype, QUANT)
     return b_y
 
 
@@ -341,7 +124,7 @@ def paged_decode_kernel(
     registers held per tile in flight; the block-table load is pipelined one stage ahead of K/V).
 
     SPLIT: o_ptr/lse_ptr are per-split fp32 partials and their base-2 log-sum-exps (decode_reduce_kernel
-    merges them; merging in this launch measured slower on the H200, docs/BENCHMARKS.md)."""
+    merges them; merging in this launch measured slower: bench/kernels.py --sweep decode)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1).to(tl.int64)
     q_start = tl.load(cu_q_ptr + b)
@@ -360,7 +143,7 @@ def paged_decode_kernel(
     rows = (q_start + tok).to(tl.int64)
     m_q = row_ok[:, None] & (o_d[None, :] < D)
     b_q = tl.load(q_ptr + rows[:, None] * stride_qt + o_h[:, None] * stride_qh + o_d[None, :], mask=m_q, other=0.)
-    if QUANT and b_q.dtype == tl.bfloat16:  # int8 K/V run their dots in fp16 (see _kv_codes)
+    if QUANT and b_q.dtype == tl.bfloat16:  # int8 K/V run their dots in fp16 (see kv_codes)
         b_q = b_q.to(tl.float16)
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -413,7 +196,7 @@ def decode_reduce_kernel(po_ptr, lse_ptr, o_ptr, cu_q_ptr, kv_len_ptr, B, T, HQ,
     past the N_SPLITS written, even if a caller's max_seq_len undercounted a sequence)."""
     t = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
-    b = _find_seq(cu_q_ptr, t, B, 1, False)
+    b = find_seq(cu_q_ptr, t, B, 1, False)
     q_start = tl.load(cu_q_ptr + b)
     q_len = tl.load(cu_q_ptr + b + 1) - q_start
     n_split = tl.minimum((tl.load(kv_len_ptr + b) - q_len + (t - q_start)) // SPLIT_LEN + 1, N_SPLITS)
@@ -438,11 +221,6 @@ def decode_reduce_kernel(po_ptr, lse_ptr, o_ptr, cu_q_ptr, kv_len_ptr, B, T, HQ,
     tl.store(o_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + o_d, (acc / w).to(o_ptr.dtype.element_ty), mask=m_d)
 
 
-# ---------------------------------------------------------------------------------------------
-# host helpers of split-K attention (the Triton launchers in attention.py and the CUDA decode share them)
-# ---------------------------------------------------------------------------------------------
-
-
 def split_length(max_kv: int, splits: int, unit: int) -> tuple[int, int]:
     """(splits, keys a split) for about `splits` parts of max_kv keys, each a multiple of `unit` keys."""
     split_len = triton.cdiv(triton.cdiv(max_kv, splits), unit) * unit
@@ -464,12 +242,49 @@ def split_outputs(out, splits: int):
 def reduce_splits(part, lse, out, cu_q, kv_lens, split_len, block_d=None):
     """out = the merge of the decode splits' fp32 partials [splits, T, Hq, D] and their base-2 log-sum-exps
     [splits, T, Hq] (decode_reduce_kernel). All splits of a (token, head, column slice) in one step (up to
-    256): one round of loads (H200, 32K x 1, 171 splits: 64 at a time, three dependent steps, took 8.4
-    us). block_d: head dims a program merges (default: up to 4096 values a program)."""
+    256): one round of loads, where fewer at a time cost dependent steps at long contexts. block_d: head dims
+    a program merges (default: up to 4096 values a program)."""
     splits, t, hq, d = part.shape
     bs = min(triton.next_power_of_2(splits), 256)
     bd = block_d or min(triton.next_power_of_2(d), max(16, 4096 // bs))
     decode_reduce_kernel[(t, hq, triton.cdiv(d, bd))](part, lse, out, cu_q, kv_lens, cu_q.shape[0] - 1, t, hq,
                                                       out.stride(0), out.stride(1), split_len, splits, D=d,
                                                       BLOCK_D=bd, BLOCK_S=bs)
+    return out
+
+
+def decode_attention(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, max_q, max_kv, cfg):
+    """Decode / speculative rows: split-K over the context with one program per (sequence, KV head,
+    split), then the splits are merged by a reduce pass. The split count depends only on the batch size, the
+    head counts and max_kv (an upper bound of seq_lens, max_seq_len from the caller), never on device
+    values. cfg (from configs.decode_config, overridable for the sweep): BLOCK_M, BLOCK_N, num_warps; waves
+    (programs per multiprocessor the splits aim at) or splits; stages (0: register prefetch, >= 2:
+    cp.async pipeline depth); words."""
+    t, hq, d = q.shape
+    hkv, bs = k.shape[-2], k.shape[1]
+    n_seq = cu_q.shape[0] - 1
+    cfg = dict(cfg)
+    block_m, block_n, waves = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("waves")
+    stages = cfg.pop("stages", 0)
+    splits = max(1, min(triton.cdiv(waves * num_sms(q.device), n_seq * hkv), triton.cdiv(max_kv, 2 * block_n)))
+    splits = cfg.pop("splits", splits)
+    splits, split_len = split_length(max_kv, splits, block_n)
+    quant = k.dtype == torch.int8
+    words = (quant and q.dtype != torch.float32 and d % 4 == 0 and k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0
+             and all(st % 4 == 0 for st in k.stride()[:3]) and cfg.pop("words", True))
+    cfg.pop("words", None)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    out = torch.empty_like(q)
+    o_t, plse, o_s, o_h, o_x = split_outputs(out, splits)
+    sc = ks if quant else k
+    paged_decode_kernel[(n_seq, hkv, splits)](
+        q, k, v, sc, vs if quant else v, o_t, plse, block_tables, cu_q, kv_lens, scale * LOG2E, t,
+        hq, q.stride(0), q.stride(1), o_h, o_x, o_s, k.stride(0), k.stride(1), k.stride(2),
+        ks.stride(0) if quant else 0, ks.stride(1) if quant else 0, block_tables.stride(0), split_len,
+        D=d, REP=hq // hkv, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=next_pow2(d, 16), BS=bs, QUANT=quant,
+        SPLIT=splits > 1, WORDS=words, ASM=words and not interpreting(q.device), STAGES=stages,
+        num_stages=1, **cfg)
+    if splits > 1:
+        reduce_splits(o_t, plse, out, cu_q, kv_lens, split_len)
     return out
