@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernel_inputs import gptq_inputs  # noqa: E402
 from kernels import ceilings, graph_ms  # noqa: E402
 from qv.kernels import cuda_build  # noqa: E402
-from qv.kernels.linear_gptq import _linear_triton  # noqa: E402
-from qv.kernels.reference import dequantize_gptq  # noqa: E402
+from qv.kernels.linear.reference import dequantize_gptq  # noqa: E402
+from qv.kernels.linear.triton import linear as linear_triton  # noqa: E402
 
 DEV = torch.device("cuda")
 # (name, K, N) of every linear in a 27B decoder layer (GDN qkvz and out, attention qkv and o, the MLP)
@@ -55,9 +55,9 @@ def main() -> None:
             times = {}
             for cfg in [None] + (SWEEP if args.sweep else []):
                 try:
-                    y = _linear_triton(x, w, config=cfg)
+                    y = linear_triton(x, w, config=cfg)
                     err = ((y.float() - ref).norm() / ref.norm()).item()
-                    t = graph_ms([lambda c=cfg: _linear_triton(x, w, config=c)])
+                    t = graph_ms([lambda c=cfg: linear_triton(x, w, config=c)])
                 except Exception as e:  # a config that does not compile is reported, not fatal
                     print(f"    {name} M={m} {cfg}: failed {type(e).__name__}: {str(e)[:120]}", flush=True)
                     continue

@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernel_inputs import decode_inputs, gptq_inputs  # noqa: E402
 from qv.kernels import cuda_build  # noqa: E402
-from qv.kernels.attention import _paged_attention_triton  # noqa: E402
-from qv.kernels.linear_gptq import _linear_triton  # noqa: E402
+from qv.kernels.linear.triton import linear as linear_triton  # noqa: E402
+from qv.kernels.paged_attention.triton import paged_attention as paged_attention_triton  # noqa: E402
 
 
 cuda_build.EAGER_ALWAYS = True  # eager calls run the raw-CUDA kernels too (their GPU time is measured)
@@ -50,10 +50,10 @@ def main():
     spec = decode_inputs(1024, 1, dev, 4)
     w, x1 = gptq_inputs(5120, 5120, 1, dev)
     x4 = torch.randn(4, 5120, device=dev, dtype=torch.float16)
-    cases = [("decode 1K x1", lambda c: _paged_attention_triton(*dec, config=c), "cuda", "split"),
-             ("decode 1K x1, 4 query tokens", lambda c: _paged_attention_triton(*spec, config=c), "cuda", "split"),
-             ("GEMV 5120->5120 M=1", lambda c: _linear_triton(x1, w, config=c), "cuda", "fma"),
-             ("GEMV 5120->5120 M=4", lambda c: _linear_triton(x4, w, config=c), "cuda", "mma")]
+    cases = [("decode 1K x1", lambda c: paged_attention_triton(*dec, config=c), "cuda", "split"),
+             ("decode 1K x1, 4 query tokens", lambda c: paged_attention_triton(*spec, config=c), "cuda", "split"),
+             ("GEMV 5120->5120 M=1", lambda c: linear_triton(x1, w, config=c), "cuda", "fma"),
+             ("GEMV 5120->5120 M=4", lambda c: linear_triton(x4, w, config=c), "cuda", "mma")]
     print("| call | raw CUDA (CuPy launch) us | Triton us |\n|---|---|---|")
     for name, fn, ours, twin in cases:
         print(f"| {name} | {host_us(lambda: fn(dict(kind=ours)), args.calls):.1f} | "

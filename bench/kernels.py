@@ -30,12 +30,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpu_profile import kernel_times  # noqa: E402
 from kernel_inputs import GDN_INDEX_ARGS, attention_inputs, decode_inputs, gdn_inputs, gptq_inputs  # noqa: E402
 from qv.kernels import cuda_build  # noqa: E402
-from qv.kernels.attention import _paged_attention_triton, _varlen_attention_triton  # noqa: E402
-from qv.kernels.gdn import _gated_delta_rule_triton  # noqa: E402
-from qv.kernels.gdn_chunk import SWEEP_CONFIGS as GDN_CHUNK_SWEEP  # noqa: E402
-from qv.kernels.gdn_prep import chunk_prep, chunk_prep_split  # noqa: E402
-from qv.kernels.linear_gptq import _linear_triton  # noqa: E402
-from qv.kernels.reference import dequantize_gptq  # noqa: E402
+from qv.kernels.gated_delta_rule.configs import SWEEP_CONFIGS as GDN_CHUNK_SWEEP  # noqa: E402
+from qv.kernels.gated_delta_rule.triton import gated_delta_rule as gated_delta_rule_triton  # noqa: E402
+from qv.kernels.gated_delta_rule.triton_prep import chunk_prep, chunk_prep_split  # noqa: E402
+from qv.kernels.linear.reference import dequantize_gptq  # noqa: E402
+from qv.kernels.linear.triton import linear as linear_triton  # noqa: E402
+from qv.kernels.paged_attention.triton import paged_attention as paged_attention_triton  # noqa: E402
+from qv.kernels.varlen_attention.triton import varlen_attention as varlen_attention_triton  # noqa: E402
 
 DEV = torch.device("cuda")
 L2_BYTES = 60 << 20
@@ -144,7 +145,7 @@ def bench_prefill_attention(lim, sweep):
         flops = 4 * n * n * 256 * 24 / 2
         best = (float("inf"), None)
         for cfg in (configs if n == 8192 else [best_cfg.get("attn")]):
-            t = try_time(lambda: _paged_attention_triton(*inp["paged"], config=cfg), 500)
+            t = try_time(lambda: paged_attention_triton(*inp["paged"], config=cfg), 500)
             if sweep and n == 8192:
                 print(f"    attn 8K {cfg}: {t:.3f} ms ({flops / t / 1e9:.0f} TFLOP/s)", flush=True)
             best = min(best, (t, cfg), key=lambda x: x[0])
@@ -178,12 +179,12 @@ def attention_variants(inp, flops, cfg):
     k_dense, v_dense = ks[0].transpose(0, 1).contiguous(), vs[0].transpose(0, 1).contiguous()  # [n, 4, 256]
     report = lambda name, t, fl=flops: print(f"    attn 8K {name}: {t:.3f} ms ({fl / t / 1e9:.0f} TFLOP/s)",  # noqa: E731
                                              flush=True)
-    report("ours, contiguous K/V (varlen path)", try_time(lambda: _varlen_attention_triton(
+    report("ours, contiguous K/V (varlen path)", try_time(lambda: varlen_attention_triton(
         q, k_dense, v_dense, cu, scale, causal=True, max_seqlen=n, config=cfg), 500))
-    report("ours, not causal (all keys)", try_time(lambda: _varlen_attention_triton(
+    report("ours, not causal (all keys)", try_time(lambda: varlen_attention_triton(
         q, k_dense, v_dense, cu, scale, causal=False, max_seqlen=n, config=cfg), 500), 2 * flops)
     q128, k128, v128 = q[..., :128].contiguous(), k_dense[..., :128].contiguous(), v_dense[..., :128].contiguous()
-    report("ours, head_dim 128", try_time(lambda: _varlen_attention_triton(
+    report("ours, head_dim 128", try_time(lambda: varlen_attention_triton(
         q128, k128, v128, cu, scale, causal=True, max_seqlen=n), 500), flops / 2)
     qs128, ks128, vs128 = (x[..., :128].contiguous() for x in (qs, ks, vs))
     ke, ve = ks.repeat_interleave(6, 1), vs.repeat_interleave(6, 1)
@@ -201,9 +202,9 @@ def bench_gdn_chunk(lim, sweep, fla):
         inp = gdn_inputs(n, 1, DEV, torch.bfloat16)
         best = (float("inf"), None)
         for cfg in (configs if n == 8192 else [best_cfg.get("gdn")]):
-            t = try_time(lambda: _gated_delta_rule_triton(*inp["ours"], max_query_len=n, config=cfg))
+            t = try_time(lambda: gated_delta_rule_triton(*inp["ours"], max_query_len=n, config=cfg))
             if sweep and n == 8192:
-                _, text = kernel_breakdown(lambda: _gated_delta_rule_triton(*inp["ours"], max_query_len=n, config=cfg))
+                _, text = kernel_breakdown(lambda: gated_delta_rule_triton(*inp["ours"], max_query_len=n, config=cfg))
                 print(f"    gdn chunk 8K {cfg}: {t:.3f} ms; {text}", flush=True)
             best = min(best, (t, cfg), key=lambda x: x[0])
         if n == 8192:
@@ -213,7 +214,7 @@ def bench_gdn_chunk(lim, sweep, fla):
         t_split = median_ms(lambda: chunk_prep_split(ik[1], ik[2], ik[3], ik[4], ik[5], ik[6], ik[8], 48))
         print(f"    gdn chunk {n // 1024}K: prep alone: split (the default) {t_split:.3f} ms, fused (prep=fused) "
               f"{t_prep:.3f} ms", flush=True)
-        gpu_ours, text = kernel_breakdown(lambda: _gated_delta_rule_triton(*inp["ours"], max_query_len=n,
+        gpu_ours, text = kernel_breakdown(lambda: gated_delta_rule_triton(*inp["ours"], max_query_len=n,
                                                                            config=best[1]))
         print(f"    gdn chunk {n // 1024}K ours by kernel: {text}", flush=True)
         t_fla, gpu_fla, note = None, None, "fla not installed"
@@ -264,8 +265,8 @@ def bench_gdn_step(lim, sweep, fla):
             sets = share_index_tensors([nxt() for _ in range(n_sets)])
             best = (float("inf"), None, None)
             for cfg in cfgs:
-                t_dob = try_time(lambda: _gated_delta_rule_triton(*nxt()["ours"], max_query_len=1, config=cfg))
-                tg = graph_ms([lambda i=i: _gated_delta_rule_triton(*i["ours"], max_query_len=1, config=cfg)
+                t_dob = try_time(lambda: gated_delta_rule_triton(*nxt()["ours"], max_query_len=1, config=cfg))
+                tg = graph_ms([lambda i=i: gated_delta_rule_triton(*i["ours"], max_query_len=1, config=cfg)
                                for i in sets]) if t_dob < 1e9 else None
                 if sweep:
                     print(f"    gdn step b{batch} {state} {cfg}: graph {tg * 1e3 if tg else float('nan'):.1f} us, "
@@ -315,7 +316,7 @@ def fla_step_time(fla, sets):
         return None, "FLA call failed"
 
 
-# decode variants over the default (the raw-CUDA kernel on sm_90: attention_cuda.py): "split" is the
+# decode variants over the default (the raw-CUDA kernel on sm_90: paged_attention/cuda_sm90.py): "split" is the
 # Triton split-K kernel (always timed, as the previous kernel), whose stages pipeline K/V through
 # cp.async (maxnreg=168 keeps 3 programs per SM) and waves trade split count against per-program
 # prologue/epilogue; the CUDA kernel's min_blocks is its register cap, waves its rounds of blocks
@@ -335,15 +336,15 @@ def bench_decode(lim, sweep):
         cfgs = [None, OLD_DECODE] + (DECODE_SWEEP if sweep and batch == 1 and q_len == 1 else [])
         times = {}
         for cfg in cfgs:
-            t = try_time(lambda: _paged_attention_triton(*inp, config=cfg), 200)
-            tg = graph_ms([lambda i=i: _paged_attention_triton(*i, config=cfg) for i in sets]) if t < 1e9 else None
+            t = try_time(lambda: paged_attention_triton(*inp, config=cfg), 200)
+            tg = graph_ms([lambda i=i: paged_attention_triton(*i, config=cfg) for i in sets]) if t < 1e9 else None
             times[repr(cfg)] = (tg or t, t)
             print(f"    decode {ctx} b{batch} q{q_len} {cfg}: {t * 1e3:.1f} us ({nbytes / t / 1e9:.2f} TB/s); graph "
                   f"{tg * 1e3 if tg else float('nan'):.1f} us ({nbytes / tg / 1e9 if tg else 0:.2f} TB/s)", flush=True)
         tg, t = times[repr(None)]
         old = times[repr(OLD_DECODE)][0]
         if batch == 1 and q_len == 1:  # where the time goes (decode and split-merge kernels), by torch.profiler
-            print(f"    decode {ctx} b1 kernels: {kernel_breakdown(lambda: _paged_attention_triton(*inp))[1]}",
+            print(f"    decode {ctx} b1 kernels: {kernel_breakdown(lambda: paged_attention_triton(*inp))[1]}",
                   flush=True)
         tbs = nbytes / (tg * 1e-3) / 1e12
         pct = tbs / lim["copy_tbs"]
@@ -355,7 +356,7 @@ def bench_decode(lim, sweep):
         del inp, sets
 
 
-# kinds: "cuda" (the default on sm_90: linear_cuda.py), "mma" (its Triton twin), "fma" (CUDA cores),
+# kinds: "cuda" (the default on sm_90: linear/cuda_sm90.py), "mma" (its Triton twin), "fma" (CUDA cores),
 # "dot" (x on the wide side of the MMA)
 GEMV_SWEEP = [dict(kind="dot"), dict(kind="fma"), dict(kind="mma"),
               dict(kind="mma", BLOCK_N=64, BLOCK_K=128, waves=8)] + [
@@ -379,10 +380,10 @@ def bench_gemv(lim, sweep):
             xh = x.to(torch.float16)
             y_ref = F.linear(xh, wd).float()
             for cfg in cfgs:
-                t = try_time(lambda: _linear_triton(x, w, config=cfg))
-                tg = graph_ms([lambda s=s: _linear_triton(s[1], s[0], config=cfg) for s in sets]) if t < 1e9 else None
+                t = try_time(lambda: linear_triton(x, w, config=cfg))
+                tg = graph_ms([lambda s=s: linear_triton(s[1], s[0], config=cfg) for s in sets]) if t < 1e9 else None
                 if sweep and t < 1e9:
-                    err = ((_linear_triton(x, w, config=cfg).float() - y_ref).abs().max() / y_ref.abs().max()).item()
+                    err = ((linear_triton(x, w, config=cfg).float() - y_ref).abs().max() / y_ref.abs().max()).item()
                     print(f"    gemv {k}->{n} m{m} {cfg}: {t * 1e3:.1f} us ({nbytes / t / 1e9:.2f} TB/s); graph "
                           f"{tg * 1e3 if tg else float('nan'):.1f} us ({nbytes / tg / 1e9 if tg else 0:.2f} TB/s); "
                           f"max err vs cuBLAS {err:.1e}", flush=True)
@@ -405,7 +406,7 @@ def bench_gemm(lim, sweep):
         cfgs = [None] + (GEMM_SWEEP if sweep and k == 5120 else [])
         best = (float("inf"), None)
         for cfg in cfgs:
-            t = try_time(lambda: _linear_triton(x, w, config=cfg), 500)
+            t = try_time(lambda: linear_triton(x, w, config=cfg), 500)
             if sweep:
                 print(f"    gemm {k}->{n} {cfg}: {t:.3f} ms ({flops / t / 1e9:.0f} TFLOP/s)", flush=True)
             best = min(best, (t, cfg), key=lambda x_: x_[0])

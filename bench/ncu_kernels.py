@@ -22,10 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernel_inputs import attention_inputs, decode_inputs, gdn_inputs, gptq_inputs  # noqa: E402
 from kernels import fla_chunk_call, fla_step_call  # noqa: E402
 from qv.kernels import cuda_build  # noqa: E402
-from qv.kernels.attention import _paged_attention_triton  # noqa: E402
-from qv.kernels.gdn import _gated_delta_rule_triton  # noqa: E402
-from qv.kernels.linear_gptq import _linear_triton  # noqa: E402
-from qv.kernels.reference import dequantize_gptq  # noqa: E402
+from qv.kernels.gated_delta_rule.triton import gated_delta_rule as gated_delta_rule_triton  # noqa: E402
+from qv.kernels.linear.reference import dequantize_gptq  # noqa: E402
+from qv.kernels.linear.triton import linear as linear_triton  # noqa: E402
+from qv.kernels.paged_attention.triton import paged_attention as paged_attention_triton  # noqa: E402
 
 DEV = torch.device("cuda")
 
@@ -36,14 +36,14 @@ cuda_build.EAGER_ALWAYS = True  # eager calls run the raw-CUDA kernels too (thei
 def decode_cases():
     for ctx, batch in ((32768, 1), (32768, 16), (131072, 1)):
         inp = decode_inputs(ctx, batch, DEV)
-        yield f"decode ctx{ctx // 1024}K b{batch}", lambda inp=inp: _paged_attention_triton(*inp)
+        yield f"decode ctx{ctx // 1024}K b{batch}", lambda inp=inp: paged_attention_triton(*inp)
 
 
 def gemv_cases():
     for k, n in ((5120, 34816), (17408, 5120)):
         for m in (1, 4):
             w, x = gptq_inputs(k, n, m, DEV)
-            yield f"gemv {k}->{n} M={m}", lambda x=x, w=w: _linear_triton(x, w)
+            yield f"gemv {k}->{n} M={m}", lambda x=x, w=w: linear_triton(x, w)
             if m == 4:
                 wd = dequantize_gptq(w).half()
                 yield f"cublas fp16 {k}->{n} M={m}", lambda x=x, wd=wd: F.linear(x, wd)
@@ -51,7 +51,7 @@ def gemv_cases():
 
 def gdn_cases(fla):
     inp = gdn_inputs(8192, 1, DEV, torch.bfloat16)
-    yield "gdn chunk 8K ours", lambda: _gated_delta_rule_triton(*inp["ours"], max_query_len=8192)
+    yield "gdn chunk 8K ours", lambda: gated_delta_rule_triton(*inp["ours"], max_query_len=8192)
     if fla is not None:
         yield "gdn chunk 8K fla", fla_chunk_call(fla, inp)
 
@@ -59,14 +59,14 @@ def gdn_cases(fla):
 def step_cases(fla):
     for batch in (1, 32):
         inp = gdn_inputs(1, batch, DEV, torch.bfloat16)
-        yield f"gdn step b{batch} ours", lambda inp=inp: _gated_delta_rule_triton(*inp["ours"], max_query_len=1)
+        yield f"gdn step b{batch} ours", lambda inp=inp: gated_delta_rule_triton(*inp["ours"], max_query_len=1)
         if fla is not None:
             yield f"gdn step b{batch} fla", lambda inp=inp: fla_step_call(fla, inp)
 
 
 def attn_cases():
     inp = attention_inputs(8192, DEV)
-    yield "attn 8K ours", lambda: _paged_attention_triton(*inp["paged"])
+    yield "attn 8K ours", lambda: paged_attention_triton(*inp["paged"])
     q, k, v = inp["sdpa"]
     yield "attn 8K sdpa", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 

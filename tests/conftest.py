@@ -1,6 +1,6 @@
 """Shared fixtures. On machines without CUDA, Triton kernels run through the interpreter, so the
 CPU suite exercises the real kernel source at tiny shapes (TRITON_INTERPRET must be set before
-triton is imported, hence here)."""
+triton is imported, hence here; triton_interpreter.py then makes its bf16 behave as on the GPU)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,11 @@ if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from triton_interpreter import patch_bf16
+
+    patch_bf16()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,15 +1,34 @@
-"""qv's op table. Every op has a reference (qv/kernels/reference.py) and kernels selected per
-device and backend (see registry.py). Model code calls only these functions."""
+"""qv's ops. Model code calls only the functions exported here.
 
-from qv.kernels import elementwise as _elementwise  # noqa: F401  (registers Triton kernels)
-from qv.kernels import linear_gptq as _linear_gptq  # noqa: F401
-from qv.kernels import norms as _norms  # noqa: F401
-from qv.kernels import reference as _reference  # noqa: F401  (registers the reference ops)
-from qv.kernels.attention import paged_attention, varlen_attention, write_kv
-from qv.kernels.fused import gated_rms_norm, gelu, layer_norm, rms_norm, rope, rotary_embed, sigmoid_mul, silu_mul
-from qv.kernels.gdn import causal_conv1d, gated_delta_rule
-from qv.kernels.linear import GPTQWeight, linear, lora_delta
+Each op has a folder, qv/kernels/<op>/: its public wrapper with the shape docstring (__init__.py), its fp32
+PyTorch reference, the spec and oracle of every kernel (reference.py: float32 throughout, exact softmax,
+cast to the activation dtype at the end; ops that update caches or states in place do so there too), one
+file per implementation (triton*.py; cuda_sm90.py with its .cu for the raw-CUDA paths) and, where settings
+were chosen by measurement, configs.py. registry.TABLE lists every op's implementation per backend.
+
+The folders share their names with the functions exported here, so `qv.kernels.rms_norm` is the function:
+import an op's modules as `from qv.kernels.rms_norm import triton` (not `import qv.kernels.rms_norm.triton`).
+"""
+
+from qv.kernels import registry
+from qv.kernels.causal_conv1d import causal_conv1d
+from qv.kernels.gated_delta_rule import gated_delta_rule
+from qv.kernels.gated_rms_norm import gated_rms_norm
+from qv.kernels.gelu import gelu
+from qv.kernels.layer_norm import layer_norm
+from qv.kernels.linear import GPTQWeight, linear
+from qv.kernels.lora_delta import lora_delta
+from qv.kernels.paged_attention import paged_attention
 from qv.kernels.registry import backend, get_backend, ops, set_backend
+from qv.kernels.rms_norm import rms_norm
+from qv.kernels.rope import rope
+from qv.kernels.rotary_embed import rotary_embed
+from qv.kernels.sigmoid_mul import sigmoid_mul
+from qv.kernels.silu_mul import silu_mul
+from qv.kernels.varlen_attention import varlen_attention
+from qv.kernels.write_kv import write_kv
+
+registry.load()
 
 __all__ = [
     "GPTQWeight", "backend", "causal_conv1d", "gated_delta_rule", "gated_rms_norm", "gelu", "get_backend",

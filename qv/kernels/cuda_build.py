@@ -1,4 +1,4 @@
-"""Building and launching qv's raw-CUDA kernels (the .cu files beside this module): NVRTC compiles a
+"""Building and launching qv's raw-CUDA kernels (the .cu files in the op folders): NVRTC compiles a
 template instantiation through CuPy (the `gpu` extra) at first use, and launches go on torch's current
 stream. A failed build or module load is reported once and remembered, so callers fall back to their
 Triton kernels instead of raising in every decode step."""
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import threading
 import warnings
 from pathlib import Path
@@ -37,10 +38,15 @@ def cupy_or_none():
 
 
 def source_text(source: str) -> str:
-    """The code of KERNEL_DIR/source with the shared header pasted in place of its #include (so CuPy's
-    compile cache, keyed by the code, sees a change to the header too)."""
-    header = (KERNEL_DIR / HEADER).read_text().replace("#pragma once\n", "")
-    return (KERNEL_DIR / source).read_text().replace(f'#include "{HEADER}"\n', header)
+    """The code of KERNEL_DIR/source (a path such as "linear/gptq_gemv_mma.cu") with the shared header pasted
+    in place of its #include, which names the header relative to the .cu (so CuPy's compile cache, keyed by
+    the code, sees a change to the header too)."""
+    path = KERNEL_DIR / source
+    include = f'#include "{Path(os.path.relpath(KERNEL_DIR / HEADER, path.parent)).as_posix()}"\n'
+    code = path.read_text()
+    if include not in code:
+        raise ValueError(f"{source}: expected the line {include.strip()!r}")
+    return code.replace(include, (KERNEL_DIR / HEADER).read_text().replace("#pragma once\n", ""))
 
 
 def device_index(device: torch.device) -> int:
@@ -55,8 +61,8 @@ def is_built(source: str, name: str, index: int) -> bool:
 def build(source: str, name: str, index: int):
     """The kernel `name` (a template instantiation) from KERNEL_DIR/source on device `index`, as
     (CuPy function, registers per thread), or None if NVRTC or the module load failed. (The shared-memory
-    carveout stays the driver's choice: preferring all shared memory measured 20% slower for both kernels,
-    H200, docs/BENCHMARKS.md; their loads in flight need the L1.)"""
+    carveout stays the driver's choice: preferring all shared memory measured slower for both kernels, whose
+    loads in flight need the L1; re-measure: python bench/kernels.py --only decode,gemv.)"""
     key = (source, name, index)
     if key not in _BUILT:
         cupy = cupy_or_none()
@@ -94,11 +100,10 @@ def resident_blocks(regs: int, threads: int, device: torch.device, cap: int = 16
 
 def worth_launching(nbytes: int, cfg: dict) -> bool:
     """Whether a raw-CUDA kernel should run for a call reading `nbytes`. A CuPy launch costs more host time
-    than a Triton one (H200 host, bench/host_launch.py, two runs: decode attention 200-219 vs 128-154 us a
-    call, the M=4 GEMV 128-145 vs 69-120), which eager steps (speculative verification, delta rows) pay in full when they are
-    host-bound. So: always while a CUDA graph is being captured (replays cost no host time) or under
-    same_kernels_as_capture, and eagerly only from cfg["eager_min_bytes"] on, where the GPU time exceeds the
-    host time."""
+    than a Triton one (re-measure: python bench/host_launch.py), which eager steps (speculative
+    verification, delta rows) pay in full when they are host-bound. So: always while a CUDA graph is being
+    captured (replays cost no host time) or under same_kernels_as_capture, and eagerly only from
+    cfg["eager_min_bytes"] on, where the GPU time exceeds the host time."""
     return (EAGER_ALWAYS or torch.cuda.is_current_stream_capturing() or getattr(_AS_CAPTURED, "on", False)
             or nbytes >= cfg.get("eager_min_bytes", 0))
 

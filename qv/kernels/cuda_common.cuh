@@ -1,4 +1,5 @@
-// Small device helpers shared by qv's raw-CUDA kernels (gptq_gemv_mma.cu, paged_decode_mma.cu): fixed-
+// Small device helpers shared by qv's raw-CUDA kernels (linear/gptq_gemv_mma.cu,
+// paged_attention/paged_decode_mma.cu, which include it as "../cuda_common.cuh"): fixed-
 // width types, fp16/bf16 conversions, byte permutes, the m16n8k16 MMA. cuda_build.source_text pastes it in
 // place of the #include before NVRTC sees the code; no CUDA headers are needed.
 #pragma once

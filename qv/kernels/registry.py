@@ -1,9 +1,9 @@
-"""The op table: op name -> implementation per backend, and which backend is active.
+"""The op table: every op and its implementation per backend, and which backend is active.
 
-Backends: "reference" (qv/kernels/reference.py, pure PyTorch fp32, the spec of every op),
-"triton" (the Triton kernels beside each public wrapper) and "sm70" (raw CUDA m8n8k4 paths
-for Volta, falling back to Triton for ops without one). "auto" uses the best kernels for the
-device of the op's inputs and the reference ops on CPU.
+Backends: "reference" (each op's reference.py, pure PyTorch fp32, the spec of the op), "triton" (its
+Triton kernels, and the raw-CUDA ones they hand over to on sm_90) and "sm70" (raw CUDA m8n8k4 paths for
+Volta, falling back to Triton for ops without one). "auto" uses the best kernels for the device of the
+op's inputs and the reference ops on CPU.
 
 The active backend is a process-wide choice made once at start-up (from the `kernels` lever);
 tests switch it with the `backend(...)` context manager.
@@ -12,6 +12,7 @@ tests switch it with the `backend(...)` context manager.
 from __future__ import annotations
 
 import contextlib
+import importlib
 from collections.abc import Callable, Iterator
 
 import torch
@@ -22,20 +23,41 @@ _CHAINS = {
     "triton": ("triton",),
     "sm70": ("sm70", "triton"),
 }
+
+# op -> the module of each backend's implementation, under qv/kernels/<op>/; each defines a function named
+# after the op with the wrapper's arguments (its shapes are in the op's __init__.py). None: no kernel yet.
+# (An op folder's __init__.py must not import the top-level `triton`: its triton.py takes that name there.)
+TABLE: dict[str, dict[str, str | None]] = {
+    "rms_norm":         {"reference": "rms_norm.reference", "triton": "rms_norm.triton", "sm70": None},
+    "gated_rms_norm":   {"reference": "gated_rms_norm.reference", "triton": "gated_rms_norm.triton", "sm70": None},
+    "layer_norm":       {"reference": "layer_norm.reference", "triton": "layer_norm.triton", "sm70": None},
+    "rope":             {"reference": "rope.reference", "triton": "rope.triton", "sm70": None},
+    "rotary_embed":     {"reference": "rotary_embed.reference", "triton": "rotary_embed.triton", "sm70": None},
+    "silu_mul":         {"reference": "silu_mul.reference", "triton": "silu_mul.triton", "sm70": None},
+    "sigmoid_mul":      {"reference": "sigmoid_mul.reference", "triton": "sigmoid_mul.triton", "sm70": None},
+    "gelu":             {"reference": "gelu.reference", "triton": "gelu.triton", "sm70": None},
+    "linear":           {"reference": "linear.reference", "triton": "linear.triton", "sm70": None},
+    "lora_delta":       {"reference": "lora_delta.reference", "triton": "lora_delta.triton", "sm70": None},
+    "write_kv":         {"reference": "write_kv.reference", "triton": "write_kv.triton", "sm70": None},
+    "paged_attention":  {"reference": "paged_attention.reference", "triton": "paged_attention.triton", "sm70": None},
+    "varlen_attention": {"reference": "varlen_attention.reference", "triton": "varlen_attention.triton", "sm70": None},
+    "causal_conv1d":    {"reference": "causal_conv1d.reference", "triton": "causal_conv1d.triton", "sm70": None},
+    "gated_delta_rule": {"reference": "gated_delta_rule.reference", "triton": "gated_delta_rule.triton",
+                         "sm70": None},
+}
+
 _impls: dict[str, dict[str, Callable]] = {}
 _active = "auto"
 
 
-def register(op: str, backend: str, fn: Callable | None = None):
-    """Register `fn` as the `backend` implementation of `op` (usable as a decorator)."""
-    if backend not in _CHAINS:
-        raise ValueError(f"unknown backend {backend!r}")
-
-    def deco(f: Callable) -> Callable:
-        _impls.setdefault(op, {})[backend] = f
-        return f
-
-    return deco(fn) if fn is not None else deco
+def load() -> None:
+    """Import every implementation in TABLE (qv.kernels does, once, so a broken kernel module fails the import
+    rather than the first forward step)."""
+    for op, row in TABLE.items():
+        if set(row) != set(_CHAINS):
+            raise ValueError(f"op table: {op} lists backends {sorted(row)}, expected {sorted(_CHAINS)}")
+        _impls[op] = {name: getattr(importlib.import_module(f"qv.kernels.{path}"), op)
+                      for name, path in row.items() if path is not None}
 
 
 def set_backend(name: str) -> None:
@@ -60,7 +82,7 @@ def backend(name: str) -> Iterator[None]:
 
 
 def ops() -> dict[str, dict[str, Callable]]:
-    """Every registered op and its implementations (read-only use)."""
+    """Every op and its loaded implementations (read-only use)."""
     return _impls
 
 

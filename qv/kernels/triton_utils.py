@@ -1,4 +1,5 @@
-"""Small host-side helpers shared by the Triton kernels (block sizes, SM count, dtype checks)."""
+"""Small helpers shared by the Triton kernels: block sizes, SM count, row views, and the varlen
+sequence search of the attention and chunked-GDN kernels."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import functools
 
 import torch
 import triton
+import triton.language as tl
 
 
 def next_pow2(n: int, floor: int = 1) -> int:
@@ -35,38 +37,25 @@ def interpreting(device: torch.device) -> bool:
     return device.type != "cuda"
 
 
-def _patch_interpreter_bf16() -> None:
-    """Make the Triton interpreter's bf16 match the GPU. It stores bf16 as raw uint16 and feeds those
-    bits to np.matmul (garbage), so tl.dot operands are upcast to fp32 (the GPU accumulates in fp32
-    too); and it truncates fp32 -> bf16, which biases every recurrence, so that cast rounds to
-    nearest-even here like the GPU. (Integer -> bf16 casts are wrong too: kernels go via fp32.)"""
-    try:
-        import triton.language as tl
-        from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
-    except ImportError:  # pragma: no cover - other triton layouts
-        return
-    if getattr(InterpreterBuilder, "_qv_bf16_dot", False):
-        return
-    original = InterpreterBuilder.create_dot
-
-    def create_dot(self, a, b, d, *args, **kwargs):
-        if a.dtype.scalar == tl.bfloat16:
-            a = self.cast_impl(a, tl.float32)
-        if b.dtype.scalar == tl.bfloat16:
-            b = self.cast_impl(b, tl.float32)
-        return original(self, a, b, d, *args, **kwargs)
-
-    cast_original = InterpreterBuilder.cast_impl
-
-    def cast_impl(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            bits = torch.from_numpy(src.data.astype("float32")).to(torch.bfloat16).view(torch.int16).numpy()
-            return TensorHandle(bits.view("uint16"), tl.bfloat16)
-        return cast_original(self, src, dst_type)
-
-    InterpreterBuilder.create_dot = create_dot
-    InterpreterBuilder.cast_impl = cast_impl
-    InterpreterBuilder._qv_bf16_dot = True
+def row_blocks(n_rows: int, d: int) -> tuple[int, int]:
+    """(rows, padded row length) of a row-norm program: whole rows, at most 16 and about 4096 values a program."""
+    block_d = next_pow2(d)
+    block_r = max(1, min(16, 4096 // block_d))
+    return block_r, block_d
 
 
-_patch_interpreter_bf16()
+@triton.jit
+def find_seq(cu_ptr, x, B, BQ: tl.constexpr, VIRTUAL: tl.constexpr):
+    """Largest b in [0, B) with start(b) <= x; start(b) = cu[b] (tokens) or cu[b] // BQ + b (tiles)."""
+    lo = tl.zeros([], dtype=tl.int32)
+    hi = B - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        v = tl.load(cu_ptr + mid)
+        if VIRTUAL:
+            v = v // BQ + mid
+        if v <= x:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

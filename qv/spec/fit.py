@@ -16,7 +16,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from qv.config import ModelConfig
-from qv.kernels import reference as R
+from qv.kernels.rms_norm.reference import rms_norm
+from qv.kernels.rope.reference import rope
+from qv.kernels.silu_mul.reference import silu_mul
 from qv.model.batch import build_step_batch
 from qv.model.cache import allocate_cache
 from qv.model.qwen3_5 import load_text_model
@@ -55,28 +57,28 @@ def _mtp_forward(p: dict[str, torch.Tensor], cfg: ModelConfig, embed: torch.Tens
     """Differentiable head over [B, L] positions 0..L-1 -> logits [B, L, V]."""
     eps, d, hq, hkv = cfg.rms_norm_eps, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     bsz, length, _ = hidden.shape
-    e = R.rms_norm(embed[next_ids], p["mtp.pre_fc_norm_embedding.weight"], eps)
-    h = R.rms_norm(hidden, p["mtp.pre_fc_norm_hidden.weight"], eps)
+    e = rms_norm(embed[next_ids], p["mtp.pre_fc_norm_embedding.weight"], eps)
+    h = rms_norm(hidden, p["mtp.pre_fc_norm_hidden.weight"], eps)
     x = torch.cat([e, h], -1) @ p["mtp.fc.weight"].t()
     lp = "mtp.layers.0."
-    y = R.rms_norm(x, p[lp + "input_layernorm.weight"], eps)
+    y = rms_norm(x, p[lp + "input_layernorm.weight"], eps)
     qg = (y @ p[lp + "self_attn.q_proj.weight"].t()).view(bsz, length, hq, 2 * d)
     q, gate = qg[..., :d], qg[..., d:].reshape(bsz, length, hq * d)
     k = (y @ p[lp + "self_attn.k_proj.weight"].t()).view(bsz, length, hkv, d)
     v = (y @ p[lp + "self_attn.v_proj.weight"].t()).view(bsz, length, hkv, d)
-    q = R.rms_norm(q, p[lp + "self_attn.q_norm.weight"], eps)
-    k = R.rms_norm(k, p[lp + "self_attn.k_norm.weight"], eps)
+    q = rms_norm(q, p[lp + "self_attn.q_norm.weight"], eps)
+    k = rms_norm(k, p[lp + "self_attn.k_norm.weight"], eps)
     pos = torch.arange(length)
-    q, k = zip(*[R.rope(q[b], k[b], pos, cfg.rotary_dim, cfg.rope_theta, cfg.mrope_section, cfg.mrope_interleaved)
+    q, k = zip(*[rope(q[b], k[b], pos, cfg.rotary_dim, cfg.rope_theta, cfg.mrope_section, cfg.mrope_interleaved)
                  for b in range(bsz)])
     q, k = torch.stack(q).transpose(1, 2), torch.stack(k).transpose(1, 2)
     o = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True, enable_gqa=True)
     o = o.transpose(1, 2).reshape(bsz, length, hq * d) * torch.sigmoid(gate)
     x = x + o @ p[lp + "self_attn.o_proj.weight"].t()
-    y = R.rms_norm(x, p[lp + "post_attention_layernorm.weight"], eps)
+    y = rms_norm(x, p[lp + "post_attention_layernorm.weight"], eps)
     gu = torch.cat([y @ p[lp + "mlp.gate_proj.weight"].t(), y @ p[lp + "mlp.up_proj.weight"].t()], -1)
-    x = x + R.silu_mul(gu) @ p[lp + "mlp.down_proj.weight"].t()
-    return R.rms_norm(x, p["mtp.norm.weight"], eps) @ lm_head.t()
+    x = x + silu_mul(gu) @ p[lp + "mlp.down_proj.weight"].t()
+    return rms_norm(x, p["mtp.norm.weight"], eps) @ lm_head.t()
 
 
 def fit_mtp_head(model_dir: str | Path, steps: int = 300, seed: int = 0, num_seqs: int = 32, gen_len: int = 48,

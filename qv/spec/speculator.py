@@ -10,9 +10,8 @@ import numpy as np
 import torch
 
 from qv.config import ModelConfig
-from qv.kernels.reference import INT16_MAX
 from qv.model.batch import AttentionMeta, GDNMeta, StepBatch
-from qv.model.cache import HybridCache
+from qv.model.cache import INT16_MAX, HybridCache
 from qv.spec.mtp import MTPHead
 from qv.spec.ngram import WINDOW as NGRAM_WINDOW
 from qv.spec.ngram import propose_ngram

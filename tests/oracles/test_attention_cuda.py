@@ -1,5 +1,5 @@
-"""The raw-CUDA decode attention (qv/kernels/paged_decode_mma.cu) against the fp32 reference over the same
-int8 cache: head dims 128 and 256, GQA groups of 1 to 8 query rows, speculative rows (several tokens a
+"""The raw-CUDA decode attention (qv/kernels/paged_attention/paged_decode_mma.cu) against the fp32 reference
+over the same int8 cache: head dims 128 and 256, GQA groups of 1 to 8 query rows, speculative rows (several tokens a
 sequence, in chunks of 8 rows a block), pages of 16 to 64 keys in shuffled order, contexts not multiples
 of the tile, split counts from one to many, fp16 and bf16 queries, and one dominant key at split edges
 and at the end. The cache outside the sequences is poisoned (random codes, NaN scales; table padding
@@ -19,8 +19,8 @@ from util import assert_close
 
 @pytest.mark.parametrize("arch", [80, 90])
 def test_source_compiles(arch):
-    from qv.kernels.attention_cuda import HEAD_DIMS, SOURCE
     from qv.kernels.cuda_build import source_text
+    from qv.kernels.paged_attention.cuda_sm90 import HEAD_DIMS, SOURCE
 
     lib = nvrtc()
     if lib is None:
@@ -34,15 +34,15 @@ def test_source_compiles(arch):
 def test_default_decode_kind(monkeypatch):
     """On sm_90 decode runs the CUDA kernel, unless the config names a setting only the Triton kernel
     reads (which the CUDA kernel would silently ignore); elsewhere the Triton kernel."""
-    from qv.kernels.attention import _decode_kind
+    from qv.kernels.paged_attention.configs import decode_kind
 
     cuda = torch.device("cuda")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert _decode_kind(cuda, {}) == "cuda" and _decode_kind(cuda, {"waves": 2}) == "cuda"
-    assert all(_decode_kind(cuda, {key: 1}) == "split" for key in ("stages", "BLOCK_N", "words", "num_warps"))
+    assert decode_kind(cuda, {}) == "cuda" and decode_kind(cuda, {"waves": 2}) == "cuda"
+    assert all(decode_kind(cuda, {key: 1}) == "split" for key in ("stages", "BLOCK_N", "words", "num_warps"))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    assert _decode_kind(cuda, {}) == "split"
-    assert _decode_kind(torch.device("cpu"), {}) == "split"
+    assert decode_kind(cuda, {}) == "split"
+    assert decode_kind(torch.device("cpu"), {}) == "split"
 
 
 def _inputs(dtype, hkv, rep, d, q_lens, ctx, block_size, slack, padded=False, pad_page=None):
@@ -69,7 +69,8 @@ def _inputs(dtype, hkv, rep, d, q_lens, ctx, block_size, slack, padded=False, pa
 
 
 def _run(args, cfg):
-    from qv.kernels.attention_cuda import decode_cuda, decode_cuda_config
+    from qv.kernels.paged_attention.configs import decode_cuda_config
+    from qv.kernels.paged_attention.cuda_sm90 import decode_cuda
 
     with nan_empty():
         out = decode_cuda(*args, {**decode_cuda_config(DEV), "eager_min_bytes": 0, **(cfg or {})})
@@ -137,7 +138,8 @@ def test_cuda_decode_pages_and_splits_gpu(block_size, splits):
 def test_cuda_decode_rerun_and_graph_gpu(splits):
     """The same bits on a second call and under CUDA-graph replay (seq_lens changed in place between
     replays must give the new sequences' answer)."""
-    from qv.kernels.attention_cuda import decode_cuda, decode_cuda_config
+    from qv.kernels.paged_attention.configs import decode_cuda_config
+    from qv.kernels.paged_attention.cuda_sm90 import decode_cuda
 
     cfg = dict(decode_cuda_config(DEV), eager_min_bytes=0, splits=splits)
     args, out = _case(torch.bfloat16, 4, 6, 256, [1, 1], [3000, 700], cfg=cfg, slack=100)
@@ -159,7 +161,8 @@ def test_cuda_decode_rerun_and_graph_gpu(splits):
 @needs_cuda_kernels
 def test_cuda_decode_declines_gpu():
     """Where the kernel does not apply it returns None and launches nothing (the caller runs Triton)."""
-    from qv.kernels.attention_cuda import decode_cuda, decode_cuda_config
+    from qv.kernels.paged_attention.configs import decode_cuda_config
+    from qv.kernels.paged_attention.cuda_sm90 import decode_cuda
 
     cfg = dict(decode_cuda_config(DEV), eager_min_bytes=0)
     q, kc, vc, ks, vs, bt, cu, sl, scale, max_q, max_kv = _inputs(torch.bfloat16, 2, 6, 64, [1], [100], 16, 0)
@@ -175,7 +178,8 @@ def test_cuda_decode_declines_gpu():
 def test_cuda_decode_eager_policy_gpu():
     """With the default settings a small eager call declines (a CuPy launch costs more host time than the
     Triton kernel's) after building the kernel, and a CUDA-graph capture of the same call runs it."""
-    from qv.kernels.attention_cuda import decode_cuda, decode_cuda_config
+    from qv.kernels.paged_attention.configs import decode_cuda_config
+    from qv.kernels.paged_attention.cuda_sm90 import decode_cuda
 
     cfg = decode_cuda_config(DEV)
     args = _inputs(torch.bfloat16, 4, 6, 256, [1, 1], [3000, 700], 16, 0)
@@ -215,8 +219,9 @@ def test_cuda_decode_needle_gpu(pos):
 @pytest.mark.parametrize("d", [128, 256])
 def test_cuda_decode_does_not_spill_gpu(d):
     """The default build fits its registers (255 at d 256): a spill would cost speed silently."""
-    from qv.kernels.attention_cuda import SOURCE, decode_cuda_config
     from qv.kernels.cuda_build import build, device_index
+    from qv.kernels.paged_attention.configs import decode_cuda_config
+    from qv.kernels.paged_attention.cuda_sm90 import SOURCE
 
     built = build(SOURCE, f"paged_decode_mma<{d}, {decode_cuda_config(DEV)['min_blocks']}>", device_index(DEV))
     assert built is not None

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from kernel_cases import BOUND, DEV, K, cu_seqlens, randn, run_reference, run_triton
-from qv.kernels.gdn import _gated_delta_rule_triton
-from qv.kernels.gdn_chunk import SWEEP_CONFIGS
-from qv.kernels.gdn_prep import chunk_prep, chunk_prep_split
-from qv.kernels.reference import load_state
+from qv.kernels.gated_delta_rule.configs import SWEEP_CONFIGS
+from qv.kernels.gated_delta_rule.reference import load_state
+from qv.kernels.gated_delta_rule.triton import gated_delta_rule as gated_delta_rule_triton
+from qv.kernels.gated_delta_rule.triton_prep import chunk_prep, chunk_prep_split
 from util import assert_close
 
 STATE_BOUND = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
@@ -49,7 +49,7 @@ def _case(dtype, state_dtype, hk, rep, dk, dv, lens, init, max_q="auto", inter=F
         inters = [torch.full((n, max(lens), hv, dk, dv), float("nan"), device=DEV) for _ in range(2)]
     outs = []
     # a config is a gdn_chunked variant (bench/kernels.py --sweep gdn), passed to the triton entry
-    ours = K.gated_delta_rule if config is None else functools.partial(_gated_delta_rule_triton, config=config)
+    ours = K.gated_delta_rule if config is None else functools.partial(gated_delta_rule_triton, config=config)
     for run, fn, st, sc, it in zip((run_triton, run_reference), (ours, K.gated_delta_rule), states, scales, inters):
         outs.append(run(fn, q, k, v, a, b, A_log, dt_bias, st, cu_seqlens(lens), slots,
                         torch.tensor(init, device=DEV), None, sc, it, max(lens) if max_q == "auto" else max_q))
@@ -129,7 +129,7 @@ def test_chunked_split_prep(dtype, state_dtype, hk, rep, dk, dv, lens):
 def test_too_many_chunks_is_refused_before_any_state_changes():
     """65,536 one-token sequences make more chunks than the output kernel's grid axis holds
     (65,535): a clear error, raised before the state pool is touched."""
-    from qv.kernels.gdn_chunk import gdn_chunked
+    from qv.kernels.gated_delta_rule.triton_chunk import gdn_chunked
 
     n, hk, hv, d = 65536, 1, 1, 16
     q, k, v = randn(n, hk, d), randn(n, hk, d), randn(n, hv, d)

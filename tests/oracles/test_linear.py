@@ -26,12 +26,12 @@ def gptq_weight(n, k, group, zeros, act_order, dtype):
 
 
 def _case(dtype, m, n, k, group, zeros=False, act_order=False, bias=False, config=None):
-    from qv.kernels.linear_gptq import _linear_triton
+    from qv.kernels.linear.triton import linear as linear_triton
 
     w = gptq_weight(n, k, group, zeros, act_order, dtype)
     x = randn(m, k, dtype=dtype)
     b = randn(n, dtype=dtype) if bias else None
-    out = run_triton(K.linear, x, w, b) if config is None else run_triton(_linear_triton, x, w, b, config=config)
+    out = run_triton(K.linear, x, w, b) if config is None else run_triton(linear_triton, x, w, b, config=config)
     assert_close("linear", out, run_reference(K.linear, x, w, b), BOUND[dtype])
 
 
@@ -93,7 +93,7 @@ def test_gptq_gemv_mma_gpu(dtype, m):
 def test_gptq_gemv_mma_bf16_range_gpu():
     """bf16 rows beyond fp16's range (one tile at 1e6) and below its normals (a row at 1e-6): the
     per-tile power-of-two scaling keeps both (checked row by row)."""
-    from qv.kernels.linear_gptq import _linear_triton
+    from qv.kernels.linear.triton import linear as linear_triton
 
     dtype = torch.bfloat16
     w = gptq_weight(256, 512, 128, False, False, dtype)
@@ -101,7 +101,7 @@ def test_gptq_gemv_mma_bf16_range_gpu():
     x[0, :128] *= 1e6
     x[1] *= 1e-6
     x = x.to(dtype)
-    out = run_triton(_linear_triton, x, w, None, config=dict(kind="mma"))
+    out = run_triton(linear_triton, x, w, None, config=dict(kind="mma"))
     ref = run_reference(K.linear, x, w, None)
     for r in range(2):
         assert_close(f"linear (wide-side GEMV, bf16 range, row {r})", out[r], ref[r], BOUND[dtype])
@@ -124,6 +124,18 @@ def test_gptq_decode_batch_variants(cfg):
 def test_gptq_decode_batch_variants_gpu(cfg):
     _case(torch.bfloat16, 64, 5120, 17408, 128, config=cfg)
     _case(torch.bfloat16, 40, 34816, 5120, 128, zeros=True, config=cfg)
+
+
+def test_gptq_sequential_is_checked_once():
+    """GPTQWeight.is_sequential: g_idx = k // group_size or not, found at the first call and kept in the
+    declared `sequential` field (which equality ignores); .to() copies start unchecked."""
+    w = gptq_weight(32, 64, 16, False, False, torch.float32)
+    shuffled = gptq_weight(32, 64, 16, False, True, torch.float32)
+    assert w.sequential is None and w.is_sequential() and w.sequential is True
+    assert not shuffled.is_sequential() and shuffled.sequential is False
+    w.g_idx = shuffled.g_idx  # a cached answer is not recomputed
+    assert w.is_sequential()
+    assert w.to("cpu").sequential is None and w == GPTQWeight(w.qweight, w.scales, w.zeros, w.g_idx, 16)
 
 
 @pytest.mark.parametrize("m", [3, 20])
@@ -153,11 +165,11 @@ def test_gptq_real_shapes(dtype, m):
 @pytest.mark.parametrize("dtype,act_order", [(torch.float32, True), (torch.bfloat16, False), (torch.float16, False)])
 def test_gptq_dequant_cublas(dtype, act_order):
     """The large-M path (W dequantized once, then cuBLAS), forced at a small M."""
-    from qv.kernels.linear_gptq import _linear_triton
+    from qv.kernels.linear.triton import linear as linear_triton
 
     w = gptq_weight(45, 96, 32, True, act_order, dtype)
     x, b = randn(21, 96, dtype=dtype), randn(45, dtype=dtype)
-    out = run_triton(_linear_triton, x, w, b, config=dict(dequant_min_m=1))
+    out = run_triton(linear_triton, x, w, b, config=dict(dequant_min_m=1))
     assert_close("linear (dequant + cuBLAS)", out, run_reference(K.linear, x, w, b), BOUND[dtype])
 
 
@@ -175,16 +187,16 @@ def test_gptq_gemv_split_reduce(fused, dtype, m, zeros, bias):
     """The CUDA-core GEMV's split-K reduce: a second launch, or (fused) the last program of each column
     tile summing the partials. Two column tiles, many splits; a rerun gives the same bits and the fused
     path leaves its tickets at zero (so a replayed CUDA graph starts from zeros)."""
-    from qv.kernels import linear_gemv
-    from qv.kernels.linear_gptq import _linear_triton
+    from qv.kernels.linear import triton_gemv
+    from qv.kernels.linear.triton import linear as linear_triton
 
     w = gptq_weight(300, 256, 32, zeros, False, dtype)
     x = randn(m, 256, dtype=dtype)
     b = randn(300, dtype=dtype) if bias else None
     cfg = dict(kind="fma", fused=fused, waves=64)
-    out = run_triton(_linear_triton, x, w, b, config=cfg)
+    out = run_triton(linear_triton, x, w, b, config=cfg)
     assert_close("linear (CUDA-core GEMV, split-K)", out, run_reference(K.linear, x, w, b), BOUND[dtype])
-    assert torch.equal(run_triton(_linear_triton, x, w, b, config=cfg), out)
-    assert all(int(t.abs().sum()) == 0 for t in linear_gemv._TICKETS.values())
+    assert torch.equal(run_triton(linear_triton, x, w, b, config=cfg), out)
+    assert all(int(t.abs().sum()) == 0 for t in triton_gemv._TICKETS.values())
     if fused:
-        assert linear_gemv._TICKETS, "the fused reduce did not run"
+        assert triton_gemv._TICKETS, "the fused reduce did not run"

@@ -1,4 +1,4 @@
-"""The raw-CUDA GPTQ GEMV (qv/kernels/gptq_gemv_mma.cu) against the reference: every row count of one
+"""The raw-CUDA GPTQ GEMV (qv/kernels/linear/gptq_gemv_mma.cu) against the reference: every row count of one
 and two 8-row tiles, the three group sizes, zeros and bias, bf16 rows beyond fp16's range, columns that
 end inside a warp's range, split-K with its ticketed reduce (deterministic, tickets left at zero) and
 CUDA-graph replay. On CPU the source is compiled by NVRTC for sm_80 and sm_90 when a libnvrtc is
@@ -20,7 +20,7 @@ def test_source_compiles(arch):
     """NVRTC builds the instantiations the wrapper asks for by default (1-2 row tiles x 2/4/8 steps a
     group x warps along K or not)."""
     from qv.kernels.cuda_build import source_text
-    from qv.kernels.linear_cuda import GROUPS, SOURCE
+    from qv.kernels.linear.cuda_sm90 import GROUPS, SOURCE
 
     lib = nvrtc()
     if lib is None:
@@ -33,7 +33,8 @@ def test_source_compiles(arch):
 
 def _cuda_case(dtype, m, n, k, group, zeros=False, bias=False, cfg=None, x=None):
     """The CUDA GEMV on NaN-poisoned output against the reference, row by row; it must report that it ran."""
-    from qv.kernels.linear_cuda import gemv_cuda, gemv_cuda_config
+    from qv.kernels.linear.configs import gemv_cuda_config
+    from qv.kernels.linear.cuda_sm90 import gemv_cuda
 
     w = gptq_weight(n, k, group, zeros, False, dtype)
     x = randn(m, k, dtype=dtype) if x is None else x
@@ -84,8 +85,8 @@ def test_cuda_gemv_bf16_range_gpu():
 def test_cuda_gemv_split_and_graph_gpu(k, wk):
     """One K range (one group), or many (the last block of a column range sums them): the same bits on a
     rerun and under CUDA-graph replay, and the tickets left at zero."""
-    from qv.kernels import linear_gemv
-    from qv.kernels.linear_cuda import gemv_cuda
+    from qv.kernels.linear import triton_gemv
+    from qv.kernels.linear.cuda_sm90 import gemv_cuda
 
     cfg = dict(waves=1, min_blocks=None, wk=wk)
     x, w, b, out = _cuda_case(torch.bfloat16, 5, 2064, k, 128, zeros=True, bias=True, cfg=cfg)
@@ -100,27 +101,27 @@ def test_cuda_gemv_split_and_graph_gpu(k, wk):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(graph_out, out)
-    assert all(int(t.abs().sum()) == 0 for t in linear_gemv._TICKETS.values())
+    assert all(int(t.abs().sum()) == 0 for t in triton_gemv._TICKETS.values())
 
 
 def test_warp_layout_by_shape():
     """One row of x: the layout whose blocks fill more of a round (396 resident blocks, an H200 at the
     168-register cap): side by side for wide outputs, along K for narrow ones; more rows: along K."""
-    from qv.kernels.linear_cuda import _grid, _warps_along_k
+    from qv.kernels.linear.cuda_sm90 import _grid, warps_along_k
 
     assert _grid(5120, 34816, 128, 1, 396, 1) == (68, 5, 1024)
     assert _grid(5120, 34816, 128, 4, 396, 1) == (272, 1, 5120)
     assert _grid(17408, 5120, 128, 4, 396, 1) == (40, 9, 2048)
     assert _grid(17408, 5120, 128, 1, 396, 1) == (10, 34, 512)
     assert _grid(17408, 5120, 128, 4, 396, 1, splits=7) == (40, 7, 2560)  # a forced split count
-    assert _warps_along_k(1, 5120, 34816, 128, 396) == 1
-    assert _warps_along_k(1, 17408, 5120, 128, 396) == 4
-    assert _warps_along_k(4, 5120, 34816, 128, 396) == 4
+    assert warps_along_k(1, 5120, 34816, 128, 396) == 1
+    assert warps_along_k(1, 17408, 5120, 128, 396) == 4
+    assert warps_along_k(4, 5120, 34816, 128, 396) == 4
 
 
 def test_wk_is_checked():
     """Only the two warp layouts the kernel is built for are accepted (others would silently be wrong)."""
-    from qv.kernels.linear_cuda import gemv_cuda
+    from qv.kernels.linear.cuda_sm90 import gemv_cuda
 
     w = gptq_weight(64, 128, 128, False, False, torch.float16)
     with pytest.raises(ValueError, match="wk must be 1"):
@@ -133,7 +134,8 @@ def test_wk_is_checked():
 def test_cuda_gemv_eager_policy_gpu():
     """With the default settings an eager call on a small weight declines (the Triton GEMV's host time is
     the smaller) after building the kernel, and a CUDA-graph capture of the same call runs it."""
-    from qv.kernels.linear_cuda import gemv_cuda, gemv_cuda_config
+    from qv.kernels.linear.configs import gemv_cuda_config
+    from qv.kernels.linear.cuda_sm90 import gemv_cuda
 
     cfg = gemv_cuda_config(DEV)
     w = gptq_weight(1024, 512, 128, False, False, torch.float16)
@@ -154,7 +156,7 @@ def test_cuda_gemv_eager_policy_gpu():
 def test_cuda_gemv_does_not_spill_gpu():
     """The builds the wrapper picks by default fit their register caps: a spill would cost speed silently."""
     from qv.kernels.cuda_build import build, device_index
-    from qv.kernels.linear_cuda import GROUPS, SOURCE
+    from qv.kernels.linear.cuda_sm90 import GROUPS, SOURCE
 
     for mt, wk in ((1, 1), (1, 4), (2, 4)):
         for group in GROUPS:

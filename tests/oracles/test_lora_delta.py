@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernel_cases import BOUND, DEV, K, randn, run_reference, run_triton
-from qv.kernels.linear_gptq import LORA_GEMM_ROWS
+from qv.kernels.lora_delta.configs import LORA_GEMM_ROWS
 from util import assert_close
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kernel_cases import BOUND, DEV, K, cu_seqlens, paged_layout, randn, run_reference, run_triton, slots_for
-from qv.kernels.attention import _paged_attention_triton
+from qv.kernels.paged_attention.triton import paged_attention as paged_attention_triton
 from util import assert_close, rel_err
 
 INT8_FORMAT_BOUND = 2e-2  # int8 K/V (scale per token and head) vs unquantized, random normal data
@@ -33,7 +33,7 @@ def _cache(act_dtype, kv_dtype, hkv, d, seq_lens, block_size, bt_tables, nb):
 
 def _case(act_dtype, kv_dtype, hkv, rep, d, q_lens, ctx, block_size=16, bound=None, new_kv=False, config=None,
           max_seq_slack=0, rerun=False):
-    """config: kernel settings (through _paged_attention_triton, e.g. a forced split count).
+    """config: kernel settings (through paged_attention_triton, e.g. a forced split count).
     max_seq_slack: max_seq_len passed this much above the longest sequence (an upper bound, as under
     CUDA-graph capture). rerun: a second call must give the same bits.
     new_kv: also pass the chunk's own K/V (k_new/v_new) and poison those positions in the cache
@@ -57,10 +57,10 @@ def _case(act_dtype, kv_dtype, hkv, rep, d, q_lens, ctx, block_size=16, bound=No
     if config is None:
         out = run_triton(K.paged_attention, *args, **kw)
     else:
-        out = run_triton(_paged_attention_triton, *args, **kw, config=config)
+        out = run_triton(paged_attention_triton, *args, **kw, config=config)
     err = assert_close("paged_attention", out, ref, bound or BOUND[act_dtype])
     if rerun:
-        again = run_triton(_paged_attention_triton, *args, **kw, config=config)
+        again = run_triton(paged_attention_triton, *args, **kw, config=config)
         assert torch.equal(again, out), "paged_attention: a second call gave other bits"
     return err
 

@@ -1,0 +1,35 @@
+"""Triton gated RMSNorm: BLOCK_R rows a program, held whole in registers; statistics in fp32."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from qv.kernels.triton_utils import row_blocks, rows2d
+
+
+@triton.jit
+def gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, y_ptr, N, D, stride_x, stride_z, stride_y, eps,
+                          BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    o_r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    o_d = tl.arange(0, BLOCK_D)
+    m = (o_r[:, None] < N) & (o_d[None, :] < D)
+    b_x = tl.load(x_ptr + o_r[:, None] * stride_x + o_d[None, :], mask=m, other=0.).to(tl.float32)
+    b_z = tl.load(z_ptr + o_r[:, None] * stride_z + o_d[None, :], mask=m, other=0.).to(tl.float32)
+    b_w = tl.load(w_ptr + o_d, mask=o_d < D, other=0.).to(tl.float32)
+    b_rstd = tl.math.rsqrt(tl.sum(b_x * b_x, axis=1) / D + eps)
+    b_y = b_x * b_rstd[:, None] * b_w[None, :] * (b_z * tl.sigmoid(b_z))
+    tl.store(y_ptr + o_r[:, None] * stride_y + o_d[None, :], b_y.to(y_ptr.dtype.element_ty), mask=m)
+
+
+def gated_rms_norm(x, gate, weight, eps):
+    shape, d = x.shape, x.shape[-1]
+    x2, z2 = rows2d(x), rows2d(gate)
+    n = x2.shape[0]
+    y = torch.empty((n, d), dtype=x.dtype, device=x.device)
+    block_r, block_d = row_blocks(n, d)
+    if n:
+        gated_rms_norm_kernel[(triton.cdiv(n, block_r),)](
+            x2, z2, weight, y, n, d, x2.stride(0), z2.stride(0), y.stride(0), eps, BLOCK_R=block_r, BLOCK_D=block_d)
+    return y.view(shape)
