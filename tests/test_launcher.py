@@ -209,7 +209,7 @@ def test_gpu_refusal_and_dry_run(tmp_path, tiny_dirs, capsys):
     bare = _bare(tmp_path, tiny_dirs)
     err = _refused(["serve", str(bare), "--device", "cuda", "--port", "0", "--kv-cache-bytes", str(total)], capsys)
     assert err.startswith("qv serve: error: too little free GPU memory: the plan needs ")
-    err = _refused(["serve", str(bare), "--device", "cuda", "--port", "0", "--gpu-memory-utilization", "0.00001"],
+    err = _refused(["serve", str(bare), "--device", "cuda", "--port", "0", "--gpu-memory-utilization", "0.00000001"],
                    capsys)
     assert "too little free GPU memory: the weights need" in err or "no memory left for the KV cache" in err
     assert main(["serve", "--device", "cuda", "--port", "0", "--dry-run"]) == 0

@@ -87,7 +87,9 @@ def test_mixed_batches_through_the_engine(clef_dirs, alone, records):
     chats = {f"c{j}": [rng.randrange(3, min(vocab, 250)) for _ in range(rng.randint(5, 60))] for j in range(4)}
     # a budget that takes every chat and record in the first step but the last record's second half
     budget = sum(map(len, chats.values())) + sum(r.num_tokens for r in records.values()) - records["r3"].num_tokens // 2
-    eng = make_engine(clef_dirs["adapters"], max_num_batched_tokens=budget)
+    # the long-prefill share off (every record may take the budget beside the chats): one batch mixes them all
+    eng = make_engine(clef_dirs["adapters"], max_num_batched_tokens=budget, long_prefill_token_threshold=budget,
+                      max_long_partial_prefills=4)
     steps = spy_steps(eng)
     mixed = run(eng, records, chats)
     mixed_steps = [s for s in steps if any(s["kinds"]) and not all(s["kinds"])]
@@ -141,7 +143,7 @@ def test_preempted_record_restarts_cleanly(clef_dirs, alone, tokenizers):
     # newest (the record) is preempted, and readmitted once the chat is done.
     blocks = -(-rec.num_tokens // 16) + 3
     eng = make_engine(clef_dirs["adapters"], max_num_batched_tokens=budget, prefix_caching=False,
-                      kv_cache_bytes=blocks * kv_bytes_per_block(alone.model_config, 16, alone.runner.model.dtype))
+                      long_prefill_token_threshold=budget, kv_cache_bytes=blocks * kv_bytes_per_block(alone.model_config, 16, alone.runner.model.dtype))
     chat = SamplingParams(temperature=0.0, max_tokens=steps + 20, ignore_eos=True)
     out = run(eng, {"rec": rec}, {"c": list(range(3, 19))}, chat)
     res = out["rec"].clef
