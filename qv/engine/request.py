@@ -15,6 +15,7 @@ from qv.errors import InvalidRequestError
 __all__ = ["CompletionOutput", "FinishReason", "InvalidFieldError", "InvalidRequestError", "Logprob", "RequestMetrics",
            "RequestOutput", "SamplingParams", "TextBound"]
 
+FP32_MAX = 3.4028234663852886e38
 MAX_N = 1024  # samples per prompt; the server's max_waiting bounds the sequences of a whole request
 
 
@@ -68,15 +69,15 @@ class SamplingParams:
             if not cond:
                 raise InvalidFieldError(msg, param)
 
-        def number(name: str) -> bool:
+        def number(name: str) -> bool:  # the sampler computes in fp32: beyond its range is inf
             v = getattr(self, name)
-            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and abs(v) <= FP32_MAX
 
         for name in ("n", "top_k", "min_tokens"):
             need(isinstance(getattr(self, name), int) and not isinstance(getattr(self, name), bool), name,
                  f"{name} must be an integer, got {getattr(self, name)!r}")
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-            need(number(name), name, f"{name} must be a finite number, got {getattr(self, name)!r}")
+            need(number(name), name, f"{name} must be a finite 32-bit float, got {getattr(self, name)!r}")
         need(self.n >= 1, "n", f"n must be at least 1, got {self.n}")
         need(self.n <= MAX_N, "n", f"n must be at most {MAX_N}, got {self.n}")
         need(self.temperature >= 0, "temperature", f"temperature must be non-negative, got {self.temperature}")

@@ -69,7 +69,7 @@ def parse_json(raw: bytes) -> dict:
             why = f"it nests deeper than the parser's limit of 200 levels ({why})"
         elif "surrogate" in why or "hex escape" in why:
             why = f"a string holds a lone UTF-16 surrogate, which is not text ({why})"
-        elif "expected value" in why and re.search(rb"(NaN|Infinity)", raw):
+        elif ("expected value" in why or "invalid number" in why) and re.search(rb"(NaN|Infinity)", raw):
             why = f"NaN and Infinity are not JSON numbers ({why})"
         raise bad_request(f"the request body is not valid JSON: {why}") from None
     if not isinstance(body, dict):
