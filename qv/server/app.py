@@ -178,18 +178,21 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
 def _drain_on_signals(state: ServerState):
     """Chain SIGTERM and SIGINT to begin the drain before the server's own handler (uvicorn's, which
     stops accepting connections and waits for the ones open); a timer ends the process when the
-    grace is over whatever still runs. Only in the main thread, and only over a handler that can be
-    chained (under uvicorn, always). Returns the function that puts the handlers back."""
+    grace is over whatever still runs (the engine's own shutdown included). Only in the main thread,
+    and only over a handler that can be chained (under uvicorn, always). Returns the function that
+    puts the handlers back once the app has shut down."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
     loop = asyncio.get_running_loop()
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
 
+    timer = threading.Timer(state.shutdown_grace_s, _exit_now, args=(state.shutdown_grace_s,))
+    timer.daemon = True
+
     def start_drain():
-        state.begin_drain()
-        timer = threading.Timer(state.shutdown_grace_s, _exit_now, args=(state.shutdown_grace_s,))
-        timer.daemon = True
-        timer.start()
+        if not state.draining:  # a second signal before the first was handled
+            state.begin_drain()
+            timer.start()
 
     def on_signal(sig, frame):
         if not state.draining:
@@ -200,7 +203,8 @@ def _drain_on_signals(state: ServerState):
     for sig in installed:
         signal.signal(sig, on_signal)
 
-    def restore():
+    def restore():  # the app has shut down: nothing left for the timer to end
+        timer.cancel()
         for sig in installed:
             if signal.getsignal(sig) is on_signal:
                 signal.signal(sig, previous[sig])
@@ -213,8 +217,8 @@ M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 def _heap_returns_large_buffers() -> None:
     """Allocations of 1 MiB and more (request bodies, prompts and their copies) are mapped from the
     OS and given back when freed. Left to itself, glibc raises that threshold to the size of the
-    first large block freed, so later bodies come from the heap, which kept ~250 MB after a few
-    30 MB prompts. Nothing happens where the C library has no mallopt."""
+    first large block freed, so later bodies come from the heap, which keeps what they took
+    (tests/server/test_hardening.py measures the RSS). Nothing happens without glibc's mallopt."""
     try:
         ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, 1 << 20)
     except (OSError, AttributeError):
@@ -247,9 +251,9 @@ def build_app(cfg: EngineConfig | None = None, engine=None) -> Starlette:
         try:
             yield
         finally:
-            restore()
             state.close()
             await asyncio.to_thread(running.shutdown)
+            restore()
 
     routes = [Route(path, _endpoint(fn), methods=[method]) for path, fn, method in ROUTES]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error})

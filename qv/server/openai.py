@@ -17,7 +17,7 @@ from qv.server.logprobs import chat_logprobs
 from qv.server.parsers import OutputStream, Qwen3CoderToolParser, parse_output
 from qv.server.protocol import ChatCompletionRequest
 from qv.server.state import ServerState, random_id
-from qv.server.streaming import DONE, SSEResponse, last_output, read_json_sized, sse, until_disconnect
+from qv.server.streaming import DONE, LARGE_BYTES, SSEResponse, last_output, read_json_sized, sse, until_disconnect
 
 
 def validate_body(model_cls, body: dict):
@@ -31,7 +31,7 @@ def validate_body(model_cls, body: dict):
 async def read_request(state: ServerState, request: Request, model_cls):
     """(request model, body size): the body read, parsed and validated, off the loop when large."""
     body, size = await read_json_sized(request, state.max_body_bytes)
-    if size < (64 << 10):
+    if size < LARGE_BYTES:
         return validate_body(model_cls, body), size
     return await state.offload(size, validate_body, model_cls, body), size
 

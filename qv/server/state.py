@@ -22,12 +22,12 @@ from qv.server.errors import (BUSY_MESSAGE, SHUTDOWN_MESSAGE, STOPPED_MESSAGE, A
                               internal_error)
 from qv.server.media import ServerMedia
 from qv.server.metrics import ServerMetrics
+from qv.server.streaming import LARGE_BYTES
 
 log = logging.getLogger("qv.server")
 
-LARGE_BYTES = 64 << 10  # bodies from this size tokenize on the bounded pool, so small ones never queue behind them
-LARGE_WORKERS = 2  # threads for large bodies (tokenizers release the GIL; templating shares it)
-LARGE_QUEUE = 8  # large bodies in work at once (running and waiting for a thread); more get 503
+LARGE_WORKERS = 2  # threads for bodies of LARGE_BYTES or more (tokenizers release the GIL; templating shares it)
+LARGE_QUEUE = 16  # such bodies in work at once (running and waiting for a thread); more get 503
 
 
 def random_id(prefix: str, sep: str = "-") -> str:
@@ -83,8 +83,9 @@ class ServerState:
 
     # -- off the event loop ---------------------------------------------------------------------
     async def offload(self, size: int, fn, *args):
-        """fn(*args) on a worker thread: the default pool for small work, a bounded pool for bodies of
-        `size` >= LARGE_BYTES (503 when LARGE_QUEUE of them are in work already)."""
+        """fn(*args) on a worker thread: the default pool for bodies under LARGE_BYTES, a bounded pool
+        for larger ones, so that a few huge prompts cannot take every thread from the rest (503 when
+        LARGE_QUEUE of them are in work already)."""
         if size < LARGE_BYTES:
             return await asyncio.to_thread(fn, *args)
         if self._large_jobs >= LARGE_QUEUE:
@@ -224,12 +225,14 @@ class ServerState:
         tracker = self.metrics.tracker(params.n, params.max_tokens)
         gen = self.engine.generate(request_id, prompt_ids, params, prompt=prompt, cache_salt=cache_salt,
                                    multimodal=multimodal)
+        held = params.n if admission is not None else 0  # this prompt's share of the request's seats
         try:
             with self.engine_call(request_id):
                 async with contextlib.aclosing(gen):
                     async for out in gen:
-                        if admission is not None:
-                            admission.release(params.n)
+                        if held:
+                            admission.release(held)
+                            held = 0
                         tracker.on_output(out)
                         if out.error:
                             raise internal_error("the engine failed this request", request_id, detail=out.error)
@@ -237,8 +240,8 @@ class ServerState:
                             tracker.on_finish(out)
                         yield out
         finally:
-            if admission is not None:
-                admission.release(params.n)
+            if held:
+                admission.release(held)
 
     @contextlib.contextmanager
     def engine_call(self, request_id: str | None = None):

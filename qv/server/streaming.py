@@ -27,7 +27,7 @@ from starlette.requests import Request
 from qv.server.errors import APIError, bad_request
 
 DONE = b"data: [DONE]\n\n"
-OFFLOAD_BYTES = 1 << 20  # bodies at least this large are parsed on a worker thread
+LARGE_BYTES = 1 << 20  # bodies from this size are parsed off the event loop and rendered on the bounded pool
 
 
 def sse(obj: dict) -> bytes:
@@ -52,7 +52,7 @@ async def read_json(request: Request, max_body_bytes: int) -> dict:
 async def read_json_sized(request: Request, max_body_bytes: int) -> tuple[dict, int]:
     """read_json and the body's size in bytes (which decides where its work runs)."""
     raw = await read_body(request, max_body_bytes)
-    if len(raw) >= OFFLOAD_BYTES:
+    if len(raw) >= LARGE_BYTES:
         return await asyncio.to_thread(parse_json, raw), len(raw)
     return parse_json(raw), len(raw)
 

@@ -80,17 +80,21 @@ def test_a_burst_cannot_queue_past_max_waiting(narrow):
             admitted = [r for status, _, r in results if status == 200]
             refused = [h for status, h, _ in results if status == 503]
             waiting = narrow.metric("vllm:num_requests_waiting")
+            tokens = narrow.metric("vllm:generation_tokens_total")
+            while narrow.metric("vllm:generation_tokens_total") < tokens + 5:
+                await asyncio.sleep(0.05)
+            unstarted = narrow.app.state.qv.unstarted  # one prompt (n=2) has started: its 2 seats came back
             status, _, small = await _open_stream(http, {"prompt": "small", "max_tokens": 3, "ignore_eos": True,
                                                          "stream": True})
             for r in admitted:  # the burst's clients hang up: their requests are aborted
                 await r.aclose()
             text = "" if small is None else (await small.aread()).decode()
-            return len(admitted), refused, waiting, status, text
+            return len(admitted), refused, waiting, unstarted, status, text
 
-    n_admitted, refused, waiting, small_status, small_text = asyncio.run(scenario())
+    n_admitted, refused, waiting, unstarted, small_status, small_text = asyncio.run(scenario())
     assert n_admitted == 2 and len(refused) == 8, (n_admitted, len(refused))
     assert all(h["retry-after"] == "1" for h in refused)
-    assert waiting <= MAX_WAITING
+    assert waiting <= MAX_WAITING and unstarted == 2 * 8 - 2, (waiting, unstarted)
     assert small_status == 200 and small_text.rstrip().endswith("data: [DONE]"), small_text[-300:]
     assert '"finish_reason":"length"' in small_text
     deadline = time.time() + 30
