@@ -143,7 +143,10 @@ async def until_disconnect(request: Request, coro):
     finally:
         watcher.cancel()
     if task in done:
-        return task.result()
+        try:
+            return task.result()
+        finally:
+            task = done = None  # a raised exception must not keep this frame, and the task holding it, in a cycle
     task.cancel()
     try:
         await task
