@@ -74,6 +74,11 @@ class ServerState:
         if self.text_bound is None:
             log.warning("the tokenizer's normalizer has no known bound: long prompts are tokenized before their "
                         "length is checked")
+        else:
+            b = self.text_bound
+            log.info("prompts over %d bytes are refused before tokenizing (longest token %d bytes, normalizer "
+                     "shrink %dx, max_model_len %d)", b.max_token_bytes * b.shrink * self.max_model_len,
+                     b.max_token_bytes, b.shrink, self.max_model_len)
         self._large = ThreadPoolExecutor(LARGE_WORKERS, thread_name_prefix="qv-tokenize")
         self._large_jobs = 0
         self.metrics = ServerMetrics(engine, self.model_name, self.max_model_len)
