@@ -5,14 +5,26 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from qv.errors import InvalidRequestError
 
-__all__ = ["CompletionOutput", "FinishReason", "InvalidRequestError", "Logprob", "RequestMetrics", "RequestOutput",
-           "SamplingParams"]
+__all__ = ["CompletionOutput", "FinishReason", "InvalidFieldError", "InvalidRequestError", "Logprob", "RequestMetrics",
+           "RequestOutput", "SamplingParams", "TextBound"]
+
+FP32_MAX = 3.4028234663852886e38
+MAX_N = 1024  # samples per prompt; the server's max_waiting bounds the sequences of a whole request
+
+
+class InvalidFieldError(InvalidRequestError):
+    """An InvalidRequestError caused by one field (`param`: its name, as the request spells it)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -51,46 +63,63 @@ class SamplingParams:
         return cls(**d)
 
     def validate(self) -> None:
-        def need(cond: bool, msg: str):
+        """Every range rule of a request's sampling fields, in vLLM's words; the server keeps only the
+        JSON types. InvalidFieldError names the field."""
+        def need(cond: bool, param: str, msg: str):
             if not cond:
-                raise InvalidRequestError(msg)
+                raise InvalidFieldError(msg, param)
+
+        def number(name: str) -> bool:  # the sampler computes in fp32: beyond its range is inf
+            v = getattr(self, name)
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and abs(v) <= FP32_MAX
 
         for name in ("n", "top_k", "min_tokens"):
-            need(isinstance(getattr(self, name), int) and not isinstance(getattr(self, name), bool),
+            need(isinstance(getattr(self, name), int) and not isinstance(getattr(self, name), bool), name,
                  f"{name} must be an integer, got {getattr(self, name)!r}")
-        need(self.n >= 1, f"n must be at least 1, got {self.n}")
-        need(isinstance(self.temperature, (int, float)) and self.temperature >= 0,
-             f"temperature must be non-negative, got {self.temperature}")
-        need(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
-        need(self.top_k == -1 or self.top_k >= 0, f"top_k must be 0 or -1 (disable) or at least 1, got {self.top_k}")
-        need(isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
-        need(-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        need(-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        need(self.repetition_penalty > 0, f"repetition_penalty must be greater than zero, got {self.repetition_penalty}")
-        need(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            need(number(name), name, f"{name} must be a finite 32-bit float, got {getattr(self, name)!r}")
+        need(self.n >= 1, "n", f"n must be at least 1, got {self.n}")
+        need(self.n <= MAX_N, "n", f"n must be at most {MAX_N}, got {self.n}")
+        need(self.temperature >= 0, "temperature", f"temperature must be non-negative, got {self.temperature}")
+        need(0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        need(self.top_k == -1 or self.top_k >= 0, "top_k",
+             f"top_k must be 0 or -1 (disable) or at least 1, got {self.top_k}")
+        need(self.top_k < (1 << 31), "top_k", f"top_k must be below 2**31, got {self.top_k}")
+        need(0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p}")
+        need(-2 <= self.presence_penalty <= 2, "presence_penalty",
+             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        need(-2 <= self.frequency_penalty <= 2, "frequency_penalty",
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        need(self.repetition_penalty > 0, "repetition_penalty",
+             f"repetition_penalty must be greater than zero, got {self.repetition_penalty}")
+        need(self.max_tokens is None or (isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool)
+                                         and self.max_tokens >= 1), "max_tokens",
              f"max_tokens must be at least 1, got {self.max_tokens}")
-        need(self.min_tokens >= 0, f"min_tokens must be greater than or equal to 0, got {self.min_tokens}")
-        need(self.max_tokens is None or self.min_tokens <= self.max_tokens,
+        need(self.min_tokens >= 0, "min_tokens", f"min_tokens must be greater than or equal to 0, got {self.min_tokens}")
+        need(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
              f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}")
-        need(self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
+        need(self.logprobs is None or (isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)
+                                       and self.logprobs >= 0), "logprobs",
              f"logprobs must be non-negative, got {self.logprobs}")
-        need(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)
-                                   and -(1 << 63) <= self.seed < (1 << 63) - 1024),
-             f"seed must be an integer in the int64 range, got {self.seed!r}")
-        need(self.top_k < (1 << 31), f"top_k must be below 2**31, got {self.top_k}")
-        need(self.n <= 1024, f"n must be at most 1024, got {self.n}")
+        int64 = isinstance(self.seed, int) and not isinstance(self.seed, bool) and -(1 << 63) <= self.seed < (1 << 63)
+        need(self.seed is None or int64, "seed", f"seed must be an integer in the int64 range, got {self.seed!r}")
+        # sample i of n runs with seed + i, which must stay an int64
+        need(self.seed is None or self.seed + self.n - 1 < (1 << 63), "seed",
+             f"seed + n - 1 must be at most 2**63 - 1, got seed={self.seed}, n={self.n}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is None:
             self.stop = []
-        need(isinstance(self.stop, list) and all(isinstance(s, str) for s in self.stop),
+        need(isinstance(self.stop, list) and all(isinstance(s, str) for s in self.stop), "stop",
              f"stop must be a string or a list of strings, got {self.stop!r}")
-        need(all(s != "" for s in self.stop), "stop cannot contain an empty string")
+        need(all(s != "" for s in self.stop), "stop", "stop cannot contain an empty string")
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         need(isinstance(self.stop_token_ids, list)
-             and all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids),
+             and all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids), "stop_token_ids",
              f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
+        need(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+             f"stop_token_ids must be non-negative, got {min(self.stop_token_ids, default=0)}")
         if self.top_k == -1:
             self.top_k = 0
 
@@ -148,3 +177,81 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None  # set when the engine failed this request (finish_reason "error")
     clef: Any = None  # qv.engine.clef_rows.ClefResult of an answered Clef record (LLMEngine.add_clef)
+
+
+# How many times shorter, in UTF-8 bytes, a normalizer can make a text (tests/server/test_hardening.py
+# re-derives each over every code point): NFC maps U+1FEF (3 bytes) to "`" (1 byte) and composes
+# "ΐ" (2 bytes) from up to 7 bytes; NFKC maps U+107A5 (4 bytes) to one ASCII byte.
+NORMALIZER_SHRINK = {"NFC": 4, "NFD": 4, "NFKC": 5, "NFKD": 5, "Lowercase": 3}
+
+
+@dataclass(frozen=True)
+class TextBound:
+    """The fewest tokens a text can become, from its length alone: every token stands for at most
+    `max_token_bytes` bytes of normalized text, and normalizing shortens it at most `shrink` times.
+    So a prompt that cannot fit is refused before it is tokenized, and no prompt that fits ever is."""
+
+    max_token_bytes: int
+    shrink: int
+
+    @classmethod
+    def of(cls, tokenizer) -> "TextBound | None":
+        """From a Hugging Face fast tokenizer's vocabulary and normalizer; None when the normalizer
+        is one whose shrinking is not bounded here (then nothing is refused early)."""
+        import json
+
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            return None
+        spec = json.loads(backend.to_str())
+        shrink = _shrink(spec.get("normalizer"))
+        if shrink is None:
+            return None
+        byte_level = "ByteLevel" in json.dumps([spec.get("pre_tokenizer"), spec.get("decoder")])
+        # byte-level vocabularies spell each byte as one character; otherwise the UTF-8 length of a
+        # token's spelling is at least the bytes it decodes to ("▁" for a space, "<0x41>" for "A")
+        longest = max((len(t) if byte_level else len(t.encode("utf-8", "surrogatepass"))
+                       for t in backend.get_vocab(with_added_tokens=False)), default=1)
+        added = max((len(t["content"].encode("utf-8", "surrogatepass")) for t in spec.get("added_tokens") or []),
+                    default=1)
+        return cls(max(longest, added, 1), shrink)
+
+    def min_tokens(self, text: str, enough: int) -> int:
+        """A lower bound of the tokens `text` becomes; exact bytes are counted only while the
+        character count (never more than the bytes) does not already reach `enough` tokens."""
+        per_token = self.max_token_bytes * self.shrink
+        floor = -(-len(text) // per_token)
+        if floor >= enough or text.isascii():
+            return floor
+        return -(-len(text.encode("utf-8", "surrogatepass")) // per_token)
+
+    def check(self, text: str, max_model_len: int, max_tokens: int | None) -> None:
+        """InvalidFieldError (param "prompt") when `text` certainly cannot fit max_model_len; the
+        messages are the engine's (LLMEngine.check_request) with "at least"."""
+        enough = max_model_len - (max_tokens or 0) + 1
+        n = self.min_tokens(text, min(enough, max_model_len))
+        if n >= max_model_len:
+            raise InvalidFieldError(
+                f"This model's maximum context length is {max_model_len} tokens. However, your prompt contains at "
+                f"least {n} input tokens ({len(text)} characters), which leaves no room for output. Please reduce "
+                "the length of the input.", "prompt")
+        if max_tokens is not None and n + max_tokens > max_model_len:
+            raise InvalidFieldError(
+                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                f"{max_tokens} output tokens and your prompt contains at least {n} input tokens ({len(text)} "
+                f"characters), for a total of at least {n + max_tokens} tokens. Please reduce the length of the "
+                "input prompt or the number of requested output tokens.", "max_tokens")
+
+
+def _shrink(normalizer: dict | None) -> int | None:
+    if normalizer is None:
+        return 1
+    if normalizer.get("type") == "Sequence":
+        total = 1
+        for part in normalizer.get("normalizers") or []:
+            s = _shrink(part)
+            if s is None:
+                return None
+            total *= s
+        return total
+    return NORMALIZER_SHRINK.get(normalizer.get("type"))

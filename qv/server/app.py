@@ -4,27 +4,37 @@ The engine is built in the app's lifespan, so importing this module is cheap and
 when the server starts: from `cfg` when given, else from the QV_* levers (QV_MODEL unset: the
 embedded tiny model, built into ~/.cache/qv on first start). `qv serve` builds it before uvicorn
 starts, so an engine that cannot start (StartupError, ConfigError) ends the process with its message
-and exit status 1 rather than inside uvicorn's lifespan traceback. Requests pass two pure-ASGI guards
-first: the body-size limit (413) and, when an API key is set, Bearer auth on /v1/* (401).
+and exit status 1 rather than inside uvicorn's lifespan traceback.
+
+Requests pass a pure-ASGI guard first: Bearer auth on every route but /health when an API key is
+set (401; /metrics too unless metrics_public), the body-size limit (413) and the body-read timeout
+(408). SIGTERM (or Ctrl+C) drains, under `qv serve` and plain uvicorn alike (`_drain_on_signals`):
+new requests get 503, requests in flight may finish until the grace is nearly over, then streams
+end with an error event and `[DONE]`, other requests get a JSON 503, and the process exits within
+shutdown_grace_s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import hmac
 import logging
+import os
+import signal
+import threading
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from qv.config import ConfigError, EngineConfig
 from qv.errors import StartupError
 from qv.server import completions, ops, openai, responses, systemone
-from qv.server.errors import APIError, api_error_response, error_response
+from qv.server.errors import SHUTDOWN_MESSAGE, APIError, api_error_response, error_response, internal_error
 from qv.server.state import ServerState
 from qv.server.streaming import ClientDisconnected
 
@@ -35,21 +45,54 @@ class BodyTooLarge(Exception):
     pass
 
 
+class BodyReadTimeout(Exception):
+    pass
+
+
+async def _answer(handler, state: ServerState, request: Request) -> Response:
+    """The handler's response, or the JSON error its exception stands for. Exceptions end here, in
+    the frame that raised them or the next, so no task keeps one (a task holding its exception would
+    keep alive the frames of its traceback, and with them the request's body, until the cycle
+    collector ran)."""
+    try:
+        return await handler(state, request)
+    except APIError as exc:
+        return api_error_response(exc)
+    except BodyTooLarge:
+        return error_response(413, f"the request body is larger than {state.max_body_bytes} bytes")
+    except BodyReadTimeout:
+        return error_response(408, "the request body did not arrive whole within body_read_timeout_s",
+                              headers={"Connection": "close"})
+    except (ClientDisconnected, ClientDisconnect):
+        return Response(status_code=499)  # nobody is listening; the request was aborted
+    except Exception as exc:  # noqa: BLE001 - a bug: log it, answer 500 without its text, keep serving
+        return api_error_response(internal_error(f"internal error in {request.url.path}", exc=exc))
+
+
 def _endpoint(handler):
-    """Route adapter: hands the handler the ServerState and turns errors into JSON responses."""
+    """Route adapter: hands the handler the ServerState and turns errors into JSON responses. The
+    handler runs as a task of its own, so that the end of the shutdown grace can stop it and still
+    answer the client (JSON 503) instead of leaving it to uvicorn's cancellation (plain-text 500)."""
     async def endpoint(request: Request) -> Response:
         state: ServerState = request.app.state.qv
+        if state.draining and request.url.path != "/metrics":
+            return api_error_response(APIError(503, SHUTDOWN_MESSAGE, headers={"Retry-After": "1",
+                                                                                "Connection": "close"}))
+        work = asyncio.ensure_future(_answer(handler, state, request))
+        stop = asyncio.ensure_future(state.stopping.wait())
         try:
-            return await handler(state, request)
-        except APIError as exc:
-            return api_error_response(exc)
-        except BodyTooLarge:
-            return error_response(413, f"the request body is larger than {state.max_body_bytes} bytes")
-        except ClientDisconnected:
-            return Response(status_code=499)  # nobody is listening; the request was aborted
-        except Exception as exc:  # noqa: BLE001 - a bug: log it, answer 500, keep serving
-            log.exception("unhandled error in %s", request.url.path)
-            return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+            await asyncio.wait({work, stop}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            work.cancel()
+            raise
+        finally:
+            stop.cancel()
+        if work.done():
+            return work.result()
+        work.cancel()
+        with contextlib.suppress(BaseException):
+            await work
+        return api_error_response(state.stopped_error())
     return endpoint
 
 
@@ -69,7 +112,8 @@ ROUTES = [
 
 
 class Guards:
-    """Body-size limit and Bearer auth, before routing (so a 401/413 costs no JSON parsing)."""
+    """Auth, body-size limit and body-read timeout, before routing (so a 401/413 costs no JSON
+    parsing); a failure that escapes the app still gets a JSON 500."""
 
     def __init__(self, app, cfg_ref: dict):
         self.app = app
@@ -80,7 +124,9 @@ class Guards:
         if scope["type"] != "http" or cfg is None:
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if cfg.api_key and scope["path"].startswith("/v1/") and scope["method"] != "OPTIONS":
+        path = scope["path"]
+        open_route = path == "/health" or (path == "/metrics" and cfg.metrics_public)
+        if cfg.api_key and not open_route and scope["method"] != "OPTIONS":
             given = headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {cfg.api_key}".encode()):
                 return await error_response(401, "Unauthorized: send `Authorization: Bearer <api key>`",
@@ -89,18 +135,36 @@ class Guards:
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > limit:
             return await error_response(413, f"the request body is larger than {limit} bytes")(scope, receive, send)
-        seen = 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + cfg.body_read_timeout_s
+        seen, body_done, started = 0, False, False
 
-        async def limited_receive():
-            nonlocal seen
-            message = await receive()
+        async def guarded_receive():
+            nonlocal seen, body_done
+            if body_done:  # past the body only http.disconnect comes, whenever it does
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                raise BodyReadTimeout() from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:
                     raise BodyTooLarge()
+                body_done = not message.get("more_body", False)
             return message
 
-        return await self.app(scope, limited_receive, send)
+        async def tracked_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            return await self.app(scope, guarded_receive, tracked_send)
+        except Exception as exc:  # noqa: BLE001 - outside any route (middleware, routing): still JSON
+            if started:
+                raise
+            await api_error_response(internal_error(f"internal error serving {path}", exc=exc))(scope, receive, send)
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
@@ -109,6 +173,62 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
     if exc.status_code == 405:
         return error_response(405, f"method {request.method} is not allowed on {request.url.path}")
     return error_response(exc.status_code, str(exc.detail))
+
+
+def _drain_on_signals(state: ServerState):
+    """Chain SIGTERM and SIGINT to begin the drain before the server's own handler (uvicorn's, which
+    stops accepting connections and waits for the ones open); a timer ends the process when the
+    grace is over whatever still runs (the engine's own shutdown included). Only in the main thread,
+    and only over a handler that can be chained (under uvicorn, always). Returns the function that
+    puts the handlers back once the app has shut down."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    loop = asyncio.get_running_loop()
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    timer = threading.Timer(state.shutdown_grace_s, _exit_now, args=(state.shutdown_grace_s,))
+    timer.daemon = True
+
+    def start_drain():
+        if not state.draining:  # a second signal before the first was handled
+            state.begin_drain()
+            timer.start()
+
+    def on_signal(sig, frame):
+        if not state.draining:
+            loop.call_soon_threadsafe(start_drain)
+        previous[sig](sig, frame)
+
+    installed = [sig for sig, handler in previous.items() if callable(handler)]
+    for sig in installed:
+        signal.signal(sig, on_signal)
+
+    def restore():  # the app has shut down: nothing left for the timer to end
+        timer.cancel()
+        for sig in installed:
+            if signal.getsignal(sig) is on_signal:
+                signal.signal(sig, previous[sig])
+    return restore
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def _heap_returns_large_buffers() -> None:
+    """Allocations of 1 MiB and more (request bodies, prompts and their copies) are mapped from the
+    OS and given back when freed. Left to itself, glibc raises that threshold to the size of the
+    first large block freed, so later bodies come from the heap, which keeps what they took
+    (tests/server/test_hardening.py measures the RSS). Nothing happens without glibc's mallopt."""
+    try:
+        ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, 1 << 20)
+    except (OSError, AttributeError):
+        pass
+
+
+def _exit_now(grace: float) -> None:
+    log.error("still running %.1f s after the shutdown signal (shutdown_grace_s): exiting now", grace)
+    logging.shutdown()
+    os._exit(1)
 
 
 def build_app(cfg: EngineConfig | None = None, engine=None) -> Starlette:
@@ -120,16 +240,20 @@ def build_app(cfg: EngineConfig | None = None, engine=None) -> Starlette:
     async def lifespan(app: Starlette):
         from qv.engine.async_engine import AsyncLLMEngine
 
+        _heap_returns_large_buffers()
         config = cfg if cfg is not None else EngineConfig.from_env()
         running = engine if engine is not None else AsyncLLMEngine(config)
-        app.state.qv = ServerState(running, config)
+        state = app.state.qv = ServerState(running, config)
         cfg_ref["cfg"] = config
-        log.info("qv server ready: model %s (%s), max_model_len %d", app.state.qv.model_name,
-                 app.state.qv.model_root, running.max_model_len)
+        restore = _drain_on_signals(state)
+        log.info("qv server ready: model %s (%s), max_model_len %d", state.model_name, state.model_root,
+                 running.max_model_len)
         try:
             yield
         finally:
-            running.shutdown()
+            state.close()
+            await asyncio.to_thread(running.shutdown)
+            restore()
 
     routes = [Route(path, _endpoint(fn), methods=[method]) for path, fn, method in ROUTES]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error})
@@ -168,7 +292,7 @@ def serve(cfg: EngineConfig) -> None:
         raise SystemExit(f"qv: the engine did not start: {exc}") from None
     application = build_app(cfg, engine)
     server = uvicorn.Server(uvicorn.Config(application, host=cfg.host, port=cfg.port, log_level="info",
-                                           lifespan="on", timeout_graceful_shutdown=5))
+                                           lifespan="on", timeout_graceful_shutdown=cfg.shutdown_grace_s))
     asyncio.run(_serve(server, application))
 
 

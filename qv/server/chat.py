@@ -143,7 +143,7 @@ def apply_template(tokenizer, conversation: list[dict], *, tools: list[dict] | N
             conversation, tools=tools, documents=documents, chat_template=chat_template,
             add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
             tokenize=False, **(kwargs or {}))
-    except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
+    except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError) as exc:
         raise bad_request(f"the chat template could not render these messages: {exc}", "messages") from None
     if not isinstance(text, str):
         raise bad_request("the chat template did not render to text", "messages")
@@ -170,8 +170,10 @@ def forced_call_prefix(tool_choice, tool_names: list[str]) -> str:
     return "<tool_call>\n<function="
 
 
-def render_chat(tokenizer, req, default_thinking: bool) -> RenderedPrompt:
-    """A ChatCompletionRequest (or anything with its fields) -> the prompt the engine runs."""
+def render_chat(tokenizer, req, default_thinking: bool, check_text=None) -> RenderedPrompt:
+    """A ChatCompletionRequest (or anything with its fields) -> the prompt the engine runs. Slow for
+    long conversations: call it off the event loop. check_text(text): the length pre-check, run on
+    the rendered text before it is tokenized."""
     conversation = build_conversation(req.messages)
     kwargs = template_kwargs(req.chat_template_kwargs, default_thinking, getattr(req, "reasoning_effort", None))
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
@@ -184,6 +186,8 @@ def render_chat(tokenizer, req, default_thinking: bool) -> RenderedPrompt:
         # `<think>\n` + `\n</think>\n\n` is the template's own empty think block (enable_thinking=false)
         text += ("\n" + THINK_END + "\n\n" if thinking else "") + prefix
         thinking = False
+    if check_text is not None:
+        check_text(text)
     ids = tokenizer.encode(text, add_special_tokens=False)
     if getattr(req, "truncate_prompt_tokens", None):
         ids = ids[-req.truncate_prompt_tokens:]

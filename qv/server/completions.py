@@ -8,67 +8,78 @@ import time
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from qv.server.errors import APIError, bad_request, sse_error
+from qv.server.errors import APIError, bad_request, internal_error, sse_error
 from qv.server.logprobs import completion_logprobs
-from qv.server.openai import parse_body, usage
+from qv.server.openai import read_request, stream_response, usage
 from qv.server.protocol import CompletionRequest
 from qv.server.state import ServerState, random_id
-from qv.server.streaming import DONE, SSEResponse, merge, read_json, sse, until_disconnect
+from qv.server.streaming import DONE, merge, sse, until_disconnect
 
 
-def _prompts(state: ServerState, req: CompletionRequest) -> list[tuple[str, list[int]]]:
-    """(text, token ids) per prompt; token-id prompts are decoded for echo."""
+def _items(state: ServerState, req: CompletionRequest) -> list:
+    """The prompts of a request (a string, token ids, or a list of either), at most max_prompts_per_request."""
     p = req.prompt
     items = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+    if len(items) > state.max_prompts:
+        raise bad_request(f"{len(items)} prompts in one request; this server takes at most {state.max_prompts} "
+                          "(max_prompts_per_request)", "prompt")
+    return items
+
+
+def _prompts(state: ServerState, req: CompletionRequest, items: list, params) -> list[tuple[str, list[int]]]:
+    """(text, token ids) per prompt, each checked by the engine; token-id prompts are decoded for echo.
+    Runs off the event loop (tokenizing)."""
     out = []
     for k, item in enumerate(items):
         where = "prompt" if len(items) == 1 else f"prompt[{k}]"
         if isinstance(item, str):
-            ids = state.tokenizer.encode(item, add_special_tokens=req.add_special_tokens)
-            text = item
+            if not item:
+                raise bad_request(f"{where} is empty", where)
+            if not req.truncate_prompt_tokens:
+                state.check_text(item, req.max_tokens, where)
+            ids = state.encode(item, req.add_special_tokens)
         else:
-            vocab = state.engine.model_config.vocab_size
-            bad = [t for t in item if not 0 <= t < vocab]
-            if bad:
-                raise bad_request(f"{where} has token id {bad[0]}, outside the vocabulary [0, {vocab})", where)
             ids = list(item)
-            text = state.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        if not ids:
-            raise bad_request(f"{where} is empty", where)
         if req.truncate_prompt_tokens:
             ids = ids[-req.truncate_prompt_tokens:]
-        out.append((text, ids))
+        state.check_request(ids, params, where)
+        out.append((item if isinstance(item, str) else state.decode(ids), ids))
     return out
 
 
 async def create_completion(state: ServerState, request: Request) -> Response:
-    req = parse_body(CompletionRequest, await read_json(request, state.max_body_bytes))
+    req, size = await read_request(state, request, CompletionRequest)
     state.check_model(req.model)
     state.check_logprobs(req.logprobs, "logprobs")
-    prompts = _prompts(state, req)
+    items = _items(state, req)
     params = state.sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs)
-    for k, (_, ids) in enumerate(prompts):
-        state.check_length(len(ids), req.max_tokens, "prompt" if len(prompts) == 1 else f"prompt[{k}]")
-        state.check_request(ids, params)
-    state.check_capacity()
+    state.check_capacity(len(items) * req.n)  # the whole request at once, before the work
+    prompts = await state.offload(size, _prompts, state, req, items, params)
     rid, created = random_id("cmpl"), int(time.time())
-    gens = [state.generate(f"{rid}-{k}", ids, params, prompt=text, cache_salt=req.cache_salt)
-            for k, (text, ids) in enumerate(prompts)]
     head = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
-    if req.stream:
-        return SSEResponse(completion_stream(state, req, head, prompts, gens))
-
-    async def run_all():
-        outs: dict[int, object] = {}
-        async for k, out in merge(gens):
-            outs[k] = out
-        return [outs[k] for k in range(len(gens))]
-
+    seats = state.admit(len(prompts) * req.n)
     try:
-        finals = await until_disconnect(request, run_all())
-    finally:
-        for g in gens:
-            await g.aclose()
+        gens = [state.generate(f"{rid}-{k}", ids, params, prompt=text, cache_salt=req.cache_salt, admission=seats)
+                for k, (text, ids) in enumerate(prompts)]
+        if req.stream:
+            trailer = sse_error(state.stopped_error()) + DONE
+            return stream_response(state, completion_stream(state, req, head, prompts, gens), seats, trailer)
+
+        async def run_all():
+            outs: dict[int, object] = {}
+            async for k, out in merge(gens):
+                outs[k] = out
+            return [outs[k] for k in range(len(gens))]
+
+        try:
+            finals = await until_disconnect(request, run_all())
+        finally:
+            for g in gens:
+                await g.aclose()
+    except BaseException:
+        seats.release()
+        raise
+    seats.release()
     return JSONResponse(completion_response(state, req, head, prompts, finals))
 
 
@@ -144,7 +155,7 @@ async def completion_stream(state: ServerState, req: CompletionRequest, head: di
     except APIError as exc:
         yield sse_error(exc)
     except Exception as exc:  # noqa: BLE001 - a bug must still end the stream with an error event
-        yield sse_error(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+        yield sse_error(internal_error("internal error while streaming", head["id"], exc))
     finally:
         await stream.aclose()
         for g in gens:

@@ -1,12 +1,16 @@
 """Error bodies and status codes, vLLM's shape: {"error": {"message", "type", "param", "code"}}.
 
 Anything a client sent wrongly is a 4xx with a message that names the field; a 500 means qv (or
-the engine) failed, never the request. pydantic's 422 becomes 400, as in vLLM.
+the engine) failed, never the request. pydantic's 422 becomes 400, as in vLLM. A 5xx never carries
+the text of an internal exception: that goes to the log under a request id, and the client gets
+the id (`internal_error`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import uuid
 from http import HTTPStatus
 
 from pydantic import ValidationError
@@ -17,11 +21,17 @@ ERROR_TYPES = {
     401: "AuthenticationError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    408: "RequestTimeoutError",
     413: "RequestEntityTooLargeError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
 
+log = logging.getLogger("qv.server")
+
+SHUTDOWN_MESSAGE = "The server is shutting down and takes no new requests; please retry on another instance."
+STOPPED_MESSAGE = ("The server is shutting down: this request was stopped before it finished (shutdown_grace_s "
+                   "ran out); please retry on another instance.")
 BUSY_MESSAGE = ("The engine is currently busy and cannot accept new requests. Please try again later or on a "
                 "different instance.")
 
@@ -40,6 +50,19 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param)
+
+
+def internal_error(what: str, request_id: str | None = None, exc: BaseException | None = None,
+                   detail: str | None = None) -> APIError:
+    """A 500 whose body says what failed and gives a request id; the exception (or the engine's
+    `detail`) is logged under that id, never sent."""
+    rid = request_id or f"req-{uuid.uuid4().hex}"
+    if exc is not None:
+        log.error("%s (request %s)", what, rid, exc_info=(type(exc), exc, exc.__traceback__))
+    else:
+        log.error("%s (request %s): %s", what, rid, detail)
+    return APIError(500, f"{what} (request id {rid}; the server log has the details)",
+                    headers={"x-request-id": rid})
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:

@@ -12,19 +12,34 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from qv.server.chat import RenderedPrompt, render_chat
-from qv.server.errors import APIError, sse_error, validation_error
+from qv.server.errors import APIError, internal_error, sse_error, validation_error
 from qv.server.logprobs import chat_logprobs
 from qv.server.parsers import OutputStream, Qwen3CoderToolParser, parse_output
 from qv.server.protocol import ChatCompletionRequest
 from qv.server.state import ServerState, random_id
-from qv.server.streaming import DONE, SSEResponse, last_output, read_json, sse, until_disconnect
+from qv.server.streaming import DONE, LARGE_BYTES, SSEResponse, last_output, read_json_sized, sse, until_disconnect
 
 
-def parse_body(model_cls, body: dict):
+def validate_body(model_cls, body: dict):
+    """A parsed JSON body -> the request model; pydantic's errors as one 400."""
     try:
         return model_cls.model_validate(body)
     except ValidationError as exc:
         raise validation_error(exc) from None
+
+
+async def read_request(state: ServerState, request: Request, model_cls):
+    """(request model, body size): the body read, parsed and validated, off the loop when large."""
+    body, size = await read_json_sized(request, state.max_body_bytes)
+    if size < LARGE_BYTES:
+        return validate_body(model_cls, body), size
+    return await state.offload(size, validate_body, model_cls, body), size
+
+
+def stream_response(state: ServerState, chunks, admission, trailer: bytes) -> SSEResponse:
+    """SSE for a request in flight: cut at the end of the shutdown grace with `trailer`, its seats
+    released however it ends."""
+    return SSEResponse(chunks, stop=state.stopping, trailer=trailer, on_close=admission.release)
 
 
 @dataclass
@@ -62,17 +77,19 @@ def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
 
 
 async def create_chat_completion(state: ServerState, request: Request) -> Response:
-    req = parse_body(ChatCompletionRequest, await read_json(request, state.max_body_bytes))
+    req, size = await read_request(state, request, ChatCompletionRequest)
     state.check_model(req.model)
     state.check_logprobs(req.top_logprobs, "top_logprobs")
-    rendered = render_chat(state.tokenizer, req, state.enable_thinking)
+    max_tokens = req.max_output_tokens
+    names = {"logprobs": "top_logprobs", "max_tokens": req.max_tokens_param}
+    params = state.sampling_params(req, max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                                   names=names)
+    state.check_capacity(req.n)  # before the work; admit() below holds the seats
+    check = None if req.truncate_prompt_tokens else (lambda text: state.check_text(text, max_tokens, "messages"))
+    rendered = await state.offload(size, render_chat, state.tokenizer, req, state.enable_thinking, check)
     mm = await state.media.prompt(req.messages, rendered.token_ids)  # images/videos fetched and expanded
     prompt_ids = mm.token_ids if mm is not None else rendered.token_ids
-    max_tokens = req.max_output_tokens
-    state.check_length(len(prompt_ids), max_tokens, "messages")
-    params = state.sampling_params(req, max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None)
-    state.check_request(prompt_ids, params)
-    state.check_capacity()
+    state.check_request(prompt_ids, params, "messages", names)
     tool_dicts = [t.model_dump(exclude_none=True) for t in req.tools or []]
     parse_tools = bool(req.tools) and req.tool_choice != "none"
     last = req.messages[-1]
@@ -80,11 +97,17 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     ctx = ChatContext(req, rendered, Qwen3CoderToolParser(tool_dicts) if parse_tools else None,
                       [t.function.name for t in req.tools or []], random_id("chatcmpl"), int(time.time()),
                       state.model_name, echo)
-    gen = state.generate(ctx.request_id, prompt_ids, params, prompt=rendered.text, cache_salt=req.cache_salt,
-                         multimodal=mm)
-    if req.stream:
-        return SSEResponse(chat_stream(state, ctx, gen))
-    final = await until_disconnect(request, last_output(gen))
+    seats = state.admit(req.n)
+    try:
+        gen = state.generate(ctx.request_id, prompt_ids, params, prompt=rendered.text, cache_salt=req.cache_salt,
+                             multimodal=mm, admission=seats)
+        if req.stream:
+            return stream_response(state, chat_stream(state, ctx, gen), seats, sse_error(state.stopped_error()) + DONE)
+        final = await until_disconnect(request, last_output(gen))
+    except BaseException:
+        seats.release()
+        raise
+    seats.release()
     return JSONResponse(chat_response(state, ctx, final))
 
 
@@ -213,7 +236,7 @@ async def chat_stream(state: ServerState, ctx: ChatContext, gen):
     except APIError as exc:
         yield sse_error(exc)
     except Exception as exc:  # noqa: BLE001 - a bug must still end the stream with an error event
-        yield sse_error(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+        yield sse_error(internal_error("internal error while streaming", ctx.request_id, exc))
     finally:
         await gen.aclose()
     yield DONE

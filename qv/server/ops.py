@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+from array import array
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
@@ -12,15 +13,15 @@ from starlette.responses import JSONResponse, Response
 from qv.engine.clef_api import CLEF_MODEL_NAMES
 from qv.server.chat import apply_template, build_conversation, template_kwargs
 from qv.server.errors import bad_request, error_response
-from qv.server.openai import parse_body
+from qv.server.openai import read_request
 from qv.server.protocol import DetokenizeRequest, TokenizeRequest
 from qv.server.state import ServerState
-from qv.server.streaming import read_json
+from qv.version import __version__
 
 
 async def health(state: ServerState, request: Request) -> Response:
     if not state.engine.healthy:
-        return error_response(503, f"The engine is not running: {state.engine_failure()}")
+        return error_response(503, "The engine is not running (it stopped; the server log says why).")
     return Response(status_code=200)
 
 
@@ -53,36 +54,50 @@ async def reset_prefix_cache(state: ServerState, request: Request) -> Response:
     return Response(status_code=200)
 
 
-async def tokenize(state: ServerState, request: Request) -> Response:
-    req = parse_body(TokenizeRequest, await read_json(request, state.max_body_bytes))
-    state.check_model(req.model)
+def _tokenize(state: ServerState, req: TokenizeRequest) -> list[int]:
+    """The prompt's or the rendered chat's token ids, refused early when the text cannot fit
+    max_model_len (the length pre-check); off the event loop."""
     tok = state.tokenizer
     if req.prompt is not None:
-        ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-    else:
-        if not req.messages:
-            raise bad_request("messages must not be empty", "messages")
-        if req.add_generation_prompt and req.continue_final_message:
-            raise bad_request("Cannot set both `continue_final_message` and `add_generation_prompt` to true.")
-        text = apply_template(
-            tok, build_conversation(req.messages),
-            tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
-            chat_template=req.chat_template, add_generation_prompt=req.add_generation_prompt,
-            continue_final_message=req.continue_final_message,
-            kwargs=template_kwargs(req.chat_template_kwargs, state.enable_thinking, None))
-        ids = tok.encode(text, add_special_tokens=False)
+        state.check_text(req.prompt, None, "prompt")
+        return state.encode(req.prompt, req.add_special_tokens)
+    if not req.messages:
+        raise bad_request("messages must not be empty", "messages")
+    if req.add_generation_prompt and req.continue_final_message:
+        raise bad_request("Cannot set both `continue_final_message` and `add_generation_prompt` to true.")
+    text = apply_template(
+        tok, build_conversation(req.messages),
+        tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
+        chat_template=req.chat_template, add_generation_prompt=req.add_generation_prompt,
+        continue_final_message=req.continue_final_message,
+        kwargs=template_kwargs(req.chat_template_kwargs, state.enable_thinking, None))
+    state.check_text(text, None, "messages")
+    return state.encode(text, False)
+
+
+async def tokenize(state: ServerState, request: Request) -> Response:
+    req, size = await read_request(state, request, TokenizeRequest)
+    state.check_model(req.model)
+    ids = await state.offload(size, _tokenize, state, req)
     body = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
     if req.return_token_strs:
-        body["token_strs"] = tok.convert_ids_to_tokens(ids)
+        body["token_strs"] = await state.offload(size, state.tokenizer.convert_ids_to_tokens, ids)
     return JSONResponse(body)
 
 
-async def detokenize(state: ServerState, request: Request) -> Response:
-    req = parse_body(DetokenizeRequest, await read_json(request, state.max_body_bytes))
-    state.check_model(req.model)
+def _detokenize(state: ServerState, tokens: list[int]) -> str:
     vocab = state.engine.model_config.vocab_size
-    bad = [t for t in req.tokens if not 0 <= t < vocab]
-    if bad:
-        raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens")
-    text = state.tokenizer.decode(req.tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-    return JSONResponse({"prompt": text})
+    try:  # C speed for long lists; the loop below only names the bad id
+        ok = not tokens or (0 <= min(array("q", tokens)) and max(tokens) < vocab)
+    except OverflowError:
+        ok = False
+    if not ok:
+        bad = next(t for t in tokens if not 0 <= t < vocab)
+        raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
+    return state.decode(tokens)
+
+
+async def detokenize(state: ServerState, request: Request) -> Response:
+    req, size = await read_request(state, request, DetokenizeRequest)
+    state.check_model(req.model)
+    return JSONResponse({"prompt": await state.offload(size, _detokenize, state, req.tokens)})

@@ -1,5 +1,8 @@
-"""Request bodies (pydantic), with vLLM's field names, ranges and combination rules.
+"""Request bodies (pydantic), with vLLM's field names, JSON types and combination rules.
 
+Types are strict, as OpenAI's are: `"stream": "yes"` or `1`, `"max_tokens": 4.5` or `"4"` are
+refused rather than coerced (an integer is taken where a number is expected). Sampling ranges are
+not here: SamplingParams.validate in the engine holds them, once for the server and `LLM` alike.
 Unknown top-level fields are accepted and ignored with a warning, as vLLM does; fields qv knows
 but cannot honour yet (beam search, logit_bias, structured output, prompt logprobs) are refused
 with a 400 that says so, rather than silently changing what the client asked for.
@@ -9,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -19,7 +22,7 @@ TOOL_NAME = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")  # rendered as `<function=N
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="allow", protected_namespaces=(), allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", protected_namespaces=(), allow_inf_nan=False, strict=True)
 
     @model_validator(mode="after")
     def _log_ignored(self):
@@ -99,19 +102,19 @@ class SamplingFields(OpenAIModel):
     """Sampling and output fields shared by chat and completions (vLLM extensions included)."""
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=128)
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1, le=2**31 - 1)
-    min_p: float | None = Field(None, ge=0, le=1)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0)
-    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0, le=2**63 - 1)]] | None = None
+    stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0, le=2**31 - 1)
+    min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -135,20 +138,10 @@ class SamplingFields(OpenAIModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, v):
-        if v is not None and any(s == "" for s in ([v] if isinstance(v, str) else v)):
-            raise ValueError("stop cannot contain an empty string")
-        return v
-
     @model_validator(mode="after")
     def _common(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("Stream options can only be defined when `stream=True`.")
-        if self.seed is not None and self.seed + self.n - 1 > 2**63 - 1:
-            # sample i of n uses seed + i, which must stay an int64 (the engine failed on it otherwise)
-            raise ValueError(f"seed + n - 1 must be at most 2**63 - 1, got seed={self.seed}, n={self.n}")
         unsupported = {
             "logit_bias": bool(self.logit_bias), "prompt_logprobs": self.prompt_logprobs is not None,
             "use_beam_search": self.use_beam_search, "allowed_token_ids": self.allowed_token_ids is not None,
@@ -164,10 +157,10 @@ class SamplingFields(OpenAIModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)
+    top_logprobs: int | None = None
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -203,11 +196,15 @@ class ChatCompletionRequest(SamplingFields):
     def max_output_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0)
+    max_tokens: int | None = 16
+    logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
@@ -279,15 +276,15 @@ class ResponsesRequest(OpenAIModel):
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1, le=2**31 - 1)
-    min_p: float | None = Field(None, ge=0, le=1)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0)
-    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
     tools: list[ResponsesTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ResponsesNamedToolChoice | None = None
     parallel_tool_calls: bool = True

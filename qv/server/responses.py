@@ -11,12 +11,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from qv.server.chat import content_text, render_chat
-from qv.server.errors import APIError, bad_request
-from qv.server.openai import ChatContext, parse_body
+from qv.server.errors import APIError, bad_request, internal_error
+from qv.server.openai import ChatContext, read_request, stream_response, validate_body
 from qv.server.parsers import OutputStream, Qwen3CoderToolParser, parse_output
 from qv.server.protocol import ChatCompletionRequest, ResponsesRequest
 from qv.server.state import ServerState, random_id
-from qv.server.streaming import SSEResponse, last_output, read_json, sse_event, until_disconnect
+from qv.server.streaming import DONE, last_output, sse_event, until_disconnect
 
 ROLES = ("user", "system", "developer", "assistant")
 
@@ -85,7 +85,7 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
                                                     "parameters": t.parameters}} for t in req.tools] if req.tools else None,
         "tool_choice": tc if isinstance(tc, str) or tc is None else {"type": "function", "function": {"name": tc.name}},
     }
-    return parse_body(ChatCompletionRequest, {k: v for k, v in body.items() if v is not None})
+    return validate_body(ChatCompletionRequest, {k: v for k, v in body.items() if v is not None})
 
 
 def _usage(state: ServerState, out, reasoning: str | None) -> dict:
@@ -126,22 +126,33 @@ def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: st
 
 
 async def create_response(state: ServerState, request: Request) -> Response:
-    rreq = parse_body(ResponsesRequest, await read_json(request, state.max_body_bytes))
+    rreq, size = await read_request(state, request, ResponsesRequest)
     state.check_model(rreq.model)
     req = to_chat_request(rreq)
-    rendered = render_chat(state.tokenizer, req, state.enable_thinking)
-    state.check_length(len(rendered.token_ids), req.max_output_tokens, "input")
-    params = state.sampling_params(req, max_tokens=req.max_output_tokens, logprobs=None)
-    state.check_request(rendered.token_ids, params)
-    state.check_capacity()
+    names = {"max_tokens": "max_output_tokens"}
+    params = state.sampling_params(req, max_tokens=req.max_output_tokens, logprobs=None, names=names)
+    state.check_capacity(1)
+    check = lambda text: state.check_text(text, req.max_output_tokens, "input")  # noqa: E731
+    rendered = await state.offload(size, render_chat, state.tokenizer, req, state.enable_thinking, check)
+    state.check_request(rendered.token_ids, params, "input", names)
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
     ctx = ChatContext(req, rendered, Qwen3CoderToolParser(tools) if req.tools and req.tool_choice != "none" else None,
                       [t.function.name for t in req.tools or []], random_id("resp", "_"), int(time.time()),
                       state.model_name, "")
-    gen = state.generate(ctx.request_id, rendered.token_ids, params, prompt=rendered.text, cache_salt=req.cache_salt)
-    if rreq.stream:
-        return SSEResponse(response_events(state, ctx, rreq, gen))
-    out = await until_disconnect(request, last_output(gen))
+    seats = state.admit(1)
+    try:
+        gen = state.generate(ctx.request_id, rendered.token_ids, params, prompt=rendered.text,
+                             cache_salt=req.cache_salt, admission=seats)
+        if rreq.stream:
+            stopped = state.stopped_error()
+            trailer = sse_event("error", {"type": "error", "code": str(stopped.status), "message": stopped.message,
+                                          "param": None}) + DONE
+            return stream_response(state, response_events(state, ctx, rreq, gen), seats, trailer)
+        out = await until_disconnect(request, last_output(gen))
+    except BaseException:
+        seats.release()
+        raise
+    seats.release()
     o = out.outputs[0]
     parsed = parse_output(rendered.forced_prefix + o.text, rendered.thinking, ctx.tools)
     calls = parsed.tool_calls if req.parallel_tool_calls else parsed.tool_calls[:1]
@@ -284,6 +295,7 @@ async def response_events(state: ServerState, ctx: ChatContext, rreq: ResponsesR
     except APIError as exc:
         yield w.event("error", code=str(exc.status), message=exc.message, param=exc.param)
     except Exception as exc:  # noqa: BLE001 - a bug must still end the stream with an error event
-        yield w.event("error", code="500", message=f"internal error: {type(exc).__name__}: {exc}", param=None)
+        err = internal_error("internal error while streaming", ctx.request_id, exc)
+        yield w.event("error", code="500", message=err.message, param=None)
     finally:
         await gen.aclose()

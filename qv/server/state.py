@@ -1,22 +1,51 @@
-"""What every endpoint needs: the engine, the served names, the levers the server reads, and the
-checks that come before any request reaches the engine (model name, context length, capacity)."""
+"""What every endpoint needs: the engine, the served names, the levers the server reads, the checks
+that come before any request reaches the engine (model name, admission, shutdown), and the worker
+threads that tokenize and render off the event loop.
+
+Request rules live in the engine (`SamplingParams.validate`, `engine.check_request`, the
+`TextBound` pre-check); the server only turns their InvalidRequestError into a 400 with the
+parameter the client wrote.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 from qv.config import EngineConfig
-from qv.engine.request import InvalidRequestError, SamplingParams
-from qv.server.errors import BUSY_MESSAGE, APIError, bad_request
+from qv.engine.request import InvalidRequestError, SamplingParams, TextBound
+from qv.server.errors import (BUSY_MESSAGE, SHUTDOWN_MESSAGE, STOPPED_MESSAGE, APIError, bad_request,
+                              internal_error)
 from qv.server.media import ServerMedia
 from qv.server.metrics import ServerMetrics
+from qv.server.streaming import LARGE_BYTES
+
+log = logging.getLogger("qv.server")
+
+LARGE_WORKERS = 2  # threads for bodies of LARGE_BYTES or more (tokenizers release the GIL; templating shares it)
+LARGE_QUEUE = 16  # such bodies in work at once (running and waiting for a thread); more get 503
 
 
 def random_id(prefix: str, sep: str = "-") -> str:
     """chatcmpl-/cmpl- ids as OpenAI writes them; Responses API ids use `_` (resp_, msg_, fc_)."""
     return f"{prefix}{sep}{uuid.uuid4().hex}"
+
+
+class Admission:
+    """The waiting seats one request holds from admission until its sequences start (first output)."""
+
+    def __init__(self, state: "ServerState", seqs: int):
+        self.state, self.left = state, seqs
+        state.unstarted += seqs
+
+    def release(self, seqs: int | None = None) -> None:
+        k = self.left if seqs is None else min(seqs, self.left)
+        self.left -= k
+        self.state.unstarted -= k
 
 
 class ServerState:
@@ -32,13 +61,57 @@ class ServerState:
         self.enable_thinking = cfg.enable_thinking
         self.max_body_bytes = cfg.max_body_bytes
         self.max_waiting = cfg.max_waiting
+        self.max_prompts = cfg.max_prompts_per_request
         self.max_logprobs = cfg.max_logprobs
+        self.shutdown_grace_s = cfg.shutdown_grace_s
         self.created = int(time.time())
         self.in_flight = 0  # requests of this server between submission and their last output
+        self.unstarted = 0  # sequences admitted that have not produced a token yet (Admission)
+        self.draining = False  # shutdown began: new requests get 503
+        self.stopping = asyncio.Event()  # the grace ran out: requests in flight are cut
+        self.loop = asyncio.get_running_loop()  # built in the app's lifespan, on the server's loop
+        self.text_bound = TextBound.of(self.tokenizer)
+        if self.text_bound is None:
+            log.warning("the tokenizer's normalizer has no known bound: long prompts are tokenized before their "
+                        "length is checked")
+        else:
+            b = self.text_bound
+            log.info("prompts over %d bytes are refused before tokenizing (longest token %d bytes, normalizer "
+                     "shrink %dx, max_model_len %d)", b.max_token_bytes * b.shrink * self.max_model_len,
+                     b.max_token_bytes, b.shrink, self.max_model_len)
+        self._large = ThreadPoolExecutor(LARGE_WORKERS, thread_name_prefix="qv-tokenize")
+        self._large_jobs = 0
         self.metrics = ServerMetrics(engine, self.model_name, self.max_model_len)
         self.media = ServerMedia(cfg, getattr(engine, "multimodal", None))  # image/video parts of chat requests
         decoder = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
         self.special_ids = frozenset(i for i, t in decoder.items() if getattr(t, "special", False))
+
+    # -- off the event loop ---------------------------------------------------------------------
+    async def offload(self, size: int, fn, *args):
+        """fn(*args) on a worker thread: the default pool for bodies under LARGE_BYTES, a bounded pool
+        for larger ones, so that a few huge prompts cannot take every thread from the rest (503 when
+        LARGE_QUEUE of them are in work already)."""
+        if size < LARGE_BYTES:
+            return await asyncio.to_thread(fn, *args)
+        if self._large_jobs >= LARGE_QUEUE:
+            self.metrics.rejections.inc()
+            raise APIError(503, BUSY_MESSAGE, headers={"Retry-After": "1", "retry-after-ms": "1000"})
+        self._large_jobs += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._large, fn, *args)
+        finally:
+            self._large_jobs -= 1
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Tokenize (call it off the loop: the fast tokenizer releases the GIL while it works)."""
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids: list[int]) -> str:
+        """Token ids -> text as written (the Rust batch call, which releases the GIL)."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            return backend.decode_batch([ids], skip_special_tokens=False)[0]
+        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     # -- checks before a request is queued -----------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -49,46 +122,69 @@ class ServerState:
         if n is not None and n > self.max_logprobs:
             raise bad_request(f"Requested {param} of {n}, which is greater than max allowed: {self.max_logprobs}", param)
 
-    def check_length(self, n_prompt: int, max_tokens: int | None, prompt_param: str) -> None:
-        """vLLM's context-length errors, with the token counts."""
-        limit = self.max_model_len
-        if n_prompt >= limit:
-            raise bad_request(
-                f"This model's maximum context length is {limit} tokens. However, your prompt contains {n_prompt} "
-                "input tokens, which exceeds this limit even without any output tokens. Please reduce the length "
-                "of the input prompt.", prompt_param)
-        if max_tokens is not None and n_prompt + max_tokens > limit:
-            total = n_prompt + max_tokens
-            raise bad_request(
-                f"This model's maximum context length is {limit} tokens. However, you requested {max_tokens} output "
-                f"tokens and your prompt contains {n_prompt} input tokens, for a total of {total} tokens "
-                f"({n_prompt} + {max_tokens} = {total} > {limit}). Please reduce the length of the input prompt or "
-                "the number of requested output tokens.", "max_tokens")
+    def check_text(self, text: str, max_tokens: int | None, prompt_param: str) -> None:
+        """The cheap pre-check: a prompt whose length alone says it cannot fit is refused before it is
+        tokenized (TextBound; the exact check follows in check_request)."""
+        if self.text_bound is not None:
+            try:
+                self.text_bound.check(text, self.max_model_len, max_tokens)
+            except InvalidRequestError as exc:
+                raise self.refusal(exc, prompt_param) from None
 
-    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def check_request(self, prompt_ids: list[int], params: SamplingParams, prompt_param: str = "prompt",
+                      names: dict | None = None) -> None:
+        """The engine's request check (length, vocabulary, stop strings) as a 400."""
         try:
             self.engine.check_request(prompt_ids, params)
         except InvalidRequestError as exc:
-            raise bad_request(str(exc)) from None
+            raise self.refusal(exc, prompt_param, names) from None
+
+    @staticmethod
+    def refusal(exc: InvalidRequestError, prompt_param: str = "prompt", names: dict | None = None) -> APIError:
+        """An engine refusal as a 400 whose param is the field the client wrote (`names` maps the
+        engine's field names to the request's, e.g. logprobs -> top_logprobs)."""
+        param = getattr(exc, "param", None)
+        param = prompt_param if param == "prompt" else (names or {}).get(param, param)
+        return bad_request(str(exc), param)
 
     def engine_failure(self) -> str:
         return self.engine.dead_error or "its step loop has stopped"
 
     def check_running(self) -> None:
+        if self.draining:
+            raise APIError(503, SHUTDOWN_MESSAGE, headers={"Retry-After": "1", "Connection": "close"})
         if not self.engine.healthy:
-            raise APIError(503, f"The engine is not running: {self.engine_failure()}", headers={"Retry-After": "30"})
+            log.error("refusing a request: the engine is not running: %s", self.engine_failure())
+            raise APIError(503, "The engine is not running (it stopped; the server log says why).",
+                           headers={"Retry-After": "30"})
 
-    def check_capacity(self) -> None:
-        self.check_running()
+    def waiting(self) -> int:
+        """Sequences waiting: the engine's gauge, or what this server admitted that has not started
+        when that is more (the gauge lags by up to a step behind requests just submitted)."""
         # With nothing of ours in flight the engine cannot be holding waiting requests; its gauge
-        # can still read >0 when the last request was aborted while idle (no step refreshed it),
-        # and trusting it then would refuse every request from that moment on.
-        waiting = self.engine.stats().num_waiting if self.in_flight else 0
-        if waiting >= self.max_waiting:
+        # can still read >0 when the last request was aborted while idle (no step refreshed it).
+        engine_waiting = self.engine.stats().num_waiting if self.in_flight else 0
+        return max(engine_waiting, self.unstarted)
+
+    def check_capacity(self, seqs: int = 1) -> None:
+        """Whether `seqs` more sequences may wait: 400 for a request that alone needs more than
+        max_waiting, 503 + Retry-After while the others leave no room."""
+        self.check_running()
+        if seqs > self.max_waiting:
+            raise bad_request(f"this request needs {seqs} sequences (prompts x n), more than the {self.max_waiting} "
+                              "this server lets wait at once (max_waiting)", "n")
+        if self.waiting() + seqs > self.max_waiting:
             self.metrics.rejections.inc()
             raise APIError(503, BUSY_MESSAGE, headers={"Retry-After": "1", "retry-after-ms": "1000"})
 
-    def sampling_params(self, req, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def admit(self, seqs: int) -> Admission:
+        """check_capacity, then hold the seats; call right before submitting (no await in between),
+        and release the Admission when the response is over."""
+        self.check_capacity(seqs)
+        return Admission(self, seqs)
+
+    def sampling_params(self, req, *, max_tokens: int | None, logprobs: int | None,
+                        names: dict | None = None) -> SamplingParams:
         """Request fields over generation_config.json defaults over SamplingParams defaults."""
         def pick(name: str, fallback):
             value = getattr(req, name, None)
@@ -105,37 +201,66 @@ class ServerState:
                 skip_special_tokens=req.skip_special_tokens,
                 spaces_between_special_tokens=req.spaces_between_special_tokens)
         except InvalidRequestError as exc:
-            raise bad_request(str(exc)) from None
+            raise self.refusal(exc, names=names) from None
+
+    # -- shutdown --------------------------------------------------------------------------------
+    def begin_drain(self) -> float:
+        """SIGTERM: refuse new requests now; cut the ones in flight when the grace is nearly over (a
+        second, or half the grace when it is shorter, is left for the cut responses and the exit).
+        Returns the seconds until the cut."""
+        if self.draining:
+            return 0.0
+        self.draining = True
+        cut_in = self.shutdown_grace_s - min(1.0, self.shutdown_grace_s / 2)
+        log.info("shutting down: new requests get 503; %d in flight may finish for %.1f s", self.in_flight, cut_in)
+        self.loop.call_later(cut_in, self.stopping.set)
+        return cut_in
+
+    def close(self) -> None:
+        self._large.shutdown(wait=False, cancel_futures=True)
 
     # -- running ---------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       prompt: str | None = None, cache_salt: str | None = None, multimodal=None):
+                       prompt: str | None = None, cache_salt: str | None = None, multimodal=None,
+                       admission: Admission | None = None):
         """engine.generate with metrics; engine failures become APIErrors (500, or 400 for a
         request the engine refused). Closing this iterator closes the engine's (abort).
-        multimodal: the prompt's images/videos (a MultimodalPrompt from `self.media.prompt`)."""
+        multimodal: the prompt's images/videos (a MultimodalPrompt from `self.media.prompt`);
+        admission: the seats this prompt's n sequences hold, given back at its first output."""
         tracker = self.metrics.tracker(params.n, params.max_tokens)
         gen = self.engine.generate(request_id, prompt_ids, params, prompt=prompt, cache_salt=cache_salt,
                                    multimodal=multimodal)
-        with self.engine_call():
-            async with contextlib.aclosing(gen):
-                async for out in gen:
-                    tracker.on_output(out)
-                    if out.error:
-                        raise APIError(500, f"the engine failed this request: {out.error}")
-                    if out.finished:
-                        tracker.on_finish(out)
-                    yield out
+        held = params.n if admission is not None else 0  # this prompt's share of the request's seats
+        try:
+            with self.engine_call(request_id):
+                async with contextlib.aclosing(gen):
+                    async for out in gen:
+                        if held:
+                            admission.release(held)
+                            held = 0
+                        tracker.on_output(out)
+                        if out.error:
+                            raise internal_error("the engine failed this request", request_id, detail=out.error)
+                        if out.finished:
+                            tracker.on_finish(out)
+                        yield out
+        finally:
+            if held:
+                admission.release(held)
 
     @contextlib.contextmanager
-    def engine_call(self):
+    def engine_call(self, request_id: str | None = None):
         """A request in flight on the engine: counted while it runs; the engine refusing it is a 400,
-        failing it a 500."""
+        failing it a 500 (its text logged, not sent)."""
         self.in_flight += 1
         try:
             yield
         except InvalidRequestError as exc:
-            raise bad_request(str(exc)) from None
+            raise self.refusal(exc) from None
         except RuntimeError as exc:
-            raise APIError(500, str(exc)) from None
+            raise internal_error("the engine failed this request", request_id, exc) from None
         finally:
             self.in_flight -= 1
+
+    def stopped_error(self) -> APIError:
+        return APIError(503, STOPPED_MESSAGE, headers={"Connection": "close"})

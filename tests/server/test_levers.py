@@ -1,5 +1,6 @@
-"""Server levers on a second server: API key (401), body limit (413), waiting-queue bound (503 +
-Retry-After), served-name aliases, the enable_thinking default, and /health once the engine is gone."""
+"""Server levers on a second server: API key (401 on every route but /health; /metrics opened by
+metrics_public), body limit (413), waiting-queue bound (503 + Retry-After), served-name aliases, the
+enable_thinking default, and /health once the engine is gone."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ def chat(**kw):
 
 @pytest.fixture(scope="module")
 def guarded(tiny_model):
-    running, stop = start_server(tiny_model, api_key="sekret", max_body_bytes=4096, max_waiting=1, max_num_seqs=1,
-                                 enable_thinking=True, served_model_name="qwen-a, qwen-b")
+    running, stop = start_server(tiny_model, api_key="sekret", metrics_public=True, max_body_bytes=4096, max_waiting=1,
+                                 max_num_seqs=1, enable_thinking=True, served_model_name="qwen-a, qwen-b")
     yield running
     stop()
 
@@ -33,11 +34,17 @@ def test_api_key(guarded):
         r = httpx.post(guarded.v1 + "/chat/completions", json=chat(), headers=headers)
         assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
         assert r.headers["www-authenticate"] == "Bearer"
-    assert httpx.get(guarded.v1 + "/models").status_code == 401
-    assert httpx.get(guarded.v1 + "/models", headers=good).status_code == 200
     assert httpx.post(guarded.v1 + "/chat/completions", json=chat(), headers=good).status_code == 200
-    for open_path in ("/health", "/metrics", "/version"):  # operations stay open, as in vLLM
-        assert httpx.get(guarded.url + open_path).status_code == 200
+    for method, path, body in (("GET", "/v1/models", None), ("GET", "/version", None),
+                               ("POST", "/tokenize", {"prompt": "hi"}), ("POST", "/detokenize", {"tokens": [1]}),
+                               ("POST", "/reset_prefix_cache", None), ("POST", "/v1/completions", {"prompt": "x"}),
+                               ("POST", "/v1/responses", {"input": "x"}), ("GET", "/v1/nowhere", None)):
+        r = httpx.request(method, guarded.url + path, json=body)
+        assert r.status_code == 401 and r.json()["error"]["code"] == 401, (path, r.text)
+        r = httpx.request(method, guarded.url + path, json=body, headers=good)
+        assert r.status_code in (200, 404), (path, r.text)  # the unknown route is a 404 once the key is right
+    assert httpx.get(guarded.url + "/health").status_code == 200  # the only route without the key
+    assert httpx.get(guarded.url + "/metrics").status_code == 200  # metrics_public opens it for a scraper
 
 
 def test_body_too_large(guarded):
@@ -96,8 +103,8 @@ def test_served_name_aliases(guarded):
 
 
 def test_enable_thinking_lever_is_the_default(guarded):
-    ids = httpx.post(guarded.url + "/tokenize", json={"messages": MSG}).json()["tokens"]
-    prompt = httpx.post(guarded.url + "/detokenize", json={"tokens": ids}).json()["prompt"]
+    ids = httpx.post(guarded.url + "/tokenize", json={"messages": MSG}, headers=AUTH).json()["tokens"]
+    prompt = httpx.post(guarded.url + "/detokenize", json={"tokens": ids}, headers=AUTH).json()["prompt"]
     assert prompt.endswith("<|im_start|>assistant\n<think>\n")
     on = httpx.post(guarded.v1 + "/chat/completions", json=chat(temperature=0, ignore_eos=True), headers=AUTH,
                     timeout=60).json()["choices"][0]["message"]
