@@ -52,6 +52,20 @@ def _gpu_mib() -> float:
         return float("nan")
 
 
+def _preset_folder(preset: str, layers: int) -> Path:
+    """A config-only folder of the preset's shapes plus a Clef head (bench/clef.py's layout)."""
+    import tempfile
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from clef import add_clef
+    from prefix import write_model
+
+    root = Path(tempfile.mkdtemp(prefix="qv-soak-"))
+    return add_clef(write_model(root, preset, layers, 40960, torch.bfloat16, weights=False), preset)
+
+
 class Soak:
     def __init__(self, base: str, model: str, clef: bool, max_tokens: int, hangup: float, seed: int):
         self.base, self.model, self.clef, self.max_tokens, self.hangup = base, model, clef, max_tokens, hangup
@@ -161,6 +175,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="CPU: the embedded tiny model, 8 clients, 20 s")
     ap.add_argument("--model", default="", help="checkpoint folder (default: the embedded tiny model)")
+    ap.add_argument("--preset", default="", help="serve a preset's shapes with random GPTQ-Int8 weights and a random "
+                    "Clef head (e.g. 27b; bench/prefix.py's presets) instead of --model")
+    ap.add_argument("--layers", type=int, default=8, help="with --preset: layers to keep (0: all)")
     ap.add_argument("--served-name", default="", help="model name to send (default: what /v1/models lists first)")
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--seconds", type=float, default=300.0)
@@ -176,6 +193,9 @@ def main() -> None:
     serve_args = [a for a in serve_args if a != "--"]
     if args.smoke:
         args.clients, args.seconds, args.warmup, args.max_tokens, args.sample_every = 8, 20.0, 3.0, 16, 2.0
+    if args.preset:
+        args.model = str(_preset_folder(args.preset, args.layers))
+        serve_args += ["--load-format", "random", "--quantization", "gptq-int8"]
     port = _free_port()
     cmd = [sys.executable, "-m", "qv.cli", "serve", *([args.model] if args.model else []), "--port", str(port),
            *serve_args]

@@ -91,7 +91,6 @@ class AsyncLLMEngine:
                        prompt: str | None = None, cache_salt: str | None = None,
                        mm_hashes: list[tuple[int, str]] | None = None, multimodal: MultimodalPrompt | None = None):
         """multimodal: the prompt's images/videos (LLMEngine.add_request)."""
-        self.check_request(prompt_token_ids, params)
         command = _Add(request_id, prompt_token_ids, params, prompt, cache_salt, mm_hashes, multimodal)
         async with contextlib.aclosing(self._outputs(request_id, command)) as outputs:
             async for out in outputs:

@@ -44,10 +44,13 @@ async def create_decision(state: ServerState, request: Request) -> Response:
         raise bad_request(str(exc), exc.param) from None
     except InvalidRequestError as exc:
         raise bad_request(str(exc), "images") from None
-    state.check_capacity()
-    with state.engine_call():
-        result = await until_disconnect(request, state.engine.decide(
-            random_id("clef"), record, record.num_tokens, record.checksum))
+    seats = state.admit(1)  # a record waits for a Clef slot like a chat for a seat: it counts until it is answered
+    try:
+        with state.engine_call():
+            result = await until_disconnect(request, state.engine.decide(
+                random_id("clef"), record, record.num_tokens, record.checksum))
+    finally:
+        seats.release()
     return JSONResponse(decision_response(decision.model, record, result.probabilities))
 
 
