@@ -67,7 +67,7 @@ def test_dry_run_plan_is_the_starts_plan(case, tiny_dirs, gptq_dir):
 
 @pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="the Clef fixtures write adapters with peft")
 def test_dry_run_plan_counts_clef(tmp_path):
-    from qv.clef.fixtures import make_clef_adapters
+    from clef.fixtures import make_clef_adapters
 
     folder = make_clef_adapters(tmp_path / "clef", "mixed", seed=5)
     planned, real = _plans(model=str(folder), device="cpu", clef_slots=3)
@@ -169,7 +169,9 @@ def test_state_dir_holds_kernel_caches_and_the_tiny_model(tmp_path):
                          env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == str(state / "cupy")
-    assert (state / "tiny-0.1.0" / "config.json").is_file()
+    from qv.model.tiny import EMBEDDED_BUILD
+
+    assert (state / f"tiny-{qv.__version__}-{EMBEDDED_BUILD}" / "config.json").is_file()
     assert [p.name for p in (state / "triton").rglob("double.cubin")] == ["double.cubin"]
 
 
@@ -215,7 +217,8 @@ def test_gpu_refusal_and_dry_run(tmp_path, tiny_dirs, capsys):
     assert main(["serve", "--device", "cuda", "--port", "0", "--dry-run"]) == 0
     assert "free on the GPU" in capsys.readouterr().out
     planned, real = _plans(device="cuda", cuda_graphs=False)
-    assert planned.gdn_slots == real.gdn_slots and planned.snapshots == real.snapshots
+    assert planned.gdn_slots == real.gdn_slots  # the snapshots and blocks share what the weights leave
+    assert abs(planned.snapshots - real.snapshots) <= 0.02 * real.snapshots
     assert abs(planned.kv_blocks - real.kv_blocks) <= 0.02 * real.kv_blocks  # weights estimated, allocator slack
 
 

@@ -144,7 +144,7 @@ def test_one_upload_per_step(tiny_dirs, monkeypatch):
     chunked prefill, penalties and logprobs in the batch; the settings read back equal the requests'."""
     from qv.engine.runner import _Upload
 
-    llm = LLM(str(tiny_dirs("tiny")), max_num_batched_tokens=32)
+    llm = LLM(str(tiny_dirs("tiny")), max_num_batched_tokens=32, long_prefill_token_threshold=32)  # both rows meet
     sends, seen = [], []
     real_send = _Upload.send
     monkeypatch.setattr(_Upload, "send", lambda self: (sends.append(self.used), real_send(self)))
