@@ -2,7 +2,7 @@
 
 The engine is built in the app's lifespan, so importing this module is cheap and the model loads
 when the server starts: from `cfg` when given, else from the QV_* levers (QV_MODEL unset: the
-embedded tiny model, built into ~/.cache/qv on first start). `qv serve` builds it before uvicorn
+embedded tiny model, built into the state directory on first start). `qv serve` builds it before uvicorn
 starts, so an engine that cannot start (StartupError, ConfigError) ends the process with its message
 and exit status 1 rather than inside uvicorn's lifespan traceback.
 
