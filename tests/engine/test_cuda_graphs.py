@@ -127,7 +127,7 @@ TINY_LEVERS = dict(max_model_len=256, max_num_seqs=4)
 
 def _as_on_a_gpu(monkeypatch, graphs_rule):
     """Engines built from here on capture fake graphs replaying `graphs_rule` (CPU, reference ops)."""
-    from qv.engine import async_engine as engine_module
+    from qv.engine import engine as engine_module
 
     monkeypatch.setattr(engine_module, "eager_reason", lambda *a: None)
     monkeypatch.setattr(DecodeGraphs, "_capture_one", _fake_capture(graphs_rule))
