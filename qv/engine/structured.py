@@ -45,7 +45,7 @@ class Grammar:
 def _bounded_strings(node):
     """xgrammar turns a string's minLength/maxLength into `[^"\\\r\n]{m,n}`, which lets raw control
     characters into the JSON text (invalid JSON); a pattern of the JSON-safe characters with the same
-    bounds keeps it valid. Strings with a pattern or format of their own are left as they are."""
+    bounds keeps it valid (and without UTF-8-encoded surrogates, which xgrammar's strings also allow). Strings with a pattern or format of their own are left as they are."""
     if isinstance(node, list):
         return [_bounded_strings(x) for x in node]
     if not isinstance(node, dict):
@@ -55,7 +55,7 @@ def _bounded_strings(node):
             "pattern" in out or "format" in out):
         lo, hi = out.pop("minLength", 0), out.pop("maxLength", "")
         if isinstance(lo, int) and (hi == "" or isinstance(hi, int)):
-            out["pattern"] = '^[^"\\\\\\x00-\\x1f]{%d,%s}$' % (lo, hi)
+            out["pattern"] = '^[^"\\\\\\x00-\\x1f\\ud800-\\udfff]{%d,%s}$' % (lo, hi)
     return out
 
 
@@ -121,7 +121,8 @@ class GrammarCompiler:
                 return self._xgr.compile_json_schema(json.dumps(_bounded_strings(schema)), any_whitespace=False,
                                                      strict_mode=True)
             if kind == "json_object":
-                return self._xgr.compile_builtin_json_grammar()
+                # any object, compact (xgrammar's builtin JSON grammar takes any value, and free whitespace)
+                return self._xgr.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
             if kind == "regex":
                 return self._xgr.compile_regex(spec)
             if kind == "choice":
