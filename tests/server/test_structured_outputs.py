@@ -145,7 +145,8 @@ def test_bad_constraints_are_400(openai_client):
            {"structured_outputs": {"regex": "a", "choice": ["b"]}},
            {"structured_outputs": {"structural_tag": "{}"}},
            {"guided_json": {"type": "object"}, "guided_regex": "a+"},
-           {"guided_json": 5}]
+           {"guided_json": 5},
+           {"guided_regex": "a+", "chat_template_kwargs": {"enable_thinking": True}}]  # would constrain the thinking
     for body in bad:
         with pytest.raises(openai.BadRequestError) as ei:
             openai_client.chat.completions.create(model="tiny-0-0", messages=[{"role": "user", "content": "x"}],
