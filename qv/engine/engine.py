@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import threading
 import time
 from array import array
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from qv.engine.request import (CompletionOutput, InvalidFieldError, InvalidReque
 from qv.engine.runner import ModelRunner, StepHandle, StepResult
 from qv.engine.scheduler import Scheduler, StepPlan
 from qv.engine.sequence import PENDING, SeqStatus, Sequence
+from qv.engine.structured import Grammar, GrammarCompiler
 from qv.spec.speculator import Speculator
 from qv.engine.state_pool import GDNStatePool
 
@@ -109,6 +111,18 @@ class LLMEngine:
         if cfg.async_scheduling and self.spec is not None:
             log.info("async scheduling is off with speculative decoding: each step needs the last one's drafts")
         self._inflight: StepHandle | None = None  # the step launched but not yet applied (async only)
+        self._grammars: GrammarCompiler | None = None  # structured outputs: built on first use
+        self._grammars_lock = threading.Lock()
+
+    def compile_grammar(self, kind: str, spec: str, param: str = "response_format") -> Grammar:
+        """A structured-output constraint compiled for this model's tokenizer, for SamplingParams.grammar
+        (cached per (kind, spec); thread-safe, call it off the event loop). kind: json (a JSON schema
+        as text), json_object, regex, choice (a JSON list of strings), grammar (EBNF). A bad spec
+        raises InvalidFieldError naming `param`."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        return self._grammars.compile(kind, spec, param)
 
     # -- requests ------------------------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
@@ -164,7 +178,8 @@ class LLMEngine:
                                            params.include_stop_str_in_output)
             seq = Sequence(next(self._seq_ids), request_id, i, list(prompt_token_ids), params, max_tokens,
                            base_seed + i, detok, arrival_order=next(self._seq_ids),
-                           eos_token_ids=self.eos_token_ids, cache_salt=cache_salt, mm_hashes=mm_hashes, media=media)
+                           eos_token_ids=self.eos_token_ids, cache_salt=cache_salt, mm_hashes=mm_hashes, media=media,
+                           matcher=params.grammar.matcher() if params.grammar is not None else None)
             seqs.append(seq)
             if media is not None:
                 media.seqs.append(seq)
@@ -328,6 +343,8 @@ class LLMEngine:
         if self.media is not None and any(q.media is not None for q in itertools.chain(s.running, s.waiting)):
             return False  # images/videos: the vision steps stay synchronous
         going_on = set(self._continuing(h))
+        if any(q.matcher is not None for q in going_on):
+            return False  # structured outputs: the next mask needs this step's tokens in the matcher
         if any(_penalized(q.params) for q in going_on):
             return False  # presence/frequency/repetition penalties count the output tokens on the host
         growth = sum(max(0, self.blocks.blocks_for(q.num_tokens + (q in going_on)) - len(q.block_ids))
@@ -347,7 +364,7 @@ class LLMEngine:
             self._append(seq, tok, res.logprobs[j] if res.logprobs else None)
             if seq.finished:
                 return
-        if self.spec and self._room_for_drafts(seq):
+        if self.spec and seq.matcher is None and self._room_for_drafts(seq):  # drafts are not grammar-checked
             seq.draft_token_ids, seq.draft_source = self.spec.next_drafts(seq, res.next_mtp_drafts)
 
     def _room_for_drafts(self, seq: Sequence) -> bool:
@@ -365,6 +382,8 @@ class LLMEngine:
                 entry.setdefault(tid, Logprob(tlp, r, seq.detok.decode_token(tid)))
             seq.output_logprobs.append(entry)
         stop_str = seq.detok.add_token(token_id)
+        if seq.matcher is not None and self._grammar_done(seq, token_id):
+            return
         t, p, n_out = token_id, seq.params, len(seq.output_token_ids)
         if n_out >= p.min_tokens and not p.ignore_eos and t in self.eos_token_ids:
             self.scheduler.finish(seq, "stop")
@@ -374,6 +393,17 @@ class LLMEngine:
             self.scheduler.finish(seq, "stop", stop_reason=stop_str)
         elif n_out >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             self.scheduler.finish(seq, "length")
+
+    def _grammar_done(self, seq: Sequence, token_id: int) -> bool:
+        """Advance a structured output's matcher; True when that finished the sequence."""
+        if not seq.matcher.accept_token(token_id):  # the mask allowed only tokens it accepts
+            seq.error = f"token {token_id} is outside the request's {seq.params.grammar.kind} grammar (a qv bug)"
+            self.scheduler.finish(seq, "abort")
+            return True
+        if seq.matcher.is_terminated():  # it took a stop token where the grammar is complete
+            self.scheduler.finish(seq, "stop")
+            return True
+        return False
 
     def _output(self, req: _Request) -> RequestOutput:
         outs = []

@@ -50,6 +50,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    grammar: Any = None  # qv.engine.structured.Grammar from LLMEngine.compile_grammar: constrains every sample
 
     def __post_init__(self):
         self.validate()
@@ -120,6 +121,8 @@ class SamplingParams:
              f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
         need(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids",
              f"stop_token_ids must be non-negative, got {min(self.stop_token_ids, default=0)}")
+        need(self.grammar is None or callable(getattr(self.grammar, "matcher", None)), "grammar",
+             f"grammar must come from LLMEngine.compile_grammar, got {type(self.grammar).__name__}")
         if self.top_k == -1:
             self.top_k = 0
 

@@ -23,6 +23,7 @@ from qv.engine.cuda_graphs import DecodeGraphs
 from qv.engine.multimodal import VisionSteps
 from qv.engine.scheduler import StepPlan
 from qv.engine.sequence import Sequence
+from qv.engine.structured import grammar_bitmask
 from qv.spec.speculator import Speculator
 from qv.model.batch import AttentionMeta, GDNMeta, StepBatch
 from qv.model.cache import HybridCache
@@ -368,7 +369,8 @@ class ModelRunner:
             return device
 
         outputs = [s.output_token_ids + s.draft_token_ids[:j] for s, j in rows]
-        under_min = [len(o) < s.params.min_tokens for o, (s, _) in zip(outputs, rows)]
+        # a grammar row's end is its grammar's: min_tokens would mask the only token it may take
+        under_min = [len(o) < s.params.min_tokens and s.matcher is None for o, (s, _) in zip(outputs, rows)]
         b = SamplingBatch(
             temperature=t([0.0 if p.greedy else p.temperature for p in ps], torch.float32),
             top_p=t([p.top_p for p in ps], torch.float32), top_k=t([p.top_k for p in ps], torch.int64),
@@ -381,6 +383,8 @@ class ModelRunner:
             b.repetition = t([p.repetition_penalty for p in ps], torch.float32)
             b.output_counts = _counts(outputs, vocab, dev)
             b.prompt_mask = _counts([s.prompt_token_ids for s, _ in rows], vocab, dev) > 0
+        if any(s.matcher is not None for s, _ in rows):
+            b.grammar = grammar_bitmask([s.matcher for s, _ in rows], vocab, dev)
         if any(under_min):
             b.stop_mask_rows = t(under_min, torch.bool)
             b.stop_token_mask = _counts([s.stop_ids_for_min_tokens for s, _ in rows], vocab, dev) > 0

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qv.engine.structured import apply_bitmask
 from qv.kernels.sampling import race
 
 
@@ -35,6 +36,7 @@ class SamplingBatch:
     stop_token_mask: torch.Tensor | None = None  # [R, V] bool: tokens that would stop each row
     all_greedy: bool = False
     max_logprobs: int = -1  # -1: no row wants logprobs; else the largest top-N asked
+    grammar: tuple | None = None  # (token bitmask [R, ceil(V/32)] int32, constrained rows): structured outputs
 
 
 @dataclass
@@ -96,8 +98,16 @@ def logprobs_of(raw: torch.Tensor, ids: torch.Tensor, top_n: int):
     return chosen, ranks, top_ids, top_lp
 
 
+def apply_grammar(logits: torch.Tensor, b: SamplingBatch) -> None:
+    """Structured outputs: tokens a row's grammar forbids get -inf, batched over the constrained rows."""
+    if b.grammar is not None:
+        apply_bitmask(logits, b.grammar)
+
+
 def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
-    """logits [R, V] fp32 (raw model output) -> sampled ids, and logprobs if any row asked."""
+    """logits [R, V] fp32 (raw model output) -> sampled ids, and logprobs if any row asked. Rows under
+    a grammar are masked first (in place), so their logprobs are those of the allowed tokens."""
+    apply_grammar(logits, b)
     greedy_ids, probs = process(logits, b)
     ids = greedy_ids if probs is None else torch.where(b.temperature > 0, race(probs, b.seeds, b.positions),
                                                         greedy_ids)

@@ -53,6 +53,7 @@ class Sequence:
     draft_token_ids: list[int] = field(default_factory=list)  # exactly k drafts to verify next step, or none
     draft_source: str | None = None  # "mtp" | "ngram"
     spec_scores: dict = field(default_factory=dict)  # draft source -> running acceptance (auto mode)
+    matcher: object | None = None  # xgrammar.GrammarMatcher of a structured output (qv/engine/structured.py)
 
     @property
     def num_prompt_tokens(self) -> int:

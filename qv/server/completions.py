@@ -13,6 +13,7 @@ from qv.server.logprobs import completion_logprobs
 from qv.server.openai import read_request, stream_response, usage
 from qv.server.protocol import CompletionRequest
 from qv.server.state import ServerState, random_id
+from qv.server.structured import compile_constraint
 from qv.server.streaming import DONE, merge, sse, until_disconnect
 
 
@@ -53,6 +54,7 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     state.check_logprobs(req.logprobs, "logprobs")
     items = _items(state, req)
     params = state.sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs)
+    params.grammar = await compile_constraint(state, req)
     state.check_capacity(len(items) * req.n)  # the whole request at once, before the work
     prompts = await state.offload(size, _prompts, state, req, items, params)
     rid, created = random_id("cmpl"), int(time.time())

@@ -18,6 +18,7 @@ from qv.server.parsers import OutputStream, Qwen3CoderToolParser, parse_output
 from qv.server.protocol import ChatCompletionRequest
 from qv.server.state import ServerState, random_id
 from qv.server.streaming import DONE, LARGE_BYTES, SSEResponse, last_output, read_json_sized, sse, until_disconnect
+from qv.server.structured import check_not_thinking, compile_constraint
 
 
 def validate_body(model_cls, body: dict):
@@ -84,9 +85,12 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     names = {"logprobs": "top_logprobs", "max_tokens": req.max_tokens_param}
     params = state.sampling_params(req, max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                                    names=names)
+    params.grammar = await compile_constraint(state, req)
     state.check_capacity(req.n)  # before the work; admit() below holds the seats
     check = None if req.truncate_prompt_tokens else (lambda text: state.check_text(text, max_tokens, "messages"))
-    rendered = await state.offload(size, render_chat, state.tokenizer, req, state.enable_thinking, check)
+    thinking = state.enable_thinking and req.constraint is None  # a grammar applies from the first token
+    rendered = await state.offload(size, render_chat, state.tokenizer, req, thinking, check)
+    check_not_thinking(rendered, req)
     mm = await state.media.prompt(req.messages, rendered.token_ids)  # images/videos fetched and expanded
     prompt_ids = mm.token_ids if mm is not None else rendered.token_ids
     state.check_request(prompt_ids, params, "messages", names)

@@ -4,17 +4,18 @@ Types are strict, as OpenAI's are: `"stream": "yes"` or `1`, `"max_tokens": 4.5`
 refused rather than coerced (an integer is taken where a number is expected). Sampling ranges are
 not here: SamplingParams.validate in the engine holds them, once for the server and `LLM` alike.
 Unknown top-level fields are accepted and ignored with a warning, as vLLM does; fields qv knows
-but cannot honour yet (beam search, logit_bias, structured output, prompt logprobs) are refused
+but cannot honour yet (beam search, logit_bias, prompt logprobs) are refused
 with a 400 that says so, rather than silently changing what the client asked for.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 log = logging.getLogger("qv.server")
 
@@ -126,17 +127,25 @@ class SamplingFields(OpenAIModel):
     truncate_prompt_tokens: int | None = Field(None, ge=1)
     user: str | None = None
     priority: int = 0
+    # structured outputs (vLLM's fields; response_format in the subclasses)
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # known but not supported yet: refused when set to anything but their "off" value
     logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = None
     use_beam_search: bool = False
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
-    structured_outputs: dict[str, Any] | None = None
-    guided_json: Any = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
+    _constraint: tuple[str, str, str] | None = PrivateAttr(None)
+
+    @property
+    def constraint(self) -> tuple[str, str, str] | None:
+        """The structured-output constraint asked for: (kind, spec text, field) for
+        LLMEngine.compile_grammar, or None."""
+        return self._constraint
 
     @model_validator(mode="after")
     def _common(self):
@@ -145,14 +154,75 @@ class SamplingFields(OpenAIModel):
         unsupported = {
             "logit_bias": bool(self.logit_bias), "prompt_logprobs": self.prompt_logprobs is not None,
             "use_beam_search": self.use_beam_search, "allowed_token_ids": self.allowed_token_ids is not None,
-            "bad_words": bool(self.bad_words), "structured_outputs": self.structured_outputs is not None,
-            "guided_json": self.guided_json is not None, "guided_regex": self.guided_regex is not None,
-            "guided_choice": self.guided_choice is not None, "guided_grammar": self.guided_grammar is not None,
+            "bad_words": bool(self.bad_words),
         }
         refused = [k for k, on in unsupported.items() if on]
         if refused:
             raise ValueError(f"{', '.join(refused)} {'is' if len(refused) == 1 else 'are'} not supported by qv yet")
+        found = structured_constraints(getattr(self, "response_format", None), self.structured_outputs,
+                                       {"json": self.guided_json, "regex": self.guided_regex,
+                                        "choice": self.guided_choice, "grammar": self.guided_grammar})
+        if len(found) > 1:
+            raise ValueError(f"give one structured-output constraint, got {len(found)} "
+                             f"({', '.join(f[2] for f in found)})")
+        self._constraint = found[0] if found else None
         return self
+
+
+STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+STRUCTURED_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "disable_fallback",
+                      "whitespace_pattern")  # vLLM's tuning knobs: accepted, qv's JSON is always compact
+
+
+def _one_constraint(kind: str, value, where: str) -> tuple[str, str, str]:
+    """(kind, spec text, field) of one constraint value, its JSON types checked."""
+    if kind == "json":
+        if isinstance(value, str):
+            return kind, value, where
+        if not isinstance(value, (dict, bool)):
+            raise ValueError(f"{where}: a JSON schema must be an object (or its JSON text)")
+        return kind, json.dumps(value), where
+    if kind == "choice":
+        if not (isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)):
+            raise ValueError(f"{where}: choice must be a non-empty list of non-empty strings")
+        return kind, json.dumps(value), where
+    if kind == "json_object":
+        return kind, "", where
+    if not (isinstance(value, str) and value):
+        raise ValueError(f"{where}: {kind} must be a non-empty string")
+    return kind, value, where
+
+
+def structured_constraints(response_format, structured_outputs, guided: dict) -> list[tuple[str, str, str]]:
+    """Every constraint a request names: OpenAI's response_format, vLLM's structured_outputs and
+    its older guided_* fields."""
+    found = []
+    if response_format is not None:
+        rtype = response_format.get("type", "text")
+        if rtype == "json_object":
+            found.append(("json_object", "", "response_format"))
+        elif rtype == "json_schema":
+            js = response_format.get("json_schema")
+            if not isinstance(js, dict) or "schema" not in js:
+                raise ValueError("response_format.json_schema must be an object with `name` and `schema`")
+            found.append(_one_constraint("json", js["schema"], "response_format"))
+        elif rtype != "text":
+            raise ValueError(f"response_format type {rtype!r} is not supported; expected text, json_object or "
+                             "json_schema")
+    if structured_outputs is not None:
+        unknown = sorted(set(structured_outputs) - set(STRUCTURED_KEYS) - set(STRUCTURED_OPTIONS))
+        if unknown:
+            raise ValueError(f"structured_outputs: {', '.join(unknown)} not supported; qv takes one of "
+                             f"{', '.join(STRUCTURED_KEYS)}")
+        keys = [k for k in STRUCTURED_KEYS if structured_outputs.get(k) not in (None, False)]
+        if len(keys) != 1:
+            raise ValueError(f"structured_outputs needs exactly one of {', '.join(STRUCTURED_KEYS)}, got "
+                             f"{len(keys)}")
+        found.append(_one_constraint(keys[0], structured_outputs[keys[0]], "structured_outputs"))
+    for kind, value in guided.items():
+        if value is not None:
+            found.append(_one_constraint(kind, value, f"guided_{kind}"))
+    return found
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -187,9 +257,6 @@ class ChatCompletionRequest(SamplingFields):
                                  f"among the tools ({', '.join(names) or 'none'})")
         if self.add_generation_prompt and self.continue_final_message:
             raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to true.")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise ValueError(f"response_format type {self.response_format.get('type')!r} (structured output) is "
-                             "not supported by qv yet; only 'text'")
         return self
 
     @property
@@ -221,8 +288,6 @@ class CompletionRequest(SamplingFields):
             raise ValueError(f"best_of={self.best_of} differs from n={self.n}; qv does not rank extra samples")
         if self.echo and self.logprobs is not None:
             raise ValueError("echo together with logprobs needs prompt logprobs, which qv does not compute yet")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format (structured output) is not supported by qv yet")
         return self
 
 
@@ -311,8 +376,8 @@ class ResponsesRequest(OpenAIModel):
         if self.background:
             raise ValueError("background responses are not supported")
         fmt = (self.text or {}).get("format") or {}
-        if fmt.get("type", "text") != "text":
-            raise ValueError(f"text.format type {fmt.get('type')!r} (structured output) is not supported by qv yet")
+        if not isinstance(fmt, dict) or fmt.get("type", "text") not in ("text", "json_object", "json_schema"):
+            raise ValueError("text.format must be an object of type text, json_object or json_schema")
         if self.tool_choice not in (None, "none") and not self.tools:
             raise ValueError("When using `tool_choice`, `tools` must be set.")
         if isinstance(self.tool_choice, ResponsesNamedToolChoice):

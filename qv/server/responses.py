@@ -16,6 +16,7 @@ from qv.server.openai import ChatContext, read_request, stream_response, validat
 from qv.server.parsers import OutputStream, Qwen3CoderToolParser, parse_output
 from qv.server.protocol import ChatCompletionRequest, ResponsesRequest
 from qv.server.state import ServerState, random_id
+from qv.server.structured import check_not_thinking, compile_constraint
 from qv.server.streaming import DONE, last_output, sse_event, until_disconnect
 
 ROLES = ("user", "system", "developer", "assistant")
@@ -85,6 +86,12 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
                                                     "parameters": t.parameters}} for t in req.tools] if req.tools else None,
         "tool_choice": tc if isinstance(tc, str) or tc is None else {"type": "function", "function": {"name": tc.name}},
     }
+    fmt = (req.text or {}).get("format") or {}
+    if fmt.get("type") == "json_object":
+        body["response_format"] = {"type": "json_object"}
+    elif fmt.get("type") == "json_schema":  # Responses flattens chat's json_schema object into format
+        body["response_format"] = {"type": "json_schema", "json_schema": {
+            k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}}
     return validate_body(ChatCompletionRequest, {k: v for k, v in body.items() if v is not None})
 
 
@@ -131,9 +138,12 @@ async def create_response(state: ServerState, request: Request) -> Response:
     req = to_chat_request(rreq)
     names = {"max_tokens": "max_output_tokens"}
     params = state.sampling_params(req, max_tokens=req.max_output_tokens, logprobs=None, names=names)
+    params.grammar = await compile_constraint(state, req, {"response_format": "text.format"})
     state.check_capacity(1)
     check = lambda text: state.check_text(text, req.max_output_tokens, "input")  # noqa: E731
-    rendered = await state.offload(size, render_chat, state.tokenizer, req, state.enable_thinking, check)
+    thinking = state.enable_thinking and req.constraint is None  # a grammar applies from the first token
+    rendered = await state.offload(size, render_chat, state.tokenizer, req, thinking, check)
+    check_not_thinking(rendered, req)
     state.check_request(rendered.token_ids, params, "input", names)
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
     ctx = ChatContext(req, rendered, Qwen3CoderToolParser(tools) if req.tools and req.tool_choice != "none" else None,

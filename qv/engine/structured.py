@@ -1,0 +1,155 @@
+"""Structured outputs: grammars compiled by xgrammar, one token matcher per constrained sequence.
+
+The engine owns it all: `GrammarCompiler.compile(kind, spec)` (LLMEngine.compile_grammar) turns a
+request's constraint into a `Grammar` once per (kind, spec) string, cached; SamplingParams.grammar
+carries it; add_request gives each of the request's sequences a `GrammarMatcher`. Each step the
+runner fills the constrained rows' token bitmasks on the host (`grammar_bitmask`), the sampler
+applies them to those rows of the logits on the logits' device (qv/engine/sampler.py), the engine
+advances the matcher with the accepted token and finishes the sequence ("stop") when the grammar
+has terminated. Steps with constrained rows wait for the previous step's tokens (no async overlap)
+and constrained sequences get no speculative drafts.
+
+JSON is compact (no free whitespace between tokens): a grammar that allows unbounded whitespace lets
+a model loop on blanks, and a bounded schema then always terminates.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from qv.engine.request import InvalidFieldError
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+CACHE_SIZE = 256  # compiled grammars kept (LRU): a compiled JSON schema is tens of KB to a few MB
+
+
+@dataclass(frozen=True, eq=False)
+class Grammar:
+    """A compiled constraint (opaque to the server): what SamplingParams.grammar holds."""
+
+    kind: str
+    spec: str
+    compiled: object  # xgrammar.CompiledGrammar
+
+    def matcher(self):
+        import xgrammar as xgr
+
+        return xgr.GrammarMatcher(self.compiled)
+
+
+def _bounded_strings(node):
+    """xgrammar turns a string's minLength/maxLength into `[^"\\\r\n]{m,n}`, which lets raw control
+    characters into the JSON text (invalid JSON); a pattern of the JSON-safe characters with the same
+    bounds keeps it valid (and without UTF-8-encoded surrogates, which xgrammar's strings also allow). Strings with a pattern or format of their own are left as they are."""
+    if isinstance(node, list):
+        return [_bounded_strings(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _bounded_strings(v) for k, v in node.items()}
+    if out.get("type") == "string" and ("minLength" in out or "maxLength" in out) and not (
+            "pattern" in out or "format" in out):
+        lo, hi = out.pop("minLength", 0), out.pop("maxLength", "")
+        if isinstance(lo, int) and (hi == "" or isinstance(hi, int)):
+            out["pattern"] = '^[^"\\\\\\x00-\\x1f\\ud800-\\udfff]{%d,%s}$' % (lo, hi)
+    return out
+
+
+def _choice_ebnf(spec: str) -> str:
+    try:
+        choices = json.loads(spec)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"choice must be a JSON list of strings: {e}") from None
+    if not (isinstance(choices, list) and choices and all(isinstance(c, str) and c for c in choices)):
+        raise ValueError("choice must be a non-empty list of non-empty strings")
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+class GrammarCompiler:
+    """One per engine: xgrammar's TokenizerInfo over the model's logits width (which may exceed the
+    tokenizer's vocabulary: the extra ids are never allowed) and an LRU of compiled grammars.
+    Thread-safe: the server calls `compile` on worker threads."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids, cache_size: int = CACHE_SIZE):
+        import xgrammar as xgr
+
+        self.vocab_size = vocab_size
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                       stop_token_ids=list(eos_token_ids))
+        self._xgr = xgr.GrammarCompiler(self.info, cache_enabled=False)  # the LRU below is the cache
+        self._cache: OrderedDict[tuple[str, str], Grammar] = OrderedDict()
+        self._size = cache_size
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def compile(self, kind: str, spec: str, param: str = "response_format") -> Grammar:
+        """The Grammar for (kind, spec): json (a JSON schema, as text), json_object (spec ignored),
+        regex, choice (a JSON list of strings), grammar (EBNF, GBNF style). A bad spec raises
+        InvalidFieldError naming `param`."""
+        if kind not in KINDS:
+            raise InvalidFieldError(f"unknown structured output kind {kind!r}; expected one of {', '.join(KINDS)}",
+                                    param)
+        if not isinstance(spec, str):
+            raise InvalidFieldError(f"the {kind} constraint must be given as text, got {type(spec).__name__}", param)
+        key = (kind, "" if kind == "json_object" else spec)
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                self.hits += 1
+                return hit
+        grammar = Grammar(kind, key[1], self._compile(kind, key[1], param))
+        with self._lock:
+            self.misses += 1
+            self._cache[key] = grammar
+            while len(self._cache) > self._size:
+                self._cache.popitem(last=False)
+        return grammar
+
+    def _compile(self, kind: str, spec: str, param: str):
+        what = {"json": "JSON schema", "json_object": "JSON grammar", "regex": "regex", "choice": "choice list",
+                "grammar": "grammar"}[kind]
+        try:
+            if kind == "json":
+                schema = json.loads(spec)
+                if not isinstance(schema, (dict, bool)):
+                    raise ValueError("a JSON schema must be an object or a boolean")
+                return self._xgr.compile_json_schema(json.dumps(_bounded_strings(schema)), any_whitespace=False,
+                                                     strict_mode=True)
+            if kind == "json_object":
+                # any object, compact (xgrammar's builtin JSON grammar takes any value, and free whitespace)
+                return self._xgr.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+            if kind == "regex":
+                return self._xgr.compile_regex(spec)
+            if kind == "choice":
+                return self._xgr.compile_grammar(_choice_ebnf(spec))
+            return self._xgr.compile_grammar(spec)
+        except (ValueError, RuntimeError, TypeError) as e:  # xgrammar reports bad input as RuntimeError/ValueError
+            msg = str(e).strip().splitlines()
+            raise InvalidFieldError(f"invalid {what}: {msg[-1] if msg else type(e).__name__}"[:1000], param) from None
+
+
+def grammar_bitmask(matchers: list, vocab_size: int, device: torch.device) -> tuple[torch.Tensor, list[int]] | None:
+    """(token bitmask [rows, ceil(V/32)] int32 on `device`, the constrained row indices), filled
+    from each row's matcher (None: an unconstrained row); None when no row is constrained."""
+    rows = [i for i, m in enumerate(matchers) if m is not None]
+    if not rows:
+        return None
+    import xgrammar as xgr
+
+    mask = xgr.allocate_token_bitmask(len(matchers), vocab_size)
+    for i in rows:
+        matchers[i].fill_next_token_bitmask(mask, i)
+    return mask.to(device, non_blocking=True), rows
+
+
+def apply_bitmask(logits: torch.Tensor, grammar: tuple[torch.Tensor, list[int]]) -> None:
+    """Disallowed tokens of the constrained rows to -inf, in place (other rows untouched)."""
+    import xgrammar as xgr
+
+    mask, rows = grammar
+    xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=logits.shape[-1], indices=rows)
