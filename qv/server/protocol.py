@@ -4,7 +4,7 @@ Types are strict, as OpenAI's are: `"stream": "yes"` or `1`, `"max_tokens": 4.5`
 refused rather than coerced (an integer is taken where a number is expected). Sampling ranges are
 not here: SamplingParams.validate in the engine holds them, once for the server and `LLM` alike.
 Unknown top-level fields are accepted and ignored with a warning, as vLLM does; fields qv knows
-but cannot honour yet (beam search, logit_bias, structured output, prompt logprobs) are refused
+but cannot honour yet (beam search, bad_words, structured output, prompt logprobs) are refused
 with a 400 that says so, rather than silently changing what the client asked for.
 """
 
@@ -126,11 +126,11 @@ class SamplingFields(OpenAIModel):
     truncate_prompt_tokens: int | None = Field(None, ge=1)
     user: str | None = None
     priority: int = 0
+    logit_bias: dict[str, float] | None = None  # token id string -> bias; ranges: SamplingParams.validate
+    allowed_token_ids: list[int] | None = None
     # known but not supported yet: refused when set to anything but their "off" value
-    logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = None
     use_beam_search: bool = False
-    allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: Any = None
@@ -143,8 +143,7 @@ class SamplingFields(OpenAIModel):
         if self.stream_options is not None and not self.stream:
             raise ValueError("Stream options can only be defined when `stream=True`.")
         unsupported = {
-            "logit_bias": bool(self.logit_bias), "prompt_logprobs": self.prompt_logprobs is not None,
-            "use_beam_search": self.use_beam_search, "allowed_token_ids": self.allowed_token_ids is not None,
+            "prompt_logprobs": self.prompt_logprobs is not None, "use_beam_search": self.use_beam_search,
             "bad_words": bool(self.bad_words), "structured_outputs": self.structured_outputs is not None,
             "guided_json": self.guided_json is not None, "guided_regex": self.guided_regex is not None,
             "guided_choice": self.guided_choice is not None, "guided_grammar": self.guided_grammar is not None,
