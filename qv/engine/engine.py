@@ -141,6 +141,10 @@ class LLMEngine:
         if not ok:
             bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), prompt_token_ids[0])
             raise InvalidFieldError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})", "prompt")
+        for field, token_ids in params.token_ids_to_check():
+            if max(token_ids) >= vocab:
+                raise InvalidFieldError(f"{field}: token id {max(token_ids)} is outside the vocabulary [0, {vocab})",
+                                        field)
         if len(params.stop) > self.cfg.max_stop_strings:
             raise InvalidFieldError(f"{len(params.stop)} stop strings; at most {self.cfg.max_stop_strings} are "
                                     "allowed (max_stop_strings)", "stop")

@@ -17,6 +17,8 @@ __all__ = ["CompletionOutput", "FinishReason", "InvalidFieldError", "InvalidRequ
 
 FP32_MAX = 3.4028234663852886e38
 MAX_N = 1024  # samples per prompt; the server's max_waiting bounds the sequences of a whole request
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
+LOGIT_BIAS_RANGE = 100.0
 
 
 class InvalidFieldError(InvalidRequestError):
@@ -51,6 +53,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     grammar: Any = None  # qv.engine.structured.Grammar from LLMEngine.compile_grammar: constrains every sample
+    logit_bias: dict[int, float] | None = None  # token id (or its decimal string) -> added to its logit
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
 
     def __post_init__(self):
         self.validate()
@@ -125,6 +129,43 @@ class SamplingParams:
              f"grammar must come from LLMEngine.compile_grammar, got {type(self.grammar).__name__}")
         if self.top_k == -1:
             self.top_k = 0
+        self._validate_token_lists()
+
+    def _validate_token_lists(self) -> None:
+        """logit_bias (OpenAI: token id string -> [-100, 100], at most 300) and allowed_token_ids
+        (vLLM: non-empty); token ids are checked against the vocabulary by the engine."""
+        def integer(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise InvalidFieldError(f"logit_bias must map token ids to biases, got {self.logit_bias!r}",
+                                        "logit_bias")
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise InvalidFieldError(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS} are "
+                                        "allowed", "logit_bias")
+            bias = {}
+            for key, value in self.logit_bias.items():
+                token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key
+                if not integer(token) or not 0 <= token < (1 << 31):
+                    raise InvalidFieldError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}",
+                                            "logit_bias")
+                if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                        and -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE):
+                    raise InvalidFieldError(f"logit_bias values must be numbers in [-100, 100], got {value!r} for "
+                                            f"token {key!r}", "logit_bias")
+                bias[token] = float(value)
+            self.logit_bias = bias or None
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not (isinstance(ids, list) and ids and all(integer(t) and 0 <= t < (1 << 31) for t in ids)):
+                raise InvalidFieldError(f"allowed_token_ids must be a non-empty list of token ids, got {ids!r}",
+                                        "allowed_token_ids")
+
+    def token_ids_to_check(self) -> list[tuple[str, list[int]]]:
+        """(field, token ids) the engine checks against the vocabulary."""
+        return [(name, list(ids)) for name, ids in (("logit_bias", self.logit_bias or ()),
+                                                     ("allowed_token_ids", self.allowed_token_ids or ())) if ids]
 
     @property
     def greedy(self) -> bool:

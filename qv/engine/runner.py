@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from qv.engine.sampler import SamplingBatch, logprobs_of, process, sample
+from qv.engine.sampler import SamplingBatch, logprobs_of, process, sample, token_bias
 from qv.engine.clef_rows import ClefRows
 from qv.engine.cuda_graphs import DecodeGraphs
 from qv.engine.multimodal import VisionSteps
@@ -388,6 +388,9 @@ class ModelRunner:
         if any(under_min):
             b.stop_mask_rows = t(under_min, torch.bool)
             b.stop_token_mask = _counts([s.stop_ids_for_min_tokens for s, _ in rows], vocab, dev) > 0
+        biased = [i for i, p in enumerate(ps) if p.logit_bias or p.allowed_token_ids]
+        if biased:
+            b.bias_rows, b.bias = t(biased, torch.int64), token_bias([ps[i] for i in biased], vocab, dev)
         return b
 
 

@@ -34,6 +34,8 @@ class SamplingBatch:
     prompt_mask: torch.Tensor | None = None  # [R, V] bool: token occurs in the prompt
     stop_mask_rows: torch.Tensor | None = None  # [R] bool: rows still under min_tokens
     stop_token_mask: torch.Tensor | None = None  # [R, V] bool: tokens that would stop each row
+    bias_rows: torch.Tensor | None = None  # [K] int64: rows with a logit_bias or allowed_token_ids
+    bias: torch.Tensor | None = None  # [K, V] fp32 added to those rows' logits (-inf: not allowed)
     all_greedy: bool = False
     max_logprobs: int = -1  # -1: no row wants logprobs; else the largest top-N asked
     grammar: tuple | None = None  # (token bitmask [R, ceil(V/32)] int32, constrained rows): structured outputs
@@ -46,6 +48,25 @@ class SamplerOutput:
     ranks: torch.Tensor | None  # [R] int64: 1 + number of tokens more likely than it
     top_ids: torch.Tensor | None  # [R, N]
     top_logprobs: torch.Tensor | None  # [R, N]
+
+
+def token_bias(params: list, vocab: int, device) -> torch.Tensor:
+    """[K, V] fp32 additive bias of K rows' SamplingParams: logit_bias, and -inf outside
+    allowed_token_ids (ids already checked against the vocabulary), scattered on the device."""
+    bias = torch.zeros(len(params), vocab, dtype=torch.float32, device=device)
+    for i, p in enumerate(params):
+        if p.allowed_token_ids:
+            keep = torch.tensor(p.allowed_token_ids, dtype=torch.int64).to(device)
+            bias[i].fill_(float("-inf")).index_fill_(0, keep, 0.0)
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.int64).to(device)
+            bias[i].index_add_(0, ids, torch.tensor(list(p.logit_bias.values()), dtype=torch.float32).to(device))
+    return bias
+
+
+def apply_bias(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """logit_bias and allowed_token_ids, on the rows that have them only."""
+    return logits if b.bias is None else logits.index_add(0, b.bias_rows, b.bias)
 
 
 def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
@@ -85,7 +106,7 @@ def filter_probs(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
 
 def process(logits: torch.Tensor, b: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(argmax after penalties [R], filtered probabilities [R, V] or None when every row is greedy)."""
-    logits = apply_penalties(logits, b)
+    logits = apply_penalties(apply_bias(logits, b), b)
     return logits.argmax(dim=-1), None if b.all_greedy else filter_probs(logits, b)
 
 

@@ -33,7 +33,7 @@ from starlette.routing import Route
 
 from qv.config import ConfigError, EngineConfig
 from qv.errors import StartupError
-from qv.server import completions, ops, openai, responses, systemone
+from qv.server import completions, openapi, ops, openai, responses, systemone
 from qv.server.errors import SHUTDOWN_MESSAGE, APIError, api_error_response, error_response, internal_error
 from qv.server.state import ServerState
 from qv.server.streaming import ClientDisconnected
@@ -102,12 +102,15 @@ ROUTES = [
     ("/v1/responses", responses.create_response, "POST"),
     ("/v1/systemone", systemone.create_decision, "POST"),
     ("/v1/models", ops.list_models, "GET"),
+    ("/v1/models/{model:path}", ops.retrieve_model, "GET"),  # `path`: served names may hold a `/`
     ("/health", ops.health, "GET"),
     ("/version", ops.version, "GET"),
     ("/metrics", ops.metrics, "GET"),
     ("/tokenize", ops.tokenize, "POST"),
     ("/detokenize", ops.detokenize, "POST"),
     ("/reset_prefix_cache", ops.reset_prefix_cache, "POST"),
+    ("/openapi.json", openapi.schema, "GET"),
+    ("/docs", openapi.docs, "GET"),
 ]
 
 
@@ -255,7 +258,7 @@ def build_app(cfg: EngineConfig | None = None, engine=None) -> Starlette:
             await asyncio.to_thread(running.shutdown)
             restore()
 
-    routes = [Route(path, _endpoint(fn), methods=[method]) for path, fn, method in ROUTES]
+    routes = [Route(path, _endpoint(fn), methods=[method], name=fn.__name__) for path, fn, method in ROUTES]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error})
     app.add_middleware(Guards, cfg_ref=cfg_ref)
     return app

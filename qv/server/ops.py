@@ -1,5 +1,5 @@
-"""Operations endpoints: /health, /version, /metrics, /v1/models, /tokenize, /detokenize,
-/reset_prefix_cache."""
+"""Operations endpoints: /health, /version, /metrics, /v1/models, /v1/models/{model}, /tokenize,
+/detokenize, /reset_prefix_cache."""
 
 from __future__ import annotations
 
@@ -33,16 +33,32 @@ async def metrics(state: ServerState, request: Request) -> Response:
     return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
+def _model_object(state: ServerState, name: str) -> dict:
+    return {"id": name, "object": "model", "created": state.created, "owned_by": "qv", "root": state.model_root,
+            "parent": None, "max_model_len": state.max_model_len, "permission": []}
+
+
+def _clef_names(state: ServerState) -> list[str]:
+    return [n for n in CLEF_MODEL_NAMES if n not in state.served_names] if state.engine.clef_cap else []
+
+
 async def list_models(state: ServerState, request: Request) -> Response:
     """OpenAI's `data` list (what the openai SDK and GuideLLM read) plus a `models` list with
     `name` (what the SystemOne/TypeSafe SDKs read), where the Clef names join the served ones."""
-    data = [{"id": name, "object": "model", "created": state.created, "owned_by": "qv", "root": state.model_root,
-             "parent": None, "max_model_len": state.max_model_len, "permission": []} for name in state.served_names]
-    clef = [n for n in CLEF_MODEL_NAMES if n not in state.served_names] if state.engine.clef_cap else []
+    data = [_model_object(state, name) for name in state.served_names]
     started = time.strftime("%Y-%m-%d", time.gmtime(state.created))  # the SDKs read a YYYY-MM-DD date
     models = [{"name": name, "description": f"{state.model_root} served by qv {__version__}",
-               "release_date": started} for name in state.served_names + clef]
+               "release_date": started} for name in state.served_names + _clef_names(state)]
     return JSONResponse({"object": "list", "data": data, "models": models})
+
+
+async def retrieve_model(state: ServerState, request: Request) -> Response:
+    """GET /v1/models/{model}: the model object of a served name or, when Clef is served, of a Clef
+    name; OpenAI's 404 otherwise."""
+    name = request.path_params["model"]
+    if name not in state.served_names and name not in _clef_names(state):
+        return error_response(404, f"The model `{name}` does not exist.", "model")
+    return JSONResponse(_model_object(state, name))
 
 
 async def reset_prefix_cache(state: ServerState, request: Request) -> Response:

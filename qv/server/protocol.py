@@ -4,7 +4,7 @@ Types are strict, as OpenAI's are: `"stream": "yes"` or `1`, `"max_tokens": 4.5`
 refused rather than coerced (an integer is taken where a number is expected). Sampling ranges are
 not here: SamplingParams.validate in the engine holds them, once for the server and `LLM` alike.
 Unknown top-level fields are accepted and ignored with a warning, as vLLM does; fields qv knows
-but cannot honour yet (beam search, logit_bias, prompt logprobs) are refused
+but cannot honour yet (beam search, bad_words, prompt logprobs) are refused
 with a 400 that says so, rather than silently changing what the client asked for.
 """
 
@@ -133,11 +133,11 @@ class SamplingFields(OpenAIModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    logit_bias: dict[str, float] | None = None  # token id string -> bias; ranges: SamplingParams.validate
+    allowed_token_ids: list[int] | None = None
     # known but not supported yet: refused when set to anything but their "off" value
-    logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = None
     use_beam_search: bool = False
-    allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     _constraint: tuple[str, str, str] | None = PrivateAttr(None)
 
@@ -152,8 +152,7 @@ class SamplingFields(OpenAIModel):
         if self.stream_options is not None and not self.stream:
             raise ValueError("Stream options can only be defined when `stream=True`.")
         unsupported = {
-            "logit_bias": bool(self.logit_bias), "prompt_logprobs": self.prompt_logprobs is not None,
-            "use_beam_search": self.use_beam_search, "allowed_token_ids": self.allowed_token_ids is not None,
+            "prompt_logprobs": self.prompt_logprobs is not None, "use_beam_search": self.use_beam_search,
             "bad_words": bool(self.bad_words),
         }
         refused = [k for k, on in unsupported.items() if on]

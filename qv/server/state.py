@@ -199,7 +199,9 @@ class ServerState:
                 include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos,
                 max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs,
                 skip_special_tokens=req.skip_special_tokens,
-                spaces_between_special_tokens=req.spaces_between_special_tokens)
+                spaces_between_special_tokens=req.spaces_between_special_tokens,
+                logit_bias=getattr(req, "logit_bias", None),  # Responses has neither
+                allowed_token_ids=getattr(req, "allowed_token_ids", None))
         except InvalidRequestError as exc:
             raise self.refusal(exc, names=names) from None
 

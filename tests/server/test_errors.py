@@ -77,7 +77,7 @@ BAD = [
     ("unknown_model", CHAT, chat(model="gpt-4"), 404, "model", "The model `gpt-4` does not exist."),
     ("prompt_too_long", CHAT, {"messages": [{"role": "user", "content": "word " * 3000}], "max_tokens": 4}, 400,
      "messages", "maximum context length is 1024 tokens. However, your prompt contains"),
-    ("logit_bias_unsupported", CHAT, chat(logit_bias={"5": 1.0}), 400, None, "not supported"),
+    ("bad_words_unsupported", CHAT, chat(bad_words=["x"]), 400, None, "not supported"),
     ("json_schema_without_schema", CHAT, chat(response_format={"type": "json_schema", "json_schema": {}}), 400, None,
      "must be an object with `name` and `schema`"),
     ("reserved_template_kwarg", CHAT, chat(chat_template_kwargs={"tokenize": True}), 400, "chat_template_kwargs", ""),
