@@ -44,8 +44,11 @@ class Grammar:
 
 def _bounded_strings(node):
     """xgrammar turns a string's minLength/maxLength into `[^"\\\r\n]{m,n}`, which lets raw control
-    characters into the JSON text (invalid JSON); a pattern of the JSON-safe characters with the same
-    bounds keeps it valid (and without UTF-8-encoded surrogates, which xgrammar's strings also allow). Strings with a pattern or format of their own are left as they are."""
+    characters into the JSON text (invalid JSON), and its character classes past ASCII admit overlong
+    UTF-8 (E0 80 80 decodes to three U+FFFD, so the decoded string breaks maxLength). A bounded string
+    is therefore printable ASCII, with the same bounds: always valid, narrower than the schema (no
+    non-ASCII characters in a length-bounded string). Strings with a pattern or format of their own
+    are left as they are."""
     if isinstance(node, list):
         return [_bounded_strings(x) for x in node]
     if not isinstance(node, dict):
@@ -55,7 +58,7 @@ def _bounded_strings(node):
             "pattern" in out or "format" in out):
         lo, hi = out.pop("minLength", 0), out.pop("maxLength", "")
         if isinstance(lo, int) and (hi == "" or isinstance(hi, int)):
-            out["pattern"] = '^[^"\\\\\\x00-\\x1f\\ud800-\\udfff]{%d,%s}$' % (lo, hi)
+            out["pattern"] = '^[ !#-\\[\\]-~]{%d,%s}$' % (lo, hi)  # printable ASCII but " and \\
     return out
 
 
