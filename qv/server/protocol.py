@@ -99,11 +99,9 @@ class ChatMessage(OpenAIModel):
     reasoning_content: str | None = None
 
 
-class SamplingFields(OpenAIModel):
-    """Sampling and output fields shared by chat and completions (vLLM extensions included)."""
+class SamplingKnobs(OpenAIModel):
+    """The sampler's settings every generating endpoint takes (ranges: SamplingParams.validate)."""
 
-    model: str | None = None
-    n: int = 1
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -112,6 +110,13 @@ class SamplingFields(OpenAIModel):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     seed: int | None = None
+
+
+class SamplingFields(SamplingKnobs):
+    """Sampling and output fields shared by chat and completions (vLLM extensions included)."""
+
+    model: str | None = None
+    n: int = 1
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -336,19 +341,11 @@ class ResponsesNamedToolChoice(OpenAIModel):
     name: str
 
 
-class ResponsesRequest(OpenAIModel):
+class ResponsesRequest(SamplingKnobs):
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = None
     tools: list[ResponsesTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ResponsesNamedToolChoice | None = None
     parallel_tool_calls: bool = True
