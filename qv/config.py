@@ -94,7 +94,8 @@ class EngineConfig(BaseSettings):
         "penalties, or a plan that could preempt, a step waits for the last one's tokens (0: every step waits).")
     long_prefill_token_threshold: int = lever(
         0,
-        "A prefill with more prompt tokens left than this is long. While other sequences decode, a long prefill "
+        "A prefill with more prompt tokens left than this is long. While other sequences decode (or a short request "
+        "waits), a long prefill "
         "(a Clef record or a long chat prompt) takes at most this many tokens of a step; alone it takes the whole "
         "budget (vLLM's name). 0: max_num_batched_tokens // 4.", ge=0)
     max_long_partial_prefills: int = lever(

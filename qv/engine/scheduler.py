@@ -4,7 +4,7 @@ rest of chunked prefills, short before long), then waiting ones are admitted whi
 and the sequence cap allow. Chunked prefill is always on.
 
 Chats stay responsive beside long prefills (Clef records, long prompts): while any sequence
-decodes, a prefill with more than `long_prefill_token_threshold` tokens left takes at most that
+decodes or a short request waits, a prefill with more than `long_prefill_token_threshold` tokens left takes at most that
 many tokens of the step, and at most `max_long_partial_prefills` of them run in it. Without
 decodes they take the whole budget, so a record alone prefills at full speed.
 
@@ -187,10 +187,11 @@ class Scheduler:
             self.waiting.popleft()
             seq.state_slot = self.slots.acquire()
             seq.status = SeqStatus.RUNNING
-            n = shares.clip(seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
-            if self.prefix_cache:  # resume from the hit, then end the chunk on a snapshot boundary
+            if self.prefix_cache:  # resume from the hit
                 self.prefix_cache.admit(seq, hit)
-                n = self.prefix_cache.clip(seq, shares.clip(seq, min(seq.num_tokens - seq.num_computed_tokens, budget)))
+            n = shares.clip(seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
+            if self.prefix_cache:  # end the chunk on a snapshot boundary
+                n = self.prefix_cache.clip(seq, n)
             self.blocks.grow(seq.block_ids, self._covered(seq, n))
             self.running.append(seq)
             plan.scheduled.append((seq, n))

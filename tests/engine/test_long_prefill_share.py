@@ -11,10 +11,10 @@ from qv import LLM, SamplingParams
 BUDGET, THRESHOLD = 256, 48
 
 
-def _recording(llm: LLM) -> list:
-    """Every step plan the engine's scheduler makes, as [(sequence, tokens, decoding?)]."""
+def _recording(llm: LLM) -> tuple[list, list]:
+    """Every step plan the engine's scheduler makes, as [(sequence, tokens, decoding?, tokens left)], and
+    per step the decoding sequences it left out."""
     sched, plans, waiting_decodes = llm.engine.scheduler, [], []
-    llm.unplanned_decodes = waiting_decodes
     schedule = sched.schedule
 
     def spy():
@@ -26,7 +26,7 @@ def _recording(llm: LLM) -> list:
         return plan
 
     sched.schedule = spy
-    return plans
+    return plans, waiting_decodes
 
 
 def _llm(tiny_dirs, **levers) -> LLM:
@@ -37,7 +37,7 @@ def _llm(tiny_dirs, **levers) -> LLM:
 def test_long_prefills_take_a_bounded_share_while_chats_decode(tiny_dirs):
     rng = random.Random()
     llm = _llm(tiny_dirs)
-    plans = _recording(llm)
+    plans, unplanned_decodes = _recording(llm)
     eng = llm.engine
     chat = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     for i in range(3):
@@ -57,7 +57,7 @@ def test_long_prefills_take_a_bounded_share_while_chats_decode(tiny_dirs):
         long_rows = [(n, left) for _, n, dec, left in plan if not dec and left > THRESHOLD]
         assert len(long_rows) <= 1, f"{len(long_rows)} long prefills shared a step with decodes"
         assert all(n <= THRESHOLD for n, _ in long_rows), long_rows
-    assert not any(llm.unplanned_decodes), "a decoding sequence was left out of a step"
+    assert not any(unplanned_decodes), "a decoding sequence was left out of a step"
     for plan in plans[start:]:
         decodes = [i for i, (_, _, dec, _) in enumerate(plan) if dec]
         prefills = [i for i, (_, _, dec, _) in enumerate(plan) if not dec]
@@ -66,7 +66,6 @@ def test_long_prefills_take_a_bounded_share_while_chats_decode(tiny_dirs):
 
 def test_chats_keep_decoding_every_step_beside_long_prefills(tiny_dirs):
     llm = _llm(tiny_dirs)
-    plans = _recording(llm)
     eng = llm.engine
     for i in range(2):  # the long prefills are ahead of the chat in the queue
         eng.add_request(f"long-{i}", [9 + i] * 900, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
@@ -88,7 +87,7 @@ def test_chats_keep_decoding_every_step_beside_long_prefills(tiny_dirs):
 
 def test_a_long_prefill_alone_takes_the_whole_budget(tiny_dirs):
     llm = _llm(tiny_dirs)
-    plans = _recording(llm)
+    plans, _ = _recording(llm)
     llm.generate({"prompt_token_ids": [7] * 700}, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     assert plans[0][0][1] == BUDGET and plans[1][0][1] == BUDGET
 
