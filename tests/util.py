@@ -1,6 +1,9 @@
-"""Test helpers: one relative-error metric for every oracle comparison, and NaN poisoning."""
+"""Test helpers: one relative-error metric for every oracle comparison, NaN poisoning, and stopping
+a server subprocess."""
 
 from __future__ import annotations
+
+import subprocess
 
 import torch
 
@@ -24,3 +27,12 @@ def poisoned(shape, dtype=torch.float32, device="cpu") -> torch.Tensor:
     if dtype.is_floating_point:
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
     return torch.full(shape, torch.iinfo(dtype).min, dtype=dtype, device=device)
+
+
+def stop(proc: subprocess.Popen, timeout: float = 30) -> None:
+    """SIGTERM a server subprocess; kill it if it has not exited within `timeout` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()

@@ -23,6 +23,8 @@ from tokenizers import Tokenizer
 from qv.engine.request import NORMALIZER_SHRINK, TextBound
 from qv.model.tiny_tokenizer import tokenizer_json
 
+from util import stop
+
 LIVENESS_S = 1.0  # the must-show bound for /health and a small chat while big prompts are refused
 
 
@@ -158,8 +160,4 @@ def test_big_prompts_are_refused_without_stalling_or_keeping_memory(tiny_model):
         print(f"{probes} probes, slowest {slowest:.3f} s; RSS {rss_start >> 20} -> {rss_end >> 20} MiB")
         assert rss_end <= 1.1 * rss_start, f"RSS {rss_start >> 20} MiB -> {rss_end >> 20} MiB"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import httpx
 
+from util import stop
+
 DOC = Path(__file__).resolve().parents[2] / "docs" / "QUICKSTART_SERVER.md"
 
 
@@ -78,11 +80,7 @@ def test_qv_serve_fresh_home_and_readme_curl(tmp_path):
             assert out.returncode == 0, out.stderr
             assert json.loads(out.stdout)["choices"][0]["message"]["role"] == "assistant"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
 
 
 def test_uvicorn_app_reads_levers_from_the_environment(tiny_dirs):
@@ -107,8 +105,4 @@ def test_uvicorn_app_reads_levers_from_the_environment(tiny_dirs):
         models = httpx.get(url + "/v1/models", headers={"Authorization": "Bearer k1"}).json()
         assert [m["id"] for m in models["data"]] == ["from-env"] and models["data"][0]["max_model_len"] == 256
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)

@@ -23,6 +23,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from util import stop
+
 ts = pytest.importorskip("typesafe_sdk", reason="the SDK test needs typesafe-sdk (test extra)")
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,11 +52,7 @@ def qv_serve(tmp_path_factory):
         assert len(folders) == 1 and (folders[0] / "joint_head.safetensors").is_file(), folders
         yield url, folders[0]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
 
 
 @pytest.fixture(scope="module")
