@@ -10,6 +10,7 @@ import functools
 import os
 import threading
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +27,16 @@ HEADER = "cuda_common.cuh"
 EAGER_ALWAYS = False
 _AS_CAPTURED = threading.local()  # .on: this thread's eager calls choose kernels as a graph capture does
 _BUILT: dict[tuple, tuple | None] = {}  # (file, name, device) -> (function, registers) or None
+
+
+@dataclass(frozen=True)
+class KernelBuild:
+    """One raw-CUDA source and the template instantiations of it that ship: what `qv kernels --arch` compiles
+    ahead of time and `qv doctor` checks. Each op's cuda_sm70.py lists its own in BUILDS."""
+
+    source: str  # under KERNEL_DIR, e.g. "linear/gptq_gemv_m884.cu"
+    names: tuple[str, ...]  # template instantiations, as NVRTC name expressions
+    tensor_cores: bool  # its PTX must hold mma.sync m8n8k4 instructions (on sm_70)
 
 
 @functools.lru_cache(maxsize=None)
