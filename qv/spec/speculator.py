@@ -98,7 +98,10 @@ class Speculator:
         backoff = seq.spec_backoff = seq.spec_backoff or Backoff()
         if self.policy == "off" or (backoff.paused() and self.policy == "backoff"):
             return [], None
-        return self._choose(seq, mtp_drafts)
+        drafts, source = self._choose(seq, mtp_drafts)
+        if not drafts and self.policy == "always":  # every step verifies, spare drafts where the source has none
+            return list(seq.spare_drafts), "filler"
+        return drafts, source
 
     def _choose(self, seq, mtp_drafts: list[int] | None) -> tuple[list[int], str | None]:
         tail = seq.token_slice(max(0, seq.num_tokens - NGRAM_WINDOW), seq.num_tokens)  # not the whole context
