@@ -114,6 +114,10 @@ class EngineConfig(BaseSettings):
     spec: Literal["off", "mtp", "ngram", "auto"] = lever("off", "Speculative decoding: off, mtp, ngram, auto.")
     spec_k: int = lever(3, "Draft tokens per step.", ge=1)
     spec_max_seqs: int = lever(16, "Most sequences verifying drafts in one step (each keeps k+1 GDN states).", ge=1)
+    spec_policy: Literal["backoff", "always", "off"] = lever(
+        "backoff", "When a sequence drafts: backoff (a sequence whose drafts keep failing pauses drafting for 4 to 64 "
+        "steps, then probes again), always (every decode step), off (never, and the MTP head does no work: the plain "
+        "step benchmarks compare with).")
     # -- server ----------------------------------------------------------------------------------
     host: str = lever("127.0.0.1", "Listen address of `qv serve`.")
     port: int = lever(8000, "Listen port of `qv serve` (0: any free port).", ge=0, le=65535)

@@ -51,7 +51,11 @@ class Sequence:
     mm_hashes: list[tuple[int, str]] | None = None  # (position, hash) of each media item: part of the prefix key
     media: object | None = None  # qv.engine.multimodal.MediaState: the request's images/videos and their encodings
     draft_token_ids: list[int] = field(default_factory=list)  # exactly k drafts to verify next step, or none
-    draft_source: str | None = None  # "mtp" | "ngram"
+    draft_source: str | None = None  # "mtp" | "ngram" | "filler" (see spare_drafts)
+    # k tokens a decode-only step may verify for this sequence when it makes no drafts of its own, so that the
+    # step verifies every sequence and replays one CUDA graph (the MTP head's guess, or the last token repeated)
+    spare_drafts: list[int] = field(default_factory=list)
+    spec_backoff: object | None = None  # qv.spec.speculator.Backoff: pauses drafting after failed drafts
     spec_scores: dict = field(default_factory=dict)  # draft source -> running acceptance (auto mode)
     matcher: object | None = None  # xgrammar.GrammarMatcher of a structured output (qv/engine/structured.py)
 
