@@ -141,6 +141,11 @@ class EngineConfig(BaseSettings):
     media_max_images: int = lever(20, "Most images per chat request (0 with media_max_videos 0: the vision tower "
                                   "is not loaded).", ge=0)
     media_max_videos: int = lever(2, "Most videos per chat request.", ge=0)
+    media_max_video_frames: int = lever(
+        4096, "Most frames of one video (MP4/WebM: declared by its header, or its duration times its frame rate, "
+        "then counted; animated images: counted), refused before decoding.", ge=1)
+    media_video_decode_timeout_s: float = lever(
+        60.0, "Longest decoding of one MP4/WebM video (checked between frames); past it the request gets a 400.", gt=0)
     media_max_bytes: int = lever(20 << 20, "Largest fetched media file.", ge=1)
     media_timeout_s: float = lever(10.0, "Timeout for fetching one media URL.", gt=0)
     media_allowed_domains: str = lever("", "Comma-separated domains media URLs may come from; empty: any.")
@@ -151,7 +156,8 @@ class EngineConfig(BaseSettings):
     media_local_dir: str = lever("", "Directory file:// media may be read from; empty: no local files.")
     media_max_pixels: int = lever(
         1 << 28, "Most pixels of one request's images and video frames together, read from their headers before "
-        "anything is decoded (one image may have at most 2^26).", ge=1)
+        "anything is decoded (one image or frame may have at most 2^26): every frame of an animated image, the "
+        "frames the processor samples of an MP4/WebM video.", ge=1)
     media_decode_threads: int = lever(2, "Threads that decode and preprocess media, shared by all requests; more "
                                       "media waits its turn.", ge=1)
     vision_max_patches_per_step: int = lever(
