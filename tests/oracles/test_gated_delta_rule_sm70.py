@@ -99,7 +99,8 @@ def _case(monkeypatch, state_dtype, hk, rep, dk, dv, lens, init, max_q="auto", i
     cu = [0, *np.cumsum(lens).tolist()]
     for i in range(n):  # sequence by sequence: a short one must not hide in a long one's error
         if lens[i]:
-            assert_close(f"o of sequence {i} ({lens[i]} tokens)", out[cu[i]:cu[i + 1]], ref[cu[i]:cu[i + 1]], BOUND[F16])
+            rows = slice(cu[i], cu[i + 1])
+            assert_close(f"o of sequence {i} ({lens[i]} tokens)", out[rows], ref[rows], BOUND[F16])
         s = int(slots[i])
         assert_close(f"state[{s}]", load_state(states[0], scales[0], s), load_state(states[1], scales[1], s),
                      STATE_BOUND)
@@ -298,9 +299,9 @@ def test_sm70_falls_back_to_the_step_kernel(monkeypatch):
 
     for module, name in ((triton_chunk, "gdn_chunked"), (triton_prep, "chunk_prep"), (triton_prep, "chunk_prep_split")):
         monkeypatch.setattr(module, name, forbidden)
+    meta = cu_seqlens([3]), torch.zeros(1, dtype=torch.int64), torch.ones(1, dtype=torch.bool)
     assert cuda_sm70.gdn_chunked_cuda(*_inputs(1, 2, 16, 16, [3], False), randn(2), randn(2), randn(1, 2, 16, 16),
-                                      cu_seqlens([3]), torch.zeros(1, dtype=torch.int64), torch.ones(1, dtype=torch.bool),
-                                      0.25, None) is None
+                                      *meta, 0.25, None) is None
     for state_dtype in (torch.float32, torch.int16):
         _case(monkeypatch, state_dtype, 1, 2, 16, 24, [20, 1, 0], [True, False, True], max_q=None, path="step")
 
