@@ -104,7 +104,7 @@ class Speculator:
         return drafts, source
 
     def _choose(self, seq, mtp_drafts: list[int] | None) -> tuple[list[int], str | None]:
-        tail = seq.token_slice(max(0, seq.num_tokens - NGRAM_WINDOW), seq.num_tokens)  # not the whole context
+        tail = seq.token_array(max(0, seq.num_tokens - NGRAM_WINDOW))  # not the whole context
         ngram = propose_ngram(tail, self.k) if self.mode in ("ngram", "auto") else None
         if self.mode == "ngram" or mtp_drafts is None:
             return (ngram, "ngram") if ngram else ([], None)
