@@ -157,9 +157,12 @@ class Speculator:
     def mtp_work(self, seqs) -> str | None:
         """What the MTP head does after a step over `seqs`: "draft" (its KV catches up with the step's rows,
         then k drafts a sequence), "catch_up" (the KV only: every sequence is backed off, and drafting
-        later needs the head's KV at every position) or None (no MTP head, or policy "off")."""
+        later needs the head's KV at every position; also where more sequences run than can verify next
+        step) or None (no MTP head, or policy "off")."""
         if not self.uses_mtp or self.policy == "off":
             return None
+        if len(seqs) > self.max_seqs:  # too many to verify next step (scheduler._even_drafts): no drafts needed
+            return "catch_up"
         if self.policy == "always" or any(s.spec_backoff is None or s.spec_backoff.pause == 0 for s in seqs):
             return "draft"
         return "catch_up"
