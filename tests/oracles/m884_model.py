@@ -113,13 +113,14 @@ def gemv(x16, codes, scales, zeros, group, k_split=None):
         k_lo, k_hi = by * k_split, min(K, by * k_split + k_split)
         for bx in range((N + 255) // 256):
             acc = np.zeros((4, MT, 8, 32, 8))
+            chunk = 128 if group % 128 == 0 else group
             for warp in range(4):
-                for kg in range(k_lo + warp * group, k_hi, 4 * group):
+                for kg in range(k_lo + warp * chunk, k_hi, 4 * chunk):
                     cols = []
                     for lane in range(32):
                         n_lane = bx * 256 + 8 * lane
                         cols.append(columns8(*_scale_words(scales, zeros, kg // group, n_lane, n_lane < N)))
-                    for k0 in range(kg, kg + group, 4):
+                    for k0 in range(kg, kg + chunk, 4):
                         a = np.zeros((8, 32, 4))
                         b = np.zeros((MT, 32, 4))
                         for lane in range(32):

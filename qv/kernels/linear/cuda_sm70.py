@@ -77,6 +77,12 @@ def _launch(kernel, grid, x2, w, bias, out, split, k_split, tickets) -> None:
     launch(kernel, (grid, split, 1), (128, 1, 1), args, x2.device)
 
 
+def gemv_chunk(group: int) -> int:
+    """Rows of K the GEMV's warps and splits take at a time: a scale group, or 128 rows of one where groups
+    are multiples of 128 (as the kernel computes it)."""
+    return 128 if group % 128 == 0 else group
+
+
 def gemv_m884(x2, w, bias, out) -> bool:
     """out = x2 W^T (+ bias) for M <= 16 with the GEMV; False (nothing launched) where it cannot run.
     The caller has checked `applies`."""
@@ -90,9 +96,10 @@ def gemv_m884(x2, w, bias, out) -> bool:
         return False
     kernel, regs = built
     tiles = triton.cdiv(n, GEMV_COLUMNS)
-    # each of a block's 4 warps takes whole groups of its K range
-    split, k_split, tickets = _split(tiles, k, w.group_size, k // (4 * w.group_size),
-                                     resident_blocks(regs, 128, x2.device), x2.device)
+    # each of a block's 4 warps takes whole chunks of its K range
+    chunk = gemv_chunk(w.group_size)
+    split, k_split, tickets = _split(tiles, k, chunk, k // (4 * chunk), resident_blocks(regs, 128, x2.device),
+                                     x2.device)
     _launch(kernel, tiles, x2, w, bias, out, split, k_split, tickets)
     return True
 

@@ -135,8 +135,10 @@ __device__ bool last_of_splits(int* tickets, int tile) {
 // each), which dequant4 turns into the A fragments of 8 MMAs c = 0..7 (MMA c: A row T = column n_L + c).
 // B: lane L holds x row m = 8 mt + T, k0 .. k0+3 (one 8-byte load). D of MMA c, element i of lane L: the
 // column n_S + c of lane S = (L & ~2) | (i & 2) (the QP thread whose A row it is) and x row
-// 8 mt + (L & 2) + (i & 1) + (i & 4). The 4 warps of a block share the columns and take the groups
-// w, w + 4, ... of the block's K range (gridDim.y ranges: split-K, summed by the last block per tile).
+// 8 mt + (L & 2) + (i & 1) + (i & 4). The 4 warps of a block share the columns and take the chunks
+// w, w + 4, ... of the block's K range (gridDim.y ranges of whole chunks: split-K, summed by the last block
+// per tile). A chunk is a scale group, or 128 rows of one where groups are multiples of 128 (a single
+// group over K still spreads over the warps and the splits).
 template <int MT, int MIN_BLOCKS>
 __global__ void __launch_bounds__(128, MIN_BLOCKS) gptq_gemv_m884(
     const u16* __restrict__ x, const u8* __restrict__ codes, const u16* __restrict__ scales,
@@ -157,14 +159,15 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) gptq_gemv_m884(
 #pragma unroll
       for (int i = 0; i < 8; ++i) acc[mt][c][i] = 0.f;
 
-  for (int kg = k_lo + warp * group; kg < k_hi; kg += 4 * group) {
+  const int chunk = group % 128 == 0 ? 128 : group;  // cuda_sm70.gemv_chunk
+  for (int kg = k_lo + warp * chunk; kg < k_hi; kg += 4 * chunk) {
     const long long g_off = (long long)(kg / group) * stride_sg + n_lane;
     // columns past N get scale 0: their weights are 0
     const U4 s_raw = n_ok ? *reinterpret_cast<const U4*>(scales + g_off) : splat4(0u);
     const U4 z_raw = has_zero && n_ok ? *reinterpret_cast<const U4*>(zeros + g_off) : splat4(SYMMETRIC_ZERO);
     const Columns8 col = columns8(s_raw, z_raw);
     const u8* p = codes + (long long)kg * stride_qk + n_lane;
-    for (int k16 = kg; k16 < kg + group; k16 += 16) {  // group % 16 == 0
+    for (int k16 = kg; k16 < kg + chunk; k16 += 16) {  // group % 16 == 0
 #pragma unroll
       for (int s = 0; s < 4; ++s) {
         const int k0 = k16 + 4 * s;
