@@ -13,7 +13,7 @@
 //   B [4 x 8]: thread T holds column T, k 0..3, as {B[0][T], B[1][T]}, {B[2][T], B[3][T]}
 //   D [8 x 8] fp32: element i (0..7) of lane L is row (L & 1) + (i & 2) + 4 (L / 16),
 //                   column (i & 1) + (L & 2) + (i & 4)
-// tests/oracles/test_linear_sm70.py models both kernels' lane arithmetic on these tables in NumPy.
+// tests/oracles/m884_model.py models this instruction and both kernels' lane arithmetic in NumPy.
 //
 // Codes become weights in registers: bytes of 4 rows regrouped by byte permutes into the k-pairs of one
 // column, 0x64 as the high byte reads as fp16 1024 + c, minus (1024 + z) is c - z exactly (integers
@@ -252,7 +252,7 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) gptq_gemv_m884(
 // next step's global loads are in flight while the MMAs run on this one). The weight tile is stored
 // dequantized and transposed, ws[n][k], so that x (A, .row) and W (B, .col) fragments are both one 8-byte
 // load of 4 consecutive k. Row pitch 36 halves (72 bytes): the fragment loads of a half warp (rows
-// r .. r+3 and r+8 .. r+11 at one k) and the loaders' stores fall in distinct banks.
+// r .. r+3 and r+8 .. r+11 at one k) and the weight loader's stores fall in distinct banks.
 // Loaders (128 threads): x, 4 pieces of 4 halves a thread (row = piece / 8, k = 4 (piece % 8)); codes,
 // thread (rq = tid % 8, co = tid / 8) loads rows 4 rq .. 4 rq + 3 of columns 8 co .. 8 co + 7 and stores
 // each column's 4 weights, ws[8 co + c][4 rq ..]. Warps 2 x 2, each 32 rows x 64 columns: per k step of 4,
