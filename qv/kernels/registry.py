@@ -43,7 +43,7 @@ TABLE: dict[str, dict[str, str | None]] = {
     "varlen_attention": {"reference": "varlen_attention.reference", "triton": "varlen_attention.triton", "sm70": None},
     "causal_conv1d":    {"reference": "causal_conv1d.reference", "triton": "causal_conv1d.triton", "sm70": None},
     "gated_delta_rule": {"reference": "gated_delta_rule.reference", "triton": "gated_delta_rule.triton",
-                         "sm70": None},
+                         "sm70": "gated_delta_rule.cuda_sm70"},
 }
 
 _impls: dict[str, dict[str, Callable]] = {}

@@ -24,7 +24,6 @@ from tl_dot_recorder import _is_kernel, python_function, record_launches, uses_d
 
 PENDING = {
     "paged_attention": "sm70 kernel lands from branch sm70attn/sm70gdn",
-    "gated_delta_rule": "sm70 kernel lands from branch sm70attn/sm70gdn",
     # the vision tower's attention runs paged_attention's Triton flash kernel; no branch has it yet
     "varlen_attention": "no sm70 kernel yet: it runs paged_attention's Triton flash kernel (no branch covers it)",
 }
@@ -111,6 +110,6 @@ def test_sm70_engine_runs_no_tl_dot_of_other_ops_gpu(sm70_engine_launches):
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=True, reason="sm70 kernel lands from branch sm70attn/sm70gdn")
+@pytest.mark.xfail(strict=True, reason="sm70 kernel lands from branch sm70attn/sm70gdn (and varlen_attention's)")
 def test_sm70_engine_runs_no_tl_dot_gpu(sm70_engine_launches):
     assert sm70_engine_launches.with_dot() == []
