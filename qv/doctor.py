@@ -6,6 +6,7 @@ its own failure as a line, so the report always prints (a CPU machine without CU
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import platform
 import sys
@@ -119,6 +120,14 @@ def _kernels(choice: str) -> list[str]:
     return lines
 
 
+@functools.lru_cache(maxsize=4)
+def _sm70_reports(ptxas: str):
+    """The sm70 kernels compiled ahead of time for sm_70, once a process (a report is cheap to ask again)."""
+    from qv.kernels import ahead_of_time
+
+    return ahead_of_time.compile_all(70, ptxas=ptxas)
+
+
 def _kernel_builds(choice: str, ptxas: str) -> list[str]:
     """Whether each kernel in the BUILDS of the sm70 modules builds: with CuPy on each CUDA device whose
     chain runs them, or, on a machine without CUDA, ahead of time for sm_70 (NVRTC 12 and ptxas)."""
@@ -131,7 +140,7 @@ def _kernel_builds(choice: str, ptxas: str) -> list[str]:
     if not torch.cuda.is_available():
         lines = ["  no CUDA device: the sm70 kernels compiled ahead of time for sm_70"]
         try:
-            reports = ahead_of_time.compile_all(70, ptxas=ptxas)
+            reports = _sm70_reports(ptxas)
         except ahead_of_time.AheadOfTimeError as e:
             return lines + [f"  does not build: {e}"]
         return lines + [f"  {r.name} ({r.op}): builds, {r.registers} registers, {r.shared_bytes} B shared memory, "
