@@ -58,7 +58,10 @@ class EngineConfig(BaseSettings):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = lever(
         "auto", "Activation dtype. auto: float16 on sm_70, bfloat16 on sm_80+, float32 on CPU.")
     kernels: Literal["auto", "reference", "triton", "sm70"] = lever(
-        "auto", "Op implementations: auto (triton on CUDA, reference on CPU), reference, triton, sm70.")
+        "auto", "Op implementations: auto (sm70 on sm_70 GPUs, triton on newer ones, reference on CPU), reference, "
+        "triton, sm70 (the Volta m8n8k4 raw-CUDA kernels where an op has them, Triton elsewhere).")
+    ptxas: str = lever("", "ptxas that `qv kernels --arch` and `qv doctor` assemble sm_70 PTX with; empty: the one "
+                       "Triton's wheel carries (CUDA 12.9).")
     seed: int = lever(0, "Seed for weight-free randomness (sampling without a per-request seed).")
     load_format: Literal["auto", "random"] = lever(
         "auto",
