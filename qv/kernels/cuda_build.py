@@ -85,7 +85,8 @@ def build(source: str, name: str, index: int):
                 _BUILT[key] = (function, function.num_regs)
         except Exception as e:  # noqa: BLE001 - any build or load error means: use the other kernels
             warnings.warn(f"qv: the CUDA kernel {name} did not build ({type(e).__name__}: {e}); "
-                          "the Triton kernels run instead", RuntimeWarning, stacklevel=3)
+                          "its op falls back (to the Triton kernels; under the sm70 backend, to the reference "
+                          "math)", RuntimeWarning, stacklevel=3)
             _BUILT[key] = None
     return _BUILT[key]
 
@@ -136,12 +137,13 @@ def pointer(t: torch.Tensor | None) -> np.uint64:
     return np.uint64(t.data_ptr() if t is not None else 0)
 
 
-def launch(kernel, grid, block, args, device: torch.device) -> None:
-    """Launch on torch's current stream of `device` (so CUDA graphs capture it like a torch op)."""
+def launch(kernel, grid, block, args, device: torch.device, shared_mem: int = 0) -> None:
+    """Launch on torch's current stream of `device` (so CUDA graphs capture it like a torch op), with
+    `shared_mem` bytes of dynamic shared memory."""
     cupy = cupy_or_none()
     index = device_index(device)
     with cupy.cuda.Device(index), _stream(torch.cuda.current_stream(device).cuda_stream, index):
-        kernel(grid, block, args)
+        kernel(grid, block, args, shared_mem=shared_mem)
 
 
 @functools.lru_cache(maxsize=64)
