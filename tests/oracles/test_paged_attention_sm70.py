@@ -10,7 +10,9 @@ no Triton kernel did. Where the kernels do not apply the fp32 fallback must give
 
 On CPU: every BUILDS instantiation compiles for compute_70 with CUDA 12's NVRTC (when installed), its PTX
 targets sm_70 and holds m8n8k4 MMAs, and ptxas reports no spills; a NumPy model of the PTX fragment layouts
-checks the kernels' lane mappings (which key, head dim and row each lane feeds and gets back)."""
+checks the kernels' lane mappings (which key, head dim and row each lane feeds and gets back); the kernels
+transliterated at warp level (m884_model.py) run against the reference; and the host side's launches, run
+by that model, pass every argument where the .cu's signature expects it."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import numpy as np
 import pytest
 import torch
 
+import m884_model as M
 from kernel_cases import DEV, K, capture_graph, cu_seqlens, nan_empty, paged_layout, randn, run_reference, slots_for
 from nvrtc_compile import compile_ptx, nvrtc
 from util import assert_close
@@ -78,12 +81,8 @@ def test_prefill_smem_fits_volta():
     assert all(cuda_sm70.prefill_smem_bytes(d) <= 96 << 10 for d in cuda_sm70.HEAD_DIMS)
 
 
-# NumPy model of mma.sync.aligned.m8n8k4 (PTX ISA, "Matrix Fragments for mma.m8n8k4 with .f16"): four 8x8x4
-# products a warp, quad pair qp = lanes 4 qp .. 4 qp + 3 and 16 + 4 qp ..; t = lane % 4, hi = lane >= 16.
-
-def _c_pos(lane, i):
-    return (lane & 1) + (i & 2) + 4 * (lane >> 4), (i & 4) + (lane & 2) + (i & 1)
-
+# The PTX ISA's m8n8k4 fragments, element by element (m884_model.mma884 is the vectorized twin the kernel
+# models use): four 8x8x4 products a warp, quad pair qp = lanes 4 qp .. 4 qp + 3 and 16 + 4 qp ..
 
 def _mma(a, b, c, a_row: bool, b_row: bool):
     """d = A B + C per quad pair, from fragments a [32, 4], b [32, 4], c [32, 8] (every element placed once)."""
@@ -97,12 +96,12 @@ def _mma(a, b, c, a_row: bool, b_row: bool):
                 A[(t + 4 * hi, i) if a_row else (i + 4 * hi, t)] = a[lane, i]
                 B[(t, i + 4 * hi) if b_row else (i, t + 4 * hi)] = b[lane, i]
             for i in range(8):
-                C[_c_pos(lane, i)] = c[lane, i]
+                C[M.c_pos(lane, i)] = c[lane, i]
         assert not (np.isnan(A).any() or np.isnan(B).any() or np.isnan(C).any())
         D = A @ B + C
         for lane in lanes:
             for i in range(8):
-                d[lane, i] = D[_c_pos(lane, i)]
+                d[lane, i] = D[M.c_pos(lane, i)]
     return d
 
 
@@ -110,25 +109,21 @@ def _lane(lane):
     return lane & 3, (lane >> 2) & 3, lane >> 4  # t, qp, hi
 
 
-# the kernels' mappings, as written in paged_attention_m884.cu
-def _key_of(i, lane):
-    return 8 * ((lane >> 2) & 3) + (i & 4) + (lane & 2) + (i & 1)
-
-
-def _decode_b_dim(d, qp, hi, j, i):  # V slice: dims (2 qp + hi) D/8 + 4 j + i
+def _decode_b_dim(d, qp, hi, j, i):  # decode's V slice: dims (2 qp + hi) D/8 + 4 j + i
     return (2 * qp + hi) * (d // 8) + 4 * j + i
 
 
-def _decode_dim(d, j, i, lane):
-    return (2 * ((lane >> 2) & 3) + (i >> 2)) * (d // 8) + 4 * j + (lane & 2) + (i & 1)
-
-
-def _prefill_b_dim(d, qp, hi, j, i):  # V granule 8 j + 2 qp + hi
+def _prefill_b_dim(d, qp, hi, j, i):  # prefill's V granule 8 j + 2 qp + hi
     return 4 * (8 * j + 2 * qp + hi) + i
 
 
-def _prefill_dim(d, j, i, lane):
-    return 32 * j + 8 * ((lane >> 2) & 3) + 4 * (i >> 2) + (lane & 2) + (i & 1)
+def test_vectorized_mma_model():
+    rng = np.random.default_rng(0)
+    for b_row in (False, True):
+        a, b, c = rng.standard_normal((32, 4)), rng.standard_normal((32, 4)), rng.standard_normal((32, 8))
+        d = c.copy()
+        M.mma884(d, a, b, b_row)
+        assert np.allclose(d, _mma(a, b, c, True, b_row))
 
 
 @pytest.mark.parametrize("d", [32, 64, 256])
@@ -147,13 +142,14 @@ def test_fragment_model(d, kind):
     scores = q @ k.T
     for L in range(32):
         for i in range(8):
-            assert np.isclose(s[L, i], scores[_c_pos(L, i)[0], _key_of(i, L)])
+            assert np.isclose(s[L, i], scores[M.c_pos(L, i)[0], M.key_of(i, L)])
     p_tile = np.full((8, cuda_sm70.P_STRIDE), np.nan)  # what softmax_step stores, from S's layout
     for L in range(32):
         for i in range(8):
-            p_tile[(L & 1) + 4 * (L >> 4) + (i & 2), _key_of(i, L)] = s[L, i]
+            p_tile[(L & 1) + 4 * (L >> 4) + (i & 2), M.key_of(i, L)] = s[L, i]
     assert np.allclose(p_tile[:, :32], scores)
-    b_dim, c_dim = (_decode_b_dim, _decode_dim) if kind == "decode" else (_prefill_b_dim, _prefill_dim)
+    b_dim, c_dim = ((_decode_b_dim, M.decode_dim) if kind == "decode"
+                    else (_prefill_b_dim, lambda d, j, i, lane: M.prefill_dim(j, i, lane)))
     acc = np.zeros((d // 32, 32, 8))
     for ks in range(8):
         a = np.array([p_tile[_lane(L)[0] + 4 * _lane(L)[2], 4 * ks:4 * ks + 4] for L in range(32)])
@@ -166,7 +162,7 @@ def test_fragment_model(d, kind):
     for j in range(d // 32):
         for L in range(32):
             for i in range(8):
-                row, col = _c_pos(L, i)[0], c_dim(d, j, i, L)
+                row, col = M.c_pos(L, i)[0], c_dim(d, j, i, L)
                 assert np.isclose(acc[j, L, i], o[row, col])
                 seen[row, col] += 1
     assert (seen == 1).all()
@@ -381,3 +377,149 @@ def test_sm70_fallback_gpu(monkeypatch):
     with K.backend("sm70"), pytest.raises(RuntimeError, match="bfloat16 queries"):
         bf16 = (args[0].to(torch.bfloat16),) + args[1:]
         capture_graph(lambda: K.paged_attention(*bf16))
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float16], ids=["int8", "fp16"])
+@pytest.mark.parametrize("hkv,rep,d", [(2, 3, 32), (1, 6, 64)])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_kernel_model_decode(kv_dtype, hkv, rep, d, splits):
+    """The decode kernel and combine_splits as m884_model transliterates them, on CPU, against the reference:
+    decode and speculative rows, 1 to 87 keys, pages of 16, poison outside the sequences."""
+    if DEV.type != "cpu":
+        pytest.skip("a CPU model")
+    args, _, _ = _inputs(kv_dtype, hkv, rep, d, [1, 1, 4, 3], [0, 86, 37, 16], block_size=16)
+    q, kc, vc, bt, cu, sl, scale, ks, vs, max_q, max_kv = args
+    n_splits, split_len = cuda_sm70.split_length(max_kv, splits, cuda_sm70.TILE)
+    np_ = (lambda x: None if x is None else x.numpy())
+    out = M.decode(q.double().numpy(), np_(kc), np_(vc), np_(ks), np_(vs), bt.numpy(), cu.numpy(), sl.numpy(),
+                   scale, max_q, n_splits, split_len)
+    _check("decode model", torch.from_numpy(out), args)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float16], ids=["int8", "fp16"])
+@pytest.mark.parametrize("hkv,rep,d", [(2, 3, 32), (1, 6, 64)])
+@pytest.mark.parametrize("splits,new_kv", [(1, False), (2, True)])
+def test_kernel_model_prefill(kv_dtype, hkv, rep, d, splits, new_kv):
+    """The prefill kernel (virtual tiles, shared-memory layouts, causal N32 tiles) and combine_splits as
+    m884_model transliterates them, against the reference: chunks with and without a prefix beside a decode
+    row, pages of 16 and 32; new_kv: the chunk's keys from k_new (fp16 caches: the pages' copies NaN)."""
+    if DEV.type != "cpu":
+        pytest.skip("a CPU model")
+    q_lens, ctx, bs = [45, 9, 1, 12], [0, 50, 20, 33], 32 if new_kv else 16
+    args, (k_new, v_new), tables = _inputs(kv_dtype, hkv, rep, d, q_lens, ctx, block_size=bs)
+    q, kc, vc, bt, cu, sl, scale, ks, vs, max_q, max_kv = args
+    ref = run_reference(K.paged_attention, q, kc, vc, bt, cu, sl, scale, ks, vs)
+    kn = vn = None
+    if new_kv and kv_dtype == torch.float16:
+        slots = slots_for(tables, ctx, [c + n for c, n in zip(ctx, q_lens)], bs)
+        kc.view(-1, hkv, d)[slots] = float("nan")
+        vc.view(-1, hkv, d)[slots] = float("nan")
+        kn, vn = k_new.numpy(), v_new.numpy()
+    n_splits, split_len = cuda_sm70.split_length(max_kv, splits, cuda_sm70.TILE)
+    np_ = (lambda x: None if x is None else x.numpy())
+    out = M.prefill(q.double().numpy(), np_(kc), np_(vc), np_(ks), np_(vs), bt.numpy(), cu.numpy(), sl.numpy(),
+                    scale, n_splits, split_len, kn, vn)
+    _check("prefill model", torch.from_numpy(out), args, ref)
+
+
+def _signature(kernel: str) -> list[str]:
+    """Parameter names of a __global__ kernel of the .cu, in order."""
+    from qv.kernels.cuda_build import KERNEL_DIR
+
+    src = (KERNEL_DIR / cuda_sm70.SOURCE).read_text()
+    params = re.search(rf"\b{kernel}\((.*?)\)\s*{{", src, re.S).group(1)
+    return [p.split()[-1].lstrip("*") for p in params.split(",")]
+
+
+class _FakeKernel:
+    def __init__(self, name):
+        self.name = name
+
+
+@pytest.mark.parametrize("case", ["decode", "prefill_new_kv", "prefill_int8"])
+def test_host_launches_on_model(monkeypatch, case):
+    """cuda_sm70's host side on CPU with each launch run by m884_model instead of the GPU: every argument,
+    bound by name from the .cu's signature, names the right tensor or agrees with the tensors' shapes and
+    strides; grid, block and shared memory are the kernels'; the combine runs where splits > 1; and the
+    op's answer is the reference's. (Default split choices, with num_sms 4 on CPU.)"""
+    if DEV.type != "cpu":
+        pytest.skip("a CPU model")
+    tensors, launched = {}, []
+
+    def pointer(t):
+        if t is None:
+            return np.uint64(0)
+        tensors[t.data_ptr()] = t
+        return np.uint64(t.data_ptr())
+
+    def launch(kernel, grid, block, args, device, shared_mem=0):
+        base = kernel.name.split("<")[0]
+        names = _signature(base)
+        assert len(names) == len(args), base
+        a = dict(zip(names, args))
+        ten = {n: tensors[int(v)] for n, v in a.items() if isinstance(v, np.uint64) and int(v)}
+        launched.append((base, grid, a))
+        np_ = (lambda n: ten[n].numpy() if n in ten else None)
+        if base == "combine_splits":
+            part, out = ten["part"], ten["out"]
+            assert grid == (part.shape[1], part.shape[2], 1) and block == (64, 1, 1) and a["n_splits"] == part.shape[0]
+            assert (a["B"], a["T"], a["HQ"]) == (ten["cu_q"].shape[0] - 1, out.shape[0], out.shape[1])
+            assert (a["stride_ot"], a["stride_oh"]) == out.stride()[:2]
+            out.copy_(torch.from_numpy(M.combine(np_("part"), np_("lse"), np_("cu_q"), np_("kv_lens"),
+                                                 int(a["split_len"]))))
+            return
+        q, kc, out = ten["q"], ten["kc"], ten["out"]
+        assert (a["T"], a["HQ"], a["rep"]) == (q.shape[0], q.shape[1], q.shape[1] // kc.shape[2])
+        assert (a["stride_qt"], a["stride_qh"], a["stride_ot"], a["stride_oh"]) == q.stride()[:2] + out.stride()[:2]
+        assert (a["stride_kb"], a["stride_ks"], a["stride_kh"]) == kc.stride()[:3] == ten["vc"].stride()[:3]
+        if kc.dtype == torch.int8:
+            assert (a["stride_sb"], a["stride_ss"]) == ten["ks"].stride()[:2] == ten["vs"].stride()[:2]
+        assert a["stride_bt"] == ten["block_tables"].stride(0) and a["bt_cols"] == ten["block_tables"].shape[1]
+        assert (1 << int(a["page_shift"]), a["n_pages"]) == (kc.shape[1], kc.shape[0])
+        common = (q.double().numpy(), kc.numpy(), np_("vc"), np_("ks"), np_("vs"), np_("block_tables"),
+                  np_("cu_q"), np_("kv_lens"), float(a["qk_scale"]))
+        n_seq, hkv, splits = ten["cu_q"].shape[0] - 1, kc.shape[2], grid[2]
+        if base == "paged_decode_m884":
+            assert grid[:2] == (n_seq * a["chunks"], hkv) and block == (128, 1, 1) and shared_mem == 0
+            o, p, l = M.decode_kernel(*common, int(a["chunks"]), splits, int(a["split_len"]))
+        else:
+            assert a["B"] == n_seq and a["bq"] == M.PREFILL_ROWS // a["rep"]
+            assert grid[:2] == (q.shape[0] // a["bq"] + n_seq, hkv) and block == (256, 1, 1)
+            assert shared_mem == cuda_sm70.prefill_smem_bytes(q.shape[2])
+            kn = vn = None
+            if a["use_new"]:
+                kn, vn = np_("kn"), np_("vn")
+                assert (a["stride_nt"], a["stride_nh"]) == ten["kn"].stride()[:2] == ten["vn"].stride()[:2]
+            o, p, l = M.prefill_kernel(*common, int(a["bq"]), splits, int(a["split_len"]), kn, vn)
+        if splits > 1:
+            ten["part"].copy_(torch.from_numpy(p))
+            ten["lse"].copy_(torch.from_numpy(l))
+        else:
+            out.copy_(torch.from_numpy(o))
+
+    monkeypatch.setattr(cuda_sm70, "pointer", pointer)
+    monkeypatch.setattr(cuda_sm70, "launch", launch)
+    monkeypatch.setattr(cuda_sm70, "unsupported", lambda *a: None)
+    monkeypatch.setattr(cuda_sm70, "_kernels", lambda names, device, shared_mem=0: [(_FakeKernel(n), 128)
+                                                                                    for n in names])
+    kv_dtype, hkv, rep, q_lens, ctx, new_kv = {
+        "decode": (torch.int8, 1, 6, [1, 4], [599, 40], False),
+        "prefill_new_kv": (torch.float16, 1, 6, [12], [600], True),
+        "prefill_int8": (torch.int8, 2, 3, [45, 9, 1], [0, 50, 20], False),
+    }[case]
+    args, (k_new, v_new), tables = _inputs(kv_dtype, hkv, rep, 32, q_lens, ctx, block_size=16)
+    q, kc, vc, bt, cu, sl, scale, ks, vs, max_q, max_kv = args
+    ref = run_reference(K.paged_attention, q, kc, vc, bt, cu, sl, scale, ks, vs)
+    kw = dict(k_new=k_new, v_new=v_new) if new_kv else {}
+    if new_kv:
+        slots = slots_for(tables, ctx, [c + n for c, n in zip(ctx, q_lens)], 16)
+        kc.view(-1, hkv, 32)[slots] = float("nan")
+        vc.view(-1, hkv, 32)[slots] = float("nan")
+    with nan_empty():
+        out = cuda_sm70.paged_attention(q, kc, vc, bt, cu, sl, scale, ks, vs, max_q, max_kv, **kw)
+    _check(case, out, args, ref)
+    kinds = [base for base, _, _ in launched]
+    splits = launched[0][1][2]
+    assert kinds == ([kinds[0], "combine_splits"] if splits > 1 else [kinds[0]])
+    assert (splits > 1) == (case != "prefill_int8"), "the cases mean to cover one split and several"
+    assert bool(launched[0][2].get("use_new", 0)) == new_kv
