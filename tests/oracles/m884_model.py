@@ -1,4 +1,4 @@
-"""A NumPy model of qv/kernels/paged_attention/paged_attention_m884.cu, for CPU tests: the PTX ISA's m8n8k4
+"""A NumPy model of qv/kernels/paged_attention/paged_{decode,prefill}_m884.cu, for CPU tests: the PTX ISA's m8n8k4
 fragment layouts (mma884), and the kernels transliterated line by line at warp level (arrays over the 32
 lanes, shuffles as lane permutations, shared memory as arrays indexed by the kernels' own formulas). It
 checks the kernels' index arithmetic (which key, head dim, row, page, split and smem slot each lane uses)

@@ -1,5 +1,5 @@
 """Compiling qv's raw-CUDA kernels on a machine without a GPU: libnvrtc from the CUDA wheels that come with
-torch, through ctypes, for the oracle tests' compile checks (sm_70 with CUDA 12's NVRTC, sm_80 and sm_90 PTX)."""
+torch, through ctypes, for the oracle tests' compile checks (sm_80 and sm_90 PTX)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,11 @@ import sys
 from qv.kernels.cuda_build import COMPILE_OPTIONS
 
 
-def nvrtc(major: int | None = None):
-    """libnvrtc through ctypes (its builtins library loaded first so NVRTC finds it), or None; major: only
-    that CUDA major version (12 still targets sm_70, 13 no longer does)."""
+def nvrtc():
+    """libnvrtc through ctypes (its builtins library loaded first so NVRTC finds it), or None."""
     roots = [p for p in sys.path if p.endswith("site-packages")]
-    name = f"libnvrtc.so.{major}" if major is not None else "libnvrtc.so.*"
     for root in roots:
-        for lib in sorted(glob.glob(os.path.join(root, "nvidia", "*", "lib", name))):
+        for lib in sorted(glob.glob(os.path.join(root, "nvidia", "*", "lib", "libnvrtc.so.*"))):
             folder = os.path.dirname(lib)
             try:
                 for builtins in glob.glob(os.path.join(folder, "libnvrtc-builtins.so.*")):

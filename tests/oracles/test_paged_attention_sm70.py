@@ -1,4 +1,4 @@
-"""paged_attention under the "sm70" backend (cuda_sm70.py, paged_attention_m884.cu: m8n8k4 MMAs) against the
+"""paged_attention under the "sm70" backend (cuda_sm70.py, paged_decode_m884.cu, paged_prefill_m884.cu) against the
 fp32 reference on the same cache: fp16 queries over int8 (NaN scales and random codes outside the sequences)
 and fp16 (NaN outside) caches, the 27B's GQA (24 q / 4 kv heads, head dim 256) and small ones (3 / 6 heads a
 KV head, head dims 64 and 32), sequences of 1, 17, 255, 1037 and 4099 keys in shuffled pages of 16 to 64 keys
@@ -28,7 +28,7 @@ import torch
 
 import m884_model as M
 from kernel_cases import DEV, K, capture_graph, cu_seqlens, nan_empty, paged_layout, randn, run_reference, slots_for
-from nvrtc_compile import compile_ptx, nvrtc
+from nvrtc_compile import compile_ptx
 from util import assert_close
 
 from qv.kernels.paged_attention import cuda_sm70
@@ -39,6 +39,22 @@ needs_cupy = pytest.mark.skipif(not torch.cuda.is_available() or cuda_sm70.cupy_
 
 
 # ---------------------------------------------------------------------------------------------------- CPU
+
+def _nvrtc12():
+    """CUDA 12's libnvrtc through ctypes (CUDA 13's no longer targets sm_70), or None; as nvrtc_compile.nvrtc."""
+    import ctypes
+
+    for root in (p for p in sys.path if p.endswith("site-packages")):
+        for lib in sorted(glob.glob(os.path.join(root, "nvidia", "*", "lib", "libnvrtc.so.12"))):
+            try:
+                for builtins in glob.glob(os.path.join(os.path.dirname(lib), "libnvrtc-builtins.so.12*")):
+                    if ".alt." not in builtins:
+                        ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
+                return ctypes.CDLL(lib)
+            except OSError:
+                continue
+    return None
+
 
 def _ptxas():
     for root in (p for p in sys.path if p.endswith("site-packages")):
@@ -53,7 +69,7 @@ def test_builds_compile_for_sm70(index, tmp_path):
     kernel, and ptxas -arch=sm_70 with 0 spill bytes (no sm_80+ instruction: ptxas would refuse it)."""
     from qv.kernels.cuda_build import source_text
 
-    lib = nvrtc(12)
+    lib = _nvrtc12()
     if lib is None:
         pytest.skip("no CUDA 12 libnvrtc installed")
     spec = cuda_sm70.BUILDS[index]
@@ -426,7 +442,7 @@ def _signature(kernel: str) -> list[str]:
     """Parameter names of a __global__ kernel of the .cu, in order."""
     from qv.kernels.cuda_build import KERNEL_DIR
 
-    src = (KERNEL_DIR / cuda_sm70.SOURCE).read_text()
+    src = "".join((KERNEL_DIR / s).read_text() for s in (cuda_sm70.DECODE_SOURCE, cuda_sm70.PREFILL_SOURCE))
     params = re.search(rf"\b{kernel}\((.*?)\)\s*{{", src, re.S).group(1)
     return [p.split()[-1].lstrip("*") for p in params.split(",")]
 
@@ -500,8 +516,8 @@ def test_host_launches_on_model(monkeypatch, case):
     monkeypatch.setattr(cuda_sm70, "pointer", pointer)
     monkeypatch.setattr(cuda_sm70, "launch", launch)
     monkeypatch.setattr(cuda_sm70, "unsupported", lambda *a: None)
-    monkeypatch.setattr(cuda_sm70, "_kernels", lambda names, device, shared_mem=0: [(_FakeKernel(n), 128)
-                                                                                    for n in names])
+    monkeypatch.setattr(cuda_sm70, "_kernels", lambda kernels, device, shared_mem=0: [(_FakeKernel(n), 128)
+                                                                                      for _, n in kernels])
     kv_dtype, hkv, rep, q_lens, ctx, new_kv = {
         "decode": (torch.int8, 1, 6, [1, 4], [599, 40], False),
         "prefill_new_kv": (torch.float16, 1, 6, [12], [600], True),

@@ -1,5 +1,6 @@
 """paged_attention on Volta (sm_70), the registry's "sm70" backend: raw CUDA on the m8n8k4 tensor-core MMA
-(paged_attention_m884.cu), built by NVRTC through CuPy and launched through cuda_build.
+(paged_decode_m884.cu, paged_prefill_m884.cu, m884_attention.cuh), built by NVRTC through CuPy and launched
+through cuda_build.
 
 - Decode and speculative rows (max_query_len <= 8): split-K over the context, each split a partial softmax
   (paged_decode_m884), then combine_splits merges them. The split count depends only on host values (batch,
@@ -25,7 +26,8 @@ from qv.kernels.cuda_build import (KernelBuild, build, cupy_or_none, device_inde
 from qv.kernels.paged_attention.reference import paged_attention as reference_attention
 from qv.kernels.triton_utils import num_sms
 
-SOURCE = "paged_attention/paged_attention_m884.cu"  # under qv/kernels (cuda_build.KERNEL_DIR)
+DECODE_SOURCE = "paged_attention/paged_decode_m884.cu"  # under qv/kernels (cuda_build.KERNEL_DIR)
+PREFILL_SOURCE = "paged_attention/paged_prefill_m884.cu"
 HEAD_DIMS = (32, 64, 128, 256)
 # as in the .cu: keys a warp step, warps a block, query rows of a prefill block, halves a P tile row
 TILE, DECODE_WARPS, PREFILL_WARPS, P_STRIDE = 32, 4, 8, 40
@@ -51,14 +53,15 @@ def combine_name(d: int) -> str:
 
 
 BUILDS: tuple[KernelBuild, ...] = (
-    KernelBuild(SOURCE, tuple(name(d, int8) for name in (decode_name, prefill_name) for d in HEAD_DIMS
-                              for int8 in (True, False)), tensor_cores=True),
-    KernelBuild(SOURCE, tuple(combine_name(d) for d in HEAD_DIMS), tensor_cores=False),
+    KernelBuild(DECODE_SOURCE, tuple(decode_name(d, i) for d in HEAD_DIMS for i in (True, False)), tensor_cores=True),
+    KernelBuild(PREFILL_SOURCE, tuple(prefill_name(d, i) for d in HEAD_DIMS for i in (True, False)),
+                tensor_cores=True),
+    KernelBuild(DECODE_SOURCE, tuple(combine_name(d) for d in HEAD_DIMS), tensor_cores=False),
 )
 
 
 def prefill_smem_bytes(d: int) -> int:
-    """PrefillSmem<D>::BYTES in the .cu: 64 query rows and the K tile (rows of d + 4 halves), the V tile,
+    """PrefillSmem<D>::BYTES in paged_prefill_m884.cu: 64 query rows and the K tile (rows of d + 4 halves), the V tile,
     the warps' P tiles, the tile's K and V scales."""
     return 2 * (PREFILL_ROWS * (d + 4) + TILE * (d + 4) + TILE * d + PREFILL_WARPS * 8 * P_STRIDE) + 2 * TILE * 4
 
@@ -107,23 +110,24 @@ def unsupported(q, k, v, ks, vs, block_tables, cu_q, kv_lens) -> str | None:
     return None
 
 
-_SMEM_SET: set[tuple[str, int]] = set()
+_SMEM_SET: set[tuple[tuple[str, str], int]] = set()
 
 
-def _kernels(names, device: torch.device, shared_mem: int = 0):
-    """[(function, registers)] of the kernels `names`, built on first use, or None if a build failed. Inside a
-    CUDA graph capture nothing is built (NVRTC does not belong there): an unbuilt kernel raises."""
+def _kernels(kernels, device: torch.device, shared_mem: int = 0):
+    """[(function, registers)] of `kernels`, (source, name) pairs, built on first use, or None if a build
+    failed; the first may use `shared_mem` bytes of dynamic shared memory. Inside a CUDA graph capture nothing
+    is built (NVRTC does not belong there): an unbuilt kernel raises."""
     index = device_index(device)
-    missing = [n for n in names if not is_built(SOURCE, n, index)]
+    missing = [name for source, name in kernels if not is_built(source, name, index)]
     if missing and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(f"paged_attention (sm70): {', '.join(missing)} not built before this CUDA graph "
                            "capture (an eager call of the same shapes builds it)")
-    built = [build(SOURCE, n, index) for n in names]
+    built = [build(source, name, index) for source, name in kernels]
     if any(b is None for b in built):
         return None
-    if shared_mem > 48 << 10 and (names[0], index) not in _SMEM_SET:  # past the default dynamic limit
+    if shared_mem > 48 << 10 and (kernels[0], index) not in _SMEM_SET:  # past the default dynamic limit
         built[0][0].max_dynamic_shared_size_bytes = shared_mem
-        _SMEM_SET.add((names[0], index))
+        _SMEM_SET.add((kernels[0], index))
     return built
 
 
@@ -157,7 +161,7 @@ def decode_m884(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, max_q, max_
     t, hq, d = q.shape
     hkv = k.shape[2]
     rep, n_seq, dev, int8 = hq // hkv, cu_q.shape[0] - 1, q.device, k.dtype == torch.int8
-    built = _kernels((decode_name(d, int8), combine_name(d)), dev)
+    built = _kernels(((DECODE_SOURCE, decode_name(d, int8)), (DECODE_SOURCE, combine_name(d))), dev)
     if built is None:
         return None
     (decode, regs), (combine, _) = built
@@ -198,7 +202,7 @@ def prefill_m884(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, max_q, max
     hkv = k.shape[2]
     rep, n_seq, dev, int8 = hq // hkv, cu_q.shape[0] - 1, q.device, k.dtype == torch.int8
     smem = prefill_smem_bytes(d)
-    built = _kernels((prefill_name(d, int8), combine_name(d)), dev, smem)
+    built = _kernels(((PREFILL_SOURCE, prefill_name(d, int8)), (DECODE_SOURCE, combine_name(d))), dev, smem)
     if built is None:
         return None
     (prefill, _), (combine, _) = built
