@@ -4,7 +4,7 @@ it wrong there, sglang #7467).
 CPU: every op whose Triton implementation reaches a tl.dot kernel (its module's kernels and those of the
 qv.kernels modules it takes functions from, with the @triton.jit helpers they call) has an sm70
 implementation in registry.TABLE, so the chain never falls back to it. The ops whose sm70 kernels come
-from other branches are strict xfails: the lead removes the mark when they land (an XPASS fails).
+listed in PENDING are strict xfails (an XPASS fails).
 GPU: a GPTQ tiny model served by the engine under kernels=sm70 (fp16, chunked prefill, n-gram
 speculation: verification rows) launches no tl.dot kernel from any other op, and, once those branches
 land, none at all."""
@@ -22,11 +22,7 @@ from qv.kernels import registry
 from test_linear import gptq_weight
 from tl_dot_recorder import _is_kernel, python_function, record_launches, uses_dot
 
-PENDING = {
-    "paged_attention": "sm70 kernel lands from branch sm70attn/sm70gdn",
-    # the vision tower's attention runs paged_attention's Triton flash kernel; no branch has it yet
-    "varlen_attention": "no sm70 kernel yet: it runs paged_attention's Triton flash kernel (no branch covers it)",
-}
+PENDING: dict[str, str] = {}  # op -> why it still has no sm70 kernel (a strict xfail each)
 
 
 def reachable_kernels(module_name: str) -> dict[str, object]:
@@ -104,12 +100,11 @@ def sm70_engine_launches(tiny_dirs, tmp_path_factory):
 
 @pytest.mark.gpu
 def test_sm70_engine_runs_no_tl_dot_of_other_ops_gpu(sm70_engine_launches):
-    pending = tuple(f"qv.kernels.{op}." for op in PENDING)
+    pending = tuple(f"qv.kernels.{op}." for op in PENDING) or ("\0",)
     dots = sm70_engine_launches.with_dot()
     assert [d for d in dots if not d.startswith(pending)] == [], f"tl.dot kernels under the sm70 chain: {dots}"
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=True, reason="sm70 kernel lands from branch sm70attn/sm70gdn (and varlen_attention's)")
 def test_sm70_engine_runs_no_tl_dot_gpu(sm70_engine_launches):
     assert sm70_engine_launches.with_dot() == []
