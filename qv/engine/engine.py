@@ -117,8 +117,8 @@ class LLMEngine:
     def compile_grammar(self, kind: str, spec: str, param: str = "response_format") -> Grammar:
         """A structured-output constraint compiled for this model's tokenizer, for SamplingParams.grammar
         (cached per (kind, spec); thread-safe, call it off the event loop). kind: json (a JSON schema
-        as text), json_object, regex, choice (a JSON list of strings), grammar (EBNF). A bad spec
-        raises InvalidFieldError naming `param`."""
+        as text), json_object, regex, choice (a JSON list of strings), grammar (EBNF), structural_tag
+        (xgrammar's, as JSON). A bad spec raises InvalidFieldError naming `param`."""
         with self._grammars_lock:
             if self._grammars is None:
                 self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
