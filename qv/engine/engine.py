@@ -13,6 +13,7 @@ from array import array
 from dataclasses import dataclass, field
 
 from qv.config import EngineConfig
+from qv.engine.bad_words import depends_on_output, token_sequences
 from qv.engine.build import build_engine_parts
 from qv.engine.clef_rows import clef_sequence, make_clef_rows
 from qv.engine.cuda_graphs import eager_reason
@@ -117,8 +118,8 @@ class LLMEngine:
     def compile_grammar(self, kind: str, spec: str, param: str = "response_format") -> Grammar:
         """A structured-output constraint compiled for this model's tokenizer, for SamplingParams.grammar
         (cached per (kind, spec); thread-safe, call it off the event loop). kind: json (a JSON schema
-        as text), json_object, regex, choice (a JSON list of strings), grammar (EBNF). A bad spec
-        raises InvalidFieldError naming `param`."""
+        as text), json_object, regex, choice (a JSON list of strings), grammar (EBNF), structural_tag
+        (xgrammar's, as JSON). A bad spec raises InvalidFieldError naming `param`."""
         with self._grammars_lock:
             if self._grammars is None:
                 self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
@@ -127,8 +128,9 @@ class LLMEngine:
     # -- requests ------------------------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Every check of a request before it is queued (prompt length and vocabulary here, sampling
-        ranges in SamplingParams.validate); returns the resolved max_tokens. Raises InvalidFieldError
-        naming the field: "prompt", "max_tokens" or "stop"."""
+        ranges in SamplingParams.validate); returns the resolved max_tokens. Tokenizes bad_words into
+        params.bad_words_token_ids. Raises InvalidFieldError naming the field: "prompt",
+        "max_tokens", "stop" or "bad_words"."""
         n = len(prompt_token_ids)
         if n == 0:
             raise InvalidFieldError("the prompt is empty", "prompt")
@@ -145,6 +147,8 @@ class LLMEngine:
             if max(token_ids) >= vocab:
                 raise InvalidFieldError(f"{field}: token id {max(token_ids)} is outside the vocabulary [0, {vocab})",
                                         field)
+        params.bad_words_token_ids = (token_sequences(self.tokenizer, params.bad_words, vocab) if params.bad_words
+                                      else None)
         if len(params.stop) > self.cfg.max_stop_strings:
             raise InvalidFieldError(f"{len(params.stop)} stop strings; at most {self.cfg.max_stop_strings} are "
                                     "allowed (max_stop_strings)", "stop")
@@ -351,6 +355,8 @@ class LLMEngine:
             return False  # structured outputs: the next mask needs this step's tokens in the matcher
         if any(_penalized(q.params) for q in going_on):
             return False  # presence/frequency/repetition penalties count the output tokens on the host
+        if any(depends_on_output(q.params.bad_words_token_ids) for q in going_on):
+            return False  # a bad word of several tokens is banned by its prefix among the output tokens
         growth = sum(max(0, self.blocks.blocks_for(q.num_tokens + (q in going_on)) - len(q.block_ids))
                      for q in s.running)
         return growth <= self.blocks.num_available()  # else the plan could preempt: the results come first

@@ -19,6 +19,7 @@ FP32_MAX = 3.4028234663852886e38
 MAX_N = 1024  # samples per prompt; the server's max_waiting bounds the sequences of a whole request
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 LOGIT_BIAS_RANGE = 100.0
+MAX_BAD_WORDS = 128  # words, and token sequences once tokenized (qv/engine/bad_words.py), as vLLM allows
 
 
 class InvalidFieldError(InvalidRequestError):
@@ -55,6 +56,8 @@ class SamplingParams:
     grammar: Any = None  # qv.engine.structured.Grammar from LLMEngine.compile_grammar: constrains every sample
     logit_bias: dict[int, float] | None = None  # token id (or its decimal string) -> added to its logit
     allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # words never generated (qv/engine/bad_words.py)
+    bad_words_token_ids: list[list[int]] | None = None  # their token sequences: set by the engine from bad_words
 
     def __post_init__(self):
         self.validate()
@@ -132,8 +135,9 @@ class SamplingParams:
         self._validate_token_lists()
 
     def _validate_token_lists(self) -> None:
-        """logit_bias (OpenAI: token id string -> [-100, 100], at most 300) and allowed_token_ids
-        (vLLM: non-empty); token ids are checked against the vocabulary by the engine."""
+        """logit_bias (OpenAI: token id string -> [-100, 100], at most 300), allowed_token_ids
+        (vLLM: non-empty) and bad_words (at most 128 non-blank words); token ids are checked against
+        the vocabulary, and bad_words tokenized, by the engine."""
         def integer(v) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
 
@@ -161,6 +165,15 @@ class SamplingParams:
             if not (isinstance(ids, list) and ids and all(integer(t) and 0 <= t < (1 << 31) for t in ids)):
                 raise InvalidFieldError(f"allowed_token_ids must be a non-empty list of token ids, got {ids!r}",
                                         "allowed_token_ids")
+        words = self.bad_words
+        if words is not None:
+            if not (isinstance(words, list) and all(isinstance(w, str) and w.strip() for w in words)):
+                raise InvalidFieldError(f"bad_words must be a list of words (strings that are not empty or blank), "
+                                        f"got {words!r}"[:300], "bad_words")
+            if len(words) > MAX_BAD_WORDS:
+                raise InvalidFieldError(f"bad_words has {len(words)} words; at most {MAX_BAD_WORDS} are allowed",
+                                        "bad_words")
+            self.bad_words = words or None
 
     def token_ids_to_check(self) -> list[tuple[str, list[int]]]:
         """(field, token ids) the engine checks against the vocabulary."""

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from qv.engine.bad_words import batch_bans
 from qv.engine.sampler import SamplingBatch, logprobs_of, process, sample, token_bias
 from qv.engine.clef_rows import ClefRows
 from qv.engine.cuda_graphs import DecodeGraphs
@@ -423,6 +424,9 @@ class ModelRunner:
         biased = [i for i, p in enumerate(ps) if p.logit_bias or p.allowed_token_ids]
         if biased:
             b.bias_rows, b.bias = t(biased, torch.int64), token_bias([ps[i] for i in biased], vocab, dev)
+        bans = batch_bans(ps, outputs)
+        if bans is not None:
+            b.ban_rows, b.ban_ids = t(bans[0], torch.int64), t(bans[1], torch.int64)
         return b
 
 

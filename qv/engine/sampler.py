@@ -1,6 +1,7 @@
-"""Token sampling for a batch of rows, each with its own settings: penalties (repetition on prompt
-and output, presence/frequency on output), min_tokens (stop tokens masked), temperature, top-k,
-top-p, min-p; greedy rows take the argmax. Logprobs are of the raw model distribution.
+"""Token sampling for a batch of rows, each with its own settings: logit_bias, allowed_token_ids and
+bad_words, penalties (repetition on prompt and output, presence/frequency on output), min_tokens
+(stop tokens masked), temperature, top-k, top-p, min-p; greedy rows take the argmax. Logprobs are
+of the raw model distribution.
 
 Random rows draw with the exponential race (argmax p / E, E ~ Exp(1)), where each uniform comes
 from a counter-based hash of (row seed, output position, token id): a seeded request samples
@@ -36,6 +37,8 @@ class SamplingBatch:
     stop_token_mask: torch.Tensor | None = None  # [R, V] bool: tokens that would stop each row
     bias_rows: torch.Tensor | None = None  # [K] int64: rows with a logit_bias or allowed_token_ids
     bias: torch.Tensor | None = None  # [K, V] fp32 added to those rows' logits (-inf: not allowed)
+    ban_rows: torch.Tensor | None = None  # [B] int64: (row, token) of each bad_words ban this step
+    ban_ids: torch.Tensor | None = None  # [B] int64
     all_greedy: bool = False
     max_logprobs: int = -1  # -1: no row wants logprobs; else the largest top-N asked
     grammar: tuple | None = None  # (token bitmask [R, ceil(V/32)] int32, constrained rows): structured outputs
@@ -65,8 +68,13 @@ def token_bias(params: list, vocab: int, device) -> torch.Tensor:
 
 
 def apply_bias(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
-    """logit_bias and allowed_token_ids, on the rows that have them only."""
-    return logits if b.bias is None else logits.index_add(0, b.bias_rows, b.bias)
+    """logit_bias, allowed_token_ids and bad_words, on the rows that have them only (not in place:
+    logprobs are of the raw logits)."""
+    if b.bias is not None:
+        logits = logits.index_add(0, b.bias_rows, b.bias)
+    if b.ban_rows is not None:
+        logits = logits.index_put((b.ban_rows, b.ban_ids), logits.new_full((), float("-inf")))
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:

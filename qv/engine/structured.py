@@ -24,7 +24,7 @@ import torch
 
 from qv.engine.request import InvalidFieldError
 
-KINDS = ("json", "json_object", "regex", "choice", "grammar")
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 CACHE_SIZE = 256  # compiled grammars kept (LRU): a compiled JSON schema is tens of KB to a few MB
 
 
@@ -42,23 +42,26 @@ class Grammar:
         return xgr.GrammarMatcher(self.compiled)
 
 
-def _bounded_strings(node):
+JSON_TEXT_CHARS = '[ !#-\\[\\]-~]'  # printable ASCII but the quote and the backslash
+
+
+def bounded_strings(node, chars: str = JSON_TEXT_CHARS):
     """xgrammar turns a string's minLength/maxLength into `[^"\\\r\n]{m,n}`, which lets raw control
     characters into the JSON text (invalid JSON), and its character classes past ASCII admit overlong
     UTF-8 (E0 80 80 decodes to three U+FFFD, so the decoded string breaks maxLength). A bounded string
-    is therefore printable ASCII, with the same bounds: always valid, narrower than the schema (no
-    non-ASCII characters in a length-bounded string). Strings with a pattern or format of their own
-    are left as they are."""
+    is therefore made of `chars` (a regex class; by default printable ASCII), with the same bounds:
+    always valid, narrower than the schema (no non-ASCII characters in a length-bounded string).
+    Strings with a pattern or format of their own are left as they are."""
     if isinstance(node, list):
-        return [_bounded_strings(x) for x in node]
+        return [bounded_strings(x, chars) for x in node]
     if not isinstance(node, dict):
         return node
-    out = {k: _bounded_strings(v) for k, v in node.items()}
+    out = {k: bounded_strings(v, chars) for k, v in node.items()}
     if out.get("type") == "string" and ("minLength" in out or "maxLength" in out) and not (
             "pattern" in out or "format" in out):
         lo, hi = out.pop("minLength", 0), out.pop("maxLength", "")
         if isinstance(lo, int) and (hi == "" or isinstance(hi, int)):
-            out["pattern"] = '^[ !#-\\[\\]-~]{%d,%s}$' % (lo, hi)  # printable ASCII but " and \\
+            out["pattern"] = "^%s{%d,%s}$" % (chars, lo, hi)
     return out
 
 
@@ -91,7 +94,8 @@ class GrammarCompiler:
 
     def compile(self, kind: str, spec: str, param: str = "response_format") -> Grammar:
         """The Grammar for (kind, spec): json (a JSON schema, as text), json_object (spec ignored),
-        regex, choice (a JSON list of strings), grammar (EBNF, GBNF style). A bad spec raises
+        regex, choice (a JSON list of strings), grammar (EBNF, GBNF style), structural_tag (an
+        xgrammar structural tag as JSON: the server's tool-call grammar). A bad spec raises
         InvalidFieldError naming `param`."""
         if kind not in KINDS:
             raise InvalidFieldError(f"unknown structured output kind {kind!r}; expected one of {', '.join(KINDS)}",
@@ -115,13 +119,13 @@ class GrammarCompiler:
 
     def _compile(self, kind: str, spec: str, param: str):
         what = {"json": "JSON schema", "json_object": "JSON grammar", "regex": "regex", "choice": "choice list",
-                "grammar": "grammar"}[kind]
+                "grammar": "grammar", "structural_tag": "structural tag"}[kind]
         try:
             if kind == "json":
                 schema = json.loads(spec)
                 if not isinstance(schema, (dict, bool)):
                     raise ValueError("a JSON schema must be an object or a boolean")
-                return self._xgr.compile_json_schema(json.dumps(_bounded_strings(schema)), any_whitespace=False,
+                return self._xgr.compile_json_schema(json.dumps(bounded_strings(schema)), any_whitespace=False,
                                                      strict_mode=True)
             if kind == "json_object":
                 # any object, compact (xgrammar's builtin JSON grammar takes any value, and free whitespace)
@@ -130,6 +134,8 @@ class GrammarCompiler:
                 return self._xgr.compile_regex(spec)
             if kind == "choice":
                 return self._xgr.compile_grammar(_choice_ebnf(spec))
+            if kind == "structural_tag":
+                return self._xgr.compile_structural_tag(spec)
             return self._xgr.compile_grammar(spec)
         except (ValueError, RuntimeError, TypeError) as e:  # xgrammar reports bad input as RuntimeError/ValueError
             msg = str(e).strip().splitlines()

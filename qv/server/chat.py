@@ -11,12 +11,9 @@
   `reasoning_content` and passed to the template under both names.
 - `chat_template_kwargs` override the server default `enable_thinking` lever;
   `reasoning_effort: "none"` also turns thinking off.
-- tool_choice `required`/named has no grammar-constrained decoding behind it. Instead the prompt
-  is extended with the start of the call, `<tool_call>\\n<function=NAME>\\n` for a named function
-  (or `required` with one tool), `<tool_call>\\n<function=` for `required` with several, closing an
-  open think block first. The model therefore continues inside a call: a named function is
-  always the one called; with several tools the name the model writes is checked afterwards
-  (openai.py). Parameters are the model's, not checked against the schema.
+- tool_choice `required`/named: the output is held to the tool-call grammar from its first token
+  (server/structured.py, parsers/qwen3_coder_grammar.py), so an open think block is closed in the
+  prompt first (the call goes out without reasoning).
 """
 
 from __future__ import annotations
@@ -38,10 +35,9 @@ RESERVED_KWARGS = {"conversation", "messages", "tools", "documents", "chat_templ
 
 @dataclass
 class RenderedPrompt:
-    text: str  # the prompt as rendered (forced call prefix included)
+    text: str  # the prompt as rendered
     token_ids: list[int]
     thinking: bool  # the output starts inside an open think block
-    forced_prefix: str  # output text the prompt already wrote (prepended before parsing)
 
 
 def content_text(content, where: str, allow_media: bool = False) -> str | list[dict] | None:
@@ -159,15 +155,9 @@ def output_starts_thinking(prompt: str, enable_thinking: bool) -> bool:
     return start > end
 
 
-def forced_call_prefix(tool_choice, tool_names: list[str]) -> str:
-    """Output text that starts the call for tool_choice required/named ('' otherwise)."""
-    if not tool_names or tool_choice is None or isinstance(tool_choice, str) and tool_choice in ("none", "auto"):
-        return ""  # vLLM: `required` with an empty tool list means none
-    if not isinstance(tool_choice, str):
-        return f"<tool_call>\n<function={tool_choice.function.name}>\n"
-    if len(tool_names) == 1:
-        return f"<tool_call>\n<function={tool_names[0]}>\n"
-    return "<tool_call>\n<function="
+def forces_call(tool_choice, tools) -> bool:
+    """tool_choice `required` or a named function, with tools (vLLM: `required` with none means none)."""
+    return bool(tools) and tool_choice is not None and tool_choice not in ("none", "auto")
 
 
 def render_chat(tokenizer, req, default_thinking: bool, check_text=None) -> RenderedPrompt:
@@ -181,14 +171,13 @@ def render_chat(tokenizer, req, default_thinking: bool, check_text=None) -> Rend
                           chat_template=req.chat_template, add_generation_prompt=req.add_generation_prompt,
                           continue_final_message=req.continue_final_message, kwargs=kwargs)
     thinking = output_starts_thinking(text, bool(kwargs.get("enable_thinking", True)))
-    prefix = forced_call_prefix(getattr(req, "tool_choice", None), [t.function.name for t in req.tools or []])
-    if prefix:
+    if thinking and forces_call(getattr(req, "tool_choice", None), req.tools):
         # `<think>\n` + `\n</think>\n\n` is the template's own empty think block (enable_thinking=false)
-        text += ("\n" + THINK_END + "\n\n" if thinking else "") + prefix
+        text += "\n" + THINK_END + "\n\n"
         thinking = False
     if check_text is not None:
         check_text(text)
     ids = tokenizer.encode(text, add_special_tokens=False)
     if getattr(req, "truncate_prompt_tokens", None):
         ids = ids[-req.truncate_prompt_tokens:]
-    return RenderedPrompt(text, ids, thinking, prefix)
+    return RenderedPrompt(text, ids, thinking)

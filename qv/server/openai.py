@@ -48,25 +48,10 @@ class ChatContext:
     req: ChatCompletionRequest
     rendered: RenderedPrompt
     tools: Qwen3CoderToolParser | None  # None: tool calls are not parsed (no tools, or tool_choice none)
-    tool_names: list[str]
     request_id: str
     created: int
     model: str
     echo_text: str  # vLLM's chat echo: the final message's text when it continues that role
-
-    def check_call_name(self, name: str) -> None:
-        """tool_choice=required with several tools: the name the model wrote must be one of them."""
-        if self.rendered.forced_prefix and name not in self.tool_names:
-            raise APIError(500, f"tool_choice=required: the model called `{name}`, which is not among the tools "
-                                f"({', '.join(self.tool_names)}); qv has no constrained decoding to prevent this")
-
-    def check_called(self, called: bool, finish_reason: str | None) -> None:
-        """tool_choice=required/named: the output must hold a call (the forced prefix starts one, but
-        the model may never close its name before max_tokens or end of sequence)."""
-        if self.rendered.forced_prefix and not called:
-            raise APIError(500, f"tool_choice={'required' if self.rendered.forced_prefix.endswith('=') else 'named'}: "
-                                f"the output ended (finish_reason {finish_reason}) before the function name was "
-                                "complete, so there is no tool call to return")
 
     def finish_reason(self, reason: str | None, tools_called: bool) -> str | None:
         return "tool_calls" if tools_called and reason == "stop" else reason
@@ -99,8 +84,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     last = req.messages[-1]
     echo = (last.content if isinstance(last.content, str) else "") if req.echo and last.role == "assistant" else ""
     ctx = ChatContext(req, rendered, Qwen3CoderToolParser(tool_dicts) if parse_tools else None,
-                      [t.function.name for t in req.tools or []], random_id("chatcmpl"), int(time.time()),
-                      state.model_name, echo)
+                      random_id("chatcmpl"), int(time.time()), state.model_name, echo)
     seats = state.admit(req.n)
     try:
         gen = state.generate(ctx.request_id, prompt_ids, params, prompt=rendered.text, cache_salt=req.cache_salt,
@@ -118,11 +102,8 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
 def chat_response(state: ServerState, ctx: ChatContext, out) -> dict:
     req, choices = ctx.req, []
     for o in out.outputs:
-        parsed = parse_output(ctx.rendered.forced_prefix + o.text, ctx.rendered.thinking, ctx.tools)
+        parsed = parse_output(o.text, ctx.rendered.thinking, ctx.tools)
         calls = parsed.tool_calls if req.parallel_tool_calls else parsed.tool_calls[:1]
-        for c in calls:
-            ctx.check_call_name(c.name)
-        ctx.check_called(bool(calls), o.finish_reason)
         content = parsed.content
         if ctx.echo_text:
             content = ctx.echo_text + (content or "")
@@ -160,9 +141,6 @@ def _delta(ctx: ChatContext, pieces) -> dict:
     if pieces.content:
         delta["content"] = pieces.content
     calls = [c for c in pieces.tool_calls if ctx.req.parallel_tool_calls or c["index"] == 0]
-    for c in calls:
-        if "id" in c:
-            ctx.check_call_name(c["function"]["name"])
     if calls:
         delta["tool_calls"] = calls
     return delta
@@ -191,18 +169,16 @@ async def chat_stream(state: ServerState, ctx: ChatContext, gen):
             prompt_tokens, cached = len(out.prompt_token_ids), out.num_cached_tokens
             if not started:  # the role chunk goes out with the first output, not before (TTFT)
                 started = True
-                for i, c in enumerate(choices):
+                for i in range(len(choices)):
                     first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}
                     body = dict(head, choices=[first])
                     if req.return_token_ids:
                         body["prompt_token_ids"] = list(out.prompt_token_ids)
                     yield sse(body)
-                    prefix = _delta(ctx, c.stream.feed(ctx.rendered.forced_prefix)) if ctx.rendered.forced_prefix else {}
                     if ctx.echo_text:
-                        prefix["content"] = ctx.echo_text + prefix.get("content", "")
-                    if prefix:
-                        yield chunk([{"index": i, "delta": prefix, "logprobs": None, "finish_reason": None}])
+                        yield chunk([{"index": i, "delta": {"content": ctx.echo_text}, "logprobs": None,
+                                      "finish_reason": None}])
             for o in out.outputs:
                 c = choices[o.index]
                 if c.finished:
@@ -215,7 +191,6 @@ async def chat_stream(state: ServerState, ctx: ChatContext, gen):
                 if o.finish_reason is not None:
                     c.finished = True
                     tail = c.stream.finish()
-                    ctx.check_called(c.stream.tools_called, o.finish_reason)
                     pieces.reasoning += tail.reasoning
                     pieces.content += tail.content
                     pieces.tool_calls += tail.tool_calls

@@ -4,7 +4,7 @@ Types are strict, as OpenAI's are: `"stream": "yes"` or `1`, `"max_tokens": 4.5`
 refused rather than coerced (an integer is taken where a number is expected). Sampling ranges are
 not here: SamplingParams.validate in the engine holds them, once for the server and `LLM` alike.
 Unknown top-level fields are accepted and ignored with a warning, as vLLM does; fields qv knows
-but cannot honour yet (beam search, bad_words, prompt logprobs) are refused
+but cannot honour yet (beam search, prompt logprobs) are refused
 with a 400 that says so, rather than silently changing what the client asked for.
 """
 
@@ -140,10 +140,10 @@ class SamplingFields(SamplingKnobs):
     guided_grammar: str | None = None
     logit_bias: dict[str, float] | None = None  # token id string -> bias; ranges: SamplingParams.validate
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None  # rules: SamplingParams.validate
     # known but not supported yet: refused when set to anything but their "off" value
     prompt_logprobs: int | None = None
     use_beam_search: bool = False
-    bad_words: list[str] | None = None
     _constraint: tuple[str, str, str] | None = PrivateAttr(None)
 
     @property
@@ -158,7 +158,6 @@ class SamplingFields(SamplingKnobs):
             raise ValueError("Stream options can only be defined when `stream=True`.")
         unsupported = {
             "prompt_logprobs": self.prompt_logprobs is not None, "use_beam_search": self.use_beam_search,
-            "bad_words": bool(self.bad_words),
         }
         refused = [k for k, on in unsupported.items() if on]
         if refused:

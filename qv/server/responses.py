@@ -147,8 +147,7 @@ async def create_response(state: ServerState, request: Request) -> Response:
     state.check_request(rendered.token_ids, params, "input", names)
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
     ctx = ChatContext(req, rendered, Qwen3CoderToolParser(tools) if req.tools and req.tool_choice != "none" else None,
-                      [t.function.name for t in req.tools or []], random_id("resp", "_"), int(time.time()),
-                      state.model_name, "")
+                      random_id("resp", "_"), int(time.time()), state.model_name, "")
     seats = state.admit(1)
     try:
         gen = state.generate(ctx.request_id, rendered.token_ids, params, prompt=rendered.text,
@@ -164,16 +163,14 @@ async def create_response(state: ServerState, request: Request) -> Response:
         raise
     seats.release()
     o = out.outputs[0]
-    parsed = parse_output(rendered.forced_prefix + o.text, rendered.thinking, ctx.tools)
+    parsed = parse_output(o.text, rendered.thinking, ctx.tools)
     calls = parsed.tool_calls if req.parallel_tool_calls else parsed.tool_calls[:1]
     items = []
     if parsed.reasoning:
         items.append(_reasoning_item(random_id("rs", "_"), parsed.reasoning))
     if parsed.content is not None and (parsed.content or not calls):
         items.append(_message_item(random_id("msg", "_"), parsed.content))
-    ctx.check_called(bool(calls), o.finish_reason)
     for c in calls:
-        ctx.check_call_name(c.name)
         items.append(_call_item(random_id("fc", "_"), c.id, c.name, c.arguments))
     incomplete = o.finish_reason == "length"
     return JSONResponse(_envelope(ctx, rreq, "incomplete" if incomplete else "completed", items,
@@ -269,14 +266,13 @@ async def response_events(state: ServerState, ctx: ChatContext, rreq: ResponsesR
     stream = OutputStream(ctx.rendered.thinking, ctx.tools)
     seen, reasoning, out = "", "", None
     try:
-        pending = [stream.feed(ctx.rendered.forced_prefix)] if ctx.rendered.forced_prefix else []
+        pending = []
         async for out in gen:
             o = out.outputs[0]
             pending.append(stream.feed(o.text[len(seen):]))
             seen = o.text
             if o.finish_reason is not None:
                 pending.append(stream.finish())
-                ctx.check_called(stream.tools_called, o.finish_reason)
             for p in pending:
                 reasoning += p.reasoning
                 if p.reasoning:
@@ -288,8 +284,6 @@ async def response_events(state: ServerState, ctx: ChatContext, rreq: ResponsesR
                 for tc in p.tool_calls:
                     if tc["index"] > 0 and not ctx.req.parallel_tool_calls:
                         continue
-                    if "id" in tc:
-                        ctx.check_call_name(tc["function"]["name"])
                     for ev in w.call(tc):
                         yield ev
             pending = []

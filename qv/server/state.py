@@ -200,8 +200,8 @@ class ServerState:
                 max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs,
                 skip_special_tokens=req.skip_special_tokens,
                 spaces_between_special_tokens=req.spaces_between_special_tokens,
-                logit_bias=getattr(req, "logit_bias", None),  # Responses has neither
-                allowed_token_ids=getattr(req, "allowed_token_ids", None))
+                logit_bias=getattr(req, "logit_bias", None),  # Responses has none of the three
+                allowed_token_ids=getattr(req, "allowed_token_ids", None), bad_words=getattr(req, "bad_words", None))
         except InvalidRequestError as exc:
             raise self.refusal(exc, names=names) from None
 

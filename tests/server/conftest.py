@@ -41,13 +41,13 @@ class Running:
         return total
 
 
-def start_server(model_dir, **levers) -> tuple[Running, callable]:
+def start_server(model_dir, max_model_len: int = MAX_MODEL_LEN, **levers) -> tuple[Running, callable]:
     import uvicorn
 
     from qv.config import EngineConfig
     from qv.server.app import build_app
 
-    cfg = EngineConfig(model=str(model_dir), max_model_len=MAX_MODEL_LEN, **levers)
+    cfg = EngineConfig(model=str(model_dir), max_model_len=max_model_len, **levers)
     app = build_app(cfg)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))

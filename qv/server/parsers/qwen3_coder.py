@@ -20,7 +20,8 @@ Grammar (vLLM's `Qwen3CoderToolParser`, made exact so that streaming can match i
 - Each `<parameter=` value ends at `</parameter>`, at the next `<parameter=`, or at the end of
   the call; one leading and one trailing newline are dropped. A repeated parameter keeps its
   first value (vLLM keeps the last; first-wins is what a stream can emit without retracting).
-- Values are converted with the tool's JSON schema (`convert_param_value`, vLLM's rules).
+- Values are converted with the tool's JSON schema (`convert_param_value`, vLLM's rules); a property
+  that is a local `$ref` is read as its target (vLLM reads it as text).
 - Arguments are `json.dumps(args, ensure_ascii=False)`.
 
 Streaming re-parses the text seen so far with `final=False`, which yields only what later text
@@ -47,14 +48,14 @@ FUNCTION_END = "</function>"
 PARAM_START = "<parameter="
 PARAM_END = "</parameter>"
 
-_STRING_TYPES = ("string", "str", "text", "varchar", "char", "enum")
+STRING_TYPES = ("string", "str", "text", "varchar", "char", "enum")
 
 
 def new_tool_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _schema_type(schema: Any) -> tuple[str, bool]:
+def schema_type(schema: Any) -> tuple[str, bool]:
     """(primary type, allows null) of a property schema: `type` (a string or a list) or the
     first non-null branch of `anyOf`/`oneOf`; untyped properties count as strings."""
     if not isinstance(schema, dict):
@@ -95,10 +96,10 @@ def convert_param_value(value: str, name: str, properties: dict[str, Any]) -> An
     ast.literal_eval; other types -> ast.literal_eval. Anything that fails stays a string."""
     if name not in properties:
         return value
-    ptype, allows_null = _schema_type(properties[name])
+    ptype, allows_null = schema_type(properties[name])
     if allows_null and value.lower() in ("null", "none"):
         return None
-    if ptype in _STRING_TYPES:
+    if ptype in STRING_TYPES:
         return value
     if value.lower() in ("null", "none"):
         return None
@@ -174,8 +175,22 @@ class ExtractedToolCalls:
         return bool(self.tool_calls)
 
 
+def local_ref(schema: Any, root: Any) -> Any:
+    """A property schema that is a local `$ref` (`#/$defs/X`, `#/definitions/X`, as pydantic writes
+    nested models) replaced by its target, its sibling keys kept; anything else as it is."""
+    ref = schema.get("$ref") if isinstance(schema, dict) else None
+    if not (isinstance(ref, str) and isinstance(root, dict)):
+        return schema
+    for defs in ("$defs", "definitions"):
+        prefix = f"#/{defs}/"
+        target = root.get(defs, {}).get(ref[len(prefix):]) if ref.startswith(prefix) else None
+        if isinstance(target, dict):
+            return {**target, **{k: v for k, v in schema.items() if k != "$ref"}}
+    return schema
+
+
 def tool_properties(tools: list[dict] | None) -> dict[str, dict]:
-    """Function name -> JSON-schema `properties`, from chat-style tool dicts
+    """Function name -> JSON-schema `properties` (local `$ref`s resolved), from chat-style tool dicts
     ({"type": "function", "function": {...}}) or bare function dicts ({"name", "parameters"})."""
     out: dict[str, dict] = {}
     for tool in tools or []:
@@ -183,7 +198,7 @@ def tool_properties(tools: list[dict] | None) -> dict[str, dict]:
         if isinstance(fn, dict) and isinstance(fn.get("name"), str):
             params = fn.get("parameters") or {}
             props = params.get("properties") if isinstance(params, dict) else None
-            out[fn["name"]] = props if isinstance(props, dict) else {}
+            out[fn["name"]] = {k: local_ref(v, params) for k, v in props.items()} if isinstance(props, dict) else {}
     return out
 
 
