@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the engine-level GPU checks and benchmarks; logs under $OUT.
-#   bash bench/gpu_all.sh SECTION...    sections: tests oracles engine spec prefix prefix27 clef clef27 clefmix kernels bench27
+#   bash bench/gpu_all.sh SECTION...    sections: tests oracles sm70 specgpu engine spec spec27 ngram27 prefix prefix27
+#   clef clef27 clefmix kernels bench27
 # BENCH_KERNELS_ARGS passes options to bench/kernels.py (e.g. "--only attn,gdn --sweep attn,gdn");
 # BENCH27_ARGS to `qv bench --preset 27b` (e.g. "--prefill-lengths 32768 --profile").
 set -u
@@ -18,6 +19,15 @@ for section in "$@"; do
   case $section in
     tests) run tests 100 python3 -m pytest -q -m gpu tests/engine tests/clef -n 3 -p no:cacheprovider -rfE --durations=10 ;;
     oracles) run oracles 150 python3 -m pytest -q -m gpu tests/oracles -n 8 -p no:cacheprovider -rfE --durations=5 ;;
+    sm70) run sm70 ${SM70_S:-200} python3 -m pytest -q -m gpu tests/oracles/test_linear_sm70.py \
+        tests/oracles/test_paged_attention_sm70.py tests/oracles/test_gated_delta_rule_sm70.py \
+        tests/oracles/test_varlen_attention.py tests/oracles/test_sm70_chain.py -n 4 -p no:cacheprovider -rfE ;;
+    specgpu) run specgpu ${SPECGPU_S:-200} python3 -m pytest -q -m gpu tests/engine/test_engine_gpu.py \
+        tests/spec/test_spec_distribution.py -p no:cacheprovider -rfE --durations=5 ;;
+    spec27) run spec27 ${SPEC27_S:-240} python3 -m qv.cli bench --preset 27b --spec mtp --batch-sizes 1 \
+        --contexts 131072 --prefill-lengths 32768,131072 --json "$out/spec27.json" ;;
+    ngram27) run ngram27 ${NGRAM27_S:-200} python3 -m qv.cli bench --preset 27b --spec ngram --batch-sizes 1 \
+        --contexts 131072 --prefill-lengths 32768,131072 --json "$out/ngram27.json" ;;
     engine) run engine 170 python3 bench/engine.py --json "$out/engine.json" ;;
     spec) run spec 110 python3 bench/spec.py --fitted .bench_models/tiny-spec --json "$out/spec.json" ;;
     prefix) run prefix 165 python3 bench/prefix.py --dir /tmp/qv-prefix-models --presets 0.5b --profile ;;
