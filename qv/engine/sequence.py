@@ -54,6 +54,7 @@ class Sequence:
     draft_source: str | None = None  # "mtp" | "ngram"
     spec_scores: dict = field(default_factory=dict)  # draft source -> running acceptance (auto mode)
     matcher: object | None = None  # xgrammar.GrammarMatcher of a structured output (qv/engine/structured.py)
+    prompt_logprobs: object | None = None  # qv.engine.prompt_logprobs.PromptLogprobs (sample 0, when asked)
 
     @property
     def num_prompt_tokens(self) -> int:
