@@ -187,3 +187,19 @@ def test_bad_values_name_the_field(tiny_dirs):
     with pytest.raises(InvalidFieldError, match="greater than max allowed: 4") as e:
         engine.add_request("r", [1, 2, 3], SamplingParams(prompt_logprobs=5))
     assert e.value.param == "prompt_logprobs" and not engine.has_unfinished_requests()
+
+
+@pytest.mark.gpu
+def test_gpu_triton_graphs_async_equals_transformers(tiny_dirs, small_slices):
+    """On the GPU: Triton kernels, decode graphs, async steps and the pinned-memory copy of each
+    step's rows (its own CUDA event) give transformers' values."""
+    model_dir = str(tiny_dirs("tiny"))
+    rng = random.Random(9)
+    prompts = [[rng.randrange(300) for _ in range(n)] for n in (97, 40, 3)]
+    llm = LLM(model=model_dir, device="cuda", kernels="triton", dtype="float32", kv_cache_bytes=256 << 20,
+              max_num_batched_tokens=16, async_scheduling=True)
+    assert llm.engine.runner.graphs is not None
+    outs = _run(llm, prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=TOP))
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        assert_entries_match(f"gpu prompt {i}", model_dir, prompt, out.prompt_logprobs,
+                             hf_prompt_logprobs(model_dir, prompt), llm.tokenizer)
