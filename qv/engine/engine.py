@@ -90,6 +90,7 @@ class LLMEngine:
                                    max_long_partial_prefills=cfg.max_long_partial_prefills,
                                    max_spec_seqs=self.spec.max_seqs if self.spec else 0)
         self.multimodal = self.media = None  # images/videos: prompt building and in-step encoding
+        self.media_off = parts.media_off  # why they are off, for the 400 a request with media gets
         if parts.vision is not None:
             self.multimodal = MultimodalInputs(parts.model_dir, parts.model_config, parts.tokenizer)
             step_rows = cfg.max_num_batched_tokens + (cfg.spec_k if self.spec else 0) * cfg.max_num_seqs  # as the runner's

@@ -82,7 +82,8 @@ class ServerState:
         self._large = ThreadPoolExecutor(LARGE_WORKERS, thread_name_prefix="qv-tokenize")
         self._large_jobs = 0
         self.metrics = ServerMetrics(engine, self.model_name, self.max_model_len)
-        self.media = ServerMedia(cfg, getattr(engine, "multimodal", None))  # image/video parts of chat requests
+        self.media = ServerMedia(cfg, getattr(engine, "multimodal", None),  # image/video parts of chat requests
+                                 getattr(engine, "media_off", None))
         decoder = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
         self.special_ids = frozenset(i for i, t in decoder.items() if getattr(t, "special", False))
 
