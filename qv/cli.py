@@ -1,4 +1,5 @@
-"""`qv serve | generate | bench | make-tiny | quantize | doctor` - thin argument parsing over the package.
+"""`qv serve | generate | bench | make-tiny | quantize | kernels | doctor` - thin argument parsing over the
+package.
 
 Errors a user can act on (ConfigError, CheckpointError, StartupError, ...) print as one line with exit
 status 2; `--debug` shows their traceback instead."""
@@ -13,7 +14,8 @@ from qv.config import ConfigError, EngineConfig, env_name, expected, kernel_cach
 from qv.errors import InvalidRequestError, StartupError
 
 # exceptions whose message is the whole story, by module: matched only once their module was imported
-USER_ERRORS = {"qv.model.weights": "CheckpointError", "qv.clef.adapters": "ClefLayoutError"}
+USER_ERRORS = {"qv.model.weights": "CheckpointError", "qv.clef.adapters": "ClefLayoutError",
+               "qv.kernels.ahead_of_time": "AheadOfTimeError"}
 SERVE_EPILOG = """\
 Levers come from, later winning: their defaults, QV_* environment variables, the --env-file (a levers file:
 KEY=value lines, # comments, optional quotes and `export `; every key must be a QV_* lever, once), then
@@ -166,6 +168,18 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_kernels(args: argparse.Namespace) -> int:
+    from qv.kernels import ahead_of_time
+
+    arch = ahead_of_time.parse_arch(args.arch)
+    reports = ahead_of_time.compile_all(arch, args.out, EngineConfig.from_env().ptxas)
+    print(f"the sm70 chain's kernels compiled for sm_{arch} (NVRTC 12 -> PTX -> ptxas -v):")
+    print(ahead_of_time.table(reports))
+    if args.out:
+        print(f"PTX of each kernel written to {args.out}")
+    return 0
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     from qv.doctor import report
 
@@ -244,6 +258,12 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--exclude", action="append", default=[], metavar="REGEX",
                    help="module name regex to keep unquantized (repeatable)")
     q.set_defaults(fn=cmd_quantize)
+
+    k = command("kernels", "compile every sm70 kernel ahead of time (NVRTC 12 and ptxas, no GPU needed) and print "
+                "its registers, shared memory, spills and m8n8k4 MMAs")
+    k.add_argument("--arch", default="sm_70", help="GPU architecture to compile for")
+    k.add_argument("--out", default=None, metavar="DIR", help="write each kernel's PTX there as <kernel>.ptx")
+    k.set_defaults(fn=cmd_kernels)
 
     d = command("doctor", "print versions, devices, the CUDA toolchain and which kernels qv would use")
     d.set_defaults(fn=cmd_doctor)

@@ -58,7 +58,10 @@ class EngineConfig(BaseSettings):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = lever(
         "auto", "Activation dtype. auto: float16 on sm_70, bfloat16 on sm_80+, float32 on CPU.")
     kernels: Literal["auto", "reference", "triton", "sm70"] = lever(
-        "auto", "Op implementations: auto (triton on CUDA, reference on CPU), reference, triton, sm70.")
+        "auto", "Op implementations: auto (sm70 on sm_70 GPUs, triton on newer ones, reference on CPU), reference, "
+        "triton, sm70 (the Volta m8n8k4 raw-CUDA kernels where an op has them, Triton elsewhere).")
+    ptxas: str = lever("", "ptxas that `qv kernels --arch` and `qv doctor` assemble sm_70 PTX with; empty: the one "
+                       "Triton's wheel carries (CUDA 12.9).")
     seed: int = lever(0, "Seed for weight-free randomness (sampling without a per-request seed).")
     load_format: Literal["auto", "random"] = lever(
         "auto",
@@ -114,6 +117,10 @@ class EngineConfig(BaseSettings):
     spec: Literal["off", "mtp", "ngram", "auto"] = lever("off", "Speculative decoding: off, mtp, ngram, auto.")
     spec_k: int = lever(3, "Draft tokens per step.", ge=1)
     spec_max_seqs: int = lever(16, "Most sequences verifying drafts in one step (each keeps k+1 GDN states).", ge=1)
+    spec_policy: Literal["backoff", "always", "off"] = lever(
+        "backoff", "When a sequence drafts: backoff (a sequence whose drafts keep failing pauses drafting for 4 to 64 "
+        "steps, then probes again), always (every decode step), off (never, and the MTP head does no work: the plain "
+        "step benchmarks compare with).")
     # -- server ----------------------------------------------------------------------------------
     host: str = lever("127.0.0.1", "Listen address of `qv serve`.")
     port: int = lever(8000, "Listen port of `qv serve` (0: any free port).", ge=0, le=65535)
@@ -137,6 +144,11 @@ class EngineConfig(BaseSettings):
     media_max_images: int = lever(20, "Most images per chat request (0 with media_max_videos 0: the vision tower "
                                   "is not loaded).", ge=0)
     media_max_videos: int = lever(2, "Most videos per chat request.", ge=0)
+    media_max_video_frames: int = lever(
+        4096, "Most frames of one video (MP4/WebM: declared by its header, or its duration times its frame rate, "
+        "then counted; animated images: counted), refused before decoding.", ge=1)
+    media_video_decode_timeout_s: float = lever(
+        60.0, "Longest decoding of one MP4/WebM video (checked between frames); past it the request gets a 400.", gt=0)
     media_max_bytes: int = lever(20 << 20, "Largest fetched media file.", ge=1)
     media_timeout_s: float = lever(10.0, "Timeout for fetching one media URL.", gt=0)
     media_allowed_domains: str = lever("", "Comma-separated domains media URLs may come from; empty: any.")
@@ -147,7 +159,8 @@ class EngineConfig(BaseSettings):
     media_local_dir: str = lever("", "Directory file:// media may be read from; empty: no local files.")
     media_max_pixels: int = lever(
         1 << 28, "Most pixels of one request's images and video frames together, read from their headers before "
-        "anything is decoded (one image may have at most 2^26).", ge=1)
+        "anything is decoded (one image or frame may have at most 2^26): every frame of an animated image, the "
+        "frames the processor samples of an MP4/WebM video.", ge=1)
     media_decode_threads: int = lever(2, "Threads that decode and preprocess media, shared by all requests; more "
                                       "media waits its turn.", ge=1)
     vision_max_patches_per_step: int = lever(

@@ -176,3 +176,18 @@ def test_bench_rows_need_a_long_enough_model(tmp_path, capsys):
     with pytest.raises(ConfigError, match="max_model_len"):  # --debug: the CLI raises instead of printing one line
         main(["--debug", "bench", "--preset", "tiny", "--batch-sizes", "1", "--contexts", "64", "--prefill-lengths", "64",
               "--max-model-len", "32", "--steps", "1"])
+
+
+def test_bench_spec_ngram_parts(tmp_path, capsys):
+    """--spec ngram adds each decode row's parts (plain, verification, lookups, backed off) and the prefill
+    without and with speculation, in the JSON and as a table."""
+    report, text = _bench(tmp_path, capsys, "--preset", "tiny", "--batch-sizes", "1,2", "--contexts", "64",
+                          "--prefill-lengths", "64", "--spec", "ngram")
+    assert {(r["batch"], r["context"]) for r in report["spec"]} == {(1, 1024), (2, 1024), (1, 64)}
+    for r in report["spec"]:
+        assert r["source"] == "ngram" and r["acceptance_length"] == 3.6
+        for key in ("plain_s", "spec_step_s", "verify_s", "draft_s", "backed_off_s"):
+            assert r[key] > 0, (key, r)
+        assert r["projected_tokens_per_s"] == pytest.approx(3.6 * r["batch"] / r["spec_step_s"])
+    assert [p["tokens"] for p in report["spec_prefill"]] == [64] and report["spec_prefill"][0]["plain_s"] > 0
+    assert "speculative decoding (ngram)" in text and "| prefill | without speculation |" in text

@@ -14,7 +14,7 @@ import pytest
 from qv.cli import main
 from qv.doctor import report
 
-COMMANDS = ["serve", "generate", "bench", "make-tiny", "quantize", "doctor"]
+COMMANDS = ["serve", "generate", "bench", "make-tiny", "quantize", "kernels", "doctor"]
 
 
 def _qv(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -50,6 +50,7 @@ def test_help_of_every_command(command, capsys):
              "generate": ["(default: 32)", "(env QV_KV_DTYPE, default 'auto')"],
              "bench": ["(default: 1,8,16,32,64)", "(default: 1024)"],
              "make-tiny": ["(default: tiny)", "(default: 16)"], "quantize": ["(default: 128)", "(default: 8)"],
+             "kernels": ["--arch ARCH", "(default: sm_70)", "--out DIR"],
              None: COMMANDS}
     for needle in shows.get(command, []):
         assert needle in flat, (needle, out)

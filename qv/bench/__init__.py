@@ -50,6 +50,7 @@ def run_bench(cfg: EngineConfig, spec: BenchSpec, label: str) -> dict:
     report = build_report(label=label, device=device, cfg=cfg, ceilings=ceilings, start_s=start_s,
                           cuda_graphs=engine.runner.graphs is not None,
                           memory_plan=getattr(engine, "memory_plan", None), rows=rows, profiles=bench_run.profiles)
+    report["spec"], report["spec_prefill"] = bench_run.spec_records, bench_run.spec_prefill
     del bench_run, engine
     gc.collect()  # the engine's parts reference each other: free its cache before anything else runs
     return report

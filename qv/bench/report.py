@@ -14,6 +14,7 @@ from qv.version import __version__
 from qv.bench.floors import Ceilings, ModelFloors, floor_s
 from qv.bench.profile import profile_markdown
 from qv.bench.run import Measured
+from qv.bench.spec_parts import spec_table
 from qv.config import EngineConfig
 
 GIB = 1 << 30
@@ -135,6 +136,8 @@ def markdown(r: dict) -> str:
     parts = [header(r), "", table(r["rows"]), "",
              "floor: decode = bytes a step must read (weights, KV, GDN state) / copy rate; prefill = FLOPs / "
              "matmul rate (qv/bench/floors.py). floor/measured 1.00 is the hardware limit."]
+    if r.get("spec") or r.get("spec_prefill"):
+        parts += ["", spec_table(r.get("spec", []), r.get("spec_prefill", []))]
     for p in r["profile"]:
         what = (f"the last prefill chunk of a {_tokens(p['context'])}-token prompt" if p.get("kind") == "prefill"
                 else f"one decode step at batch {p['batch']}, {_tokens(p['context'])} context")

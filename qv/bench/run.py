@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from qv.bench.profile import profile_steps
+from qv.bench.spec_parts import SPEC_PARTS_EXTRA_STEPS, spec_parts
 from qv.engine.request import SamplingParams
 
 PROFILE_STEPS = 3
@@ -45,7 +46,9 @@ class BenchSpec:
     def longest(self) -> int:
         """max_model_len the rows need: the longest prompt plus every decode step after it."""
         prompts = list(self.contexts) + list(self.prefill_lengths) + ([self.batch_context] if self.batch_sizes else [])
-        return max(prompts, default=1) + self.warmup + self.steps + PROFILE_STEPS + 2
+        # with speculation on, spec_parts runs each row's sequences on: plain, spec and backed-off steps
+        spec_parts_steps = 2 * self.steps + SPEC_PARTS_EXTRA_STEPS
+        return max(prompts, default=1) + self.warmup + self.steps + PROFILE_STEPS + 2 + spec_parts_steps
 
     @property
     def max_batch(self) -> int:
@@ -79,6 +82,8 @@ class BenchRun:
         self.rng = random.Random(spec.seed)
         self.ids = 0
         self.profiles: list[dict] = []
+        self.spec_records: list[dict] = []  # with speculation on: qv/bench/spec_parts.py per decode row
+        self.spec_prefill: list[dict] = []  # prefill without and with speculation
         cfg = engine.model_config
         # media placeholders in a prompt would need media: draw ids below every such id
         media = [t for t in (cfg.image_token_id, cfg.video_token_id, cfg.vision_start_token_id,
@@ -135,8 +140,8 @@ class BenchRun:
             self._step(counts)
         self._sync()
         per_step = (time.perf_counter() - t0) / steps
-        if [n - b for n, b in zip(counts.values(), before)] != [steps] * len(before):
-            raise RuntimeError("a timed decode step did not advance every sequence by one token")
+        if any(n - b < steps for n, b in zip(counts.values(), before)):  # accepted drafts add more
+            raise RuntimeError("a timed decode step did not advance every sequence by at least one token")
         # step i attends to prompt + outputs-before-it tokens (the newest one is its input row)
         return per_step, prompt_len + sum(before) / len(before) + (steps - 1) / 2
 
@@ -149,6 +154,7 @@ class BenchRun:
         counts = {self._add(self._prompt(length)): 0 for _ in range(batch)}
         self._prefill(counts)
         per_step, context = self._decode(counts, length)
+        self._spec_parts(counts, batch, length)
         if profile:
             p = profile_steps(lambda: self._step(counts), PROFILE_STEPS, self.device)
             self.profiles.append(dict(p, batch=batch, context=length, kind="decode"))
@@ -167,8 +173,34 @@ class BenchRun:
         if length in self.spec.contexts:
             per_step, context = self._decode(counts, length)
             rows.append(Measured("decode", 1, length, per_step, self.spec.steps, context))
+            self._spec_parts(counts, 1, length)
         self._finish(counts)
+        if length in self.spec.prefill_lengths and self.engine.spec is not None:
+            self.spec_prefill.append({"tokens": length, "spec_s": rows[0].measured_s,
+                                      "plain_s": self._prefill_without_spec(length)})
         return rows
+
+    def _spec_parts(self, counts: dict[str, int], batch: int, context: int) -> None:
+        spec = self.engine.spec
+        if spec is not None and batch <= spec.max_seqs:
+            self.spec_records.append(spec_parts(self, counts, batch, context, self.spec.steps).record())
+
+    def _prefill_without_spec(self, length: int) -> float:
+        """The same length's prefill (another prompt) with the speculator off: no MTP catch-up."""
+        spec, before = self.engine.spec, self.engine.spec.policy
+        prompt = self._prompt(length)
+        spec.policy = "off"
+        try:
+            self._sync()
+            t0 = time.perf_counter()
+            counts = {self._add(prompt): 0}
+            self._prefill(counts)
+            self._sync()
+            took = time.perf_counter() - t0
+        finally:
+            spec.policy = before
+        self._finish(counts)
+        return took
 
     def run(self) -> list[Measured]:
         """Every row, under one progress bar; decode rows first (by context, then batch), then prefills."""

@@ -70,30 +70,60 @@ def eager_reason(enabled: bool, device: torch.device, backend: str) -> str | Non
 
 
 class DecodeGraphs:
-    def __init__(self, model, cache, max_num_seqs: int, max_blocks: int, max_model_len: int, scratch_slot: int):
-        self.model, self.cache = model, cache
+    """The graphs of one row shape: `rows_per_seq` 1 (plain decode) or k+1 (verification of k drafts, with
+    the speculator's per-position GDN states), one per padded batch size. With an MTP speculator, each
+    size also holds the head's work after the forward ("draft": catch-up plus the k-step walk; for plain
+    decode also "catch_up" alone), replayed on the forward's output states."""
+
+    def __init__(self, model, cache, max_num_seqs: int, max_blocks: int, max_model_len: int, scratch_slot: int,
+                 rows_per_seq: int = 1, spec=None, pool=None):
+        self.model, self.cache, self.spec = model, cache, spec
+        self.q = rows_per_seq
         self.max_seq_len = max_model_len
         self.scratch_slot = scratch_slot
         self.sizes = [b for b in BUCKETS if b <= max_num_seqs] or [max_num_seqs]
         if self.sizes[-1] < max_num_seqs:
             self.sizes.append(max_num_seqs)
         dev, n = model.device, self.sizes[-1]
-        self.ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=dev)
+        t = n * self.q
+        self.ids = torch.zeros(t, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(t, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((t,), -1, dtype=torch.int64, device=dev)
         self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=dev)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
         self.state_slots = torch.full((n,), scratch_slot, dtype=torch.int64, device=dev)
         self.has_init = torch.zeros(n, dtype=torch.bool, device=dev)
-        self.cu = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self.cu = torch.arange(0, t + 1, self.q, dtype=torch.int32, device=dev)
+        self.rows = torch.arange(t, device=dev)
+        self.no_rest = torch.zeros(1, dtype=torch.int32, device=dev)
+        # the MTP head's inputs: the token after each row, each drafting sequence's last valid row
+        self.next_ids = torch.zeros(t, dtype=torch.int64, device=dev)
+        self.draft_rows = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.draft_valid = torch.zeros(n, dtype=torch.bool, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.mtp_graphs: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
         self.errors: dict[int, float] = {}  # batch size -> replay_error at the start-up check
-        self.pool = None
+        self.pool = pool
+
+    @property
+    def label(self) -> str:
+        return "decode" if self.q == 1 else f"verification ({self.q} rows a sequence)"
 
     def _batch(self, b: int) -> StepBatch:
-        return StepBatch(self.cu[:b + 1], 1,
-                         AttentionMeta(self.slot_mapping[:b], self.block_tables[:b], self.seq_lens[:b], self.max_seq_len),
-                         GDNMeta(self.state_slots[:b], self.has_init[:b]), self.cu[:b].long())
+        t = b * self.q
+        if self.q == 1:
+            gdn = GDNMeta(self.state_slots[:b], self.has_init[:b])
+        else:  # every sequence verifies: its rows keep per-position GDN states, none are left over
+            gdn = self.spec.gdn_meta(self.state_slots[:b], self.has_init[:b], b, t, self.no_rest)
+        return StepBatch(self.cu[:b + 1], self.q,
+                         AttentionMeta(self.slot_mapping[:t], self.block_tables[:b], self.seq_lens[:b], self.max_seq_len),
+                         gdn, self.rows[:t] if self.q > 1 else self.cu[:b].long())
+
+    def mtp_kinds(self, b: int) -> tuple[str, ...]:
+        if self.spec is None or not self.spec.uses_mtp:
+            return ()
+        drafting = b <= self.spec.max_seqs
+        return (("draft",) if drafting else ()) + (("catch_up",) if self.q == 1 else ())
 
     def capture(self) -> None:
         """Capture every size (largest first, sharing one pool), then check each replay against the eager
@@ -104,24 +134,35 @@ class DecodeGraphs:
                 self._guarded(b, "capturing", self._capture_one)
             for b in self.sizes:
                 self.errors[b] = self._guarded(b, "checking", self._check)
-        log.info("decode steps replay CUDA graphs for batch sizes 1..%d (%s; worst replay vs eager error %.1e)",
-                 self.sizes[-1], ", ".join(map(str, self.sizes)), max(self.errors.values()))
+        log.info("%s steps replay CUDA graphs for batch sizes 1..%d (%s; worst replay vs eager error %.1e)%s",
+                 self.label, self.sizes[-1], ", ".join(map(str, self.sizes)), max(self.errors.values()),
+                 ", the MTP head's drafts too" if self.mtp_graphs else "")
 
     def _guarded(self, b: int, what: str, step):
         try:
             return step(b)
         except Exception as exc:  # any failure stops start-up, naming the size: no silent eager fallback
             self.graphs.clear()
+            self.mtp_graphs.clear()
             if isinstance(exc, StartupError):
                 raise
-            raise StartupError(f"{what} the batch-{b} decode CUDA graph failed ({type(exc).__name__}: {exc}). "
+            raise StartupError(f"{what} the batch-{b} {self.label} CUDA graph failed ({type(exc).__name__}: {exc}). "
                                f"{EAGER_HINT}.") from exc
 
     def _eager(self, b: int) -> torch.Tensor:
-        return self.model.forward(self.ids[:b], self.positions[:b], self._batch(b), self.cache)
+        return self.model.forward(self.ids[:b * self.q], self.positions[:b * self.q], self._batch(b), self.cache)
+
+    def _eager_mtp(self, b: int, kind: str) -> torch.Tensor | None:
+        """The head's work on the batch-b forward graph's output states."""
+        t, hidden = b * self.q, self.graphs[b][1]
+        out = self.spec.catch_up(self.positions[:t], hidden, self._batch(b), self.next_ids[:t])
+        if kind == "catch_up":
+            return None
+        return self.spec.walk(out, self.positions[:t], self.next_ids[:t], self.draft_rows[:b], self.block_tables[:b],
+                              self.draft_valid[:b], self.max_seq_len)
 
     def _capture_one(self, b: int) -> None:
-        self._reset_pad_rows(0)
+        self._reset_pad_rows(0, 0)
         self._eager(b)  # warm-up: JIT compiles and one-time host syncs stay out of the graph
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -129,51 +170,107 @@ class DecodeGraphs:
             out = self._eager(b)
         self.pool = graph.pool()
         self.graphs[b] = (graph, out)
+        for kind in self.mtp_kinds(b):
+            self._eager_mtp(b, kind)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                drafts = self._eager_mtp(b, kind)
+            self.mtp_graphs[(b, kind)] = (graph, drafts)
 
     def _check(self, b: int) -> float:
-        return check_replay(b, *self.replay_and_eager(b))
+        err = check_replay(b, *self.replay_and_eager(b))
+        if (b, "draft") in self.mtp_graphs:
+            replay, eager = self.mtp_replay_and_eager(b)
+            if not torch.equal(replay, eager):
+                wrong = (replay != eager).any(dim=1).sum().item()
+                raise StartupError(f"the batch-{b} MTP draft CUDA graph disagrees with the eager head on {wrong} of "
+                                   f"{b} sequences' drafts. {EAGER_HINT}.")
+        return err
+
+    def _fill_check_inputs(self, b: int) -> None:
+        q, t = self.q, b * self.q
+        rows = torch.arange(t, device=self.ids.device)
+        base = (rows // q * 7) % max(1, self.max_seq_len - q)
+        self.ids[:t] = (rows * 7919 + 13) % self.model.cfg.vocab_size
+        self.positions[:t] = base + rows % q
+        self.seq_lens[:b] = (base[::q] + q).to(torch.int32)  # each sequence attends over a different length
+        self.next_ids[:t] = (rows * 104729 + 7) % self.model.cfg.vocab_size
 
     def replay_and_eager(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch-b graph's replay and the eager forward on the same buffers, holding inputs other than
         the capture's (zeros, length 1) so that a value the graph froze at capture shows. The rows stay
         inert: no KV writes (slot -1), GDN state in the scratch slot, never read."""
-        rows = torch.arange(b, device=self.ids.device)
-        self.ids[:b] = (rows * 7919 + 13) % self.model.cfg.vocab_size
-        self.positions[:b] = rows % self.max_seq_len
-        self.seq_lens[:b] = self.positions[:b] + 1  # each row attends over a different length
+        self._fill_check_inputs(b)
         graph, out = self.graphs[b]
         graph.replay()
         replay = out.clone()
         eager = self._eager(b)
         torch.cuda.synchronize()
-        self._reset_pad_rows(0)
+        self._reset_pad_rows(0, 0)
         return replay, eager
 
-    def _reset_pad_rows(self, start: int) -> None:
-        self.slot_mapping[start:] = -1
+    def mtp_replay_and_eager(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft graph's drafts and the eager head's on the forward graph's output (no KV writes)."""
+        self._fill_check_inputs(b)
+        self.graphs[b][0].replay()
+        self.draft_rows[:b] = torch.arange(b, device=self.ids.device) * self.q + (self.q - 1)
+        self.draft_valid[:b] = False
+        graph, drafts = self.mtp_graphs[(b, "draft")]
+        graph.replay()
+        replay = drafts.clone()
+        eager = self._eager_mtp(b, "draft")
+        torch.cuda.synchronize()
+        self._reset_pad_rows(0, 0)
+        return replay, eager
+
+    def _reset_pad_rows(self, start: int, row_start: int) -> None:
+        self.slot_mapping[row_start:] = -1
+        self.ids[row_start:] = 0
+        self.positions[row_start:] = 0
+        self.next_ids[row_start:] = 0
         self.seq_lens[start:] = 1
         self.state_slots[start:] = self.scratch_slot
         self.has_init[start:] = False
-        self.ids[start:] = 0
-        self.positions[start:] = 0
+        self.draft_rows[start:] = 0
+        self.draft_valid[start:] = False
 
     def bucket(self, b: int) -> int | None:
         return next((s for s in self.sizes if s >= b), None) if self.graphs else None
 
     def run(self, batch: StepBatch, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Replay for a decode batch (every row one token); returns hidden states [B, H]."""
-        b = ids.shape[0]
+        """Replay for a batch of b sequences of rows_per_seq rows each; returns hidden states [b * q, H]."""
+        t = ids.shape[0]
+        b = t // self.q
         size = self.bucket(b)
         a = batch.attn
-        self.ids[:b].copy_(ids)
-        self.positions[:b].copy_(positions)
-        self.slot_mapping[:b].copy_(a.slot_mapping)
+        self.ids[:t].copy_(ids)
+        self.positions[:t].copy_(positions)
+        self.slot_mapping[:t].copy_(a.slot_mapping)
         self.block_tables[:b, :a.block_tables.shape[1]].copy_(a.block_tables)
         self.seq_lens[:b].copy_(a.seq_lens)
         self.state_slots[:b].copy_(batch.gdn.state_slots)
         self.has_init[:b].copy_(batch.gdn.has_initial_state)
         if size > b:
-            self._reset_pad_rows(b)
+            self._reset_pad_rows(b, t)
         graph, out = self.graphs[size]
         graph.replay()
-        return out[:b]
+        return out[:t]
+
+    def can_run_mtp(self, b: int, kind: str) -> bool:
+        size = self.bucket(b)
+        return size is not None and (size, kind) in self.mtp_graphs
+
+    def run_mtp(self, kind: str, next_ids: torch.Tensor, draft_rows: torch.Tensor | None) -> torch.Tensor | None:
+        """Replay the head's work after `run` (same batch): next_ids [b * q]; draft_rows [b] (kind "draft").
+        Returns the drafts [b, k] or None (catch_up)."""
+        t = next_ids.shape[0]
+        b = t // self.q
+        size = self.bucket(b)
+        self.next_ids[:t].copy_(next_ids)
+        if draft_rows is not None:
+            self.draft_rows[:b].copy_(draft_rows)
+            self.draft_valid[:b] = True
+        graph, drafts = self.mtp_graphs[(size, kind)]
+        graph.replay()
+        return None if drafts is None else drafts[:b]

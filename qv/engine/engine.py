@@ -81,7 +81,7 @@ class LLMEngine:
         self.spec = None
         if cfg.spec != "off":
             self.spec = Speculator(cfg.spec, cfg.spec_k, parts.mtp_head, parts.model_config, parts.cache,
-                                   min(cfg.spec_max_seqs, cfg.max_num_seqs), parts.model.device)
+                                   min(cfg.spec_max_seqs, cfg.max_num_seqs), parts.model.device, cfg.spec_policy)
         scratch_slot = parts.cache.num_slots - 1  # never handed out (qv/engine/build.py)
         self.scheduler = Scheduler(self.blocks, GDNStatePool(scratch_slot), cfg.max_num_seqs,
                                    cfg.max_num_batched_tokens, lookahead=cfg.spec_k if self.spec else 0,
@@ -376,11 +376,13 @@ class LLMEngine:
                 return
         if self.spec and seq.matcher is None and self._room_for_drafts(seq):  # drafts are not grammar-checked
             seq.draft_token_ids, seq.draft_source = self.spec.next_drafts(seq, res.next_mtp_drafts)
+        else:
+            seq.spare_drafts = []
 
     def _room_for_drafts(self, seq: Sequence) -> bool:
-        k = self.spec.k
-        return (len(seq.output_token_ids) + k < seq.max_tokens
-                and seq.num_tokens + 2 * k + 1 < self.max_model_len)
+        """Room for k draft rows and the head's lookahead before max_model_len (tokens accepted past
+        max_tokens are cut when appended, so the output limit needs no room)."""
+        return seq.num_tokens + 2 * self.spec.k + 1 < self.max_model_len
 
     def _append(self, seq: Sequence, token_id: int, logprob=None) -> None:
         seq.output_token_ids.append(token_id)

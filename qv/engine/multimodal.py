@@ -3,7 +3,7 @@
 - `MultimodalInputs` turns a prompt with media placeholders plus its images/videos into a
   `MultimodalPrompt` (the checkpoint's processor, placeholder expansion, mRoPE positions, media
   hashes for the prefix-cache key). The server and `LLM.generate` build prompts with it; the
-  server turns media bytes into items with `qv.engine.media.open_media` and `item`.
+  server turns media bytes into items with `open` and `item`.
 - `MediaState` is one request's media: the prompt and the tower outputs of its items, cached
   while some sequence of the request still has that item's pad tokens to prefill, then freed.
 - `VisionSteps` runs the tower inside engine steps. `fit(plan)` (right after scheduling) lets
@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from qv.config import ConfigError, ModelConfig
-from qv.engine.media import OpenedMedia, preprocess
+from qv.engine.media import OpenedMedia, VideoLimits, frame_picker, open_media, preprocess
 from qv.errors import InvalidRequestError
 from qv.model.vision_processor import MediaError, VisionItem, VisionProcessor, VisionTokenIds
 from qv.model.vision_prompt import MultimodalPrompt
@@ -71,8 +71,13 @@ class MultimodalInputs:
             raise InvalidRequestError(str(exc)) from None
         return self.prompt(prompt_ids, self.in_prompt_order(prompt_ids, imgs, vids))
 
+    def open(self, data: bytes, kind: str, limits: VideoLimits = VideoLimits()) -> OpenedMedia:
+        """The header of one image or video (`qv.engine.media.open_media`), a video file's pixels
+        counted for the frames this checkpoint's processor samples (MediaError on a refusal)."""
+        return open_media(data, kind, frame_picker(self.processor), limits)
+
     def item(self, opened: OpenedMedia) -> VisionItem:
-        """Decode and preprocess one item whose header `qv.engine.media.open_media` read (MediaError,
+        """Decode and preprocess one item whose header `open` read (MediaError,
         an InvalidRequestError, on any refusal). CPU work: call it from a worker thread."""
         return preprocess(self.processor, opened)
 

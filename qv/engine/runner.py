@@ -103,6 +103,7 @@ class _Step:
     rope: torch.Tensor | None = None  # rotary positions when they are not the token indices (images: mRoPE)
     embeds: torch.Tensor | None = None  # input embeddings with vision rows, when a chunk holds media pads
     prompt_logprobs: PromptLogprobRows | None = None  # prompt rows' logprobs, in their own bounded copy
+    graphs: DecodeGraphs | None = None  # the graphs that replayed the forward (None: it ran eagerly)
 
 
 @dataclass
@@ -143,21 +144,43 @@ class ModelRunner:
         self.vocab_size = model.cfg.vocab_size
         self.max_seqs, self.max_blocks, self.max_model_len = max_num_seqs, max_blocks, max_model_len
         self.graphs: DecodeGraphs | None = None
+        self.verify_graphs: DecodeGraphs | None = None
         self.last: StepHandle | None = None  # the last step launched: where PENDING input tokens come from
 
     def enable_decode_graphs(self, scratch_slot: int) -> None:
-        """Capture and check the decode graphs; StartupError (graphs left off) where one fails."""
-        graphs = DecodeGraphs(self.model, self.cache, self.max_seqs, self.max_blocks,
-                              self.max_model_len, scratch_slot)
+        """Capture and check the decode graphs, and with speculation the verification graphs (k+1 rows a
+        sequence) and the MTP head's; StartupError (graphs left off) where one fails."""
+        graphs = DecodeGraphs(self.model, self.cache, self.max_seqs, self.max_blocks, self.max_model_len,
+                              scratch_slot, spec=self.spec)
         graphs.capture()
         self.graphs = graphs
+        if self.spec is not None:
+            verify = DecodeGraphs(self.model, self.cache, self.spec.max_seqs, self.max_blocks, self.max_model_len,
+                                  scratch_slot, rows_per_seq=self.spec.k + 1, spec=self.spec, pool=graphs.pool)
+            verify.capture()
+            self.verify_graphs = verify
+
+    def _graphs_for(self, st: "_Step") -> DecodeGraphs | None:
+        """The graphs that can replay this step's forward: decode steps whose sequences all run one row, or
+        all verify k+1 rows (qv/engine/scheduler.py evens a decode step's drafts out for this), with token
+        positions as rotary positions, no vision rows and no Clef deltas."""
+        if self.graphs is None or st.rope is not None or st.embeds is not None or st.batch.delta_rows is not None:
+            return None
+        n, rows = len(st.seqs), len(st.host_ids)
+        if st.num_spec == 0 and rows == n:
+            graphs = self.graphs
+        elif st.num_spec == n and self.verify_graphs is not None and rows == n * self.verify_graphs.q:
+            graphs = self.verify_graphs
+        else:
+            return None
+        return graphs if graphs.bucket(n) is not None else None
 
     def _forward(self, st: "_Step") -> torch.Tensor:
-        """Replay a captured graph for plain decode steps; run eagerly otherwise."""
+        """Replay a captured graph where one fits the step (st.graphs); run eagerly otherwise."""
+        st.graphs = self._graphs_for(st)
+        if st.graphs is not None:
+            return st.graphs.run(st.batch, st.ids, st.positions)
         pos = st.positions if st.rope is None else st.rope
-        if (self.graphs is not None and st.num_spec == 0 and st.batch.max_query_len == 1 and pos.dim() == 1
-                and st.embeds is None and st.batch.delta_rows is None and self.graphs.bucket(len(st.seqs)) is not None):
-            return self.graphs.run(st.batch, st.ids, pos)
         return self.model.forward(st.ids, pos, st.batch, self.cache, inputs_embeds=st.embeds)
 
     # -- batch construction --------------------------------------------------------------------
@@ -267,9 +290,10 @@ class ModelRunner:
         st.prompt_logprobs = launch_prompt_logprobs(self.model, st.seqs, st.cu, hidden, st.next_ids, self.vocab_size)
         if self.clef is not None:  # Clef records: their rows into the joint head, chunk by chunk
             self.clef.take_hidden(st.seqs, st.cu, hidden, st.host_ids)
+        mtp = self.spec.mtp_work(st.seqs) if self.spec else None
         if st.batch.logits_indices.numel() == 0:
-            if self.spec and self.spec.uses_mtp:  # the head's KV must still catch up with these rows
-                self._draft(st, hidden, None, None, None)
+            if mtp:  # the head's KV must still catch up with these rows
+                self._mtp(st, hidden, None, None, None, "catch_up")
             self.last = StepHandle(plan, st, None, None, 1, False, None)
             return self.last
         logits = self.model.compute_logits(hidden[st.batch.logits_indices])[:, :self.vocab_size]
@@ -286,7 +310,7 @@ class ModelRunner:
         if st.num_spec:
             tokens, n_acc, parts = self._verify(st, logits[:n_spec_rows], k1)
             packed += [tokens.reshape(-1), n_acc] + parts
-        drafts = self._draft(st, hidden, sampled, tokens, n_acc) if self.spec and self.spec.uses_mtp else None
+        drafts = self._mtp(st, hidden, sampled, tokens, n_acc, mtp) if mtp else None
         if drafts is not None:
             packed.append(drafts.reshape(-1))
         host, copied = _to_host(torch.cat([p.reshape(-1).long() for p in packed]))
@@ -315,8 +339,10 @@ class ModelRunner:
             parts = _logprob_parts(*logprobs_of(logits, res.tokens.reshape(-1), sb.max_logprobs), sb)
         return res.tokens, res.num_accepted, parts
 
-    def _draft(self, st: _Step, hidden, sampled, tokens, n_acc) -> torch.Tensor | None:
-        """MTP drafts for every sequence that got a new token this step (on the device, no sync)."""
+    def _mtp(self, st: _Step, hidden, sampled, tokens, n_acc, kind: str) -> torch.Tensor | None:
+        """The MTP head after the step (on the device, no sync): its KV catches up with the step's rows, then
+        ("draft") k drafts for every sequence that got a new token. Replays the head's graph where the
+        forward replayed one."""
         next_ids, rows = st.next_ids, []
         rows_with_logits = st.batch.logits_indices  # verified sequences' k+1 rows each, then each sampler's last row
         if st.num_spec:  # verified rows see the emitted tokens; the last valid row is row n_accepted
@@ -328,12 +354,18 @@ class ModelRunner:
             last = rows_with_logits[st.num_spec * (tokens.shape[1] if st.num_spec else 0):]
             next_ids[last] = sampled
             rows.append(last)
+        draft_rows = torch.cat(rows) if rows and kind == "draft" else None
+        n = len(st.seqs)
+        if st.graphs is not None and st.graphs.can_run_mtp(n, "draft" if draft_rows is not None else "catch_up"):
+            return st.graphs.run_mtp("draft" if draft_rows is not None else "catch_up", next_ids, draft_rows)
+        out = self.spec.catch_up(st.positions, hidden, st.batch, next_ids, rope=st.rope)
+        if draft_rows is None:
+            return None
         draft_seqs = np.asarray(list(range(st.num_spec)) + st.samplers, dtype=np.int64)
         max_len = int(max(s.num_computed_tokens for s in st.seqs) + st.q_lens.max())
-        draft_rows = torch.cat(rows) if rows else None
         deltas = self.media.draft_deltas(st.seqs, draft_seqs, self.device) if st.rope is not None else None
-        return self.spec.draft_mtp(st.positions, hidden, st.batch, next_ids, draft_rows, draft_seqs, max_len,
-                                   rope=st.rope, rope_delta=deltas)
+        tables = st.batch.attn.block_tables[torch.from_numpy(draft_seqs).to(self.device)]
+        return self.spec.walk(out, st.positions, next_ids, draft_rows, tables, None, max_len, rope_delta=deltas)
 
     def _unpack(self, st: _Step, host: np.ndarray, k1: int, has_drafts: bool) -> dict[Sequence, StepResult]:
         results: dict[Sequence, StepResult] = {}

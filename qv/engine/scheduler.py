@@ -97,7 +97,27 @@ class Scheduler:
         self._admit_waiting(plan, budget, shares)
         return plan
 
+    def _even_drafts(self, budget: int) -> None:
+        """A step of decodes only verifies every sequence or none, so that it replays one CUDA graph (a
+        step mixing verification rows with single decode rows runs eagerly). Where some sequences have
+        drafts, the others verify their spare drafts; where that cannot be (more sequences than the
+        verification capacity or the budget, or one without spare drafts, such as a structured output),
+        nobody drafts this step. Steps with prefill rows run eagerly anyway and are left as they are."""
+        decoding = self.running
+        if not self.max_spec_seqs or not any(s.draft_token_ids for s in decoding):
+            return
+        if not all(_decoding(s) for s in decoding):
+            return
+        uniform = (len(decoding) <= self.max_spec_seqs and len(decoding) * (1 + self.lookahead) <= budget
+                   and all(s.draft_token_ids or len(s.spare_drafts) == self.lookahead for s in decoding))
+        for s in decoding:
+            if not uniform:
+                s.draft_token_ids, s.draft_source = [], None
+            elif not s.draft_token_ids:
+                s.draft_token_ids, s.draft_source = list(s.spare_drafts), "filler"
+
     def _schedule_running(self, plan: StepPlan, budget: int, shares: "_LongPrefillShare") -> int:
+        self._even_drafts(budget)
         verifying = 0
         # decodes first, then prefills short before long; admission order within each
         for seq in sorted(self.running, key=lambda s: 0 if _decoding(s) else 1 + shares.is_long(s)):

@@ -11,6 +11,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from qv.engine.detokenizer import IncrementalDetokenizer
 from qv.engine.request import Logprob, SamplingParams
 
@@ -22,6 +24,9 @@ class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+RESYNC = 16  # tokens token_array copies again each call
 
 
 @dataclass(eq=False)
@@ -51,10 +56,16 @@ class Sequence:
     mm_hashes: list[tuple[int, str]] | None = None  # (position, hash) of each media item: part of the prefix key
     media: object | None = None  # qv.engine.multimodal.MediaState: the request's images/videos and their encodings
     draft_token_ids: list[int] = field(default_factory=list)  # exactly k drafts to verify next step, or none
-    draft_source: str | None = None  # "mtp" | "ngram"
+    draft_source: str | None = None  # "mtp" | "ngram" | "filler" (see spare_drafts)
+    # k tokens a decode-only step may verify for this sequence when it makes no drafts of its own, so that the
+    # step verifies every sequence and replays one CUDA graph (the MTP head's guess, or the last token repeated)
+    spare_drafts: list[int] = field(default_factory=list)
+    spec_backoff: object | None = None  # qv.spec.speculator.Backoff: pauses drafting after failed drafts
     spec_scores: dict = field(default_factory=dict)  # draft source -> running acceptance (auto mode)
     matcher: object | None = None  # xgrammar.GrammarMatcher of a structured output (qv/engine/structured.py)
     prompt_logprobs: object | None = None  # qv.engine.prompt_logprobs.PromptLogprobs (sample 0, when asked)
+    _array: np.ndarray | None = field(default=None, repr=False)  # token_array's buffer
+    _array_len: int = field(default=0, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -79,6 +90,22 @@ class Sequence:
         if start >= n:
             return self.output_token_ids[start - n:end - n]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
+
+    def token_array(self, start: int) -> np.ndarray:
+        """Tokens start..num_tokens as int64 NumPy, from a buffer that grows with the sequence: the n-gram
+        lookup reads a window of it every step, and converting that window from the lists cost more than
+        the lookup. The last RESYNC tokens are copied again each call (a placeholder for a token still on
+        the device is replaced in place)."""
+        n = self.num_tokens
+        if self._array is None or self._array.shape[0] < n:
+            grown = np.empty(max(2 * n, 256), dtype=np.int64)
+            if self._array is not None:
+                grown[:self._array_len] = self._array[:self._array_len]
+            self._array = grown
+        done = max(0, min(self._array_len, n) - RESYNC)
+        self._array[done:n] = self.token_slice(done, n)
+        self._array_len = n
+        return self._array[start:n]
 
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids

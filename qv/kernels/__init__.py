@@ -3,7 +3,8 @@
 Each op has a folder, qv/kernels/<op>/: its public wrapper with the shape docstring (__init__.py), its fp32
 PyTorch reference, the spec and oracle of every kernel (reference.py: float32 throughout, exact softmax,
 cast to the activation dtype at the end; ops that update caches or states in place do so there too), one
-file per implementation (triton*.py; cuda_sm90.py with its .cu for the raw-CUDA paths) and, where settings
+file per implementation (triton*.py; cuda_sm90.py / cuda_sm70.py with their .cu for the raw-CUDA paths of
+sm_90 and of Volta's sm70 chain, the latter listing its shipped instantiations in BUILDS) and, where settings
 were chosen by measurement, configs.py. registry.TABLE lists every op's implementation per backend.
 
 The folders share their names with the functions exported here, so `qv.kernels.rms_norm` is the function:

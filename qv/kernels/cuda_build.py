@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import threading
 import warnings
 from dataclasses import dataclass
@@ -49,15 +50,27 @@ def cupy_or_none():
 
 
 def source_text(source: str) -> str:
-    """The code of KERNEL_DIR/source (a path such as "linear/gptq_gemv_mma.cu") with the shared header pasted
-    in place of its #include, which names the header relative to the .cu (so CuPy's compile cache, keyed by
-    the code, sees a change to the header too)."""
+    """The code of KERNEL_DIR/source (a path such as "linear/gptq_gemv_mma.cu") with the shared header, and
+    any other header it #includes by a quoted path relative to itself (an op folder's own), pasted in place
+    of the #include lines, each once (so NVRTC needs no include path, and CuPy's compile cache, keyed by
+    the code, sees a change to a header too)."""
     path = KERNEL_DIR / source
     include = f'#include "{Path(os.path.relpath(KERNEL_DIR / HEADER, path.parent)).as_posix()}"\n'
     code = path.read_text()
     if include not in code:
         raise ValueError(f"{source}: expected the line {include.strip()!r}")
-    return code.replace(include, (KERNEL_DIR / HEADER).read_text().replace("#pragma once\n", ""))
+    return _paste_includes(code, path.parent, set())
+
+
+def _paste_includes(code: str, folder: Path, pasted: set[Path]) -> str:
+    def paste(match: re.Match) -> str:
+        header = (folder / match.group(1)).resolve()
+        if header in pasted:
+            return ""
+        pasted.add(header)
+        return _paste_includes(header.read_text().replace("#pragma once\n", ""), header.parent, pasted)
+
+    return re.sub(r'^#include "([^"]+)"\n', paste, code, flags=re.M)
 
 
 def device_index(device: torch.device) -> int:
@@ -85,7 +98,8 @@ def build(source: str, name: str, index: int):
                 _BUILT[key] = (function, function.num_regs)
         except Exception as e:  # noqa: BLE001 - any build or load error means: use the other kernels
             warnings.warn(f"qv: the CUDA kernel {name} did not build ({type(e).__name__}: {e}); "
-                          "the Triton kernels run instead", RuntimeWarning, stacklevel=3)
+                          "its op falls back (to the Triton kernels; under the sm70 backend, to the reference "
+                          "math)", RuntimeWarning, stacklevel=3)
             _BUILT[key] = None
     return _BUILT[key]
 
@@ -136,12 +150,13 @@ def pointer(t: torch.Tensor | None) -> np.uint64:
     return np.uint64(t.data_ptr() if t is not None else 0)
 
 
-def launch(kernel, grid, block, args, device: torch.device) -> None:
-    """Launch on torch's current stream of `device` (so CUDA graphs capture it like a torch op)."""
+def launch(kernel, grid, block, args, device: torch.device, shared_mem: int = 0) -> None:
+    """Launch on torch's current stream of `device` (so CUDA graphs capture it like a torch op), with
+    `shared_mem` bytes of dynamic shared memory."""
     cupy = cupy_or_none()
     index = device_index(device)
     with cupy.cuda.Device(index), _stream(torch.cuda.current_stream(device).cuda_stream, index):
-        kernel(grid, block, args)
+        kernel(grid, block, args, shared_mem=shared_mem)
 
 
 @functools.lru_cache(maxsize=64)

@@ -26,7 +26,12 @@ __device__ __forceinline__ u16 float_to(float f, bool bf16) {
 }
 __device__ __forceinline__ u32 pack_half2(float lo, float hi) {
   u32 r;
+#if __CUDA_ARCH__ >= 800
   asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#else  // the paired convert is sm_80's: two single ones (the same rounding)
+  asm("{.reg .f16 l, h;\n cvt.rn.f16.f32 l, %1;\n cvt.rn.f16.f32 h, %2;\n mov.b32 %0, {l, h};}"
+      : "=r"(r) : "f"(lo), "f"(hi));
+#endif
   return r;
 }
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {

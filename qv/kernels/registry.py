@@ -36,14 +36,15 @@ TABLE: dict[str, dict[str, str | None]] = {
     "silu_mul":         {"reference": "silu_mul.reference", "triton": "silu_mul.triton", "sm70": None},
     "sigmoid_mul":      {"reference": "sigmoid_mul.reference", "triton": "sigmoid_mul.triton", "sm70": None},
     "gelu":             {"reference": "gelu.reference", "triton": "gelu.triton", "sm70": None},
-    "linear":           {"reference": "linear.reference", "triton": "linear.triton", "sm70": None},
+    "linear":           {"reference": "linear.reference", "triton": "linear.triton", "sm70": "linear.cuda_sm70"},
     "lora_delta":       {"reference": "lora_delta.reference", "triton": "lora_delta.triton", "sm70": None},
     "write_kv":         {"reference": "write_kv.reference", "triton": "write_kv.triton", "sm70": None},
-    "paged_attention":  {"reference": "paged_attention.reference", "triton": "paged_attention.triton", "sm70": None},
+    "paged_attention":  {"reference": "paged_attention.reference", "triton": "paged_attention.triton",
+                         "sm70": "paged_attention.cuda_sm70"},
     "varlen_attention": {"reference": "varlen_attention.reference", "triton": "varlen_attention.triton", "sm70": None},
     "causal_conv1d":    {"reference": "causal_conv1d.reference", "triton": "causal_conv1d.triton", "sm70": None},
     "gated_delta_rule": {"reference": "gated_delta_rule.reference", "triton": "gated_delta_rule.triton",
-                         "sm70": None},
+                         "sm70": "gated_delta_rule.cuda_sm70"},
 }
 
 _impls: dict[str, dict[str, Callable]] = {}

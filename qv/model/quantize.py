@@ -33,7 +33,6 @@ DEFAULT_EXCLUDE = (
     r".*\.linear_attn\.in_proj_[ab]$",  # GDN beta/decay gates: [Hv, H], too small to pay, precision-critical
     r".*\.linear_attn\.conv1d$",  # depthwise conv, not a linear
     r".*norm$",  # RMSNorm weights (1-D anyway)
-    r"mtp\.",  # the MTP drafter head stays dense, like Qwen's own GPTQ releases
     r"model\.visual\.",  # the vision tower stays dense, like Qwen's own GPTQ releases
 )
 PACK = 4  # int8 codes per int32

@@ -8,11 +8,13 @@ the items' vision tokens after rendering.
 
 A request's media goes through three stages, each failure a 400 naming the part:
 1. fetch every source concurrently (async: nothing waits on the event loop);
-2. read every header (qv.engine.media.open_media) and refuse the request when its pixels in all
-   pass `media_max_pixels`: a bomb or a pile of huge images is refused before anything is decoded;
+2. read every header (qv.engine.media.open_media; MP4/WebM through PyAV with their frame count,
+   refused past `media_max_video_frames`) and refuse the request when its pixels in all pass
+   `media_max_pixels`: a bomb, a pile of huge images or a long 4K video is refused before
+   anything is decoded;
 3. decode and preprocess item by item in a small pool of worker threads shared by all requests
    (`media_decode_threads`), so decoding never runs on the event loop and at most that many
-   decoded images are held at once.
+   decoded images are held at once; a video's decoding stops past `media_video_decode_timeout_s`.
 
 Clef and other callers with their own request shapes use `items`, `load` and `from_bytes`.
 """
@@ -26,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 from qv.config import EngineConfig
-from qv.engine.media import MediaError, OpenedMedia, open_media
+from qv.engine.media import MediaError, OpenedMedia, VideoLimits
 from qv.errors import InvalidRequestError
 from qv.server.errors import bad_request
 from qv.server.media_fetch import MediaFetcher
@@ -129,6 +131,7 @@ class ServerMedia:
         self.off_reason = off_reason or "it has no vision tower, or media_max_images and media_max_videos are 0"
         self.max_images, self.max_videos = cfg.media_max_images, cfg.media_max_videos
         self.max_pixels = cfg.media_max_pixels
+        self.video_limits = VideoLimits(cfg.media_max_video_frames, cfg.media_video_decode_timeout_s)
         self.fetcher = MediaFetcher(cfg.media_max_bytes, cfg.media_timeout_s, cfg.media_allowed_domains,
                                     cfg.media_local_dir, cfg.media_allowed_networks)
         self.pool = ThreadPoolExecutor(cfg.media_decode_threads, thread_name_prefix="qv-media")
@@ -142,10 +145,9 @@ class ServerMedia:
             return bytes(source)
         return await self.fetcher.fetch_bytes(source, where)
 
-    @staticmethod
-    def _open(data: bytes, kind: str, where: str) -> OpenedMedia:
+    def _open(self, data: bytes, kind: str, where: str) -> OpenedMedia:
         try:
-            return open_media(data, kind)
+            return self.inputs.open(data, kind, self.video_limits)
         except MediaError as exc:
             raise bad_request(f"{where}: {exc}", where) from None
 

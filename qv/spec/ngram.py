@@ -29,6 +29,6 @@ def _latest_match(seq: np.ndarray, k: int, min_n: int, max_n: int) -> int:
 
 def propose_ngram(tokens: list[int] | np.ndarray, k: int, min_n: int = 2, max_n: int = 8,
                   window: int = WINDOW) -> list[int] | None:
-    seq = np.asarray(tokens[-window:], dtype=np.int64)
+    seq = np.ascontiguousarray(tokens[-window:], dtype=np.int64)
     start = _latest_match(seq, k, min_n, max_n)
     return None if start < 0 else seq[start:start + k].tolist()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from qv.config import ModelConfig
@@ -18,6 +17,35 @@ from qv.spec.ngram import propose_ngram
 
 PROBE_SAMPLES = 4  # acceptance samples per source before `auto` trusts its running means
 REPROBE_EVERY = 16  # then the other source is tried again every this many drafts
+# Backoff: after FAILURES_TO_PAUSE drafts in a row with nothing accepted a sequence stops drafting for a pause
+# that doubles from MIN_PAUSE to MAX_PAUSE decode steps; after a pause one failed probe pauses it again and one
+# accepted token ends the backoff. A sequence whose drafts never pay thus drafts in at most 1 of MAX_PAUSE + 1
+# steps once backed off (FAILURES_TO_PAUSE + log2(MAX_PAUSE / MIN_PAUSE) probes before that).
+FAILURES_TO_PAUSE = 4
+MIN_PAUSE, MAX_PAUSE = 4, 64
+
+
+@dataclass
+class Backoff:
+    failures: int = 0  # drafts in a row that accepted nothing
+    pause: int = 0  # decode steps left without drafts
+    next_pause: int = MIN_PAUSE
+
+    def drafted(self, accepted: int) -> None:
+        if accepted:
+            self.failures, self.next_pause = 0, MIN_PAUSE
+            return
+        self.failures += 1
+        if self.failures >= FAILURES_TO_PAUSE:
+            self.pause, self.next_pause = self.next_pause, min(2 * self.next_pause, MAX_PAUSE)
+            self.failures = FAILURES_TO_PAUSE - 1  # the probe after the pause decides alone
+
+    def paused(self) -> bool:
+        """Whether this decode step skips drafting (counts the step down)."""
+        if self.pause:
+            self.pause -= 1
+            return True
+        return False
 
 
 @dataclass
@@ -46,8 +74,11 @@ class SourceScore:
 
 class Speculator:
     def __init__(self, mode: str, k: int, head: MTPHead | None, cfg: ModelConfig, cache: HybridCache,
-                 max_seqs: int, device: torch.device):
+                 max_seqs: int, device: torch.device, policy: str = "backoff"):
         self.mode, self.k, self.head, self.cache = mode, k, head, cache
+        # "backoff" (serving), "always" (drafts every step, never backs off), "off" (no drafts and no MTP work
+        # at all: the plain step a benchmark compares with)
+        self.policy = policy
         self.max_seqs = max_seqs
         hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.inter_ssm = {i: torch.zeros(max_seqs, k + 1, hv, dk, dv, device=device) for i in cache.gdn}
@@ -61,8 +92,19 @@ class Speculator:
 
     # -- host side: which source drafts next, and n-gram drafts ------------------------------
     def next_drafts(self, seq, mtp_drafts: list[int] | None) -> tuple[list[int], str | None]:
-        """Drafts for the sequence's next step: exactly k tokens, or none."""
-        tail = seq.token_slice(max(0, seq.num_tokens - NGRAM_WINDOW), seq.num_tokens)  # not the whole context
+        """Drafts for the sequence's next step: exactly k tokens, or none (backed off, or no n-gram match).
+        Either way seq.spare_drafts gets k tokens a decode-only step may verify it with."""
+        seq.spare_drafts = mtp_drafts or [seq.token_at(seq.num_tokens - 1)] * self.k
+        backoff = seq.spec_backoff = seq.spec_backoff or Backoff()
+        if self.policy == "off" or (backoff.paused() and self.policy == "backoff"):
+            return [], None
+        drafts, source = self._choose(seq, mtp_drafts)
+        if not drafts and self.policy == "always":  # every step verifies, spare drafts where the source has none
+            return list(seq.spare_drafts), "filler"
+        return drafts, source
+
+    def _choose(self, seq, mtp_drafts: list[int] | None) -> tuple[list[int], str | None]:
+        tail = seq.token_array(max(0, seq.num_tokens - NGRAM_WINDOW))  # not the whole context
         ngram = propose_ngram(tail, self.k) if self.mode in ("ngram", "auto") else None
         if self.mode == "ngram" or mtp_drafts is None:
             return (ngram, "ngram") if ngram else ([], None)
@@ -78,6 +120,12 @@ class Speculator:
         return (ngram, "ngram") if pick == "ngram" else (mtp_drafts, "mtp")
 
     def record(self, seq, source: str, accepted: int) -> None:
+        """A verified draft's outcome. Spare drafts (source "filler") verified only to keep the step uniform
+        count in neither the metrics nor the backoff: nobody asked for them."""
+        if source == "filler":
+            return
+        if self.policy == "backoff":
+            seq.spec_backoff.drafted(accepted)
         s = self.stats
         s.num_drafts += 1
         s.num_draft_tokens += self.k
@@ -106,32 +154,49 @@ class Speculator:
             st.conv[slots] = self.inter_conv[i][pick, num_accepted]
 
     # -- device side: MTP drafts for the next step --------------------------------------------
-    def draft_mtp(self, positions: torch.Tensor, hidden: torch.Tensor, batch: StepBatch, next_ids: torch.Tensor,
-                  draft_rows: torch.Tensor | None, draft_seqs: np.ndarray, max_seq_len: int,
-                  rope: torch.Tensor | None = None, rope_delta: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Run the head over every row of the step (its KV catches up with the target), then k-1 more
-        single-row steps from `draft_rows` (the last valid row of each drafting sequence). Returns [D, k].
-        `positions` are token indices (KV slots); with images the rotary positions differ: `rope` is the
-        step's ([T] or mRoPE [3, T]) and `rope_delta` [D] what each draft position (past its prompt) adds."""
-        head, bs = self.head, self.cache.block_size
-        out = head.forward(next_ids, hidden, positions if rope is None else rope, batch, self.cache)
-        if draft_rows is None:
+    def mtp_work(self, seqs) -> str | None:
+        """What the MTP head does after a step over `seqs`: "draft" (its KV catches up with the step's rows,
+        then k drafts a sequence), "catch_up" (the KV only: every sequence is backed off, and drafting
+        later needs the head's KV at every position; also where more sequences run than can verify next
+        step) or None (no MTP head, or policy "off")."""
+        if not self.uses_mtp or self.policy == "off":
             return None
-        ids = next_ids
+        if len(seqs) > self.max_seqs:  # too many to verify next step (scheduler._even_drafts): no drafts needed
+            return "catch_up"
+        if self.policy == "always" or any(s.spec_backoff is None or s.spec_backoff.pause == 0 for s in seqs):
+            return "draft"
+        return "catch_up"
+
+    def catch_up(self, positions: torch.Tensor, hidden: torch.Tensor, batch: StepBatch, next_ids: torch.Tensor,
+                 rope: torch.Tensor | None = None) -> torch.Tensor:
+        """The head over every row of the step: its KV catches up with the target's. `positions` are token
+        indices (KV slots); with images the rotary positions differ and `rope` holds the step's ([T] or
+        mRoPE [3, T]). Returns the head's output states [T, H]."""
+        return self.head.forward(next_ids, hidden, positions if rope is None else rope, batch, self.cache)
+
+    def walk(self, out: torch.Tensor, positions: torch.Tensor, next_ids: torch.Tensor, draft_rows: torch.Tensor,
+             tables: torch.Tensor, valid: torch.Tensor | None, max_seq_len: int,
+             rope_delta: torch.Tensor | None = None) -> torch.Tensor:
+        """k drafts for each drafting sequence from the catch-up's output states `out`: the first from its
+        last valid row (`draft_rows` [D]), then k-1 single-row head steps, each feeding its draft and state
+        back in. tables [D, MB]: the sequences' block tables; valid [D] bool (None: all) leaves padding rows
+        inert (no KV writes); rope_delta [D]: what each draft position adds to get its rotary position
+        (images). Launch shapes depend on D, k and max_seq_len only, so a CUDA graph can hold it. [D, k]."""
+        head, bs = self.head, self.cache.block_size
         state = out[draft_rows]
         drafts = [head.draft_ids(state)]
         pos = positions[draft_rows]
-        d = len(draft_seqs)
-        tables = batch.attn.block_tables[torch.from_numpy(draft_seqs).to(ids.device)]
-        cu = torch.arange(d + 1, dtype=torch.int32, device=ids.device)
-        rows = torch.arange(d, device=ids.device)
-        no_state = torch.zeros(d, dtype=torch.bool, device=ids.device)
+        d, dev = draft_rows.shape[0], out.device
+        cu = torch.arange(d + 1, dtype=torch.int32, device=dev)
+        rows = torch.arange(d, device=dev)
+        no_state = torch.zeros(d, dtype=torch.bool, device=dev)
         for step in range(1, self.k):
             p = pos + step
             slot_mapping = tables[rows, p // bs].long() * bs + p % bs
+            if valid is not None:
+                slot_mapping = torch.where(valid, slot_mapping, -1)
             ar = StepBatch(cu, 1, AttentionMeta(slot_mapping, tables, (p + 1).to(torch.int32), max_seq_len + step),
-                           GDNMeta(torch.zeros(d, dtype=torch.int64, device=ids.device), no_state),
-                           logits_indices=rows)
+                           GDNMeta(torch.zeros(d, dtype=torch.int64, device=dev), no_state), logits_indices=rows)
             state = head.forward(drafts[-1], state, p if rope_delta is None else p + rope_delta, ar, self.cache)
             drafts.append(head.draft_ids(state))
         return torch.stack(drafts, dim=1)

@@ -34,9 +34,19 @@ def test_triton_with_graphs_equals_reference_fp32(tiny_dirs):
     assert out == ref
 
 
-def test_speculation_exact_on_gpu(tmp_path):
+def test_speculation_exact_on_gpu(tmp_path, monkeypatch):
+    """Greedy tokens with MTP and n-gram drafts equal speculation off, through the verification graphs and
+    the MTP head's graphs (their replays counted)."""
+    from qv.engine.cuda_graphs import DecodeGraphs
     from qv.model.tiny import make_tiny
     from qv.spec.fit import fit_mtp_head
+
+    replays = {"decode": 0, "verify": 0, "mtp": 0}
+    run, run_mtp = DecodeGraphs.run, DecodeGraphs.run_mtp
+    monkeypatch.setattr(DecodeGraphs, "run", lambda self, *a: replays.__setitem__(
+        "decode" if self.q == 1 else "verify", replays["decode" if self.q == 1 else "verify"] + 1) or run(self, *a))
+    monkeypatch.setattr(DecodeGraphs, "run_mtp", lambda self, *a: replays.__setitem__(
+        "mtp", replays["mtp"] + 1) or run_mtp(self, *a))
 
     model_dir = str(make_tiny(tmp_path / "spec", "spec", seed=3, mtp=True))
     fit_mtp_head(model_dir, steps=200, log=lambda *_: None)
@@ -46,7 +56,8 @@ def test_speculation_exact_on_gpu(tmp_path):
     for mode in ("mtp", "ngram"):
         out, llm = _tokens(model_dir, prompts, params, kernels="triton", dtype="float32", spec=mode, spec_k=3)
         assert out == base, mode
-    assert llm.engine.spec.stats.num_drafts > 0
+        assert llm.engine.runner.verify_graphs is not None and llm.engine.spec.stats.num_drafts > 0
+    assert replays["verify"] > 0 and replays["mtp"] > 0, replays
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

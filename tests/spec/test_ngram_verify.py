@@ -100,3 +100,21 @@ def _chi2(counts, expect, name):
     chi2 = float((((counts - expect) ** 2) / expect)[live].sum())
     df = int(live.sum()) - 1
     assert chi2 < CHI2_CRIT[df], f"{name}: chi2 {chi2:.1f} (df {df}); counts {counts.tolist()} expect {expect.tolist()}"
+
+
+def test_token_array_follows_the_sequence():
+    """The n-gram lookup's NumPy view of a sequence stays equal to its token lists as tokens are appended,
+    a placeholder is replaced in place and the buffer grows."""
+    from qv.engine.sequence import PENDING, Sequence
+
+    rng = random.Random()
+    seq = Sequence(0, "r", 0, [rng.randrange(1000) for _ in range(rng.randrange(1, 300))], None, 10, 0, None, 0)
+    for _ in range(700):
+        if rng.random() < 0.2:
+            seq.output_token_ids.append(PENDING)
+            seq.token_array(0)
+            seq.output_token_ids[-1] = rng.randrange(1000)  # the real token replaces the placeholder
+        else:
+            seq.output_token_ids.append(rng.randrange(1000))
+        start = rng.randrange(seq.num_tokens)
+        assert seq.token_array(start).tolist() == seq.all_token_ids()[start:]

@@ -115,13 +115,26 @@ def test_acceptance_lengths(fitted_dir):
 
 
 @pytest.mark.parametrize("mode", ["mtp", "auto"])
-def test_more_sequences_than_spec_max_seqs(fitted_dir, mode):
-    """More sequences in flight than the speculator's per-position state buffers: the extras decode
-    without drafts that step (the engine used to fail with an IndexError past 16)."""
+def test_more_sequences_than_spec_max_seqs(fitted_dir, mode, monkeypatch):
+    """Three times more sequences in flight than the speculator's per-position state buffers (the engine
+    used to fail with an IndexError past 16): while more than 4 decode, no step verifies (a step mixing
+    verification rows with single rows could not replay a CUDA graph); as they finish, the rest
+    verify drafts again, every sequence of a step alike. Greedy outputs equal speculation off."""
     rng = random.Random()
-    prompts = [{"prompt_token_ids": model_list(rng.randrange(4, 15), rng.randrange(CYCLE)) * 2} for _ in range(11)]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [{"prompt_token_ids": model_list(rng.randrange(4, 15), rng.randrange(CYCLE)) * 2} for _ in range(12)]
+    params = [SamplingParams(temperature=0, max_tokens=6 + 3 * i, ignore_eos=True) for i in range(12)]
     base, _ = _run(fitted_dir, prompts, params)
+    from qv.engine.runner import ModelRunner
+    shapes, prepare = [], ModelRunner.prepare
+
+    def spy(self, plan):
+        st = prepare(self, plan)
+        shapes.append((len(st.seqs), st.num_spec))
+        return st
+
+    monkeypatch.setattr(ModelRunner, "prepare", spy)
     outs, llm = _run(fitted_dir, prompts, params, spec=mode, spec_k=3, spec_max_seqs=4)
-    _assert_same(outs, base, f"spec={mode} with 11 sequences over 4 verification slots")
+    _assert_same(outs, base, f"spec={mode} with 12 sequences over 4 verification slots")
     assert llm.engine.spec.stats.num_accepted_tokens > 0
+    assert all(n_spec in (0, n) and n_spec <= 4 for n, n_spec in shapes), shapes
+    assert any(n > 4 for n, _ in shapes) and any(n_spec for _, n_spec in shapes), shapes

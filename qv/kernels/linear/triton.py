@@ -179,7 +179,7 @@ def rows_to_f16(x2):
     return y, r
 
 
-def _dequant_matmul(x2, w, bias, out):
+def dequant_matmul(x2, w, bias, out):
     """Large M (prefill): W dequantized once into a [K, N] workspace in x's dtype, then cuBLAS. The extra
     traffic (K*N codes read, 2 K*N bytes written and read) is small next to the 2*M*K*N FLOPs."""
     k, n = w.qweight.shape
@@ -220,7 +220,7 @@ def gptq_linear(x, w, bias=None, config=None):
     if kind != "dot":  # that GEMV's settings do not apply to the paths below
         config = {}
     if m >= config.pop("dequant_min_m", 1 << 30 if interpreting(x.device) else 1024):
-        _dequant_matmul(x2, w, bias, out)
+        dequant_matmul(x2, w, bias, out)
         return out.view(*shape[:-1], n)
     f16 = sequential and x.dtype in (torch.float16, torch.bfloat16)
     cfg = dict(gptq_config(x.device, m, n, k, w.group_size, f16), **(config or {}))
