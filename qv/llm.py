@@ -35,8 +35,7 @@ class LLM:
         if unknown:
             raise InvalidRequestError(f"multi_modal_data takes 'image' and 'video', not {', '.join(unknown)}")
         if self.engine.multimodal is None:
-            raise InvalidRequestError("this model serves no images or videos (no vision tower, or media_max_images "
-                                      "and media_max_videos are 0)")
+            raise InvalidRequestError(f"this model serves no images or videos: {self.engine.media_off}")
         as_list = lambda x: [] if x is None else list(x) if isinstance(x, list) else [x]  # noqa: E731
         return self.engine.multimodal.from_data(ids, as_list(data.get("image")), as_list(data.get("video")))
 

@@ -1,6 +1,7 @@
 """The model's configuration, parsed from a Hugging Face config.json (and quantize_config.json): the text
-model's geometry, the optional vision tower and the GPTQ settings. Every bad or unsupported field raises
-ConfigError naming it. (The engine levers are in qv/config.py, which re-exports these names.)"""
+model's geometry, the optional vision tower and the GPTQ settings. A key the config leaves out takes
+transformers' default for Qwen3.5 (TEXT_DEFAULTS and the tables beside it); every bad or unsupported
+field raises ConfigError naming it. (The engine levers are in qv/config.py, which re-exports these names.)"""
 
 from __future__ import annotations
 
@@ -153,29 +154,37 @@ class ModelConfig:
         return _parse_text(raw, text, arch, quant_override)
 
 
-_REQUIRED_TEXT = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "linear_num_key_heads",
-    "linear_num_value_heads",
-    "linear_key_head_dim",
-    "linear_value_head_dim",
-    "linear_conv_kernel_dim",
-)
+# Keys a config leaves out take transformers' defaults (transformers 5.24, configuration_qwen3_5.py
+# and the Qwen3.5 modeling code that reads the config), so a checkpoint means what it means there.
+TEXT_DEFAULTS = {  # Qwen3_5TextConfig
+    "vocab_size": 248320, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 32,
+    "num_attention_heads": 16, "num_key_value_heads": 4, "hidden_act": "silu", "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_bias": False, "head_dim": 256,
+    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "full_attention_interval": 4,
+    "partial_rotary_factor": 0.25,
+}
+ROPE_THETA = 10000.0  # RotaryEmbeddingConfigMixin.default_theta
+# Qwen3_5TextRotaryEmbedding: rope_parameters.get("mrope_section", [11, 11, 10]); its mRoPE is always
+# interleaved (an explicit mrope_interleaved=false is honoured here, as vLLM does; transformers ignores it)
+MROPE_SECTION = (11, 11, 10)
+TOKEN_DEFAULTS = {"image_token_id": 248056, "video_token_id": 248057, "vision_start_token_id": 248053,
+                  "vision_end_token_id": 248054}  # Qwen3_5Config
+VISION_DEFAULTS = {  # Qwen3_5VisionConfig
+    "depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16, "in_channels": 3, "patch_size": 16,
+    "temporal_patch_size": 2, "spatial_merge_size": 2, "out_hidden_size": 3584, "num_position_embeddings": 2304,
+    "hidden_act": "gelu_pytorch_tanh",
+}
 
 
 def _parse_text(top: dict, text: dict, arch: str, quant_override: dict | None) -> ModelConfig:
-    missing = [k for k in _REQUIRED_TEXT if k not in text]
-    if missing:
-        raise ConfigError(f"config.json lacks required text fields: {', '.join(missing)}")
-    n_layers = int(text["num_hidden_layers"])
+    def get(key: str):
+        return text.get(key, TEXT_DEFAULTS[key])
+
+    n_layers = int(get("num_hidden_layers"))
     layer_types = text.get("layer_types")
     if layer_types is None:
-        interval = int(text.get("full_attention_interval", 4))
+        interval = int(get("full_attention_interval"))
         layer_types = [
             "linear_attention" if (i + 1) % interval else "full_attention" for i in range(n_layers)
         ]
@@ -190,60 +199,64 @@ def _parse_text(top: dict, text: dict, arch: str, quant_override: dict | None) -
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "mrope"):
         raise ConfigError(f"unsupported rope_type {rope_type!r}: qv implements default/mrope rotary")
-    theta = rope.get("rope_theta", text.get("rope_theta"))
-    if theta is None:
-        raise ConfigError("config.json lacks rope_theta (in rope_parameters or the text config)")
-    prf = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
-    section = rope.get("mrope_section")
+    theta = rope.get("rope_theta", text.get("rope_theta", ROPE_THETA))
+    prf = rope.get("partial_rotary_factor", get("partial_rotary_factor"))
+    section = tuple(rope.get("mrope_section") or MROPE_SECTION)
+    interleaved = bool(rope.get("mrope_interleaved", True))
 
-    heads = int(text["num_attention_heads"])
-    head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
-    if heads % int(text["num_key_value_heads"]):
+    heads = int(get("num_attention_heads"))
+    head_dim = get("head_dim")
+    head_dim = int(head_dim) if head_dim is not None else int(get("hidden_size")) // heads
+    if heads % int(get("num_key_value_heads")):
         raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
-    if int(text["linear_num_value_heads"]) % int(text["linear_num_key_heads"]):
+    if int(get("linear_num_value_heads")) % int(get("linear_num_key_heads")):
         raise ConfigError("linear_num_value_heads must be a multiple of linear_num_key_heads")
-    if section is not None and 2 * sum(section) != int(head_dim * prf):
+    if not interleaved and 2 * sum(section) != int(head_dim * prf):  # interleaved slots past rotary_dim/2 drop out
         raise ConfigError(
-            f"mrope_section {section} sums to {sum(section)}, expected rotary_dim/2 = {int(head_dim * prf) // 2}"
+            f"mrope_section {list(section)} sums to {sum(section)}, expected rotary_dim/2 = {int(head_dim * prf) // 2} "
+            "for contiguous (mrope_interleaved=false) sections"
         )
 
     eos = text.get("eos_token_id", top.get("eos_token_id"))
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
 
-    vision = _parse_vision(top.get("vision_config")) if arch == "Qwen3_5ForConditionalGeneration" else None
+    multimodal = arch == "Qwen3_5ForConditionalGeneration"
+    vision = _parse_vision(top.get("vision_config")) if multimodal else None
     quant_raw = quant_override if quant_override is not None else top.get("quantization_config")
-    tie = bool(text.get("tie_word_embeddings", top.get("tie_word_embeddings", False)))
+    # transformers ties the multimodal model's lm_head by the top-level flag alone
+    tie = bool(top.get("tie_word_embeddings", False) if multimodal else get("tie_word_embeddings"))
+    tokens = {k: top.get(k, v) if multimodal else top.get(k) for k, v in TOKEN_DEFAULTS.items()}
     return ModelConfig(
         architecture=arch,
-        vocab_size=int(text["vocab_size"]),
-        hidden_size=int(text["hidden_size"]),
-        intermediate_size=int(text["intermediate_size"]),
+        vocab_size=int(get("vocab_size")),
+        hidden_size=int(get("hidden_size")),
+        intermediate_size=int(get("intermediate_size")),
         num_hidden_layers=n_layers,
         layer_types=layer_types,
         num_attention_heads=heads,
-        num_key_value_heads=int(text["num_key_value_heads"]),
+        num_key_value_heads=int(get("num_key_value_heads")),
         head_dim=head_dim,
-        linear_num_key_heads=int(text["linear_num_key_heads"]),
-        linear_num_value_heads=int(text["linear_num_value_heads"]),
-        linear_key_head_dim=int(text["linear_key_head_dim"]),
-        linear_value_head_dim=int(text["linear_value_head_dim"]),
-        linear_conv_kernel_dim=int(text["linear_conv_kernel_dim"]),
-        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+        linear_num_key_heads=int(get("linear_num_key_heads")),
+        linear_num_value_heads=int(get("linear_num_value_heads")),
+        linear_key_head_dim=int(get("linear_key_head_dim")),
+        linear_value_head_dim=int(get("linear_value_head_dim")),
+        linear_conv_kernel_dim=int(get("linear_conv_kernel_dim")),
+        rms_norm_eps=float(get("rms_norm_eps")),
         rope_theta=float(theta),
         partial_rotary_factor=float(prf),
-        mrope_section=tuple(section) if section else None,
-        mrope_interleaved=bool(rope.get("mrope_interleaved", False)),
-        attn_output_gate=bool(text.get("attn_output_gate", True)),
-        attention_bias=bool(text.get("attention_bias", False)),
+        mrope_section=section,
+        mrope_interleaved=interleaved,
+        attn_output_gate=bool(text.get("attn_output_gate", True)),  # transformers' Qwen3.5 attention is always gated
+        attention_bias=bool(get("attention_bias")),
         tie_word_embeddings=tie,
-        max_position_embeddings=int(text.get("max_position_embeddings", 262144)),
-        hidden_act=str(text.get("hidden_act", "silu")),
+        max_position_embeddings=int(get("max_position_embeddings")),
+        hidden_act=str(get("hidden_act")),
         eos_token_ids=eos_ids,
-        mtp_num_hidden_layers=int(text.get("mtp_num_hidden_layers", 0)),
-        image_token_id=top.get("image_token_id"),
-        video_token_id=top.get("video_token_id"),
-        vision_start_token_id=top.get("vision_start_token_id"),
-        vision_end_token_id=top.get("vision_end_token_id"),
+        mtp_num_hidden_layers=int(text.get("mtp_num_hidden_layers", 0)),  # not transformers' (it skips mtp.*)
+        image_token_id=tokens["image_token_id"],
+        video_token_id=tokens["video_token_id"],
+        vision_start_token_id=tokens["vision_start_token_id"],
+        vision_end_token_id=tokens["vision_end_token_id"],
         vision=vision,
         quant=_parse_quant(quant_raw) if quant_raw else None,
         torch_dtype=text.get("dtype", text.get("torch_dtype", top.get("dtype", top.get("torch_dtype")))),
@@ -253,20 +266,23 @@ def _parse_text(top: dict, text: dict, arch: str, quant_override: dict | None) -
 def _parse_vision(raw: dict | None) -> VisionConfig | None:
     if not raw:
         return None
-    patch = raw.get("patch_size", 16)
-    tpatch = raw.get("temporal_patch_size", 2)
+
+    def get(key: str, alias: str | None = None):
+        return raw.get(key, raw.get(alias, VISION_DEFAULTS[key]) if alias else VISION_DEFAULTS[key])
+
+    patch, tpatch = get("patch_size"), get("temporal_patch_size")
     return VisionConfig(
-        depth=int(raw.get("depth", raw.get("num_hidden_layers", 27))),
-        hidden_size=int(raw.get("hidden_size", 1152)),
-        intermediate_size=int(raw.get("intermediate_size", 4304)),
-        num_heads=int(raw.get("num_heads", raw.get("num_attention_heads", 16))),
-        in_channels=int(raw.get("in_channels", 3)),
+        depth=int(get("depth", "num_hidden_layers")),
+        hidden_size=int(get("hidden_size")),
+        intermediate_size=int(get("intermediate_size")),
+        num_heads=int(get("num_heads", "num_attention_heads")),
+        in_channels=int(get("in_channels")),
         patch_size=int(patch[0] if isinstance(patch, (list, tuple)) else patch),
         temporal_patch_size=int(tpatch[0] if isinstance(tpatch, (list, tuple)) else tpatch),
-        spatial_merge_size=int(raw.get("spatial_merge_size", 2)),
-        out_hidden_size=int(raw.get("out_hidden_size", 3584)),
-        num_position_embeddings=int(raw.get("num_position_embeddings", 2304)),
-        hidden_act=str(raw.get("hidden_act", "gelu_pytorch_tanh")),
+        spatial_merge_size=int(get("spatial_merge_size")),
+        out_hidden_size=int(get("out_hidden_size")),
+        num_position_embeddings=int(get("num_position_embeddings")),
+        hidden_act=str(get("hidden_act")),
         deepstack_visual_indexes=tuple(raw.get("deepstack_visual_indexes") or ()),
     )
 

@@ -73,13 +73,6 @@ def test_quantization_config_and_legacy_file(tmp_path):
 # ---- model config errors ----------------------------------------------------------------------
 
 
-def _drop(*keys):
-    def f(raw):
-        for k in keys:
-            del text(raw)[k]
-    return f
-
-
 def _set(key, value, where="text"):
     def f(raw):
         (text(raw) if where == "text" else raw)[key] = value
@@ -102,13 +95,11 @@ MODEL_ERRORS = [
     ("unknown model_type", _set("model_type", "llama", "top"), ["'llama'", "model_type"]),
     ("unknown architecture", _set("architectures", ["LlamaForCausalLM"], "top"), ["LlamaForCausalLM"]),
     ("no text_config", lambda raw: raw.pop("text_config"), ["text_config"]),
-    ("missing fields", _drop("hidden_size", "linear_key_head_dim"), ["hidden_size", "linear_key_head_dim"]),
     ("layer_types length", lambda raw: text(raw)["layer_types"].pop(), ["layer_types", "3 entries"]),
     ("layer_types value", lambda raw: text(raw)["layer_types"].__setitem__(1, "sliding_attention"),
      ["sliding_attention"]),
     ("rope type", _rope(rope_type="yarn"), ["rope_type", "yarn"]),
-    ("no rope_theta", lambda raw: text(raw)["rope_parameters"].pop("rope_theta"), ["rope_theta"]),
-    ("mrope_section", _rope(mrope_section=[4, 4, 4]), ["mrope_section"]),
+    ("contiguous mrope_section", _rope(mrope_section=[4, 4, 4], mrope_interleaved=False), ["mrope_section"]),
     ("kv heads", _set("num_key_value_heads", 4), ["num_key_value_heads"]),
     ("gdn heads", _set("linear_num_key_heads", 3), ["linear_num_key_heads"]),
     ("gptq bits", _quant(bits=4), ["bits=4"]),

@@ -68,6 +68,7 @@ class AsyncLLMEngine:
         self.max_model_len, self.generation_defaults = e.max_model_len, e.generation_defaults
         self.clef_cap = (e.clef.cap, e.clef.cap_name) if e.clef else None  # Clef served: record cap, what sets it
         self.multimodal = e.multimodal  # MultimodalInputs, or None without a vision tower
+        self.media_off = e.media_off  # why images and videos are off (None: on)
         self.compile_grammar = e.compile_grammar  # structured outputs: thread-safe, cached (call it off the loop)
         self.dead_error: str | None = None
         self._commands: queue.Queue = queue.Queue()

@@ -19,13 +19,13 @@ from qv.model.cache import (KV_DTYPES, STATE_DTYPES, HybridCache, allocate_cache
                             kv_bytes_per_block)
 from qv.model.qwen3_5 import Qwen3_5TextModel, held_bytes, load_text_model
 from qv.model.random_weights import checkpoint_reader, with_quantization
+from qv.model.vision_processor import missing_processor_config
 from qv.version import __version__
 
 log = logging.getLogger("qv")
 
 CPU_KV_BYTES = 256 << 20
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
-PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 ACTIVATION_RESERVE = 0.10  # share of the planned GPU budget left for activations and graphs
 
 
@@ -44,6 +44,7 @@ class EngineParts:
     vision: object | None = None  # qv.model.vision.VisionTower when the checkpoint has one (and media is on)
     clef: object | None = None  # qv.clef.adapters.ClefAssets when the folder has a Clef head and clef is on
     memory_plan: MemoryPlan | None = None
+    media_off: str | None = None  # why images and videos are off (None: on)
 
 
 def default_model_dir(state_dir: str = "") -> Path:
@@ -109,14 +110,23 @@ def resolve_model_dir(cfg: EngineConfig) -> Path:
     return model_dir
 
 
+def media_off_reason(cfg: EngineConfig, mcfg: ModelConfig, model_dir: Path) -> str | None:
+    """Why images and videos are off, in words for the 400 a request with media gets; None when
+    the vision tower loads (the config has one, media is on, the folder has the processor config)."""
+    if mcfg.vision is None:
+        return "it has no vision tower (its config.json has no vision_config)"
+    if not (cfg.media_max_images or cfg.media_max_videos):
+        return "media_max_images and media_max_videos are 0"
+    return missing_processor_config(model_dir)
+
+
 def wants_media(cfg: EngineConfig, mcfg: ModelConfig, model_dir: Path) -> bool:
-    """Whether the vision tower loads: the config has one, media is on, and the folder has a processor config."""
-    media = mcfg.vision is not None and bool(cfg.media_max_images or cfg.media_max_videos)
-    if media and not any((model_dir / f).is_file() for f in PROCESSOR_FILES):
-        log.warning("%s has a vision_config but no processor config (%s): images and videos are off",
-                    model_dir, " or ".join(PROCESSOR_FILES))
-        return False
-    return media
+    """Whether the vision tower loads; a vision checkpoint without its processor config serves text."""
+    reason = media_off_reason(cfg, mcfg, model_dir)
+    if reason is not None and mcfg.vision is not None and (cfg.media_max_images or cfg.media_max_videos):
+        log.warning("%s has a vision_config, but %s: it serves text, and requests with images or videos get a 400",
+                    model_dir, reason)
+    return reason is None
 
 
 def resolve_max_len(cfg: EngineConfig, mcfg: ModelConfig) -> int:
@@ -141,7 +151,7 @@ def build_engine_parts(cfg: EngineConfig) -> EngineParts:
     reader = checkpoint_reader(model_dir, mcfg, cfg.load_format, cfg.seed, device)
     log.info("loading %s on %s (%s, kernels=%s%s)", model_dir, device, dtype, cfg.kernels,
              ", random weights" if cfg.load_format == "random" else "")
-    vision = None
+    vision, media_off = None, media_off_reason(cfg, mcfg, model_dir)
     if wants_media(cfg, mcfg, model_dir):
         from qv.model.vision import load_multimodal_model
 
@@ -175,7 +185,7 @@ def build_engine_parts(cfg: EngineConfig) -> EngineParts:
     defaults = {k: gen[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                                     "presence_penalty", "frequency_penalty") if k in gen}
     return EngineParts(model_dir, mcfg, model, tokenizer, cache, max_len, eos_ids, defaults, mtp_head, prefix, vision,
-                       clef=clef, memory_plan=plan)
+                       clef=clef, memory_plan=plan, media_off=media_off)
 
 
 def plan_cache(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_model_len: int,

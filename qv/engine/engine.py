@@ -21,6 +21,7 @@ from qv.engine.detokenizer import IncrementalDetokenizer
 from qv.engine.kv_cache import KVBlockPool
 from qv.engine.multimodal import MultimodalInputs, MultimodalPrompt, VisionSteps, check_multimodal
 from qv.engine.prefix_cache import make_prefix_cache
+from qv.engine.prompt_logprobs import finished_prompt_logprobs, new_prompt_logprobs
 from qv.engine.request import (CompletionOutput, InvalidFieldError, InvalidRequestError, Logprob, RequestMetrics,
                                RequestOutput, SamplingParams)
 from qv.engine.runner import ModelRunner, StepHandle, StepResult
@@ -90,6 +91,7 @@ class LLMEngine:
                                    max_long_partial_prefills=cfg.max_long_partial_prefills,
                                    max_spec_seqs=self.spec.max_seqs if self.spec else 0)
         self.multimodal = self.media = None  # images/videos: prompt building and in-step encoding
+        self.media_off = parts.media_off  # why they are off, for the 400 a request with media gets
         if parts.vision is not None:
             self.multimodal = MultimodalInputs(parts.model_dir, parts.model_config, parts.tokenizer)
             step_rows = cfg.max_num_batched_tokens + (cfg.spec_k if self.spec else 0) * cfg.max_num_seqs  # as the runner's
@@ -143,6 +145,9 @@ class LLMEngine:
         if not ok:
             bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), prompt_token_ids[0])
             raise InvalidFieldError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})", "prompt")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > self.cfg.max_logprobs:
+            raise InvalidFieldError(f"Requested prompt logprobs of {params.prompt_logprobs}, which is greater than max "
+                                    f"allowed: {self.cfg.max_logprobs}", "prompt_logprobs")
         for field, token_ids in params.token_ids_to_check():
             if max(token_ids) >= vocab:
                 raise InvalidFieldError(f"{field}: token id {max(token_ids)} is outside the vocabulary [0, {vocab})",
@@ -187,7 +192,8 @@ class LLMEngine:
             seq = Sequence(next(self._seq_ids), request_id, i, list(prompt_token_ids), params, max_tokens,
                            base_seed + i, detok, arrival_order=next(self._seq_ids),
                            eos_token_ids=self.eos_token_ids, cache_salt=cache_salt, mm_hashes=mm_hashes, media=media,
-                           matcher=params.grammar.matcher() if params.grammar is not None else None)
+                           matcher=params.grammar.matcher() if params.grammar is not None else None,
+                           prompt_logprobs=new_prompt_logprobs(params, prompt_token_ids, self.tokenizer) if i == 0 else None)
             seqs.append(seq)
             if media is not None:
                 media.seqs.append(seq)
@@ -440,7 +446,7 @@ class LLMEngine:
         clef = self.clef.pop_result(req.request_id) if self.clef and finished else None
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished,
                              num_cached_tokens=min(s.num_cached_tokens for s in req.seqs), metrics=m, error=error,
-                             clef=clef)
+                             clef=clef, prompt_logprobs=finished_prompt_logprobs(req.seqs[0]))
 
     def _refresh_stats(self) -> None:
         s = self.stats

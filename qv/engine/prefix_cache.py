@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from qv.config import ConfigError
 from qv.engine.host_tier import HostTier
 from qv.engine.kv_cache import NO_CACHE, KVBlockPool
+from qv.engine.prompt_logprobs import cacheable_tokens
 from qv.engine.sequence import Sequence
 from qv.engine.state_pool import GDNSnapshotPool, block_tensors, slot_tensors
 from qv.model.cache import HybridCache
@@ -158,8 +159,10 @@ class PrefixCache:
             return None
         chain = self._full_chain(seq)
         found: list[int | None] = []
-        best = 0
+        best, cap = 0, cacheable_tokens(seq)  # prompt rows whose logprobs are still to compute are not skipped
         for k, (d, key) in enumerate(chain):
+            if (k + 1) * self.bs > cap:
+                break
             b = self.blocks.lookup(d, key)
             if b is None and not (self.host and self.host.has_block(d, key)):
                 break

@@ -50,7 +50,7 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None  # top-N logprobs per generated token (plus the sampled one)
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = None  # top-N logprobs per prompt token (plus the prompt token's own)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     grammar: Any = None  # qv.engine.structured.Grammar from LLMEngine.compile_grammar: constrains every sample
@@ -109,6 +109,10 @@ class SamplingParams:
         need(self.logprobs is None or (isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)
                                        and self.logprobs >= 0), "logprobs",
              f"logprobs must be non-negative, got {self.logprobs}")
+        need(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
+                                              and not isinstance(self.prompt_logprobs, bool)
+                                              and self.prompt_logprobs >= 0), "prompt_logprobs",
+             f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}")
         int64 = isinstance(self.seed, int) and not isinstance(self.seed, bool) and -(1 << 63) <= self.seed < (1 << 63)
         need(self.seed is None or int64, "seed", f"seed must be an integer in the int64 range, got {self.seed!r}")
         # sample i of n runs with seed + i, which must stay an int64
@@ -234,6 +238,9 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None  # set when the engine failed this request (finish_reason "error")
     clef: Any = None  # qv.engine.clef_rows.ClefResult of an answered Clef record (LLMEngine.add_clef)
+    # SamplingParams.prompt_logprobs: None first, then per prompt token {token id: Logprob} with the
+    # token itself and the top-n; None until the whole prompt is computed
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 # How many times shorter, in UTF-8 bytes, a normalizer can make a text (tests/server/test_hardening.py

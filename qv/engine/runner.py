@@ -1,7 +1,8 @@
 """One step: a StepPlan becomes flat tensors (built with NumPy in preallocated pinned buffers and
 copied to the device once), the model runs one forward over all rows, the rows that caught up
 with their tokens are sampled (or, for speculative rows, verified), and the next drafts are made.
-Everything comes back in one transfer: the only device-to-host sync of the step.
+Everything comes back in one transfer: the only device-to-host sync of the step (prompt logprobs,
+when a request asks for them, come in a bounded copy of their own: qv/engine/prompt_logprobs.py).
 
 `execute` launches a step and returns its StepHandle (the results' copy to pinned host memory is
 queued right behind the step's kernels); `collect` waits for that copy and unpacks it. Between
@@ -22,6 +23,7 @@ from qv.engine.sampler import SamplingBatch, logprobs_of, process, sample, token
 from qv.engine.clef_rows import ClefRows
 from qv.engine.cuda_graphs import DecodeGraphs
 from qv.engine.multimodal import VisionSteps
+from qv.engine.prompt_logprobs import PromptLogprobRows, launch_prompt_logprobs
 from qv.engine.scheduler import StepPlan
 from qv.engine.sequence import Sequence
 from qv.engine.structured import grammar_bitmask
@@ -101,6 +103,7 @@ class _Step:
     drafts: torch.Tensor | None  # [num_spec, k] the drafts being verified
     rope: torch.Tensor | None = None  # rotary positions when they are not the token indices (images: mRoPE)
     embeds: torch.Tensor | None = None  # input embeddings with vision rows, when a chunk holds media pads
+    prompt_logprobs: PromptLogprobRows | None = None  # prompt rows' logprobs, in their own bounded copy
     graphs: DecodeGraphs | None = None  # the graphs that replayed the forward (None: it ran eagerly)
 
 
@@ -285,6 +288,7 @@ class ModelRunner:
         """Launch the step; its results come from `collect`. With nothing in flight this is the whole step."""
         st = self.prepare(plan)
         hidden = self._forward(st)
+        st.prompt_logprobs = launch_prompt_logprobs(self.model, st.seqs, st.cu, hidden, st.next_ids, self.vocab_size)
         if self.clef is not None:  # Clef records: their rows into the joint head, chunk by chunk
             self.clef.take_hidden(st.seqs, st.cu, hidden, st.host_ids)
         mtp = self.spec.mtp_work(st.seqs) if self.spec else None
@@ -316,6 +320,8 @@ class ModelRunner:
 
     def collect(self, h: StepHandle) -> dict[Sequence, StepResult]:
         """Wait for a launched step's results (the step's one device-to-host sync) and unpack them."""
+        if h.st.prompt_logprobs is not None:  # its own bounded copy, queued before the results
+            h.st.prompt_logprobs.deliver()
         if h.host is None:
             return {}
         if h.copied is not None:

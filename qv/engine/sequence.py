@@ -63,6 +63,7 @@ class Sequence:
     spec_backoff: object | None = None  # qv.spec.speculator.Backoff: pauses drafting after failed drafts
     spec_scores: dict = field(default_factory=dict)  # draft source -> running acceptance (auto mode)
     matcher: object | None = None  # xgrammar.GrammarMatcher of a structured output (qv/engine/structured.py)
+    prompt_logprobs: object | None = None  # qv.engine.prompt_logprobs.PromptLogprobs (sample 0, when asked)
     _array: np.ndarray | None = field(default=None, repr=False)  # token_array's buffer
     _array_len: int = field(default=0, repr=False)
 

@@ -97,6 +97,22 @@ def _read_json(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def missing_processor_config(model_dir: str | Path) -> str | None:
+    """What the folder lacks for VisionProcessor.from_dir (the image processor's settings, where
+    transformers reads them), in words naming the file; None when nothing is missing."""
+    d = Path(model_dir)
+    nested = d / "processor_config.json"
+    if (d / "preprocessor_config.json").is_file():
+        return None
+    try:
+        if (_read_json(nested) or {}).get("image_processor"):
+            return None
+    except (ValueError, AttributeError):
+        return "its processor_config.json is not a JSON object, and it has no preprocessor_config.json"
+    also = ", and its processor_config.json has no image_processor section" if nested.is_file() else ""
+    return f"its folder has no preprocessor_config.json (the image processor's settings){also}"
+
+
 # ---------------------------------------------------------------------------------------------
 # sizes
 # ---------------------------------------------------------------------------------------------
@@ -204,7 +220,7 @@ class VisionProcessor:
         image = nested.get("image_processor") or _read_json(d / "preprocessor_config.json")
         video = nested.get("video_processor") or _read_json(d / "video_preprocessor_config.json")
         if image is None:
-            raise ConfigError(f"{d} has no preprocessor_config.json (nor processor_config.json image_processor)")
+            raise ConfigError(f"{d}: {missing_processor_config(d)}")
         # without a video file HF builds the video processor from preprocessor_config.json (legacy layout)
         video = video if video is not None else image
         return cls(_parse(image, _IMAGE_DEFAULTS, "image processor"), _parse(video, _VIDEO_DEFAULTS, "video processor"))

@@ -1,5 +1,6 @@
 """POST /v1/completions: string, string-list, token-id and token-id-list prompts; n samples per
-prompt (choice index = prompt index * n + sample index); logprobs; echo; SSE streaming."""
+prompt (choice index = prompt index * n + sample index); logprobs; echo (with logprobs, the prompt
+tokens' logprobs come first, as vLLM's); vLLM's prompt_logprobs; SSE streaming."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from qv.server.errors import APIError, bad_request, internal_error, sse_error
-from qv.server.logprobs import completion_logprobs
+from qv.server.logprobs import (completion_logprobs, echo_logprobs, joined, prompt_logprobs_field,
+                                prompt_logprobs_json)
 from qv.server.openai import read_request, stream_response, usage
 from qv.server.protocol import CompletionRequest
 from qv.server.state import ServerState, random_id
@@ -53,7 +55,8 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     state.check_model(req.model)
     state.check_logprobs(req.logprobs, "logprobs")
     items = _items(state, req)
-    params = state.sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs)
+    params = state.sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs, prompt_logprobs=(
+        prompt_logprobs_field(state, req.prompt_logprobs, req.logprobs if req.echo else None)))
     params.grammar = await compile_constraint(state, req)
     state.check_capacity(len(items) * req.n)  # the whole request at once, before the work
     prompts = await state.offload(size, _prompts, state, req, items, params)
@@ -82,7 +85,18 @@ async def create_completion(state: ServerState, request: Request) -> Response:
         seats.release()
         raise
     seats.release()
-    return JSONResponse(completion_response(state, req, head, prompts, finals))
+    if params.prompt_logprobs is None:
+        return JSONResponse(completion_response(state, req, head, prompts, finals))
+    # an entry per prompt token: built and rendered off the event loop
+    return await state.offload(0, lambda: JSONResponse(completion_response(state, req, head, prompts, finals)))
+
+
+def _echo_logprobs(state: ServerState, req: CompletionRequest, out) -> dict:
+    """The echoed prompt's part of `logprobs` (its prompt logprobs are in once the first token is)."""
+    if out.prompt_logprobs is None:
+        raise APIError(500, f"request {out.request_id}: prompt logprobs missing when its first token came (a qv bug)")
+    return echo_logprobs(out.prompt_token_ids, out.prompt_logprobs, req.logprobs, state.tokenizer,
+                         req.return_tokens_as_token_ids)
 
 
 def completion_response(state: ServerState, req: CompletionRequest, head: dict, prompts, finals) -> dict:
@@ -99,6 +113,10 @@ def completion_response(state: ServerState, req: CompletionRequest, head: dict, 
                 choice["logprobs"] = completion_logprobs(o.token_ids, o.logprobs or [], req.logprobs, state.tokenizer,
                                                          len(text_prefix), req.return_tokens_as_token_ids,
                                                          state.special_ids if req.skip_special_tokens else frozenset())
+                if req.echo:
+                    choice["logprobs"] = joined(_echo_logprobs(state, req, out), choice["logprobs"])
+            if out.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
             if req.return_token_ids:
                 choice["prompt_token_ids"] = list(out.prompt_token_ids)
                 choice["token_ids"] = list(o.token_ids)
@@ -128,6 +146,9 @@ async def completion_stream(state: ServerState, req: CompletionRequest, head: di
                 if idx in done:
                     continue
                 first = idx not in seen_text
+                if first and req.echo and req.logprobs is not None and out.prompt_logprobs is None and \
+                        o.finish_reason is None:
+                    continue  # sample 0 computes the prompt's logprobs; this sample's echo waits for them
                 prev_text, prev_n = seen_text.get(idx, ""), seen_tokens.get(idx, 0)
                 seen_text[idx], seen_tokens[idx] = o.text, len(o.token_ids)
                 new_text, new_ids = o.text[len(prev_text):], o.token_ids[prev_n:]
@@ -142,6 +163,8 @@ async def completion_stream(state: ServerState, req: CompletionRequest, head: di
                     choice["logprobs"] = completion_logprobs(new_ids, (o.logprobs or [])[prev_n:], req.logprobs,
                                                              state.tokenizer, offset, req.return_tokens_as_token_ids,
                                                              state.special_ids if req.skip_special_tokens else frozenset())
+                    if echo:
+                        choice["logprobs"] = joined(_echo_logprobs(state, req, out), choice["logprobs"])
                 if req.return_token_ids:
                     choice["token_ids"] = list(new_ids)
                     if first:

@@ -1,4 +1,5 @@
-"""Logprobs in the two OpenAI shapes (chat `content[]` entries, completions parallel lists)."""
+"""Logprobs in the two OpenAI shapes (chat `content[]` entries, completions parallel lists), and
+vLLM's prompt logprobs (`prompt_logprobs`, and the echoed prompt of completions)."""
 
 from __future__ import annotations
 
@@ -58,3 +59,36 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict], top_n: int, 
         if tid not in hidden_ids:
             offset += len(_token(tid, lp, tokenizer, False))
     return out
+
+
+def prompt_logprobs_field(state, asked: int | None, echo_top_n: int | None = None) -> int | None:
+    """SamplingParams.prompt_logprobs of a request, checked: the field, else (completions' echo with
+    logprobs) the logprobs number, as vLLM takes them; -1 is the whole vocabulary."""
+    n = asked if asked is not None else echo_top_n
+    if n == -1:
+        n = state.engine.model_config.vocab_size
+    state.check_logprobs(n, "prompt_logprobs")
+    return n
+
+
+def prompt_logprobs_json(entries: list[dict | None]) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: None for the first token, then {token id: {logprob, rank, decoded_token}}."""
+    return [None if e is None else {str(tid): {"logprob": _lp(lp.logprob), "rank": lp.rank,
+                                               "decoded_token": lp.decoded_token} for tid, lp in e.items()}
+            for e in entries]
+
+
+def echo_logprobs(prompt_ids: list[int], entries: list[dict | None], top_n: int, tokenizer,
+                  as_ids: bool = False) -> dict:
+    """Completions' logprobs of an echoed prompt (prepended to the output's, as vLLM does): the first
+    token has none (None), the others their prompt logprobs; offsets index the echoed prompt."""
+    head = _token(prompt_ids[0], None, tokenizer, as_ids)
+    rest = completion_logprobs(prompt_ids[1:], entries[1:], top_n, tokenizer,
+                               len(_token(prompt_ids[0], None, tokenizer, False)), as_ids)
+    return {"text_offset": [0] + rest["text_offset"], "token_logprobs": [None] + rest["token_logprobs"],
+            "tokens": [head] + rest["tokens"], "top_logprobs": [None] + rest["top_logprobs"]}
+
+
+def joined(*parts: dict) -> dict:
+    """Completions logprobs of consecutive token runs as one."""
+    return {k: [x for p in parts for x in p[k]] for k in parts[0]}

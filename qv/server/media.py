@@ -125,8 +125,10 @@ class ServerMedia:
     """The media levers, the fetcher, the decode pool, and the engine's prompt builder (`inputs`,
     qv.engine.multimodal.MultimodalInputs; None for a text-only model)."""
 
-    def __init__(self, cfg: EngineConfig, inputs):
+    def __init__(self, cfg: EngineConfig, inputs, off_reason: str | None = None):
         self.inputs = inputs
+        # why a request with media gets a 400 (the engine's media_off)
+        self.off_reason = off_reason or "it has no vision tower, or media_max_images and media_max_videos are 0"
         self.max_images, self.max_videos = cfg.media_max_images, cfg.media_max_videos
         self.max_pixels = cfg.media_max_pixels
         self.video_limits = VideoLimits(cfg.media_max_video_frames, cfg.media_video_decode_timeout_s)
@@ -179,8 +181,7 @@ class ServerMedia:
         if not found:
             return []
         if self.inputs is None:
-            raise bad_request("this model takes no images or videos (it has no vision tower, or media_max_images "
-                              "and media_max_videos are 0)", found[0][2])
+            raise bad_request(f"this model takes no images or videos: {self.off_reason}", found[0][2])
         blobs = await _all([self._bytes(src, where) for _, src, where in found])
         opened = await self._in_pool(self._open_all, blobs, found, param)
         del blobs  # each OpenedMedia holds its own bytes

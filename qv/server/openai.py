@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, Response
 
 from qv.server.chat import RenderedPrompt, render_chat
 from qv.server.errors import APIError, internal_error, sse_error, validation_error
-from qv.server.logprobs import chat_logprobs
+from qv.server.logprobs import chat_logprobs, prompt_logprobs_field, prompt_logprobs_json
 from qv.server.parsers import OutputStream, Qwen3CoderToolParser, parse_output
 from qv.server.protocol import ChatCompletionRequest
 from qv.server.state import ServerState, random_id
@@ -68,8 +68,10 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     state.check_logprobs(req.top_logprobs, "top_logprobs")
     max_tokens = req.max_output_tokens
     names = {"logprobs": "top_logprobs", "max_tokens": req.max_tokens_param}
+    # vLLM's extra field; streamed chats never show it (vLLM's), so it is not computed for them
+    prompt_lps = None if req.stream else prompt_logprobs_field(state, req.prompt_logprobs)
     params = state.sampling_params(req, max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                                   names=names)
+                                   names=names, prompt_logprobs=prompt_lps)
     params.grammar = await compile_constraint(state, req)
     state.check_capacity(req.n)  # before the work; admit() below holds the seats
     check = None if req.truncate_prompt_tokens else (lambda text: state.check_text(text, max_tokens, "messages"))
@@ -96,7 +98,9 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
         seats.release()
         raise
     seats.release()
-    return JSONResponse(chat_response(state, ctx, final))
+    if prompt_lps is None:
+        return JSONResponse(chat_response(state, ctx, final))
+    return await state.offload(0, lambda: JSONResponse(chat_response(state, ctx, final)))  # an entry per prompt token
 
 
 def chat_response(state: ServerState, ctx: ChatContext, out) -> dict:
@@ -123,6 +127,8 @@ def chat_response(state: ServerState, ctx: ChatContext, out) -> dict:
                                                out.num_cached_tokens)}
     if req.return_token_ids:
         body["prompt_token_ids"] = list(out.prompt_token_ids)
+    if out.prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
     return body
 
 

@@ -4,7 +4,7 @@ Types are strict, as OpenAI's are: `"stream": "yes"` or `1`, `"max_tokens": 4.5`
 refused rather than coerced (an integer is taken where a number is expected). Sampling ranges are
 not here: SamplingParams.validate in the engine holds them, once for the server and `LLM` alike.
 Unknown top-level fields are accepted and ignored with a warning, as vLLM does; fields qv knows
-but cannot honour yet (beam search, prompt logprobs) are refused
+but cannot honour yet (beam search) are refused
 with a 400 that says so, rather than silently changing what the client asked for.
 """
 
@@ -15,7 +15,7 @@ import logging
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 log = logging.getLogger("qv.server")
 
@@ -141,8 +141,8 @@ class SamplingFields(SamplingKnobs):
     logit_bias: dict[str, float] | None = None  # token id string -> bias; ranges: SamplingParams.validate
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None  # rules: SamplingParams.validate
+    prompt_logprobs: int | None = None  # vLLM's: top-N per prompt token; -1 the whole vocabulary
     # known but not supported yet: refused when set to anything but their "off" value
-    prompt_logprobs: int | None = None
     use_beam_search: bool = False
     _constraint: tuple[str, str, str] | None = PrivateAttr(None)
 
@@ -152,13 +152,21 @@ class SamplingFields(SamplingKnobs):
         LLMEngine.compile_grammar, or None."""
         return self._constraint
 
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        """vLLM's rules and words (the largest N is the server's max_logprobs)."""
+        if v is not None and info.data.get("stream") and (v > 0 or v == -1):
+            raise ValueError("`prompt_logprobs` are not available when `stream=True`.")
+        if v is not None and v < -1:
+            raise ValueError(f"`prompt_logprobs` must be a positive value or -1, got {v}.")
+        return v
+
     @model_validator(mode="after")
     def _common(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("Stream options can only be defined when `stream=True`.")
-        unsupported = {
-            "prompt_logprobs": self.prompt_logprobs is not None, "use_beam_search": self.use_beam_search,
-        }
+        unsupported = {"use_beam_search": self.use_beam_search}
         refused = [k for k, on in unsupported.items() if on]
         if refused:
             raise ValueError(f"{', '.join(refused)} {'is' if len(refused) == 1 else 'are'} not supported by qv yet")
@@ -289,8 +297,6 @@ class CompletionRequest(SamplingFields):
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of={self.best_of} differs from n={self.n}; qv does not rank extra samples")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo together with logprobs needs prompt logprobs, which qv does not compute yet")
         return self
 
 

@@ -82,7 +82,8 @@ class ServerState:
         self._large = ThreadPoolExecutor(LARGE_WORKERS, thread_name_prefix="qv-tokenize")
         self._large_jobs = 0
         self.metrics = ServerMetrics(engine, self.model_name, self.max_model_len)
-        self.media = ServerMedia(cfg, getattr(engine, "multimodal", None))  # image/video parts of chat requests
+        self.media = ServerMedia(cfg, getattr(engine, "multimodal", None),  # image/video parts of chat requests
+                                 getattr(engine, "media_off", None))
         decoder = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
         self.special_ids = frozenset(i for i, t in decoder.items() if getattr(t, "special", False))
 
@@ -184,7 +185,7 @@ class ServerState:
         return Admission(self, seqs)
 
     def sampling_params(self, req, *, max_tokens: int | None, logprobs: int | None,
-                        names: dict | None = None) -> SamplingParams:
+                        names: dict | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
         """Request fields over generation_config.json defaults over SamplingParams defaults."""
         def pick(name: str, fallback):
             value = getattr(req, name, None)
@@ -197,7 +198,7 @@ class ServerState:
                 frequency_penalty=pick("frequency_penalty", 0.0), repetition_penalty=pick("repetition_penalty", 1.0),
                 seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
                 include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos,
-                max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs,
+                max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=req.skip_special_tokens,
                 spaces_between_special_tokens=req.spaces_between_special_tokens,
                 logit_bias=getattr(req, "logit_bias", None),  # Responses has none of the three

@@ -131,8 +131,8 @@ async def load_images(state: ServerState, sources: list[tuple[str | bytes, str]]
         return []
     param = sources[0][1].split(".", 1)[0].split("[", 1)[0]
     if state.media.inputs is None:
-        raise bad_request("this model takes no images (it has no vision tower): send the record without 'images' "
-                          "or 'assets'", param)
+        raise bad_request(f"this model takes no images ({state.media.off_reason}): send the record without "
+                          "'images' or 'assets'", param)
     if len(sources) > state.media.max_images:
         raise bad_request(f"{len(sources)} images; this server takes at most {state.media.max_images} images per "
                           "request (media_max_images)", param)
