@@ -28,7 +28,7 @@ def preset_config(preset: str) -> dict:
         raise ConfigError(f"unknown preset {preset!r}: choose from {', '.join(PRESETS)}")
     _, special = tokenizer_json()
     vocab = (max(special.values()) + 1 + 63) // 64 * 64  # as make_tiny pads it
-    config = build_config(preset, vocab, special)
+    config = build_config(preset, vocab, special, mtp=is_model_shape(preset))  # as the real models: one MTP layer
     text = dict(config.get("text_config", config))
     text["architectures"] = ["Qwen3_5ForCausalLM"]
     text["tie_word_embeddings"] = config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
