@@ -44,6 +44,8 @@ TABLE: dict[str, dict[str, str | None]] = {
     "causal_conv1d":    {"reference": "causal_conv1d.reference", "triton": "causal_conv1d.triton", "sm70": None},
     "gated_delta_rule": {"reference": "gated_delta_rule.reference", "triton": "gated_delta_rule.triton",
                          "sm70": None},
+    # no tl.dot in its kernels: sm70's chain falls back to the same Triton source
+    "lm_head_top1":     {"reference": "lm_head_top1.reference", "triton": "lm_head_top1.triton", "sm70": None},
 }
 
 _impls: dict[str, dict[str, Callable]] = {}
