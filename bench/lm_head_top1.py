@@ -92,30 +92,33 @@ def miss_table(weights, miss_rows: int) -> None:
                   flush=True)
 
 
+def sweep_grid(rows: int):
+    if rows == 1:
+        return [dict(BLOCK_R=1, BLOCK_V=bv, BLOCK_W=bw, num_warps=nw) for bv in (32, 64, 128) for bw in (32, 64)
+                for nw in (4, 8)]
+    return [dict(BLOCK_R=br, BLOCK_V=bv, BLOCK_W=bw, num_warps=nw) for br in (4, 8) for bv in (8, 16, 32)
+            for bw in (16, 32, 64) for nw in (1, 2) if br * bv * bw <= 128 * 32 * nw]  # <= 128 partials a thread
+
+
 def sweep(rankings, rows_list) -> None:
-    print("\n| R | bits | BLOCK_R | BLOCK_V | BLOCK_W | warps | pass 1 ms |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    """Pass 1 over the int4 copy (int8 reads at the HBM floor with the defaults) for each tile config."""
+    print("\n| R | BLOCK_R | BLOCK_V | BLOCK_W | warps | pass 1 ms |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    rk = rankings[4]
     for rows in rows_list:
-        x = torch.randn(rows, H, device=DEV).to(torch.bfloat16)
-        for bits, rk in rankings.items():
-            results = []
-            for br in (1, 2, 4, 8):
-                for bv in (16, 32, 64, 128):
-                    for bw in (32, 64, 128):
-                        for nw in (4, 8):
-                            if br > max(1, rows) or br * bv * bw > 128 * 32 * nw:  # past 128 fp32 partials a thread
-                                continue
-                            cfg = dict(BLOCK_R=br, BLOCK_V=bv, BLOCK_W=bw, num_warps=nw)
-                            try:
-                                results.append((graph_ms(lambda c=cfg: top1_triton.tile_candidates(x, rk, c)), cfg))
-                            except Exception as e:  # a config that does not compile is reported, not fatal
-                                print(f"    {cfg}: {type(e).__name__}: {str(e)[:100]}")
-            results.sort(key=lambda r: r[0])
-            for ms, cfg in results[:4]:
-                print(f"| {rows} | {bits} | {cfg['BLOCK_R']} | {cfg['BLOCK_V']} | {cfg['BLOCK_W']} | "
-                      f"{cfg['num_warps']} | {ms:.4f} |", flush=True)
-            default = configs.rank_config(DEV, rows, bits)
-            print(f"    default {default}: {graph_ms(lambda: top1_triton.tile_candidates(x, rk)):.4f} ms", flush=True)
+        x = torch.randn(rows, H, device=DEV)
+        results = []
+        for cfg in sweep_grid(rows):
+            try:
+                results.append((graph_ms(lambda c=cfg: top1_triton.tile_candidates(x, rk, c)), cfg))
+            except Exception as e:  # a config that does not compile is reported, not fatal
+                print(f"    {cfg}: {type(e).__name__}: {str(e)[:100]}")
+        results.sort(key=lambda r: r[0])
+        for ms, cfg in results[:4]:
+            print(f"| {rows} | {cfg['BLOCK_R']} | {cfg['BLOCK_V']} | {cfg['BLOCK_W']} | {cfg['num_warps']} | {ms:.4f} |",
+                  flush=True)
+        default = configs.rank_config(DEV, rows, 4)
+        print(f"    default {default}: {graph_ms(lambda: top1_triton.tile_candidates(x, rk)):.4f} ms", flush=True)
 
 
 def main() -> None:

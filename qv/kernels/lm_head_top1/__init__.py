@@ -21,17 +21,24 @@ CLIP_RATIOS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5)
 
 @dataclass(frozen=True)
 class Top1Ranking:
-    """A compressed copy of an lm_head weight [V, H] for ranking the vocabulary (symmetric, one scale per row).
+    """A compressed copy of an lm_head weight [V, H] for ranking the vocabulary: symmetric codes with one scale
+    per row, after each hidden channel is divided by its rms over the rows (col_scale). Without that, a few
+    large channels set every row's scale and coarsen the rest: on random rows with 8 of 1,024 channels 6x
+    larger, the int4 error went from 0.11 to 0.27 and the exact best ranked past 8th in 11% of rows (0.6%
+    equalized). Pass 1 scores x * col_scale against the codes.
 
-    codes  [V, WORDS] int32 - 32 // bits unsigned codes u = c + 2**(bits-1) per word, c in [-(2**(bits-1)-1),
-                              2**(bits-1)-1]; code j of word k holds hidden index j * WORDS + k (each code slot
-                              of a word covers one contiguous stretch of the hidden size, zero-padded past H)
-    scales [V] fp32         - the weight row is about scales[v] * c
+    codes     [V, WORDS] int32 - 32 // bits unsigned codes u = c + 2**(bits-1) per word, c in
+                                 [-(2**(bits-1)-1), 2**(bits-1)-1]; code j of word k holds hidden index
+                                 j * WORDS + k (each code slot of a word covers one contiguous stretch of the
+                                 hidden size, zero-padded past H)
+    scales    [V] fp32         - the weight is about scales[v] * c[v, h] * col_scale[h]
+    col_scale [H] fp32         - each channel's rms over the rows, over their mean
     bits: 4 or 8; hidden: H
     """
 
     codes: torch.Tensor
     scales: torch.Tensor
+    col_scale: torch.Tensor
     bits: int
     hidden: int
 
@@ -45,7 +52,7 @@ class Top1Ranking:
 
     @property
     def nbytes(self) -> int:
-        return self.codes.numel() * 4 + self.scales.numel() * 4
+        return self.codes.numel() * 4 + self.scales.numel() * 4 + self.col_scale.numel() * 4
 
     def unpack(self, rows: slice = slice(None)) -> torch.Tensor:
         """The signed codes c of the rows, int64 [rows, H] (tests and benchmarks)."""
@@ -56,7 +63,7 @@ class Top1Ranking:
 
     def dequantize(self, rows: slice = slice(None)) -> torch.Tensor:
         """The weight rows as this copy holds them, fp32 [rows, H] (tests and benchmarks)."""
-        return self.unpack(rows).float() * self.scales[rows, None]
+        return self.unpack(rows).float() * self.scales[rows, None] * self.col_scale[None, :]
 
 
 def build_top1_ranking(weight: torch.Tensor, bits: int = 4, chunk_rows: int = 8192) -> Top1Ranking:
@@ -74,15 +81,26 @@ def build_top1_ranking(weight: torch.Tensor, bits: int = 4, chunk_rows: int = 81
     codes = torch.empty(v, words, dtype=torch.int32, device=weight.device)
     scales = torch.empty(v, dtype=torch.float32, device=weight.device)
     shifts = torch.arange(0, 32, bits, device=weight.device)
+    col_scale = _channel_rms(weight, chunk_rows)
     for r0 in range(0, v, chunk_rows):
-        w = weight[r0:r0 + chunk_rows].float()
+        w = weight[r0:r0 + chunk_rows].float() / col_scale
         c, s = _quantize_rows(w, qmax)
         u = torch.full((w.shape[0], per_word * words), qmax + 1, dtype=torch.int64, device=weight.device)
         u[:, :h] = c + (qmax + 1)
         packed = (u.view(w.shape[0], per_word, words) << shifts[None, :, None]).sum(1)
         codes[r0:r0 + chunk_rows] = (packed - (packed >= 1 << 31).long() * (1 << 32)).to(torch.int32)
         scales[r0:r0 + chunk_rows] = s
-    return Top1Ranking(codes, scales, bits, h)
+    return Top1Ranking(codes, scales, col_scale, bits, h)
+
+
+def _channel_rms(weight: torch.Tensor, chunk_rows: int) -> torch.Tensor:
+    """Each column's rms over the rows, over their mean (an all-zero column gets 1)."""
+    sq = torch.zeros(weight.shape[1], dtype=torch.float32, device=weight.device)
+    for r0 in range(0, weight.shape[0], chunk_rows):
+        sq += weight[r0:r0 + chunk_rows].float().square().sum(0)
+    rms = sq.sqrt()
+    rms = torch.where(rms > 0, rms, rms.max().clamp_min(1e-30))
+    return rms / rms.mean()
 
 
 def _quantize_rows(w: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:

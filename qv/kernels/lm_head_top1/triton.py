@@ -20,18 +20,28 @@ import triton.language as tl
 from qv.kernels.lm_head_top1 import configs
 from qv.kernels.triton_utils import next_pow2
 
-INT32_MAX = 2**31 - 1
+INT32_MAX = tl.constexpr(2**31 - 1)
 
 
 @triton.jit
-def _code_f32(b_q, J: tl.constexpr, BITS: tl.constexpr):
-    """Code J of each packed word as the fp32 1 + u / 2**BITS (u the stored unsigned code): its bits moved to
-    the top of the mantissa of 1.0 by a shift and a mask, so no int->float conversion (a slow unit) is needed."""
-    if 23 - BITS - BITS * J >= 0:
-        b_b = b_q << (23 - BITS - BITS * J)
+def _field_bit(J: tl.constexpr, BITS: tl.constexpr):
+    """The mantissa bit where _code_f32 puts code J's field: int4 codes pair up on four shifts of the word
+    (by 12, 8, -4, -12 bits; codes 3 and 4 need none), landing at bit 12 or 16; int8 codes at the top."""
+    return (12 if J % 3 == 0 else 16) if BITS == 4 else 23 - BITS
+
+
+@triton.jit
+def _code_f32(b_q, one_bits, J: tl.constexpr, BITS: tl.constexpr):
+    """Code J of each packed word as the fp32 2**(23 - BITS - p) + u / 2**BITS (u the stored unsigned code,
+    p = _field_bit): its bits masked into the mantissa of a power of two, so no int->float conversion (a slow
+    unit) is needed. one_bits (of 1.0, 0x3F800000) comes in at run time: with the mask as the only
+    immediate, ptxas fuses the and and the or into one LOP3 (two immediates do not fit one instruction)."""
+    P = _field_bit(J, BITS)
+    if P >= BITS * J:
+        b_b = b_q << (P - BITS * J)
     else:  # an arithmetic shift: the sign bits it brings in land above the mask
-        b_b = b_q >> (BITS * J + BITS - 23)
-    return ((b_b & (((1 << BITS) - 1) << (23 - BITS))) | 0x3F800000).to(tl.float32, bitcast=True)
+        b_b = b_q >> (BITS * J - P)
+    return ((b_b & (((1 << BITS) - 1) << P)) | (one_bits + ((23 - BITS - P) << 23))).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -49,31 +59,45 @@ def _keep_best(score, o_v, o_r, m_r, V, cv_ptr, ci_ptr, stride_c, col0, CAND: tl
 
 
 @triton.jit
-def rank_tiles_kernel(x_ptr, q_ptr, s_ptr, cv_ptr, ci_ptr, R, V, H, WORDS, stride_x, stride_q, stride_c,
+def rank_tiles_kernel(x_ptr, q_ptr, s_ptr, cv_ptr, ci_ptr, R, V, H, WORDS, stride_x, stride_q, stride_c, one_bits,
                       BITS: tl.constexpr, CAND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
-                      BLOCK_W: tl.constexpr):
-    """Approximate scores s_v * sum_h x_h c_vh. With f = 1 + u / 2**BITS (_code_f32) and c = u - 2**(BITS-1),
-    sum x c = 2**BITS * (sum x f - 1.5 sum x): the loop needs one FMA a code, and sum x once a row."""
+                      BLOCK_W: tl.constexpr, EVEN: tl.constexpr):
+    """Approximate scores s_v * sum_h x_h c_vh. With f = 2**(23 - BITS - p) + u / 2**BITS (_code_f32) and
+    c = u - 2**(BITS-1), sum x c = 2**BITS * (sum x f - sum_h x_h (2**(23 - BITS - p_h) + 1/2)): the loop
+    needs one FMA a code, and the offsets' sum once a row (summed first, apart: inside the loop it would
+    cost an add a code for every vocabulary row a thread holds). EVEN: R, V and the words divide the tiles
+    and H fills the words, so the loop loads without masks."""
     o_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     o_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     o_w = tl.arange(0, BLOCK_W)
     m_r = o_r < R
     m_v = o_v < V
+    o_k = tl.arange(0, 4 * BLOCK_W)
+    b_off = tl.zeros([BLOCK_R, 4 * BLOCK_W], dtype=tl.float32)
+    for j in tl.static_range(32 // BITS):
+        for k0 in range(0, WORDS, 4 * BLOCK_W):
+            m_k = (k0 + o_k < WORDS) & (j * WORDS + k0 + o_k < H)
+            b_x = tl.load(x_ptr + o_r[:, None] * stride_x + (j * WORDS + k0) + o_k[None, :],
+                          mask=m_r[:, None] & m_k[None, :], other=0.).to(tl.float32)
+            b_off += b_x * ((1 << (23 - BITS - _field_bit(j, BITS))) + 0.5)
     p_q = q_ptr + o_v.to(tl.int64)[None, :, None] * stride_q + o_w[None, None, :]  # [1, BLOCK_V, BLOCK_W]
     p_x = x_ptr + o_r[:, None, None] * stride_x + o_w[None, None, :]  # [BLOCK_R, 1, BLOCK_W]
     acc = tl.zeros([BLOCK_R, BLOCK_V, BLOCK_W], dtype=tl.float32)
-    b_sx = tl.zeros([BLOCK_R, 1, BLOCK_W], dtype=tl.float32)
     for w0 in range(0, WORDS, BLOCK_W):
         m_w = w0 + o_w < WORDS
-        b_q = tl.load(p_q + w0, mask=m_v[None, :, None] & m_w[None, None, :], other=0)
+        if EVEN:
+            b_q = tl.load(p_q + w0)
+        else:
+            b_q = tl.load(p_q + w0, mask=m_v[None, :, None] & m_w[None, None, :], other=0)
         for j in tl.static_range(32 // BITS):
-            m_h = m_w & (j * WORDS + w0 + o_w < H)  # the padding past H holds code 0: x reads as 0 there
-            b_x = tl.load(p_x + (j * WORDS + w0), mask=m_r[:, None, None] & m_h[None, None, :], other=0.)
-            b_x = b_x.to(tl.float32)
-            acc += b_x * _code_f32(b_q, j, BITS)
-            b_sx += b_x
+            if EVEN:
+                b_x = tl.load(p_x + (j * WORDS + w0))
+            else:  # the padding past H holds code 0: x reads as 0 there
+                m_h = m_w & (j * WORDS + w0 + o_w < H)
+                b_x = tl.load(p_x + (j * WORDS + w0), mask=m_r[:, None, None] & m_h[None, None, :], other=0.)
+            acc += b_x.to(tl.float32) * _code_f32(b_q, one_bits, j, BITS)
     b_s = tl.load(s_ptr + o_v, mask=m_v, other=0.)
-    score = b_s[None, :] * ((1 << BITS) * (tl.sum(acc, axis=2) - 1.5 * tl.sum(b_sx, axis=2)))
+    score = b_s[None, :] * ((1 << BITS) * (tl.sum(acc, axis=2) - tl.sum(b_off, axis=1)[:, None]))
     score = tl.where(m_v[None, :], score, float("-inf"))
     _keep_best(score, o_v, o_r, m_r, V, cv_ptr, ci_ptr, stride_c, tl.program_id(1) * CAND, CAND)
 
@@ -144,6 +168,10 @@ def tile_candidates(x, weight_or_ranking, config=None):
     """Pass 1: (values [R, tiles * CAND] fp32, indices [R, tiles * CAND] int32), each tile's CAND best by the
     ranking copy's approximate scores (a Top1Ranking) or the exact ones (a dense weight [V, H])."""
     dense = isinstance(weight_or_ranking, torch.Tensor)
+    if not dense:  # fp32 with the channel scales in: one launch, and no conversions in the loop
+        x = (x * weight_or_ranking.col_scale).contiguous()
+    elif x.stride(1) != 1:
+        x = x.contiguous()
     rows, vocab = x.shape[0], weight_or_ranking.shape[0] if dense else weight_or_ranking.vocab
     cfg = config or configs.rank_config(x.device, rows, None if dense else weight_or_ranking.bits)
     cand = 1 if dense else configs.CAND  # exact scores need no runner-up
@@ -157,8 +185,11 @@ def tile_candidates(x, weight_or_ranking, config=None):
                                  weight_or_ranking.stride(0), cv.stride(0), CAND=cand, **blocks)
     else:
         rk = weight_or_ranking
+        even = (rows % cfg["BLOCK_R"] == 0 and vocab % cfg["BLOCK_V"] == 0 and rk.words % cfg["BLOCK_W"] == 0
+                and rk.hidden == rk.words * (32 // rk.bits))
         rank_tiles_kernel[grid](x, rk.codes, rk.scales, cv, ci, rows, vocab, rk.hidden, rk.words, x.stride(0),
-                                rk.codes.stride(0), cv.stride(0), BITS=rk.bits, CAND=cand, **blocks)
+                                rk.codes.stride(0), cv.stride(0), 0x3F800000, BITS=rk.bits, CAND=cand, EVEN=even,
+                                **blocks)
     return cv, ci
 
 
@@ -184,7 +215,8 @@ def lm_head_top1(x, weight, ranking=None, config=None):
         n = pos.shape[1]
         values = torch.empty(rows, n, dtype=torch.float32, device=x.device)
         indices = torch.empty(rows, n, dtype=torch.int32, device=x.device)
-        cfg = configs.rescore_config(x.device)
+        cfg = dict(configs.rescore_config(x.device))
+        cfg["BLOCK_H"] = min(cfg["BLOCK_H"], next_pow2(x.shape[1]))
         rescore_kernel[(rows, triton.cdiv(n, cfg["BLOCK_C"]))](
             x, weight, ci, pos, values, indices, x.shape[1], n, x.stride(0), weight.stride(0), ci.stride(0),
             pos.stride(0), values.stride(0), **cfg)
