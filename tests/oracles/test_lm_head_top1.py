@@ -168,6 +168,8 @@ def test_bad_inputs_name_the_cause():
         K.lm_head_top1(randn(2, SMALL_V), w.T, None)
     with pytest.raises(ValueError, match="ranking copy"):
         K.lm_head_top1(randn(2, SMALL_H), w[:100], ranking)
+    with pytest.raises(ValueError, match="vocabulary of 0 rows"):
+        K.lm_head_top1(randn(2, SMALL_H), w[:0], None)
     with pytest.raises(ValueError, match="bits"):
         build_top1_ranking(w, 2)
 

@@ -136,8 +136,8 @@ def lm_head_top1(x: torch.Tensor, weight: torch.Tensor, ranking: Top1Ranking | N
     if weight.dtype not in (torch.bfloat16, torch.float16, torch.float32) or weight.stride(1) != 1:
         raise ValueError(f"lm_head_top1: weight must be bf16/fp16/fp32 with unit inner stride, got {weight.dtype} "
                          f"strides {weight.stride()}")
-    if weight.shape[0] >= 1 << 31:
-        raise ValueError(f"lm_head_top1: vocabulary {weight.shape[0]} too large for int32 indices")
+    if not 0 < weight.shape[0] < 1 << 31:
+        raise ValueError(f"lm_head_top1: vocabulary of {weight.shape[0]} rows (1 to 2**31 - 1 supported)")
     if ranking is not None and (ranking.vocab, ranking.hidden) != tuple(weight.shape):
         raise ValueError(f"lm_head_top1: ranking copy of a [{ranking.vocab}, {ranking.hidden}] weight given for "
                          f"{tuple(weight.shape)}")
