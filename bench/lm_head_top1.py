@@ -115,8 +115,8 @@ def sweep(rankings, rows_list) -> None:
                 print(f"    {cfg}: {type(e).__name__}: {str(e)[:100]}")
         results.sort(key=lambda r: r[0])
         for ms, cfg in results[:4]:
-            print(f"| {rows} | {cfg['BLOCK_R']} | {cfg['BLOCK_V']} | {cfg['BLOCK_W']} | {cfg['num_warps']} | {ms:.4f} |",
-                  flush=True)
+            tiles = f"{cfg['BLOCK_R']} | {cfg['BLOCK_V']} | {cfg['BLOCK_W']} | {cfg['num_warps']}"
+            print(f"| {rows} | {tiles} | {ms:.4f} |", flush=True)
         default = configs.rank_config(DEV, rows, 4)
         print(f"    default {default}: {graph_ms(lambda: top1_triton.tile_candidates(x, rk)):.4f} ms", flush=True)
 
@@ -132,8 +132,9 @@ def main() -> None:
     K.set_backend("triton")
     w = (torch.randn(V, H, device=DEV) * 0.02).to(torch.bfloat16)
     rankings = {8: build_top1_ranking(w, 8), 4: build_top1_ranking(w, 4)}
-    print(f"lm_head [{V}, {H}] bf16 {w.numel() * 2 / 1e9:.2f} GB; ranking copies int8 {rankings[8].nbytes / 1e9:.2f} GB, "
-          f"int4 {rankings[4].nbytes / 1e9:.2f} GB; floor at {HBM_TBS} TB/s\n", flush=True)
+    print(f"lm_head [{V}, {H}] bf16 {w.numel() * 2 / 1e9:.2f} GB; ranking copies int8 "
+          f"{rankings[8].nbytes / 1e9:.2f} GB, int4 {rankings[4].nbytes / 1e9:.2f} GB; floor at {HBM_TBS} TB/s\n",
+          flush=True)
     time_table(w, rankings, rows_list)
     if args.sweep:
         sweep(rankings, rows_list)
