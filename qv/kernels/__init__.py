@@ -18,6 +18,7 @@ from qv.kernels.gated_rms_norm import gated_rms_norm
 from qv.kernels.gelu import gelu
 from qv.kernels.layer_norm import layer_norm
 from qv.kernels.linear import GPTQWeight, linear
+from qv.kernels.lm_head_top1 import Top1Ranking, build_top1_ranking, lm_head_top1
 from qv.kernels.lora_delta import lora_delta
 from qv.kernels.paged_attention import paged_attention
 from qv.kernels.registry import backend, get_backend, ops, set_backend
@@ -32,7 +33,7 @@ from qv.kernels.write_kv import write_kv
 registry.load()
 
 __all__ = [
-    "GPTQWeight", "backend", "causal_conv1d", "gated_delta_rule", "gated_rms_norm", "gelu", "get_backend",
-    "layer_norm", "linear", "lora_delta", "ops", "paged_attention", "rms_norm", "rope", "rotary_embed",
+    "GPTQWeight", "Top1Ranking", "backend", "build_top1_ranking", "causal_conv1d", "gated_delta_rule",
+    "gated_rms_norm", "gelu", "get_backend", "layer_norm", "linear", "lm_head_top1", "lora_delta", "ops", "paged_attention", "rms_norm", "rope", "rotary_embed",
     "set_backend", "sigmoid_mul", "silu_mul", "varlen_attention", "write_kv",
 ]

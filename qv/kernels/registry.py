@@ -41,10 +41,13 @@ TABLE: dict[str, dict[str, str | None]] = {
     "write_kv":         {"reference": "write_kv.reference", "triton": "write_kv.triton", "sm70": None},
     "paged_attention":  {"reference": "paged_attention.reference", "triton": "paged_attention.triton",
                          "sm70": "paged_attention.cuda_sm70"},
-    "varlen_attention": {"reference": "varlen_attention.reference", "triton": "varlen_attention.triton", "sm70": "varlen_attention.torch_sdpa"},
+    "varlen_attention": {"reference": "varlen_attention.reference", "triton": "varlen_attention.triton",
+                         "sm70": "varlen_attention.torch_sdpa"},
     "causal_conv1d":    {"reference": "causal_conv1d.reference", "triton": "causal_conv1d.triton", "sm70": None},
     "gated_delta_rule": {"reference": "gated_delta_rule.reference", "triton": "gated_delta_rule.triton",
                          "sm70": "gated_delta_rule.cuda_sm70"},
+    # no tl.dot in its kernels: sm70's chain falls back to the same Triton source
+    "lm_head_top1":     {"reference": "lm_head_top1.reference", "triton": "lm_head_top1.triton", "sm70": None},
 }
 
 _impls: dict[str, dict[str, Callable]] = {}
