@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the engine-level GPU checks and benchmarks; logs under $OUT.
-#   bash bench/gpu_all.sh SECTION...    sections: tests oracles sm70 specgpu engine spec spec27 ngram27 prefix prefix27
-#   clef clef27 clefmix kernels bench27
+#   bash bench/gpu_all.sh SECTION...    sections: tests oracles sm70 specgpu newgpu engine spec spec27 ngram27 prefix
+#   prefix27 clef clef27 clefmix kernels bench27 top1 plp
 # BENCH_KERNELS_ARGS passes options to bench/kernels.py (e.g. "--only attn,gdn --sweep attn,gdn");
 # BENCH27_ARGS to `qv bench --preset 27b` (e.g. "--prefill-lengths 32768 --profile").
 set -u
@@ -26,8 +26,18 @@ for section in "$@"; do
         tests/spec/test_spec_distribution.py -p no:cacheprovider -rfE --durations=5 ;;
     spec27) run spec27 ${SPEC27_S:-240} python3 -m qv.cli bench --preset 27b --spec mtp --batch-sizes 1 \
         --contexts 131072 --prefill-lengths 32768,131072 --json "$out/spec27.json" ;;
-    ngram27) run ngram27 ${NGRAM27_S:-200} python3 -m qv.cli bench --preset 27b --spec ngram --batch-sizes 1 \
-        --contexts 131072 --prefill-lengths 32768,131072 --json "$out/ngram27.json" ;;
+    ngram27) run ngram27 ${NGRAM27_S:-150} python3 -m qv.cli bench --preset 27b --spec ngram --batch-sizes 1 \
+        --contexts 32768 --prefill-lengths 32768 --json "$out/ngram27.json" ;;
+    newgpu)  # the m8n8k4 oracles, the speculation and prompt-logprob GPU tests, the graph check: side by side
+        run sm70 150 python3 -m pytest -q -m gpu tests/oracles/test_linear_sm70.py tests/oracles/test_paged_attention_sm70.py \
+          tests/oracles/test_gated_delta_rule_sm70.py tests/oracles/test_varlen_attention.py \
+          tests/oracles/test_lm_head_top1.py -n 6 -p no:cacheprovider -rfE --durations=5 &
+        run specgpu 150 python3 -m pytest -q -m gpu tests/engine/test_engine_gpu.py tests/spec/test_spec_distribution.py \
+          tests/oracles/test_sm70_chain.py tests/engine/test_prompt_logprobs.py -n 3 -p no:cacheprovider -rfE --durations=5 &
+        run graphs 150 python3 -m pytest -q -m gpu tests/engine/test_cuda_graphs_gpu.py -p no:cacheprovider -rfE &
+        wait ;;
+    top1) run top1 60 python3 bench/lm_head_top1.py ;;
+    plp) run plp 90 python3 bench/prompt_logprobs.py ;;
     engine) run engine 170 python3 bench/engine.py --json "$out/engine.json" ;;
     spec) run spec 110 python3 bench/spec.py --fitted .bench_models/tiny-spec --json "$out/spec.json" ;;
     prefix) run prefix 165 python3 bench/prefix.py --dir /tmp/qv-prefix-models --presets 0.5b --profile ;;

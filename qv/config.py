@@ -117,6 +117,9 @@ class EngineConfig(BaseSettings):
     spec: Literal["off", "mtp", "ngram", "auto"] = lever("off", "Speculative decoding: off, mtp, ngram, auto.")
     spec_k: int = lever(3, "Draft tokens per step.", ge=1)
     spec_max_seqs: int = lever(16, "Most sequences verifying drafts in one step (each keeps k+1 GDN states).", ge=1)
+    spec_draft_top1: bool = lever(
+        True, "MTP drafts' argmax from the fused lm_head top-1 over an int4 ranking copy of the lm_head (0.64 GB at "
+        "27B; re-scored exactly over a shortlist) instead of full logits, for up to 4 rows; GPU only.")
     spec_policy: Literal["backoff", "always", "off"] = lever(
         "backoff", "When a sequence drafts: backoff (a sequence whose drafts keep failing pauses drafting for 4 to 64 "
         "steps, then probes again), always (every decode step), off (never, and the MTP head does no work: the plain "

@@ -167,7 +167,8 @@ def build_engine_parts(cfg: EngineConfig) -> EngineParts:
     if wants_mtp(cfg, mcfg):
         from qv.spec.mtp import load_mtp_head
 
-        mtp_head = load_mtp_head(str(model_dir), mcfg, model, dtype, device, reader=reader)
+        mtp_head = load_mtp_head(str(model_dir), mcfg, model, dtype, device, reader=reader,
+                                 draft_top1=cfg.spec_draft_top1)
     clef = None
     if cfg.clef:  # Clef's head and low-rank deltas, before the memory plan (qv/clef/adapters.py)
         from qv.clef.adapters import load_clef

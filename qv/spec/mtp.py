@@ -5,7 +5,8 @@ For position p it reads the target's final-norm hidden state h_p and the embeddi
     x = one gated full-attention decoder layer (own paged KV, target's block tables)
     out = norm(x + residual);  logits = target lm_head(out)  -> predicts t_{p+2}
 Embedding and lm_head are the target's (shared, not copied). Drafting k tokens feeds each output
-state and argmax back in at the next position (shared/research/qwen35.md §2.3-2.4).
+state and argmax back in at the next position (shared/research/qwen35.md §2.3-2.4). The argmax of a few
+rows comes from the fused lm_head top-1 over an int4 ranking copy of the lm_head (no [rows, vocab] logits).
 """
 
 from __future__ import annotations
@@ -21,12 +22,18 @@ from qv.model.qwen3_5 import DecoderLayer, LayerBuilder, Qwen3_5TextModel
 from qv.model.weights import CheckpointError, CheckpointReader
 
 
+# rows up to which the fused top-1 drafts; past it the logits GEMM on tensor cores and an argmax cost less
+# than the top-1's multiply-adds on CUDA cores (python bench/lm_head_top1.py)
+TOP1_MAX_ROWS = 4
+
+
 class MTPHead:
     def __init__(self, cfg: ModelConfig, target: Qwen3_5TextModel, fc: Linear, norm_embedding: torch.Tensor,
-                 norm_hidden: torch.Tensor, layer: DecoderLayer, norm: torch.Tensor):
+                 norm_hidden: torch.Tensor, layer: DecoderLayer, norm: torch.Tensor, ranking=None):
         self.cfg, self.target = cfg, target
         self.fc, self.norm_embedding, self.norm_hidden = fc, norm_embedding, norm_hidden
         self.layer, self.norm = layer, norm
+        self.ranking = ranking  # K.Top1Ranking of the lm_head's vocabulary rows, or None: drafts from full logits
 
     @property
     def layer_index(self) -> int:
@@ -47,12 +54,15 @@ class MTPHead:
 
     def draft_ids(self, out: torch.Tensor) -> torch.Tensor:
         """Greedy draft tokens [R] from output states [R, H] through the shared lm_head."""
+        if self.ranking is not None and out.shape[0] <= TOP1_MAX_ROWS:
+            return K.lm_head_top1(out, self.target.lm_head.weight[:self.cfg.vocab_size], self.ranking)
         return self.target.compute_logits(out)[:, :self.cfg.vocab_size].argmax(dim=-1)
 
 
 def load_mtp_head(model_dir: str, cfg: ModelConfig, target: Qwen3_5TextModel, dtype: torch.dtype,
-                  device: torch.device | str, reader=None) -> MTPHead:
-    """Build the head from `mtp.*` (of `reader` when given); a checkpoint without them gives a clear error."""
+                  device: torch.device | str, reader=None, draft_top1: bool = True) -> MTPHead:
+    """Build the head from `mtp.*` (of `reader` when given); a checkpoint without them gives a clear error.
+    draft_top1: on a GPU with a dense lm_head, also build the fused top-1's ranking copy of it."""
     if cfg.mtp_num_hidden_layers < 1:
         raise CheckpointError(f"{model_dir}: config has mtp_num_hidden_layers=0, so there is no MTP head to draft "
                               f"with; use spec=ngram or spec=off")
@@ -62,8 +72,12 @@ def load_mtp_head(model_dir: str, cfg: ModelConfig, target: Qwen3_5TextModel, dt
     b = LayerBuilder(cfg, reader, dtype, device)
     h = cfg.hidden_size
     layer = b.decoder_layer(cfg.num_hidden_layers, "full_attention", "mtp.layers.0.")
+    lm_head = target.lm_head.weight
+    ranking = None
+    if draft_top1 and isinstance(lm_head, torch.Tensor) and lm_head.is_cuda:
+        ranking = K.build_top1_ranking(lm_head[:cfg.vocab_size])
     head = MTPHead(cfg, target, b.lin("mtp.fc", h, 2 * h), b.vec("mtp.pre_fc_norm_embedding.weight", h),
-                   b.vec("mtp.pre_fc_norm_hidden.weight", h), layer, b.vec("mtp.norm.weight", h))
+                   b.vec("mtp.pre_fc_norm_hidden.weight", h), layer, b.vec("mtp.norm.weight", h), ranking)
     extra = [n for n in reader.unused() if n.startswith("mtp.")]
     if extra:
         raise CheckpointError(f"checkpoint has mtp tensors qv does not know: {', '.join(extra[:8])}")
