@@ -380,7 +380,7 @@ class LLMEngine:
             self._append(seq, tok, res.logprobs[j] if res.logprobs else None)
             if seq.finished:
                 return
-        if self.spec and seq.matcher is None and self._room_for_drafts(seq):  # drafts are not grammar-checked
+        if self.spec and self._room_for_drafts(seq):  # a structured output's drafts are checked by its grammar
             seq.draft_token_ids, seq.draft_source = self.spec.next_drafts(seq, res.next_mtp_drafts)
         else:
             seq.spare_drafts = []

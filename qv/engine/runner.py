@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from qv.engine.bad_words import batch_bans
-from qv.engine.sampler import SamplingBatch, logprobs_of, process, sample, token_bias
+from qv.engine.sampler import SamplingBatch, apply_grammar, logprobs_of, process, sample, token_bias
 from qv.engine.clef_rows import ClefRows
 from qv.engine.cuda_graphs import DecodeGraphs
 from qv.engine.multimodal import VisionSteps
@@ -330,6 +330,7 @@ class ModelRunner:
 
     def _verify(self, st: _Step, logits: torch.Tensor, k1: int):
         sb = st.verify_batch
+        apply_grammar(logits, sb)  # as sample() does: a draft its grammar refuses gets probability 0
         greedy_ids, probs = process(logits, sb)
         greedy_rows = sb.temperature.view(-1, k1)[:, 0] == 0
         res = verify(greedy_ids.view(-1, k1), None if probs is None else probs.view(st.num_spec, k1, -1), st.drafts,
@@ -422,8 +423,8 @@ class ModelRunner:
             b.repetition = t([p.repetition_penalty for p in ps], torch.float32)
             b.output_counts = _counts(outputs, vocab, dev)
             b.prompt_mask = _counts([s.prompt_token_ids for s, _ in rows], vocab, dev) > 0
-        if any(s.matcher is not None for s, _ in rows):
-            b.grammar = grammar_bitmask([s.matcher for s, _ in rows], vocab, dev)
+        if any(s.matcher is not None for s, _ in rows):  # row j of a verified sequence: after its first j drafts
+            b.grammar = grammar_bitmask([(s.matcher, s.draft_token_ids[:j]) for s, j in rows], vocab, dev)
         if any(under_min):
             b.stop_mask_rows = t(under_min, torch.bool)
             b.stop_token_mask = _counts([s.stop_ids_for_min_tokens for s, _ in rows], vocab, dev) > 0

@@ -6,8 +6,10 @@ carries it; add_request gives each of the request's sequences a `GrammarMatcher`
 runner fills the constrained rows' token bitmasks on the host (`grammar_bitmask`), the sampler
 applies them to those rows of the logits on the logits' device (qv/engine/sampler.py), the engine
 advances the matcher with the accepted token and finishes the sequence ("stop") when the grammar
-has terminated. Steps with constrained rows wait for the previous step's tokens (no async overlap)
-and constrained sequences get no speculative drafts.
+has terminated. Steps with constrained rows wait for the previous step's tokens (no async overlap).
+Speculative drafts are checked against the grammar: verification row j of a constrained sequence is
+masked as the grammar stands after its first j drafts, so a draft the grammar refuses has probability 0
+and is rejected there, and greedy or sampled outputs stay those of decoding without drafts.
 
 JSON is compact (no free whitespace between tokens): a grammar that allows unbounded whitespace lets
 a model loop on blanks, and a bounded schema then always terminates.
@@ -19,10 +21,12 @@ import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from qv.engine.request import InvalidFieldError
+
+if TYPE_CHECKING:  # the server imports this module's grammar helpers without loading torch
+    import torch
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 CACHE_SIZE = 256  # compiled grammars kept (LRU): a compiled JSON schema is tens of KB to a few MB
@@ -142,18 +146,33 @@ class GrammarCompiler:
             raise InvalidFieldError(f"invalid {what}: {msg[-1] if msg else type(e).__name__}"[:1000], param) from None
 
 
-def grammar_bitmask(matchers: list, vocab_size: int, device: torch.device) -> tuple[torch.Tensor, list[int]] | None:
-    """(token bitmask [rows, ceil(V/32)] int32 on `device`, the constrained row indices), filled
-    from each row's matcher (None: an unconstrained row); None when no row is constrained."""
-    rows = [i for i, m in enumerate(matchers) if m is not None]
-    if not rows:
+def grammar_bitmask(rows: list[tuple[object | None, list[int]]], vocab_size: int,
+                    device: torch.device) -> tuple[torch.Tensor, list[int]] | None:
+    """(token bitmask [rows, ceil(V/32)] int32 on `device`, the constrained row indices), or None when no row
+    is constrained. Each row is (its matcher, or None for an unconstrained row; the drafts before it): the
+    matcher takes those drafts, fills the row, and rolls back. A row past a draft the grammar refuses (or
+    past its end) is never used (verification stops at that draft): it repeats the row before it, the same
+    sequence's previous verification row."""
+    constrained = [i for i, (m, _) in enumerate(rows) if m is not None]
+    if not constrained:
         return None
     import xgrammar as xgr
 
-    mask = xgr.allocate_token_bitmask(len(matchers), vocab_size)
-    for i in rows:
-        matchers[i].fill_next_token_bitmask(mask, i)
-    return mask.to(device, non_blocking=True), rows
+    mask = xgr.allocate_token_bitmask(len(rows), vocab_size)
+    for i in constrained:
+        matcher, before = rows[i]
+        taken = 0
+        for token in before:
+            if matcher.is_terminated() or not matcher.accept_token(token):
+                break
+            taken += 1
+        if taken == len(before) and not matcher.is_terminated():
+            matcher.fill_next_token_bitmask(mask, i)
+        else:
+            mask[i] = mask[i - 1]
+        if taken:
+            matcher.rollback(taken)
+    return mask.to(device, non_blocking=True), constrained
 
 
 def apply_bitmask(logits: torch.Tensor, grammar: tuple[torch.Tensor, list[int]]) -> None:

@@ -22,6 +22,11 @@ BOUNDS = {
     (torch.float16, torch.float32): 2e-3,
 }
 
+# int8 KV by preset, over 60 prompts each (median / 95th percentile / max): tiny 6.1e-4 / 6.6e-4 / 7.0e-4,
+# gqa1 5.7e-3 / 2.0e-2 / 4.2e-2 (one KV head of 16 dims: one token's scale error moves every query head),
+# gqa3 1.3e-3 / 1.6e-3 / 2.1e-3
+INT8_KV_BOUNDS = {"tiny": 2e-3, "gqa1": 8e-2, "gqa3": 5e-3}
+
 
 @pytest.mark.parametrize("preset", ["tiny", "gqa1", "gqa3"])
 def test_quantized_cache_logit_error(tiny_dirs, preset):
@@ -31,6 +36,8 @@ def test_quantized_cache_logit_error(tiny_dirs, preset):
     ids = [rng.randrange(300) for _ in range(160)]
     ref = chunked_logits(model_dir, ids, torch.float32, torch.float32)
     for (kv, st), bound in BOUNDS.items():
+        if kv == torch.int8:
+            bound = INT8_KV_BOUNDS[preset]
         out = chunked_logits(model_dir, ids, kv, st)
         err = rel_err(out, ref)
         assert err < bound, f"{preset} kv={kv} state={st}: logit error {err:.2e} >= {bound:.0e} (seed {seed})"

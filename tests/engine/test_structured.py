@@ -48,7 +48,7 @@ def test_mask_forbids_ids_beyond_the_tokenizer(llms):
     e = llms[False].engine
     g = e.compile_grammar("json_object", "")
     v = e.model_config.vocab_size
-    mask, rows = grammar_bitmask([None, g.matcher(), None], v, torch.device("cpu"))
+    mask, rows = grammar_bitmask([(None, []), (g.matcher(), []), (None, [])], v, torch.device("cpu"))
     assert rows == [1]
     logits = torch.zeros(3, v)
     from qv.engine.structured import apply_bitmask
@@ -90,14 +90,26 @@ def test_json_object_and_min_tokens(llms):
         assert c.finish_reason == "stop" and re.fullmatch(r"\{[a-z]{1,4}\}", c.text), c
 
 
-def test_speculative_engine_gives_constrained_rows_no_drafts():
-    """The n-gram proposer would draft the repeated `ab` of the constrained row; unchecked by its
-    grammar, such drafts break it (the sequence is aborted with an error), so it must get none."""
-    llm = LLM(model=None, spec="ngram", spec_k=3)
-    g = llm.engine.compile_grammar("regex", r"(ab){3,6}c")
-    plain = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
-    outs = llm.generate(["ab ab ab ab ab ab", "ab ab ab ab"], [plain, SamplingParams(temperature=0.0, max_tokens=30,
-                                                                                    grammar=g)])
-    assert re.fullmatch(r"(ab){3,6}c", outs[1].outputs[0].text) and outs[1].outputs[0].finish_reason == "stop"
-    alone = llm.generate(["ab ab ab ab ab ab"], plain)
-    assert alone[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_drafts_of_constrained_rows_are_checked_by_the_grammar(temperature):
+    """Constrained rows verify drafts, each verification row masked as the grammar stands after the drafts
+    before it: with n-gram drafts of the repeated `ab` (which would break the grammar past six) and with
+    spare drafts that are always wrong, greedy outputs equal decoding without speculation token for token,
+    and sampled ones (another random stream: equal in distribution, tests/spec/test_spec_distribution.py)
+    match the grammar."""
+    prompts = ["ab ab ab ab", "ab ab ab ab ab ab ab ab"]
+    regex = r"(ab){3,6}c"
+
+    def run(**levers):
+        llm = LLM(model=None, max_num_seqs=4, **levers)
+        g = llm.engine.compile_grammar("regex", regex)
+        params = [SamplingParams(temperature=temperature, max_tokens=30, grammar=g, seed=7 + i) for i in range(2)]
+        return [o.outputs[0] for o in llm.generate(prompts, params)], llm
+
+    base, _ = run()
+    for levers in ({"spec": "ngram", "spec_k": 3, "spec_policy": "always"}, {"spec": "ngram", "spec_k": 2}):
+        outs, llm = run(**levers)
+        if temperature == 0:
+            assert [o.token_ids for o in outs] == [o.token_ids for o in base], levers
+        assert all(re.fullmatch(regex, o.text) and o.finish_reason == "stop" for o in outs), [o.text for o in outs]
+    assert llm.engine.spec.stats.num_drafts > 0  # the n-gram source drafted for the constrained rows

@@ -20,6 +20,7 @@ import jsonschema
 import openai
 import pytest
 import torch
+from conftest import start_server  # at import: another folder's conftest may hold the name later
 
 S = {"type": "string", "maxLength": 4}
 DIGIT = {"type": "integer", "minimum": 0, "maximum": 9}
@@ -149,8 +150,6 @@ def test_tools_that_cannot_be_constrained_are_refused(compiler):
 @pytest.fixture(scope="module")
 def tools_client(tiny_model):
     """A server with room for the five tools' prompt (about 1,700 tiny-tokenizer tokens) and the calls."""
-    from conftest import start_server
-
     running, stop = start_server(tiny_model, max_model_len=4096)
     yield openai.OpenAI(base_url=running.v1, api_key="unused", max_retries=0, timeout=300)
     stop()
