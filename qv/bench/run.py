@@ -185,6 +185,20 @@ class BenchRun:
         if spec is not None and batch <= spec.max_seqs:
             self.spec_records.append(spec_parts(self, counts, batch, context, self.spec.steps).record())
 
+    def _warm_prefills(self) -> None:
+        """With speculation the prefill rows are compared with and without it: first a two-chunk prompt under
+        each policy, so that neither timing holds the first chunk's kernel compiles and autotuning."""
+        spec, before = self.engine.spec, self.engine.spec.policy
+        length = min(2 * self.engine.cfg.max_num_batched_tokens + 1, max(self.spec.prefill_lengths))
+        try:
+            for policy in ("off", before):
+                spec.policy = policy
+                counts = {self._add(self._prompt(length)): 0}
+                self._prefill(counts)
+                self._finish(counts)
+        finally:
+            spec.policy = before
+
     def _prefill_without_spec(self, length: int) -> float:
         """The same length's prefill (another prompt) with the speculator off: no MTP catch-up."""
         spec, before = self.engine.spec, self.engine.spec.policy
@@ -207,6 +221,8 @@ class BenchRun:
         spec, rows = self.spec, []
         sizes = sorted(set(spec.batch_sizes))
         profiled = {sizes[0], sizes[-1]} if spec.profile and sizes else set()
+        if self.engine.spec is not None and spec.prefill_lengths:
+            self._warm_prefills()
         with tqdm(total=spec.num_rows, desc="qv bench", unit="row") as bar:
             for b in sizes:
                 bar.set_postfix_str(f"decode batch {b} at {spec.batch_context} tokens")
