@@ -21,7 +21,8 @@ for section in "$@"; do
     oracles) run oracles 150 python3 -m pytest -q -m gpu tests/oracles -n 8 -p no:cacheprovider -rfE --durations=5 ;;
     sm70) run sm70 ${SM70_S:-200} python3 -m pytest -q -m gpu tests/oracles/test_linear_sm70.py \
         tests/oracles/test_paged_attention_sm70.py tests/oracles/test_gated_delta_rule_sm70.py \
-        tests/oracles/test_varlen_attention.py tests/oracles/test_sm70_chain.py -n 4 -p no:cacheprovider -rfE ;;
+        tests/oracles/test_varlen_attention.py tests/oracles/test_sm70_chain.py tests/engine/test_sm70_engine_gpu.py \
+        -n 4 -p no:cacheprovider -rfE ;;
     specgpu) run specgpu ${SPECGPU_S:-200} python3 -m pytest -q -m gpu tests/engine/test_engine_gpu.py \
         tests/spec/test_spec_distribution.py -p no:cacheprovider -rfE --durations=5 ;;
     spec27) run spec27 ${SPEC27_S:-240} python3 -m qv.cli bench --preset 27b --spec mtp --batch-sizes 1 \
