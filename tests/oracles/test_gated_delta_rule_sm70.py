@@ -12,12 +12,7 @@ fragment tables, and the fallback (no CUDA kernels) runs through the Triton inte
 
 from __future__ import annotations
 
-import ctypes
-import glob
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +20,6 @@ import pytest
 import torch
 
 from kernel_cases import BOUND, DEV, K, cu_seqlens, nan_empty, randn, run_reference
-from nvrtc_compile import compile_ptx
 from qv.kernels.gated_delta_rule import cuda_sm70
 from qv.kernels.gated_delta_rule.reference import load_state
 from util import assert_close
@@ -172,59 +166,9 @@ def test_token_by_token_27b_heads_gpu(monkeypatch, state_dtype):
 
 # ---- CPU: the build for sm_70, the fragment mapping, the fallback ----
 
-def _nvrtc12():
-    """CUDA 12's libnvrtc (the one that still targets compute_70; CUDA 13 dropped it), or None."""
-    for root in (p for p in sys.path if p.endswith("site-packages")):
-        for lib in sorted(glob.glob(os.path.join(root, "nvidia", "*", "lib", "libnvrtc.so.12*"))):
-            folder = os.path.dirname(lib)
-            try:
-                for builtins in glob.glob(os.path.join(folder, "libnvrtc-builtins.so.12*")):
-                    ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
-                return ctypes.CDLL(lib)
-            except OSError:
-                continue
-    return None
+# the sm_70 builds of BUILDS (NVRTC 12, ptxas, spills, MMA counts): tests/test_kernels_aot.py
 
 
-def _ptxas():
-    try:
-        import triton
-    except ImportError:
-        return None
-    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    return path if path.exists() else None
-
-
-def test_builds_compile_for_sm70(tmp_path):
-    """Every BUILDS instantiation compiles for compute_70 with NVRTC 12; each kernel's PTX holds m8n8k4 MMAs
-    and targets sm_70; ptxas (Triton's, CUDA 12.x) assembles it for sm_70 without spills."""
-    from qv.kernels.cuda_build import source_text
-
-    lib = _nvrtc12()
-    if lib is None:
-        pytest.skip("no CUDA 12 libnvrtc installed")
-    for build in cuda_sm70.BUILDS:
-        rc, log, ptx = compile_ptx(lib, source_text(build.source), list(build.names), 70)
-        assert rc == 0, log
-        text = ptx.decode()
-        assert ".target sm_70" in text
-        entries = text.split(".entry ")[1:]
-        assert len(entries) == len(build.names)
-        for entry in entries:
-            assert (entry.count("mma.sync.aligned.m8n8k4") >= 1) == build.tensor_cores, entry.split("(")[0]
-        ptxas = _ptxas()
-        if ptxas is None:
-            continue
-        (tmp_path / "gdn.ptx").write_bytes(ptx)
-        res = subprocess.run([str(ptxas), "-arch=sm_70", "-v", str(tmp_path / "gdn.ptx"), "-o",
-                              str(tmp_path / "gdn.cubin")], capture_output=True, text=True)
-        assert res.returncode == 0, res.stderr
-        spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", res.stderr + res.stdout)
-        assert len(spills) == len(build.names) and all(s == ("0", "0") for s in spills), res.stderr
-
-
-# The PTX ISA's fragment tables for mma.m8n8k4 (f16 A/B, f32 C/D), per %laneid: the lanes 4p..4p+3 and
-# 4p+16..4p+19 form quad-pair p, which computes its own 8x8x4 product; `hi` marks the upper four of them.
 def _ptx_a(lane, i, row_major):  # (row, column) in the quad-pair's 8x4 A of element a_i
     hi = 4 if lane >= 16 else 0
     return (lane % 4 + hi, i) if row_major else (i % 4 + hi, lane % 4)

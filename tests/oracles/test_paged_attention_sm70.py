@@ -16,11 +16,7 @@ by that model, pass every argument where the .cu's signature expects it."""
 
 from __future__ import annotations
 
-import glob
-import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -28,7 +24,6 @@ import torch
 
 import m884_attention_model as M
 from kernel_cases import DEV, K, capture_graph, cu_seqlens, nan_empty, paged_layout, randn, run_reference, slots_for
-from nvrtc_compile import compile_ptx
 from util import assert_close
 
 from qv.kernels.paged_attention import cuda_sm70
@@ -40,56 +35,7 @@ needs_cupy = pytest.mark.skipif(not torch.cuda.is_available() or cuda_sm70.cupy_
 
 # ---------------------------------------------------------------------------------------------------- CPU
 
-def _nvrtc12():
-    """CUDA 12's libnvrtc through ctypes (CUDA 13's no longer targets sm_70), or None; as nvrtc_compile.nvrtc."""
-    import ctypes
-
-    for root in (p for p in sys.path if p.endswith("site-packages")):
-        for lib in sorted(glob.glob(os.path.join(root, "nvidia", "*", "lib", "libnvrtc.so.12"))):
-            try:
-                for builtins in glob.glob(os.path.join(os.path.dirname(lib), "libnvrtc-builtins.so.12*")):
-                    if ".alt." not in builtins:
-                        ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
-                return ctypes.CDLL(lib)
-            except OSError:
-                continue
-    return None
-
-
-def _ptxas():
-    for root in (p for p in sys.path if p.endswith("site-packages")):
-        for path in glob.glob(os.path.join(root, "triton", "backends", "nvidia", "bin", "ptxas")):
-            return path
-    return None
-
-
-@pytest.mark.parametrize("index", range(len(cuda_sm70.BUILDS)))
-def test_builds_compile_for_sm70(index, tmp_path):
-    """Each shipped instantiation: NVRTC 12 for compute_70, `.target sm_70`, >= 1 m8n8k4 MMA per tensor-core
-    kernel, and ptxas -arch=sm_70 with 0 spill bytes (no sm_80+ instruction: ptxas would refuse it)."""
-    from qv.kernels.cuda_build import source_text
-
-    lib = _nvrtc12()
-    if lib is None:
-        pytest.skip("no CUDA 12 libnvrtc installed")
-    spec = cuda_sm70.BUILDS[index]
-    code = source_text(spec.source)
-    for name in spec.names:  # one program each, as cuda_build builds them
-        rc, log, ptx = compile_ptx(lib, code, [name], 70)
-        assert rc == 0, f"{name}: {log}"
-        text = ptx.decode()
-        assert re.search(r"^\.target sm_70\b", text, re.M), name
-        mmas = text.count("mma.sync.aligned.m8n8k4")
-        assert (mmas >= 1) if spec.tensor_cores else (mmas == 0), f"{name}: {mmas} m8n8k4 MMAs"
-        ptxas = _ptxas()
-        if ptxas is None:
-            continue
-        (tmp_path / "k.ptx").write_bytes(ptx)
-        run = subprocess.run([ptxas, "-arch=sm_70", "-v", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.cubin")],
-                             capture_output=True, text=True)
-        assert run.returncode == 0, f"{name}: {run.stderr}"
-        spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", run.stderr)
-        assert spills and all(s == ("0", "0") for s in spills), f"{name}: {run.stderr}"
+# the sm_70 builds of BUILDS (NVRTC 12, ptxas, spills, MMA counts): tests/test_kernels_aot.py
 
 
 def test_prefill_smem_fits_volta():
