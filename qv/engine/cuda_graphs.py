@@ -100,7 +100,9 @@ class DecodeGraphs:
         self.next_ids = torch.zeros(t, dtype=torch.int64, device=dev)
         self.draft_rows = torch.zeros(n, dtype=torch.int64, device=dev)
         self.draft_valid = torch.zeros(n, dtype=torch.bool, device=dev)
+        self.num_accepted = torch.zeros(n, dtype=torch.int64, device=dev)  # verification: each sequence's accepted drafts
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.commit_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # verification: the GDN state commit
         self.mtp_graphs: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
         self.errors: dict[int, float] = {}  # batch size -> replay_error at the start-up check
         self.pool = pool
@@ -144,6 +146,7 @@ class DecodeGraphs:
         except Exception as exc:  # any failure stops start-up, naming the size: no silent eager fallback
             self.graphs.clear()
             self.mtp_graphs.clear()
+            self.commit_graphs.clear()
             if isinstance(exc, StartupError):
                 raise
             raise StartupError(f"{what} the batch-{b} {self.label} CUDA graph failed ({type(exc).__name__}: {exc}). "
@@ -177,6 +180,16 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=self.pool):
                 drafts = self._eager_mtp(b, kind)
             self.mtp_graphs[(b, kind)] = (graph, drafts)
+        if self.q > 1:  # the commit of the accepted positions' GDN states: ~3 small copies a layer, one launch here
+            self._eager_commit(b)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self._eager_commit(b)
+            self.commit_graphs[b] = graph
+
+    def _eager_commit(self, b: int) -> None:
+        self.spec.commit(self.state_slots[:b], self.num_accepted[:b])
 
     def _check(self, b: int) -> float:
         err = check_replay(b, *self.replay_and_eager(b))
@@ -234,6 +247,7 @@ class DecodeGraphs:
         self.has_init[start:] = False
         self.draft_rows[start:] = 0
         self.draft_valid[start:] = False
+        self.num_accepted[start:] = 0
 
     def bucket(self, b: int) -> int | None:
         return next((s for s in self.sizes if s >= b), None) if self.graphs else None
@@ -274,3 +288,14 @@ class DecodeGraphs:
         graph, drafts = self.mtp_graphs[(size, kind)]
         graph.replay()
         return None if drafts is None else drafts[:b]
+
+    def run_commit(self, num_accepted: torch.Tensor) -> bool:
+        """Replay the GDN state commit after `run` (same batch): num_accepted [b]. False where no commit graph
+        was captured for the batch's size (the caller commits eagerly)."""
+        b = num_accepted.shape[0]
+        size = self.bucket(b)
+        if size not in self.commit_graphs:
+            return False
+        self.num_accepted[:b].copy_(num_accepted)
+        self.commit_graphs[size].replay()
+        return True

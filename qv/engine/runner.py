@@ -335,7 +335,8 @@ class ModelRunner:
         greedy_rows = sb.temperature.view(-1, k1)[:, 0] == 0
         res = verify(greedy_ids.view(-1, k1), None if probs is None else probs.view(st.num_spec, k1, -1), st.drafts,
                      greedy_rows, sb.seeds.view(-1, k1)[:, 0], sb.positions.view(-1, k1)[:, 0])
-        self.spec.commit(st.batch.gdn.state_slots[:st.num_spec], res.num_accepted)
+        if st.graphs is None or not st.graphs.run_commit(res.num_accepted):
+            self.spec.commit(st.batch.gdn.state_slots[:st.num_spec], res.num_accepted)
         parts = []
         if sb.max_logprobs >= 0:
             parts = _logprob_parts(*logprobs_of(logits, res.tokens.reshape(-1), sb.max_logprobs), sb)

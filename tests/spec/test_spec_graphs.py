@@ -32,6 +32,8 @@ def _stand_in_capture(self, b):
                 drafts.copy_(fresh)
 
         self.mtp_graphs[(b, kind)] = (types.SimpleNamespace(replay=replay), drafts)
+    if self.q > 1:
+        self.commit_graphs[b] = types.SimpleNamespace(replay=lambda: self._eager_commit(b))
 
 
 @pytest.fixture
@@ -39,8 +41,8 @@ def stand_in_graphs(monkeypatch):
     monkeypatch.setattr(DecodeGraphs, "_capture_one", _stand_in_capture)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(engine_module, "eager_reason", lambda *a: None)
-    calls = {"decode": 0, "verify": 0, "draft": 0, "catch_up": 0}
-    run, run_mtp = DecodeGraphs.run, DecodeGraphs.run_mtp
+    calls = {"decode": 0, "verify": 0, "draft": 0, "catch_up": 0, "commit": 0}
+    run, run_mtp, run_commit = DecodeGraphs.run, DecodeGraphs.run_mtp, DecodeGraphs.run_commit
 
     def counted_run(self, *a):
         calls["decode" if self.q == 1 else "verify"] += 1
@@ -50,6 +52,11 @@ def stand_in_graphs(monkeypatch):
         calls[kind] += 1
         return run_mtp(self, kind, *a)
 
+    def counted_commit(self, *a):
+        calls["commit"] += 1
+        return run_commit(self, *a)
+
+    monkeypatch.setattr(DecodeGraphs, "run_commit", counted_commit)
     monkeypatch.setattr(DecodeGraphs, "run", counted_run)
     monkeypatch.setattr(DecodeGraphs, "run_mtp", counted_mtp)
     return calls
@@ -67,7 +74,7 @@ def test_graphs_replay_speculation_greedy_identical(fitted_dir, stand_in_graphs,
     outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert outs == base
     calls = stand_in_graphs
-    assert calls["decode"] and calls["verify"], calls
+    assert calls["decode"] and calls["verify"] and calls["commit"] == calls["verify"], calls
     if mode == "mtp":
         assert calls["draft"] >= calls["verify"], calls  # every verified decode step drafts in its graph
         assert llm.engine.spec.stats.num_accepted_tokens > 0
