@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the engine-level GPU checks and benchmarks; logs under $OUT.
 #   bash bench/gpu_all.sh SECTION...    sections: tests oracles sm70 specgpu newgpu engine spec spec27 ngram27 prefix
-#   prefix27 clef clef27 clefmix kernels bench27 top1 plp
+#   prefix27 clef clef27 clefmix kernels bench27 top1 plp mask
 # BENCH_KERNELS_ARGS passes options to bench/kernels.py (e.g. "--only attn,gdn --sweep attn,gdn");
 # BENCH27_ARGS to `qv bench --preset 27b` (e.g. "--prefill-lengths 32768 --profile").
 set -u
@@ -38,6 +38,7 @@ for section in "$@"; do
         run graphs 150 python3 -m pytest -q -m gpu tests/engine/test_cuda_graphs_gpu.py -p no:cacheprovider -rfE &
         wait ;;
     top1) run top1 60 python3 bench/lm_head_top1.py ;;
+    mask) run mask 90 python3 bench/structured_mask.py --json "$out/mask.json" ;;
     plp) run plp 90 python3 bench/prompt_logprobs.py ;;
     engine) run engine 170 python3 bench/engine.py --json "$out/engine.json" ;;
     spec) run spec 110 python3 bench/spec.py --fitted .bench_models/tiny-spec --json "$out/spec.json" ;;
