@@ -174,14 +174,15 @@ class LayerBuilder:
         conv = self.reader.tensor(gp + "conv1d.weight", self.dtype, self.device, shape=(conv_dim, 1, width))
         if self.tp is not None:
             conv = shard_rows(conv, channels, self.tp, gp + "conv1d.weight")
-        return GatedDeltaNet(self.rank_cfg, in_proj, self.lin(gp + "out_proj", h, vd, "row"), conv[:, 0, :].contiguous(),
+        out_proj = self.lin(gp + "out_proj", h, vd, "row")
+        return GatedDeltaNet(self.rank_cfg, in_proj, out_proj, conv[:, 0, :].contiguous(),
                              self.vec(gp + "A_log", hv, [hv]), self.vec(gp + "dt_bias", hv, [hv]),
                              self.vec(gp + "norm.weight", cfg.linear_value_head_dim))  # per head dim: shared
 
     def mlp(self, mp: str) -> MLP:
         h, inter = self.cfg.hidden_size, self.cfg.intermediate_size
-        gate_up = FusedLinear([self.lin(mp + "gate_proj", inter, h, "column"), self.lin(mp + "up_proj", inter, h, "column")],
-                              [inter // self.world, inter // self.world])
+        gate_up = FusedLinear([self.lin(mp + "gate_proj", inter, h, "column"),
+                               self.lin(mp + "up_proj", inter, h, "column")], [inter // self.world] * 2)
         return MLP(gate_up, self.lin(mp + "down_proj", h, inter, "row"))
 
     def decoder_layer(self, index: int, kind: str, lp: str) -> DecoderLayer:

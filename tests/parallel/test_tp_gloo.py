@@ -56,7 +56,8 @@ def steps(model, seed: int) -> list[torch.Tensor]:
         blocks = blocks[need:]
     out = []
     while any(s["done"] < s["prompt"] for s in seqs):
-        out.append(step(model, cache, [(s, min(CHUNK, s["prompt"] - s["done"])) for s in seqs if s["done"] < s["prompt"]]))
+        chunks = [(s, min(CHUNK, s["prompt"] - s["done"])) for s in seqs if s["done"] < s["prompt"]]
+        out.append(step(model, cache, chunks))
     for _ in range(DECODE_STEPS):
         out.append(step(model, cache, [(s, 1) for s in seqs]))
     return out
