@@ -67,6 +67,7 @@ def allocate_cache(cfg: ModelConfig, num_blocks: int, block_size: int, num_slots
                    kv_dtype: torch.dtype, state_dtype: torch.dtype, conv_dtype: torch.dtype,
                    device: torch.device | str, extra_attention_layers: tuple[int, ...] = ()) -> HybridCache:
     """Zeroed caches for every layer. Block 0.. num_blocks-1 and slots 0..num_slots-1 are usable.
+    Under tensor parallelism `cfg` is the rank's view (model.cfg): its KV heads and GDN heads only.
     `extra_attention_layers` adds KV caches under those layer indices (the MTP head's layer), sharing
     the block tables of the model's own layers."""
     kv: dict[int, KVCache] = {}

@@ -27,18 +27,26 @@ class LowRankDelta:
 
 class Linear:
     """y = x W^T (+ b). `weight` is a dense [N, K] tensor or a GPTQWeight; several checkpoint
-    modules may be fused along N (q/k/v, gate/up, ...), `deltas` then address their column ranges."""
+    modules may be fused along N (q/k/v, gate/up, ...), `deltas` then address their column ranges.
+    Under tensor parallelism `shard` says how the weight is cut ("column", "row", "vocab"), and a
+    row-parallel Linear sums its partial outputs over `reduce`."""
 
-    def __init__(self, weight: torch.Tensor | GPTQWeight, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor | GPTQWeight, bias: torch.Tensor | None = None,
+                 reduce=None):  # a qv.model.parallel.TPGroup (that module builds on this one)
         self.weight = weight
         self.bias = bias
         self.deltas: list[LowRankDelta] = []
+        self.reduce = reduce
+        self.shard: str | None = None
 
     @property
     def out_features(self) -> int:
         return self.weight.shape[0]
 
     def __call__(self, x: torch.Tensor, delta_rows: torch.Tensor | None = None) -> torch.Tensor:
+        if self.deltas and self.shard is not None:
+            raise NotImplementedError("low-rank deltas (Clef) on a tensor-parallel shard are not built yet: "
+                                      "they address the full weight's rows and columns")
         y = K.linear(x, self.weight, self.bias)
         if self.deltas and delta_rows is not None and delta_rows.numel():
             for d in self.deltas:
@@ -48,13 +56,14 @@ class Linear:
                 y[:, d.out_start:d.out_end] = K.lora_delta(
                     y[:, d.out_start:d.out_end], x, delta_rows, a, b, d.scale
                 )
-        return y
+        return y if self.reduce is None else self.reduce.all_reduce_sum(y)
 
 
 def _fusable(a: Linear, b: Linear) -> bool:
     """Whether two linears over the same input concatenate along N into one weight: one format (dense
     of one dtype, or GPTQ with the same groups and zero kind), no bias, no deltas."""
-    if a.bias is not None or b.bias is not None or a.deltas or b.deltas:
+    if (a.bias is not None or b.bias is not None or a.deltas or b.deltas
+            or a.reduce is not None or b.reduce is not None):
         return False
     wa, wb = a.weight, b.weight
     if isinstance(wa, torch.Tensor) and isinstance(wb, torch.Tensor):
@@ -70,10 +79,13 @@ def _concat(run: list[Linear]) -> Linear:
     if len(run) == 1:
         return run[0]
     if isinstance(ws[0], torch.Tensor):
-        return Linear(torch.cat(ws, dim=0))
-    zeros = None if ws[0].zeros is None else torch.cat([w.zeros for w in ws], dim=1)
-    return Linear(GPTQWeight(torch.cat([w.qweight for w in ws], dim=1), torch.cat([w.scales for w in ws], dim=1), zeros,
-                             ws[0].g_idx, ws[0].group_size))
+        out = Linear(torch.cat(ws, dim=0))
+    else:
+        zeros = None if ws[0].zeros is None else torch.cat([w.zeros for w in ws], dim=1)
+        out = Linear(GPTQWeight(torch.cat([w.qweight for w in ws], dim=1), torch.cat([w.scales for w in ws], dim=1),
+                                zeros, ws[0].g_idx, ws[0].group_size))
+    out.shard = run[0].shard  # members are column shards alike (row-parallel ones all-reduce and never fuse)
+    return out
 
 
 def fuse_linears(parts: list[Linear]) -> list[list[int]]:

@@ -15,6 +15,8 @@ from qv.config import ModelConfig
 from qv.model.batch import StepBatch
 from qv.model.cache import HybridCache
 from qv.model.layers import MLP, FusedLinear, GatedAttention, GatedDeltaNet, Linear
+from qv.model.parallel import (TPGroup, VocabParallelLMHead, rank_config, shard_linear, shard_rows,
+                               vocab_parallel_embed, vocab_range, vocab_shard)
 from qv.model.weights import CheckpointError, CheckpointReader
 
 
@@ -42,12 +44,15 @@ class DecoderLayer:
 
 
 class Qwen3_5TextModel:
-    """Call `forward` for final-norm hidden states and `compute_logits` for the rows that need them."""
+    """Call `forward` for final-norm hidden states and `compute_logits` for the rows that need them.
+    Under tensor parallelism (`tp`) `cfg` is the rank's view (its head counts), `embed_tokens` the
+    rank's vocabulary rows from `vocab_start`, and logits come back whole on every rank."""
 
     def __init__(self, cfg: ModelConfig, embed_tokens: torch.Tensor, layers: list[DecoderLayer],
-                 norm: torch.Tensor, lm_head: Linear):
+                 norm: torch.Tensor, lm_head: Linear, tp: TPGroup | None = None, vocab_start: int = 0):
         self.cfg = cfg
         self.embed_tokens, self.layers, self.norm, self.lm_head = embed_tokens, layers, norm, lm_head
+        self.tp, self.vocab_start = tp, vocab_start
 
     @property
     def device(self) -> torch.device:
@@ -58,6 +63,8 @@ class Qwen3_5TextModel:
         return self.embed_tokens.dtype
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is not None and self.tp.world_size > 1:
+            return vocab_parallel_embed(self.embed_tokens, input_ids, self.vocab_start, self.tp)
         return self.embed_tokens[input_ids]
 
     @torch.inference_mode()
@@ -106,12 +113,13 @@ def held_bytes(*objs) -> int:
 
 def load_text_model(model_dir: str, cfg: ModelConfig | None = None, dtype: torch.dtype = torch.float32,
                     device: torch.device | str = "cpu", ignore_prefixes: tuple[str, ...] = ("mtp.", "model.visual."),
-                    reader=None) -> Qwen3_5TextModel:
+                    reader=None, tp: TPGroup | None = None) -> Qwen3_5TextModel:
     """Build the text model from `model_dir` (or `reader`: a CheckpointReader or RandomReader). Tensors
-    not used by it and not under `ignore_prefixes` are an error (a wrong or mixed-up checkpoint)."""
+    not used by it and not under `ignore_prefixes` are an error (a wrong or mixed-up checkpoint).
+    With `tp`, this rank's shard: every tensor is read whole and cut as it is read."""
     cfg = cfg or ModelConfig.from_dir(model_dir)
     reader = reader or CheckpointReader(model_dir, cfg)
-    model = build_text_model(cfg, reader, dtype, device)
+    model = build_text_model(cfg, reader, dtype, device, tp)
     extra = reader.unused(ignore_prefixes)
     if extra:
         shown = ", ".join(extra[:8]) + (f" (+{len(extra) - 8} more)" if len(extra) > 8 else "")
@@ -120,50 +128,62 @@ def load_text_model(model_dir: str, cfg: ModelConfig | None = None, dtype: torch
 
 
 class LayerBuilder:
-    """Builds layers from checkpoint tensors by their HF names (shared by the text model and the MTP head)."""
+    """Builds layers from checkpoint tensors by their HF names (shared by the text model and the MTP head).
+    `cfg` is the checkpoint's geometry (what is read); with `tp` the layers get the rank's view and
+    each tensor is cut for the rank as it is read (random weights too: the full tensor, then the slice)."""
 
-    def __init__(self, cfg: ModelConfig, reader: CheckpointReader, dtype: torch.dtype, device: torch.device | str):
-        self.cfg, self.reader, self.dtype, self.device = cfg, reader, dtype, device
+    def __init__(self, cfg: ModelConfig, reader: CheckpointReader, dtype: torch.dtype, device: torch.device | str,
+                 tp: TPGroup | None = None):
+        self.cfg, self.reader, self.dtype, self.device, self.tp = cfg, reader, dtype, device, tp
+        self.world = 1 if tp is None else tp.world_size
+        self.rank_cfg = rank_config(cfg, self.world)
 
-    def lin(self, name: str, n: int, k: int) -> Linear:
+    def lin(self, name: str, n: int, k: int, split: str | None = None, pieces: list[int] | None = None) -> Linear:
+        """Module `name` [n, k]; `split` "column" (each of `pieces` of n) or "row" under tensor parallelism."""
         r = self.reader
         bias = None
         if r.has(f"{name}.bias") and not r.has(f"{name}.qweight"):
             bias = r.tensor(f"{name}.bias", self.dtype, self.device, shape=(n,))
-        return Linear(r.linear(name, n, k, self.dtype, self.device), bias)
+        return shard_linear(r.linear(name, n, k, self.dtype, self.device), bias, split, self.tp, name, pieces)
 
-    def vec(self, name: str, n: int) -> torch.Tensor:
-        return self.reader.tensor(name, torch.float32, self.device, shape=(n,))
+    def vec(self, name: str, n: int, pieces: list[int] | None = None) -> torch.Tensor:
+        """1-D tensor `name` [n]; with `pieces`, the rank's block of each (per-head vectors)."""
+        t = self.reader.tensor(name, torch.float32, self.device, shape=(n,))
+        return t if pieces is None or self.tp is None else shard_rows(t, pieces, self.tp, name)
 
     def attention(self, ap: str) -> GatedAttention:
-        cfg = self.cfg
+        cfg, w = self.cfg, self.world
         h, d = cfg.hidden_size, cfg.head_dim
         if not cfg.attn_output_gate:
             raise CheckpointError("attn_output_gate=false is not supported: Qwen3.5 attention is gated")
         q_out, kv_out = cfg.num_attention_heads * d * 2, cfg.num_key_value_heads * d
-        qkv = FusedLinear([self.lin(ap + "q_proj", q_out, h), self.lin(ap + "k_proj", kv_out, h),
-                           self.lin(ap + "v_proj", kv_out, h)], [q_out, kv_out, kv_out])
-        return GatedAttention(cfg, qkv, self.lin(ap + "o_proj", h, cfg.num_attention_heads * d),
+        qkv = FusedLinear([self.lin(ap + "q_proj", q_out, h, "column"), self.lin(ap + "k_proj", kv_out, h, "column"),
+                           self.lin(ap + "v_proj", kv_out, h, "column")], [q_out // w, kv_out // w, kv_out // w])
+        return GatedAttention(self.rank_cfg, qkv, self.lin(ap + "o_proj", h, cfg.num_attention_heads * d, "row"),
                               self.vec(ap + "q_norm.weight", d), self.vec(ap + "k_norm.weight", d))
 
     def gdn(self, gp: str) -> GatedDeltaNet:
-        cfg = self.cfg
+        cfg, w = self.cfg, self.world
         h, hv = cfg.hidden_size, cfg.linear_num_value_heads
-        conv_dim, vd = cfg.linear_conv_dim, cfg.linear_value_dim
-        in_proj = FusedLinear([self.lin(gp + "in_proj_qkv", conv_dim, h), self.lin(gp + "in_proj_z", vd, h),
-                               self.lin(gp + "in_proj_b", hv, h), self.lin(gp + "in_proj_a", hv, h)],
-                              [conv_dim, vd, hv, hv])
+        conv_dim, kd, vd = cfg.linear_conv_dim, cfg.linear_key_dim, cfg.linear_value_dim
+        channels = [kd, kd, vd]  # q | k by key heads, v by value heads
+        in_proj = FusedLinear([self.lin(gp + "in_proj_qkv", conv_dim, h, "column", channels),
+                               self.lin(gp + "in_proj_z", vd, h, "column"), self.lin(gp + "in_proj_b", hv, h, "column"),
+                               self.lin(gp + "in_proj_a", hv, h, "column")], [conv_dim // w, vd // w, hv // w, hv // w])
         width = cfg.linear_conv_kernel_dim
         conv = self.reader.tensor(gp + "conv1d.weight", self.dtype, self.device, shape=(conv_dim, 1, width))
-        return GatedDeltaNet(cfg, in_proj, self.lin(gp + "out_proj", h, vd), conv[:, 0, :].contiguous(),
-                             self.vec(gp + "A_log", hv), self.vec(gp + "dt_bias", hv),
-                             self.vec(gp + "norm.weight", cfg.linear_value_head_dim))
+        if self.tp is not None:
+            conv = shard_rows(conv, channels, self.tp, gp + "conv1d.weight")
+        out_proj = self.lin(gp + "out_proj", h, vd, "row")
+        return GatedDeltaNet(self.rank_cfg, in_proj, out_proj, conv[:, 0, :].contiguous(),
+                             self.vec(gp + "A_log", hv, [hv]), self.vec(gp + "dt_bias", hv, [hv]),
+                             self.vec(gp + "norm.weight", cfg.linear_value_head_dim))  # per head dim: shared
 
     def mlp(self, mp: str) -> MLP:
         h, inter = self.cfg.hidden_size, self.cfg.intermediate_size
-        gate_up = FusedLinear([self.lin(mp + "gate_proj", inter, h), self.lin(mp + "up_proj", inter, h)],
-                              [inter, inter])
-        return MLP(gate_up, self.lin(mp + "down_proj", h, inter))
+        gate_up = FusedLinear([self.lin(mp + "gate_proj", inter, h, "column"),
+                               self.lin(mp + "up_proj", inter, h, "column")], [inter // self.world] * 2)
+        return MLP(gate_up, self.lin(mp + "down_proj", h, inter, "row"))
 
     def decoder_layer(self, index: int, kind: str, lp: str) -> DecoderLayer:
         mixer = self.attention(lp + "self_attn.") if kind == "full_attention" else self.gdn(lp + "linear_attn.")
@@ -173,19 +193,28 @@ class LayerBuilder:
 
 
 def build_text_model(cfg: ModelConfig, reader: CheckpointReader, dtype: torch.dtype,
-                     device: torch.device | str) -> Qwen3_5TextModel:
+                     device: torch.device | str, tp: TPGroup | None = None) -> Qwen3_5TextModel:
     p, h = cfg.weight_prefix, cfg.hidden_size
-    b = LayerBuilder(cfg, reader, dtype, device)
+    b = LayerBuilder(cfg, reader, dtype, device, tp)
     embed = reader.tensor(f"{p}embed_tokens.weight", dtype, device, shape=(cfg.vocab_size, h))
+    parallel = tp is not None and tp.world_size > 1
+    if parallel:
+        embed = vocab_shard(embed, tp)
     big = reader.nbytes() > PROGRESS_BYTES
     layers = [b.decoder_layer(i, kind, f"{p}layers.{i}.")
               for i, kind in tqdm(list(enumerate(cfg.layer_types)), desc="loading layers", unit="layer",
                                   disable=not big)]
     norm = b.vec(f"{p}norm.weight", h)
     if cfg.tie_word_embeddings:
-        lm_head = Linear(embed)
+        lm_head = VocabParallelLMHead(embed, cfg.vocab_size, tp) if parallel else Linear(embed)
         if reader.has("lm_head.weight"):
             reader.used.add("lm_head.weight")  # some writers store the tied copy too
+    elif parallel:
+        if reader.has("lm_head.bias"):
+            raise CheckpointError("lm_head.bias under tensor parallelism is not built: qv's lm_head shards carry none")
+        lm_head = VocabParallelLMHead(vocab_shard(reader.linear("lm_head", cfg.vocab_size, h, dtype, device), tp),
+                                      cfg.vocab_size, tp)
     else:
         lm_head = b.lin("lm_head", cfg.vocab_size, h)
-    return Qwen3_5TextModel(cfg, embed, layers, norm, lm_head)
+    return Qwen3_5TextModel(b.rank_cfg, embed, layers, norm, lm_head, tp, vocab_range(cfg.vocab_size, tp)[0]
+                            if parallel else 0)
