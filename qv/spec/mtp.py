@@ -74,7 +74,8 @@ def load_mtp_head(model_dir: str, cfg: ModelConfig, target: Qwen3_5TextModel, dt
     layer = b.decoder_layer(cfg.num_hidden_layers, "full_attention", "mtp.layers.0.")
     lm_head = target.lm_head.weight
     ranking = None
-    if draft_top1 and isinstance(lm_head, torch.Tensor) and lm_head.is_cuda:
+    whole = getattr(target.lm_head, "shard", None) is None  # a vocabulary-parallel lm_head holds a slice
+    if draft_top1 and whole and isinstance(lm_head, torch.Tensor) and lm_head.is_cuda:
         ranking = K.build_top1_ranking(lm_head[:cfg.vocab_size])
     head = MTPHead(cfg, target, b.lin("mtp.fc", h, 2 * h), b.vec("mtp.pre_fc_norm_embedding.weight", h),
                    b.vec("mtp.pre_fc_norm_hidden.weight", h), layer, b.vec("mtp.norm.weight", h), ranking)
