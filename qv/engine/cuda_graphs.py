@@ -161,8 +161,8 @@ class DecodeGraphs:
         out = self.spec.catch_up(self.positions[:t], hidden, self._batch(b), self.next_ids[:t])
         if kind == "catch_up":
             return None
-        return self.spec.walk(out, self.positions[:t], self.next_ids[:t], self.draft_rows[:b], self.block_tables[:b],
-                              self.draft_valid[:b], self.max_seq_len)
+        return self.spec.walk(out, self.positions[:t], self.draft_rows[:b], self.block_tables[:b], self.draft_valid[:b],
+                              self.max_seq_len)
 
     def _capture_one(self, b: int) -> None:
         self._reset_pad_rows(0, 0)

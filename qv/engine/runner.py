@@ -368,7 +368,7 @@ class ModelRunner:
         max_len = int(max(s.num_computed_tokens for s in st.seqs) + st.q_lens.max())
         deltas = self.media.draft_deltas(st.seqs, draft_seqs, self.device) if st.rope is not None else None
         tables = st.batch.attn.block_tables[torch.from_numpy(draft_seqs).to(self.device)]
-        return self.spec.walk(out, st.positions, next_ids, draft_rows, tables, None, max_len, rope_delta=deltas)
+        return self.spec.walk(out, st.positions, draft_rows, tables, None, max_len, rope_delta=deltas)
 
     def _unpack(self, st: _Step, host: np.ndarray, k1: int, has_drafts: bool) -> dict[Sequence, StepResult]:
         results: dict[Sequence, StepResult] = {}

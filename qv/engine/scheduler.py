@@ -101,8 +101,8 @@ class Scheduler:
         """A step of decodes only verifies every sequence or none, so that it replays one CUDA graph (a
         step mixing verification rows with single decode rows runs eagerly). Where some sequences have
         drafts, the others verify their spare drafts; where that cannot be (more sequences than the
-        verification capacity or the budget, or one without spare drafts, such as a structured output),
-        nobody drafts this step. Steps with prefill rows run eagerly anyway and are left as they are."""
+        verification capacity or the budget, or one without spare drafts, such as one too close to
+        max_model_len for k draft rows), nobody drafts this step. Steps with prefill rows run eagerly anyway and are left as they are."""
         decoding = self.running
         if not self.max_spec_seqs or not any(s.draft_token_ids for s in decoding):
             return

@@ -98,12 +98,15 @@ class Speculator:
         backoff = seq.spec_backoff = seq.spec_backoff or Backoff()
         if self.policy == "off" or (backoff.paused() and self.policy == "backoff"):
             return [], None
-        drafts, source = self._choose(seq, mtp_drafts)
+        drafts, source = self.choose(seq, mtp_drafts)
         if not drafts and self.policy == "always":  # every step verifies, spare drafts where the source has none
             return list(seq.spare_drafts), "filler"
         return drafts, source
 
-    def _choose(self, seq, mtp_drafts: list[int] | None) -> tuple[list[int], str | None]:
+    def choose(self, seq, mtp_drafts: list[int] | None) -> tuple[list[int], str | None]:
+        """The mode's drafts for `seq` regardless of backoff: (k tokens, "ngram" | "mtp") or ([], None) where
+        no source has any. `auto` probes both sources, then keeps the one of higher running acceptance and
+        retries the other every REPROBE_EVERY drafts. mtp_drafts: the head's k drafts, None without them."""
         tail = seq.token_array(max(0, seq.num_tokens - NGRAM_WINDOW))  # not the whole context
         ngram = propose_ngram(tail, self.k) if self.mode in ("ngram", "auto") else None
         if self.mode == "ngram" or mtp_drafts is None:
@@ -174,9 +177,8 @@ class Speculator:
         mRoPE [3, T]). Returns the head's output states [T, H]."""
         return self.head.forward(next_ids, hidden, positions if rope is None else rope, batch, self.cache)
 
-    def walk(self, out: torch.Tensor, positions: torch.Tensor, next_ids: torch.Tensor, draft_rows: torch.Tensor,
-             tables: torch.Tensor, valid: torch.Tensor | None, max_seq_len: int,
-             rope_delta: torch.Tensor | None = None) -> torch.Tensor:
+    def walk(self, out: torch.Tensor, positions: torch.Tensor, draft_rows: torch.Tensor, tables: torch.Tensor,
+             valid: torch.Tensor | None, max_seq_len: int, rope_delta: torch.Tensor | None = None) -> torch.Tensor:
         """k drafts for each drafting sequence from the catch-up's output states `out`: the first from its
         last valid row (`draft_rows` [D]), then k-1 single-row head steps, each feeding its draft and state
         back in. tables [D, MB]: the sequences' block tables; valid [D] bool (None: all) leaves padding rows
