@@ -92,7 +92,7 @@ class BenchRun:
         # never finishes on its own: each row aborts its requests once timed
         self.params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
 
-    def _sync(self) -> None:
+    def sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -105,7 +105,7 @@ class BenchRun:
         self.engine.add_request(rid, prompt, self.params)
         return rid
 
-    def _step(self, counts: dict[str, int]) -> None:
+    def engine_step(self, counts: dict[str, int]) -> None:
         """One engine step; counts[request id] := its output tokens so far."""
         for out in self.engine.step():
             if out.request_id in counts:
@@ -122,23 +122,23 @@ class BenchRun:
             if profile_last and 0 < seq.num_tokens - seq.num_computed_tokens <= self.engine.cfg.max_num_batched_tokens:
                 # chunks may end early at snapshot boundaries: the last one profiled is the prompt's last (with
                 # async scheduling the call that launches it returns before its token: the next one is not profiled)
-                last = dict(profile_steps(lambda: self._step(counts), 1, self.device), batch=1,
+                last = dict(profile_steps(lambda: self.engine_step(counts), 1, self.device), batch=1,
                             context=len(seq.prompt_token_ids), kind="prefill")
                 continue
-            self._step(counts)
+            self.engine_step(counts)
         if last is not None:
             self.profiles.append(last)
 
     def _decode(self, counts: dict[str, int], prompt_len: int) -> tuple[float, float]:
         """Warm-up, then the timed steps: (seconds per step, mean context read per sequence)."""
         for _ in range(self.spec.warmup):
-            self._step(counts)
+            self.engine_step(counts)
         steps, before = self.spec.steps, list(counts.values())
-        self._sync()
+        self.sync()
         t0 = time.perf_counter()
         for _ in range(steps):
-            self._step(counts)
-        self._sync()
+            self.engine_step(counts)
+        self.sync()
         per_step = (time.perf_counter() - t0) / steps
         if any(n - b < steps for n, b in zip(counts.values(), before)):  # accepted drafts add more
             raise RuntimeError("a timed decode step did not advance every sequence by at least one token")
@@ -156,18 +156,18 @@ class BenchRun:
         per_step, context = self._decode(counts, length)
         self._spec_parts(counts, batch, length)
         if profile:
-            p = profile_steps(lambda: self._step(counts), PROFILE_STEPS, self.device)
+            p = profile_steps(lambda: self.engine_step(counts), PROFILE_STEPS, self.device)
             self.profiles.append(dict(p, batch=batch, context=length, kind="decode"))
         self._finish(counts)
         return Measured("decode", batch, length, per_step, self.spec.steps, context)
 
     def long_rows(self, length: int) -> list[Measured]:
         rows, prompt = [], self._prompt(length)  # made before the clock starts: 250K draws take a while
-        self._sync()
+        self.sync()
         t0 = time.perf_counter()
         counts = {self._add(prompt): 0}
         self._prefill(counts, self.spec.profile and length == max(self.spec.prefill_lengths, default=0))
-        self._sync()
+        self.sync()
         if length in self.spec.prefill_lengths:
             rows.append(Measured("prefill", 1, length, time.perf_counter() - t0))
         if length in self.spec.contexts:
@@ -205,11 +205,11 @@ class BenchRun:
         prompt = self._prompt(length)
         spec.policy = "off"
         try:
-            self._sync()
+            self.sync()
             t0 = time.perf_counter()
             counts = {self._add(prompt): 0}
             self._prefill(counts)
-            self._sync()
+            self.sync()
             took = time.perf_counter() - t0
         finally:
             spec.policy = before

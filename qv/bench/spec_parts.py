@@ -50,11 +50,11 @@ class SpecMeasured:
 
 
 def _timed_steps(run, counts: dict[str, int], steps: int) -> float:
-    run._sync()
+    run.sync()
     t0 = time.perf_counter()
     for _ in range(steps):
-        run._step(counts)
-    run._sync()
+        run.engine_step(counts)
+    run.sync()
     return (time.perf_counter() - t0) / steps
 
 
@@ -96,17 +96,17 @@ def spec_parts(run, counts: dict[str, int], batch: int, context: int, steps: int
     try:
         spec.policy = "off"
         for _ in range(2):
-            run._step(counts)
+            run.engine_step(counts)
         plain = _timed_steps(run, counts, steps)
         spec.policy = "always"
         for _ in range(3):  # drafts made under "always" reach the verification graphs
-            run._step(counts)
+            run.engine_step(counts)
         spec_step = _timed_steps(run, counts, steps)
         source = "mtp" if spec.uses_mtp else "ngram"
         draft = _draft_graph_s(engine.runner, batch) if source == "mtp" else _ngram_lookup_s(engine, counts)
         spec.policy = "backoff"
         for _ in range(BACKOFF_STEPS):
-            run._step(counts)
+            run.engine_step(counts)
         backed_off = _timed_steps(run, counts, BACKED_OFF_STEPS)
     finally:
         spec.policy = before

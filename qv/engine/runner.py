@@ -358,9 +358,9 @@ class ModelRunner:
             next_ids[last] = sampled
             rows.append(last)
         draft_rows = torch.cat(rows) if rows and kind == "draft" else None
-        n = len(st.seqs)
-        if st.graphs is not None and st.graphs.can_run_mtp(n, "draft" if draft_rows is not None else "catch_up"):
-            return st.graphs.run_mtp("draft" if draft_rows is not None else "catch_up", next_ids, draft_rows)
+        kind = "draft" if draft_rows is not None else "catch_up"  # no sequence got a token: nothing to draft from
+        if st.graphs is not None and st.graphs.can_run_mtp(len(st.seqs), kind):
+            return st.graphs.run_mtp(kind, next_ids, draft_rows)
         out = self.spec.catch_up(st.positions, hidden, st.batch, next_ids, rope=st.rope)
         if draft_rows is None:
             return None

@@ -102,15 +102,16 @@ class Scheduler:
         step mixing verification rows with single decode rows runs eagerly). Where some sequences have
         drafts, the others verify their spare drafts; where that cannot be (more sequences than the
         verification capacity or the budget, or one without spare drafts, such as one too close to
-        max_model_len for k draft rows), nobody drafts this step. Steps with prefill rows run eagerly anyway and are left as they are."""
-        decoding = self.running
-        if not self.max_spec_seqs or not any(s.draft_token_ids for s in decoding):
+        max_model_len for k draft rows), nobody drafts this step. Steps with prefill rows run eagerly
+        anyway and are left as they are."""
+        running = self.running
+        if not self.max_spec_seqs or not any(s.draft_token_ids for s in running):
             return
-        if not all(_decoding(s) for s in decoding):
+        if not all(_decoding(s) for s in running):
             return
-        uniform = (len(decoding) <= self.max_spec_seqs and len(decoding) * (1 + self.lookahead) <= budget
-                   and all(s.draft_token_ids or len(s.spare_drafts) == self.lookahead for s in decoding))
-        for s in decoding:
+        uniform = (len(running) <= self.max_spec_seqs and len(running) * (1 + self.lookahead) <= budget
+                   and all(s.draft_token_ids or len(s.spare_drafts) == self.lookahead for s in running))
+        for s in running:
             if not uniform:
                 s.draft_token_ids, s.draft_source = [], None
             elif not s.draft_token_ids:
