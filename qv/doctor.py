@@ -109,9 +109,9 @@ def _kernels(choice: str) -> list[str]:
     lines = []
     with registry.backend(choice):
         for dev in devices:
-            chain = " -> ".join(registry._chain_for(dev))
+            chain = " -> ".join(registry.chain_for(dev))
             line = f"  {dev}: kernels={choice} runs {chain}"
-            if dev.type == "cuda" and "sm70" in registry._chain_for(dev):
+            if dev.type == "cuda" and "sm70" in registry.chain_for(dev):
                 line += f"; raw-CUDA m8n8k4 kernels {'available' if cupy_or_none() else 'off (needs CuPy)'}"
             elif dev.type == "cuda":
                 raw = torch.cuda.get_device_capability(dev)[0] >= 8 and cupy_or_none() is not None
@@ -148,7 +148,7 @@ def _kernel_builds(choice: str, ptxas: str) -> list[str]:
     lines = []
     with registry.backend(choice):
         for i in range(torch.cuda.device_count()):
-            if "sm70" not in registry._chain_for(torch.device(f"cuda:{i}")):
+            if "sm70" not in registry.chain_for(torch.device(f"cuda:{i}")):
                 lines.append(f"  cuda:{i}: its chain runs no sm70 kernels")
                 continue
             if cupy_or_none() is None:

@@ -102,7 +102,8 @@ def triton_can_run(device: torch.device) -> bool:
         return False
 
 
-def _chain_for(device: torch.device) -> tuple[str, ...]:
+def chain_for(device: torch.device) -> tuple[str, ...]:
+    """The backends `impl` tries for tensors on `device`, in order, under the active backend."""
     if _active != "auto":
         return _CHAINS[_active]
     if device.type != "cuda":
@@ -117,7 +118,7 @@ def impl(op: str, device: torch.device) -> Callable:
     table = _impls.get(op)
     if table is None:
         raise KeyError(f"unknown op {op!r}")
-    chain = _chain_for(device)
+    chain = chain_for(device)
     for name in chain:
         fn = table.get(name)
         if fn is None:
