@@ -172,6 +172,11 @@ def test_bad_inputs_name_the_cause():
         K.lm_head_top1(randn(2, SMALL_H), w[:0], None)
     with pytest.raises(ValueError, match="bits"):
         build_top1_ranking(w, 2)
+    for empty in (w[:0], w[:, :0]):  # the channel rms of an empty weight crashed in torch's max()
+        with pytest.raises(ValueError, match="is empty"):
+            build_top1_ranking(empty)
+    with pytest.raises(ValueError, match="hidden size 0"):
+        K.lm_head_top1(randn(2, 0), w[:, :0], None)
 
 
 def test_no_rows():

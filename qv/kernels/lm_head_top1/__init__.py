@@ -74,6 +74,8 @@ def build_top1_ranking(weight: torch.Tensor, bits: int = 4, chunk_rows: int = 81
     if weight.dim() != 2 or not weight.dtype.is_floating_point:
         raise ValueError(f"build_top1_ranking: weight must be a float [V, H] matrix, got {weight.dtype} "
                          f"{tuple(weight.shape)}")
+    if 0 in weight.shape:
+        raise ValueError(f"build_top1_ranking: weight {tuple(weight.shape)} is empty (no rows or no hidden size)")
     v, h = weight.shape
     per_word = 32 // bits
     words = -(-h // per_word)
@@ -138,6 +140,8 @@ def lm_head_top1(x: torch.Tensor, weight: torch.Tensor, ranking: Top1Ranking | N
                          f"strides {weight.stride()}")
     if not 0 < weight.shape[0] < 1 << 31:
         raise ValueError(f"lm_head_top1: vocabulary of {weight.shape[0]} rows (1 to 2**31 - 1 supported)")
+    if weight.shape[1] == 0:
+        raise ValueError("lm_head_top1: hidden size 0 (every score would be 0)")
     if ranking is not None and (ranking.vocab, ranking.hidden) != tuple(weight.shape):
         raise ValueError(f"lm_head_top1: ranking copy of a [{ranking.vocab}, {ranking.hidden}] weight given for "
                          f"{tuple(weight.shape)}")
