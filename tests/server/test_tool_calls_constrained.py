@@ -144,6 +144,10 @@ def test_tools_that_cannot_be_constrained_are_refused(compiler):
     for props in ({"a>b": S}, {"e": {"enum": [1, 2]}}, {"t": {"type": "widget"}}):
         with pytest.raises(ToolGrammarError):
             tool_call_tag([fn("f", props)], None, True)
+    with pytest.raises(ToolGrammarError, match="'g', which is not among the tools \\(f\\)"):
+        tool_call_tag([fn("f", {"a": S})], "g", True)
+    with pytest.raises(ToolGrammarError, match="at least one tool"):
+        tool_call_tag([], None, True)
 
 
 # -- through the API ---------------------------------------------------------------------------

@@ -135,6 +135,10 @@ def tool_call_tag(tools: list[dict], forced: str | None, parallel: bool) -> dict
     tool_choice), else (`required`) one call of any tool, or one or more with `parallel`."""
     calls = [_call(t["function"], f"tools[{i}].function") for i, t in enumerate(tools)
              if forced is None or t["function"]["name"] == forced]
+    if not calls:  # an empty alternative would compile to a grammar no output completes
+        names = ", ".join(t["function"]["name"] for t in tools) or "none"
+        raise ToolGrammarError(f"tool_choice names {forced!r}, which is not among the tools ({names})" if forced
+                               else "tool_choice required needs at least one tool")
     one = calls[0] if len(calls) == 1 else {"type": "or", "elements": calls}
     if forced is None and parallel:
         more = {"type": "star", "content": {"type": "sequence", "elements": [_const(CALL_SEPARATOR), one]}}
