@@ -134,8 +134,9 @@ def _video_stream(container):
     return stream
 
 
-def _check_header(container, stream, limits: VideoLimits, fps: float | None) -> int:
-    """Refuse by header: frame size, declared frames (or duration x rate); the declared count (0: none)."""
+def _check_header(container, stream, limits: VideoLimits, fps: float | None) -> tuple[int, float | None]:
+    """Refuse by header: frame size, declared frames (or duration x rate). (The declared frame count, 0 where
+    there is none; the declared seconds or None.)"""
     w, h = stream.codec_context.width, stream.codec_context.height
     if w < 1 or h < 1:
         raise MediaError(f"video frame size {w}x{h} is empty")
@@ -149,7 +150,7 @@ def _check_header(container, stream, limits: VideoLimits, fps: float | None) -> 
     if not declared and seconds and fps and seconds * fps > limits.max_frames:
         raise MediaError(f"video header declares {seconds:.1f} s at {fps:g} fps ({seconds * fps:.0f} frames), over "
                          f"the {limits.max_frames}-frame limit (media_max_video_frames)")
-    return declared
+    return declared, seconds
 
 
 def _count_packets(container, stream, limits: VideoLimits) -> tuple[int, int, float]:
@@ -179,8 +180,7 @@ def probe(data: bytes, limits: VideoLimits = VideoLimits()) -> VideoFile:
         with _open(data, demuxer, limits) as container:
             stream = _video_stream(container)
             fps = _frame_rate(stream)
-            declared = _check_header(container, stream, limits, fps)
-            seconds = _declared_seconds(container, stream)
+            declared, seconds = _check_header(container, stream, limits, fps)
             start = float(stream.start_time * stream.time_base) if stream.start_time and stream.time_base else 0.0
             width, height = stream.codec_context.width, stream.codec_context.height
             shown, total, end = _count_packets(container, stream, limits)
