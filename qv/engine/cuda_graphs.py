@@ -122,9 +122,12 @@ class DecodeGraphs:
                          gdn, self.rows[:t] if self.q > 1 else self.cu[:b].long())
 
     def mtp_kinds(self, b: int) -> tuple[str, ...]:
+        """The head's graphs size b holds: "draft" where a batch that can verify next step (at most
+        spec.max_seqs sequences) pads up to b, "catch_up" for plain decode."""
         if self.spec is None or not self.spec.uses_mtp:
             return ()
-        drafting = b <= self.spec.max_seqs
+        i = self.sizes.index(b)
+        drafting = i == 0 or self.sizes[i - 1] < self.spec.max_seqs
         return (("draft",) if drafting else ()) + (("catch_up",) if self.q == 1 else ())
 
     def capture(self) -> None:

@@ -96,3 +96,13 @@ def test_backed_off_sequences_catch_up_only(fitted_dir, stand_in_graphs):
     assert calls["catch_up"] > calls["verify"], calls
     # bounded: over 120 tokens a sequence drafts 4 times, then once after each pause of 4, 8, 16, 32 steps
     assert stats.num_accepted_tokens <= 2 and 0 < stats.num_drafts <= 2 * 8, stats
+
+
+def test_every_batch_that_can_verify_has_a_draft_graph():
+    """With spec_max_seqs between two graph sizes, the larger size (where 5 or 6 sequences pad to 8) still
+    holds the draft graph; sizes past it hold the catch-up alone."""
+    spec = types.SimpleNamespace(uses_mtp=True, max_seqs=6)
+    graphs = DecodeGraphs(types.SimpleNamespace(device=torch.device("cpu")), None, 16, max_blocks=4,
+                          max_model_len=64, scratch_slot=9, spec=spec)
+    assert graphs.sizes == [1, 2, 4, 8, 16]
+    assert [graphs.mtp_kinds(b) for b in graphs.sizes] == [("draft", "catch_up")] * 4 + [("catch_up",)]
