@@ -162,7 +162,7 @@ def start_tensor_parallel(cfg: EngineConfig, device: torch.device) -> TPDriver:
 
     model_dir = resolve_model_dir(cfg)
     mcfg = ModelConfig.from_dir(model_dir)
-    check_levers(cfg, wants_mtp(cfg, mcfg), media_off_reason(cfg, mcfg, model_dir) is None,
+    check_levers(cfg, media_off_reason(cfg, mcfg, model_dir) is None,
                  cfg.clef and clef_layout(model_dir) is not None, device)
     return TPDriver(cfg, rank_device(device, 0))
 

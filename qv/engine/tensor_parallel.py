@@ -53,11 +53,12 @@ class TensorParallelError(RuntimeError):
 # ---------------------------------------------------------------------------------------------
 
 
-def check_levers(cfg, speculates: bool, media: bool, clef: bool, device: torch.device) -> None:
-    """ConfigError naming the lever for each part not built for tensor_parallel_size > 1."""
+def check_levers(cfg, media: bool, clef: bool, device: torch.device) -> None:
+    """ConfigError naming the lever for each part not built for tensor_parallel_size > 1 (media: the
+    vision tower would load; clef: the folder has a Clef head and clef is on)."""
     n = cfg.tensor_parallel_size
     why = f"tensor_parallel_size {n} (> 1) does not support"
-    if speculates:
+    if cfg.spec != "off":
         raise ConfigError(f"{why} spec={cfg.spec} yet: use spec=off")
     if cfg.prefix_caching:
         raise ConfigError(f"{why} prefix caching yet (its GDN snapshot copies would have to run on every rank): "
@@ -284,7 +285,7 @@ class TPDriver:
         while True:
             try:
                 rank, text = self._errors.get_nowait()
-            except (queue.Empty, OSError, ValueError):
+            except (queue.Empty, OSError, ValueError):  # ValueError: closed by shutdown
                 break
             reports[rank] = text
         dead = [(r, w.exitcode) for r, w in enumerate(self.workers, start=1) if w.exitcode is not None]
@@ -316,3 +317,4 @@ class TPDriver:
                 w.join(timeout=5)
         if dist.is_initialized():
             dist.destroy_process_group()
+        self._errors.close()
