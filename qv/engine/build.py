@@ -164,7 +164,7 @@ def start_tensor_parallel(cfg: EngineConfig, device: torch.device) -> TPDriver:
     mcfg = ModelConfig.from_dir(model_dir)
     check_levers(cfg, media_off_reason(cfg, mcfg, model_dir) is None,
                  cfg.clef and clef_layout(model_dir) is not None, device)
-    return TPDriver(cfg, rank_device(device, 0))
+    return TPDriver(cfg, rank_device(device, 0), load_rank)
 
 
 def _checkpoint(cfg: EngineConfig, device: torch.device):

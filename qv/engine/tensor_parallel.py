@@ -169,23 +169,21 @@ def _recv_object(control):
     return box[0]
 
 
-def worker_main(rank: int, levers: dict, port: int, errors) -> None:
-    """A worker's life: join the group, load the shard, allocate the cache the driver planned, follow steps."""
+def worker_main(rank: int, levers: dict, device: torch.device, port: int, errors, load) -> None:
+    """A worker's life: join the group, load the shard (load: qv.engine.build.load_rank), allocate the
+    cache the driver planned, follow the steps."""
     import torch.distributed as dist
 
     from qv.config import EngineConfig
-    from qv.engine.build import load_rank
 
     try:
         cfg = EngineConfig(**levers)
         world = cfg.tensor_parallel_size
-        if (cfg.device == "cpu" or not torch.cuda.is_available()) and (os.cpu_count() or 1) > 1:
+        if device.type == "cpu" and (os.cpu_count() or 1) > 1:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # the ranks share the cores
-        from qv.engine.build import resolve_device
-
-        device = rank_device(resolve_device(cfg.device), rank)
+        device = rank_device(device, rank)
         tp, control = _init(rank, world, port, device)
-        model, make_cache = load_rank(cfg, device, tp)
+        model, make_cache = load(cfg, device, tp)
         num_blocks, num_slots = _recv_object(control)
         cache = make_cache(num_blocks, num_slots)
         buf = torch.empty(0, dtype=torch.uint8, device=device)
@@ -218,9 +216,10 @@ def _free_port() -> int:
 
 
 class TPDriver:
-    """Rank 0's side: the workers, the groups, the step broadcast and the failure checks."""
+    """Rank 0's side: the workers, the groups, the step broadcast and the failure checks. load: how a
+    worker loads its shard (qv.engine.build.load_rank, passed in: build imports this module)."""
 
-    def __init__(self, cfg, device: torch.device):
+    def __init__(self, cfg, device: torch.device, load):
         import torch.distributed as dist
         import torch.multiprocessing as mp
 
@@ -234,7 +233,7 @@ class TPDriver:
         ctx = mp.get_context("spawn")
         self._errors = ctx.Queue()
         levers = cfg.model_dump()
-        self.workers = [ctx.Process(target=worker_main, args=(r, levers, port, self._errors), daemon=True,
+        self.workers = [ctx.Process(target=worker_main, args=(r, levers, device, port, self._errors, load), daemon=True,
                                     name=f"qv-tp-rank{r}") for r in range(1, self.world)]
         for w in self.workers:
             w.start()
