@@ -14,6 +14,8 @@ import multiprocessing
 import os
 import random
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -163,3 +165,18 @@ def test_media_and_cuda_graphs_are_refused(kw, match):
 def test_lever_bounds():
     with pytest.raises(ConfigError, match="tensor_parallel_size"):
         EngineConfig(tensor_parallel_size=0)
+
+
+@pytest.mark.timeout(120)
+def test_interpreter_exit_stops_the_worker(case):
+    """An engine never shut down: the worker is gone once the interpreter exits (the engine's finalizer
+    sends it the stop message; multiprocessing would terminate a daemonic worker after)."""
+    script = ("import sys\nfrom qv import LLM\nif __name__ == '__main__':\n"
+              f"    llm = LLM(model={case[0]!r}, tensor_parallel_size=2, **{LEVERS!r})\n"
+              "    print(llm.engine.tp.workers[0].pid, flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=100,
+                          cwd=os.getcwd())
+    assert done.returncode == 0, done.stderr[-2000:]
+    pid = int(done.stdout.split()[-1])
+    with pytest.raises(ProcessLookupError):  # gone (exited and reaped by its parent), not left running
+        os.kill(pid, 0)
