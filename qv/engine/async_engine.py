@@ -161,6 +161,8 @@ class AsyncLLMEngine:
         self._stop = True
         self._commands.put(_Wake())
         self._thread.join(timeout=10)
+        if not self._thread.is_alive():  # the tensor-parallel workers, once no step can start
+            self.engine.shutdown()
 
     # -- engine thread -------------------------------------------------------------------------
     def _deliver(self, request_id: str, item) -> None:

@@ -15,8 +15,10 @@ from qv.config import ConfigError, EngineConfig, ModelConfig, state_path, use_st
 from qv.engine.clef_rows import clef_reserve_bytes
 from qv.engine.memory_plan import MemoryPlan
 from qv.engine.prefix_cache import PrefixPlan, plan_prefix_cache
+from qv.engine.tensor_parallel import TPDriver, check_levers, rank_device
 from qv.model.cache import (KV_DTYPES, STATE_DTYPES, HybridCache, allocate_cache, gdn_bytes_per_slot,
                             kv_bytes_per_block)
+from qv.model.parallel import TPGroup
 from qv.model.qwen3_5 import Qwen3_5TextModel, held_bytes, load_text_model
 from qv.model.random_weights import checkpoint_reader, with_quantization
 from qv.model.vision_processor import missing_processor_config
@@ -45,6 +47,7 @@ class EngineParts:
     clef: object | None = None  # qv.clef.adapters.ClefAssets when the folder has a Clef head and clef is on
     memory_plan: MemoryPlan | None = None
     media_off: str | None = None  # why images and videos are off (None: on)
+    tp: TPDriver | None = None  # the tensor-parallel workers (tensor_parallel_size > 1)
 
 
 def default_model_dir(state_dir: str = "") -> Path:
@@ -143,21 +146,63 @@ def wants_mtp(cfg: EngineConfig, mcfg: ModelConfig) -> bool:
 
 def build_engine_parts(cfg: EngineConfig) -> EngineParts:
     use_state_dir(cfg.state_dir)  # before Triton or CuPy compiles anything
-    model_dir = resolve_model_dir(cfg)
     device = resolve_device(cfg.device)
+    tp = start_tensor_parallel(cfg, device) if cfg.tensor_parallel_size > 1 else None
+    try:
+        return _build(cfg, rank_device(device, 0) if tp else device, tp)
+    except BaseException:
+        if tp is not None:  # the workers wait for a cache plan that will not come
+            tp.shutdown()
+        raise
+
+
+def start_tensor_parallel(cfg: EngineConfig, device: torch.device) -> TPDriver:
+    """The workers of tensor_parallel_size > 1, once the levers are known to be supported there."""
+    from qv.clef.adapters import clef_layout
+
+    model_dir = resolve_model_dir(cfg)
+    mcfg = ModelConfig.from_dir(model_dir)
+    check_levers(cfg, media_off_reason(cfg, mcfg, model_dir) is None,
+                 cfg.clef and clef_layout(model_dir) is not None, device)
+    return TPDriver(cfg, rank_device(device, 0), load_rank)
+
+
+def _checkpoint(cfg: EngineConfig, device: torch.device):
+    """(folder, activation dtype, model config, weight reader) as the levers say (every rank alike)."""
+    model_dir = resolve_model_dir(cfg)
     dtype = resolve_dtype(cfg.dtype, device)
     kernels.set_backend(cfg.kernels)
     mcfg = with_quantization(ModelConfig.from_dir(model_dir), cfg.quantization, cfg.load_format)
-    reader = checkpoint_reader(model_dir, mcfg, cfg.load_format, cfg.seed, device)
-    log.info("loading %s on %s (%s, kernels=%s%s)", model_dir, device, dtype, cfg.kernels,
-             ", random weights" if cfg.load_format == "random" else "")
+    return model_dir, dtype, mcfg, checkpoint_reader(model_dir, mcfg, cfg.load_format, cfg.seed, device)
+
+
+def load_rank(cfg: EngineConfig, device: torch.device, tp: TPGroup):
+    """A tensor-parallel worker's shard (the driver's levers) and how to allocate its cache from the
+    driver's plan: make_cache(num_blocks, num_slots)."""
+    use_state_dir(cfg.state_dir)
+    model_dir, dtype, mcfg, reader = _checkpoint(cfg, device)
+    model = load_text_model(str(model_dir), mcfg, dtype=dtype, device=device, reader=reader, tp=tp)
+
+    def make_cache(num_blocks: int, num_slots: int) -> HybridCache:
+        return allocate_cache(model.cfg, num_blocks, cfg.block_size, num_slots, resolve_kv_dtype(cfg.kv_dtype, dtype),
+                              STATE_DTYPES[cfg.gdn_state_dtype], dtype, device)
+
+    return model, make_cache
+
+
+def _build(cfg: EngineConfig, device: torch.device, tp: TPDriver | None) -> EngineParts:
+    model_dir, dtype, mcfg, reader = _checkpoint(cfg, device)
+    log.info("loading %s on %s (%s, kernels=%s%s%s)", model_dir, device, dtype, cfg.kernels,
+             ", random weights" if cfg.load_format == "random" else "",
+             f", rank 0 of {tp.world}" if tp else "")
     vision, media_off = None, media_off_reason(cfg, mcfg, model_dir)
     if wants_media(cfg, mcfg, model_dir):
         from qv.model.vision import load_multimodal_model
 
         model, vision = load_multimodal_model(str(model_dir), mcfg, dtype=dtype, device=device, reader=reader)
     else:
-        model = load_text_model(str(model_dir), mcfg, dtype=dtype, device=device, reader=reader)
+        model = load_text_model(str(model_dir), mcfg, dtype=dtype, device=device, reader=reader,
+                                tp=tp.group if tp else None)
     tokenizer = load_tokenizer(model_dir, cfg.state_dir)
     gen = read_generation_config(model_dir)
     eos = gen.get("eos_token_id", list(mcfg.eos_token_ids))
@@ -174,11 +219,14 @@ def build_engine_parts(cfg: EngineConfig) -> EngineParts:
         from qv.clef.adapters import load_clef
 
         clef = load_clef(model_dir, model, delta_host=cfg.clef_delta_host)
-    cache, prefix, plan = plan_cache(cfg, mcfg, device, dtype, max_len,
+    # a rank's view (its heads) sizes the cache; the workers allocate the same blocks and slots
+    cache, prefix, plan = plan_cache(cfg, model.cfg if tp else mcfg, device, dtype, max_len,
                                      mtp_layers=(mcfg.num_hidden_layers,) if mtp_head else (),
                                      reserve_bytes=clef_reserve_bytes(clef, cfg.clef_slots, min(cfg.clef_nmax, max_len)),
                                      weight_bytes=held_bytes(model, mtp_head, vision, clef))
     log.info("%s", plan.summary())
+    if tp is not None:
+        tp.send_plan(cache.num_blocks, cache.num_slots)
     if prefix.enabled:
         log.info("prefix cache: %d GDN snapshots every %d tokens, %d blocks reserved for chat; host tier %d blocks, "
                  "%d snapshots", prefix.num_snapshots, prefix.interval, prefix.reserve_blocks, prefix.host_blocks,
@@ -186,7 +234,7 @@ def build_engine_parts(cfg: EngineConfig) -> EngineParts:
     defaults = {k: gen[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                                     "presence_penalty", "frequency_penalty") if k in gen}
     return EngineParts(model_dir, mcfg, model, tokenizer, cache, max_len, eos_ids, defaults, mtp_head, prefix, vision,
-                       clef=clef, memory_plan=plan, media_off=media_off)
+                       clef=clef, memory_plan=plan, media_off=media_off, tp=tp)
 
 
 def plan_cache(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_model_len: int,

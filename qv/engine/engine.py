@@ -9,6 +9,7 @@ import logging
 import random
 import threading
 import time
+import weakref
 from array import array
 from dataclasses import dataclass, field
 
@@ -98,7 +99,9 @@ class LLMEngine:
             self.media = VisionSteps(parts.vision, cfg.vision_max_patches_per_step, step_rows, parts.model.device)
         self.clef = make_clef_rows(parts.clef, parts.model, cfg.clef_slots, cfg.clef_nmax, self.max_model_len)
         self.runner = ModelRunner(parts.model, parts.cache, cfg.max_num_batched_tokens, cfg.max_num_seqs,
-                                  self.max_model_len, self.spec, self.media, self.clef)
+                                  self.max_model_len, self.spec, self.media, self.clef, tp=parts.tp)
+        self.tp = parts.tp  # tensor-parallel workers (None at one rank); stopped by shutdown or at exit
+        self._stop_workers = weakref.finalize(self, parts.tp.shutdown) if parts.tp else None
         why_eager = eager_reason(cfg.cuda_graphs, parts.model.device, cfg.kernels)
         if why_eager is None:
             self.runner.enable_decode_graphs(scratch_slot)  # StartupError where a graph disagrees with eager
@@ -116,6 +119,11 @@ class LLMEngine:
         self._inflight: StepHandle | None = None  # the step launched but not yet applied (async only)
         self._grammars: GrammarCompiler | None = None  # structured outputs: built on first use
         self._grammars_lock = threading.Lock()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do at one rank); the engine takes no steps after."""
+        if self._stop_workers is not None:
+            self._stop_workers()
 
     def compile_grammar(self, kind: str, spec: str, param: str = "response_format") -> Grammar:
         """A structured-output constraint compiled for this model's tokenizer, for SamplingParams.grammar

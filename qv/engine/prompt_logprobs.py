@@ -121,20 +121,10 @@ def launch_prompt_logprobs(model, seqs: list, cu: np.ndarray, hidden: torch.Tens
     """Queue the prompt logprobs of a step's rows (sequence i: hidden rows cu[i]..cu[i+1], from
     position seq.num_computed_tokens; next_ids: the token after each row). None when no row asks."""
     asks, parts, step = [], [], slice_rows(vocab)
-    for i, seq in enumerate(seqs):
-        st = seq.prompt_logprobs
-        if st is None or st.launched >= st.num_rows:
-            continue
-        start, end = seq.num_computed_tokens, seq.num_computed_tokens + int(cu[i + 1] - cu[i])
-        if start > st.launched:
-            raise RuntimeError(f"request {seq.request_id}: prompt rows {st.launched}..{start} were skipped (a bug)")
-        lo, hi = st.launched, min(end, st.num_rows)
-        if hi <= lo:
-            continue
-        a = int(cu[i]) + lo - start
-        parts.append(_rows(model, hidden[a:a + hi - lo], next_ids[a:a + hi - lo], st.top_n, vocab, step))
-        asks.append((st, hi - lo))
-        st.launched = hi
+    for st, a, n in _step_rows(seqs, cu):
+        parts.append(_rows(model, hidden[a:a + n], next_ids[a:a + n], st.top_n, vocab, step))
+        asks.append((st, n))
+        st.launched += n
     if not asks:
         return None
     packed = torch.cat([p.reshape(-1) for p in parts])
@@ -145,6 +135,27 @@ def launch_prompt_logprobs(model, seqs: list, cu: np.ndarray, hidden: torch.Tens
     copied = torch.cuda.Event()
     copied.record(torch.cuda.current_stream(packed.device))
     return PromptLogprobRows(asks, host, copied)
+
+
+def prompt_logits_calls(seqs: list, cu: np.ndarray, vocab: int) -> list[tuple[int, int]]:
+    """Hidden rows [a, b) of each compute_logits call launch_prompt_logprobs will make for this step
+    (tensor-parallel workers make the same calls, whose lm_head gathers across the ranks)."""
+    step = slice_rows(vocab)
+    return [(a + s, a + min(s + step, n)) for _, a, n in _step_rows(seqs, cu) for s in range(0, n, step)]
+
+
+def _step_rows(seqs: list, cu: np.ndarray):
+    """(state, first hidden row, rows) of each sequence whose prompt logprobs this step computes."""
+    for i, seq in enumerate(seqs):
+        st = seq.prompt_logprobs
+        if st is None or st.launched >= st.num_rows:
+            continue
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + int(cu[i + 1] - cu[i])
+        if start > st.launched:
+            raise RuntimeError(f"request {seq.request_id}: prompt rows {st.launched}..{start} were skipped (a bug)")
+        lo, hi = st.launched, min(end, st.num_rows)
+        if hi > lo:
+            yield st, int(cu[i]) + lo - start, hi - lo
 
 
 def _rows(model, hidden: torch.Tensor, targets: torch.Tensor, top_n: int, vocab: int, step: int) -> torch.Tensor:

@@ -23,10 +23,11 @@ from qv.engine.sampler import SamplingBatch, apply_grammar, logprobs_of, process
 from qv.engine.clef_rows import ClefRows
 from qv.engine.cuda_graphs import DecodeGraphs
 from qv.engine.multimodal import VisionSteps
-from qv.engine.prompt_logprobs import PromptLogprobRows, launch_prompt_logprobs
+from qv.engine.prompt_logprobs import PromptLogprobRows, launch_prompt_logprobs, prompt_logits_calls
 from qv.engine.scheduler import StepPlan
 from qv.engine.sequence import Sequence
 from qv.engine.structured import grammar_bitmask
+from qv.engine.tensor_parallel import TPDriver
 from qv.spec.speculator import Speculator
 from qv.model.batch import AttentionMeta, GDNMeta, StepBatch
 from qv.model.cache import HybridCache
@@ -127,8 +128,9 @@ class StepHandle:
 class ModelRunner:
     def __init__(self, model, cache: HybridCache, max_num_batched_tokens: int, max_num_seqs: int,
                  max_model_len: int, speculator: Speculator | None = None, media: VisionSteps | None = None,
-                 clef: ClefRows | None = None):
+                 clef: ClefRows | None = None, tp: TPDriver | None = None):
         self.model, self.cache, self.spec, self.media = model, cache, speculator, media
+        self.tp = tp  # tensor parallelism: each step goes to the workers first (qv/engine/tensor_parallel.py)
         self.clef = clef  # Clef records' rows: their low-rank deltas and joint-head inputs
         self.device = model.device
         self.block_size = cache.block_size
@@ -178,6 +180,9 @@ class ModelRunner:
 
     def _forward(self, st: "_Step") -> torch.Tensor:
         """Replay a captured graph where one fits the step (st.graphs); run eagerly otherwise."""
+        if self.tp is not None:  # the workers run the same forward and compute_logits calls
+            self.tp.send_step(self.upload.dev, self.upload.used, st.ids, st.positions, st.batch,
+                              prompt_logits_calls(st.seqs, st.cu, self.vocab_size))
         st.graphs = self._graphs_for(st)
         if st.graphs is not None:
             return st.graphs.run(st.batch, st.ids, st.positions)
@@ -286,6 +291,12 @@ class ModelRunner:
     # -- the step ------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepHandle:
         """Launch the step; its results come from `collect`. With nothing in flight this is the whole step."""
+        if self.tp is None:
+            return self._execute(plan)
+        with self.tp.guard():  # a dead worker: TensorParallelError, not a hang
+            return self._execute(plan)
+
+    def _execute(self, plan: StepPlan) -> StepHandle:
         st = self.prepare(plan)
         hidden = self._forward(st)
         st.prompt_logprobs = launch_prompt_logprobs(self.model, st.seqs, st.cu, hidden, st.next_ids, self.vocab_size)
