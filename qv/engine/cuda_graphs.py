@@ -167,29 +167,24 @@ class DecodeGraphs:
         return self.spec.walk(out, self.positions[:t], self.draft_rows[:b], self.block_tables[:b], self.draft_valid[:b],
                               self.max_seq_len)
 
-    def _capture_one(self, b: int) -> None:
-        self._reset_pad_rows(0, 0)
-        self._eager(b)  # warm-up: JIT compiles and one-time host syncs stay out of the graph
+    def _captured(self, fn):
+        """(graph, output) of `fn` captured in the shared pool, after one eager warm-up run (JIT compiles and
+        one-time host syncs stay out of the graph)."""
+        fn()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = self._eager(b)
+            out = fn()
         self.pool = graph.pool()
-        self.graphs[b] = (graph, out)
+        return graph, out
+
+    def _capture_one(self, b: int) -> None:
+        self._reset_pad_rows(0, 0)
+        self.graphs[b] = self._captured(lambda: self._eager(b))
         for kind in self.mtp_kinds(b):
-            self._eager_mtp(b, kind)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                drafts = self._eager_mtp(b, kind)
-            self.mtp_graphs[(b, kind)] = (graph, drafts)
+            self.mtp_graphs[(b, kind)] = self._captured(lambda: self._eager_mtp(b, kind))
         if self.q > 1:  # the commit of the accepted positions' GDN states: ~3 small copies a layer, one launch here
-            self._eager_commit(b)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self._eager_commit(b)
-            self.commit_graphs[b] = graph
+            self.commit_graphs[b] = self._captured(lambda: self._eager_commit(b))[0]
 
     def _eager_commit(self, b: int) -> None:
         self.spec.commit(self.state_slots[:b], self.num_accepted[:b])
