@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from qv.bench.profile import profile_steps
-from qv.bench.spec_parts import SPEC_PARTS_EXTRA_STEPS, spec_parts
+from qv.bench.spec_parts import SPEC_PARTS_EXTRA_STEPS, spec_parts, speculator_policy
 from qv.engine.request import SamplingParams
 
 PROFILE_STEPS = 3
@@ -188,31 +188,23 @@ class BenchRun:
     def _warm_prefills(self) -> None:
         """With speculation the prefill rows are compared with and without it: first a two-chunk prompt under
         each policy, so that neither timing holds the first chunk's kernel compiles and autotuning."""
-        spec, before = self.engine.spec, self.engine.spec.policy
         length = min(2 * self.engine.cfg.max_num_batched_tokens + 1, max(self.spec.prefill_lengths))
-        try:
-            for policy in ("off", before):
-                spec.policy = policy
+        for policy in ("off", self.engine.spec.policy):
+            with speculator_policy(self.engine.spec, policy):
                 counts = {self._add(self._prompt(length)): 0}
                 self._prefill(counts)
                 self._finish(counts)
-        finally:
-            spec.policy = before
 
     def _prefill_without_spec(self, length: int) -> float:
         """The same length's prefill (another prompt) with the speculator off: no MTP catch-up."""
-        spec, before = self.engine.spec, self.engine.spec.policy
         prompt = self._prompt(length)
-        spec.policy = "off"
-        try:
+        with speculator_policy(self.engine.spec, "off"):
             self.sync()
             t0 = time.perf_counter()
             counts = {self._add(prompt): 0}
             self._prefill(counts)
             self.sync()
             took = time.perf_counter() - t0
-        finally:
-            spec.policy = before
         self._finish(counts)
         return took
 

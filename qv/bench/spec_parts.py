@@ -14,6 +14,7 @@ on the same sequences by switching the speculator's policy (qv/spec/speculator.p
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -47,6 +48,17 @@ class SpecMeasured:
                 "draft_vs_plain": self.draft_s / self.plain_s, "backed_off_vs_plain": self.backed_off_s / self.plain_s,
                 "acceptance_length": ACCEPTANCE_LENGTH,
                 "projected_tokens_per_s": ACCEPTANCE_LENGTH * self.batch / self.spec_s}
+
+
+@contextlib.contextmanager
+def speculator_policy(spec, policy: str):
+    """The speculator under `policy` for the block, its own policy restored after."""
+    before = spec.policy
+    spec.policy = policy
+    try:
+        yield
+    finally:
+        spec.policy = before
 
 
 def _timed_steps(run, counts: dict[str, int], steps: int) -> float:
@@ -92,24 +104,20 @@ def spec_parts(run, counts: dict[str, int], batch: int, context: int, steps: int
     steady state of backoff. Leaves the speculator's policy as it found it."""
     engine = run.engine
     spec = engine.spec
-    before = spec.policy
-    try:
-        spec.policy = "off"
+    with speculator_policy(spec, "off"):
         for _ in range(2):
             run.engine_step(counts)
         plain = _timed_steps(run, counts, steps)
-        spec.policy = "always"
+    with speculator_policy(spec, "always"):
         for _ in range(3):  # drafts made under "always" reach the verification graphs
             run.engine_step(counts)
         spec_step = _timed_steps(run, counts, steps)
         source = "mtp" if spec.uses_mtp else "ngram"
         draft = _draft_graph_s(engine.runner, batch) if source == "mtp" else _ngram_lookup_s(engine, counts)
-        spec.policy = "backoff"
+    with speculator_policy(spec, "backoff"):
         for _ in range(BACKOFF_STEPS):
             run.engine_step(counts)
         backed_off = _timed_steps(run, counts, BACKED_OFF_STEPS)
-    finally:
-        spec.policy = before
     return SpecMeasured(batch, context, plain, spec_step, draft, backed_off, source)
 
 
