@@ -31,6 +31,9 @@ from qv.model.tiny_tokenizer import tokenizer_json
 from util import assert_close
 
 BOUND = 1e-5
+# mixed-gptq's worst step over 50 draws: median 2.7e-6, 95th percentile 1.0e-5, max 1.39e-5 (its 6 layers of
+# GPTQ row-parallel sums in another order; 1e-5 failed one CI draw); the other cases stay under 2.6e-6
+CASE_BOUND = {"mixed-gptq": 5e-5}
 WORLD = 2
 BS, NUM_BLOCKS, NUM_SLOTS = 8, 24, 5
 PROMPT_LENS, CHUNK, DECODE_STEPS = (23, 9, 40), 16, 3
@@ -160,7 +163,7 @@ def test_tp2_logits_equal_tp1(name, cases, two_ranks):
     assert len(ref) > DECODE_STEPS  # chunked prefill steps, then the decode steps
     for rank, results in enumerate(two_ranks):
         assert len(results[name]) == len(ref)
-        errs = [assert_close(f"{name} rank {rank} step {i}", got, want, BOUND)
+        errs = [assert_close(f"{name} rank {rank} step {i}", got, want, CASE_BOUND.get(name, BOUND))
                 for i, (got, want) in enumerate(zip(results[name], ref))]
         print(f"{name} rank {rank}: max rel err over {len(errs)} steps {max(errs):.2e}")
 
