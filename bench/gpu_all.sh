@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the engine-level GPU checks and benchmarks; logs under $OUT.
-#   bash bench/gpu_all.sh SECTION...    sections: tests oracles sm70 specgpu newgpu engine spec spec27 ngram27 prefix
+#   bash bench/gpu_all.sh SECTION...    sections: tests oracles sm70 specgpu newgpu (side by side: sm70 oracles,
+#   speculation and prompt-logprob GPU tests, graphs, the sm70 engine) engine spec spec27 ngram27 prefix
 #   prefix27 clef clef27 clefmix kernels bench27 top1 plp mask
 # BENCH_KERNELS_ARGS passes options to bench/kernels.py (e.g. "--only attn,gdn --sweep attn,gdn");
 # BENCH27_ARGS to `qv bench --preset 27b` (e.g. "--prefill-lengths 32768 --profile").
@@ -33,9 +34,11 @@ for section in "$@"; do
         run sm70 150 python3 -m pytest -q -m gpu tests/oracles/test_linear_sm70.py tests/oracles/test_paged_attention_sm70.py \
           tests/oracles/test_gated_delta_rule_sm70.py tests/oracles/test_varlen_attention.py \
           tests/oracles/test_lm_head_top1.py -n 6 -p no:cacheprovider -rfE --durations=5 &
-        run specgpu 150 python3 -m pytest -q -m gpu tests/engine/test_engine_gpu.py tests/spec/test_spec_distribution.py \
+        run specgpu ${SPECGPU_S:-240} python3 -m pytest -q -m gpu tests/engine/test_engine_gpu.py tests/spec/test_spec_distribution.py \
           tests/oracles/test_sm70_chain.py tests/engine/test_prompt_logprobs.py -n 3 -p no:cacheprovider -rfE --durations=5 &
         run graphs 150 python3 -m pytest -q -m gpu tests/engine/test_cuda_graphs_gpu.py -p no:cacheprovider -rfE &
+        run sm70engine ${SM70ENGINE_S:-200} python3 -m pytest -q -m gpu tests/engine/test_sm70_engine_gpu.py -n 2 \
+          -p no:cacheprovider -rfE --durations=5 &
         wait ;;
     top1) run top1 60 python3 bench/lm_head_top1.py ;;
     mask) run mask 90 python3 bench/structured_mask.py --json "$out/mask.json" ;;

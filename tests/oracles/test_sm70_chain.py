@@ -91,7 +91,7 @@ def sm70_engine_launches(tiny_dirs, tmp_path_factory):
     prompts = [{"prompt_token_ids": [(7 * i) % 250 for i in range(n)]} for n in (300, 37)]
     with record_launches() as launched:
         llm = LLM(model=str(folder), kernels="sm70", dtype="float16", max_num_batched_tokens=128, spec="ngram",
-                  spec_k=3)
+                  spec_k=3, kv_cache_bytes=256 << 20)
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 24 for o in outs)
     assert launched.kernels, "the recorder saw no Triton launch at all"

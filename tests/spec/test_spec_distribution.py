@@ -24,7 +24,8 @@ def chi2_quantile(dof: int) -> float:
 
 
 def _tokens(model_dir, device: str, **levers) -> np.ndarray:
-    llm = LLM(model=model_dir, device=device, dtype="float32", max_num_seqs=32, spec_max_seqs=32, **levers)
+    llm = LLM(model=model_dir, device=device, dtype="float32", max_num_seqs=32, spec_max_seqs=32, kv_cache_bytes=256 << 20,
+              **levers)
     prompt = {"prompt_token_ids": model_list(6, 3) * 2}
     params = SamplingParams(n=SAMPLES, temperature=1.0, max_tokens=max(POSITIONS) + 1, ignore_eos=True, seed=1234)
     out = llm.generate([prompt], params)[0].outputs
