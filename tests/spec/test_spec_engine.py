@@ -120,10 +120,23 @@ def test_more_sequences_than_spec_max_seqs(fitted_dir, mode, monkeypatch):
     used to fail with an IndexError past 16): while more than 4 decode, no step verifies (a step mixing
     verification rows with single rows could not replay a CUDA graph); as they finish, the rest
     verify drafts again, every sequence of a step alike. Greedy outputs equal speculation off."""
+    _check_three_times_capacity(fitted_dir, mode, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["mtp", "ngram"])
+def test_more_sequences_than_spec_max_seqs_gpu(fitted_dir, mode, monkeypatch):
+    """The same on the GPU: Triton kernels, fp32, decode and verification CUDA graphs (the kernels must not
+    write past the 4 per-position state buffers either)."""
+    _check_three_times_capacity(fitted_dir, mode, monkeypatch, device="cuda", kernels="triton", dtype="float32",
+                                kv_cache_bytes=256 << 20)
+
+
+def _check_three_times_capacity(fitted_dir, mode, monkeypatch, **levers):
     rng = random.Random()
     prompts = [{"prompt_token_ids": model_list(rng.randrange(4, 15), rng.randrange(CYCLE)) * 2} for _ in range(12)]
     params = [SamplingParams(temperature=0, max_tokens=6 + 3 * i, ignore_eos=True) for i in range(12)]
-    base, _ = _run(fitted_dir, prompts, params)
+    base, _ = _run(fitted_dir, prompts, params, **levers)
     from qv.engine.runner import ModelRunner
     shapes, prepare = [], ModelRunner.prepare
 
@@ -133,7 +146,7 @@ def test_more_sequences_than_spec_max_seqs(fitted_dir, mode, monkeypatch):
         return st
 
     monkeypatch.setattr(ModelRunner, "prepare", spy)
-    outs, llm = _run(fitted_dir, prompts, params, spec=mode, spec_k=3, spec_max_seqs=4)
+    outs, llm = _run(fitted_dir, prompts, params, spec=mode, spec_k=3, spec_max_seqs=4, **levers)
     _assert_same(outs, base, f"spec={mode} with 12 sequences over 4 verification slots")
     assert llm.engine.spec.stats.num_accepted_tokens > 0
     assert all(n_spec in (0, n) and n_spec <= 4 for n, n_spec in shapes), shapes
