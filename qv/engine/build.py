@@ -226,7 +226,7 @@ def _build(cfg: EngineConfig, device: torch.device, tp: TPDriver | None) -> Engi
                                      weight_bytes=held_bytes(model, mtp_head, vision, clef))
     log.info("%s", plan.summary())
     if tp is not None:
-        tp.send_plan(cache.num_blocks, cache.num_slots)
+        tp.send_plan(cache.num_blocks, cache.num_slots, prefix)
     if prefix.enabled:
         log.info("prefix cache: %d GDN snapshots every %d tokens, %d blocks reserved for chat; host tier %d blocks, "
                  "%d snapshots", prefix.num_snapshots, prefix.interval, prefix.reserve_blocks, prefix.host_blocks,

@@ -101,6 +101,8 @@ class LLMEngine:
         self.runner = ModelRunner(parts.model, parts.cache, cfg.max_num_batched_tokens, cfg.max_num_seqs,
                                   self.max_model_len, self.spec, self.media, self.clef, tp=parts.tp)
         self.tp = parts.tp  # tensor-parallel workers (None at one rank); stopped by shutdown or at exit
+        if self.tp and self.prefix_cache:  # its state copies run on every rank
+            self.tp.mirror_state(self.prefix_cache.copies)
         self._stop_workers = weakref.finalize(self, parts.tp.shutdown) if parts.tp else None
         why_eager = eager_reason(cfg.cuda_graphs, parts.model.device, cfg.kernels)
         if why_eager is None:

@@ -5,23 +5,24 @@ Both kinds are keyed by the same digests as on the device (blocks also keep thei
 content check holds here too) and evicted LRU. Copies are asynchronous and ordered on the current
 stream: an offload is enqueued before the forward that overwrites the device block, and a
 restore before the forward that reads it, so no host sync is needed. Entries a hit is restoring
-right now are pinned so that the evictions the restore itself causes cannot drop them.
+right now are pinned so that the evictions the restore itself causes cannot drop them. With tensor
+parallelism every rank keeps its own host rows of its shard: the driver's copies are replayed there.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
-import torch
-
-from qv.engine.state_pool import copy_rows, empty_like_rows
+from qv.engine.state_pool import RowCopies, empty_like_rows
 
 
 class _Store:
-    """Rows of host tensors shaped like one device row each, with an LRU index by digest."""
+    """Rows of host tensors shaped like one row of the device pool `like` each (registered in
+    `copies` as `name`), with an LRU index by digest."""
 
-    def __init__(self, like: list[torch.Tensor], rows: int, pin: bool):
-        self.tensors = empty_like_rows(like, rows, "cpu", pin)
+    def __init__(self, copies: RowCopies, name: str, like: str, rows: int, pin: bool):
+        self.copies, self.name = copies, name
+        self.tensors = copies.add(name, empty_like_rows(copies.pools[like], rows, "cpu", pin))
         self.index: OrderedDict[bytes, int] = OrderedDict()  # least recently used first
         self.keys: dict[bytes, tuple | None] = {}
         self.free = list(range(rows - 1, -1, -1))
@@ -30,21 +31,21 @@ class _Store:
     def find(self, digest: bytes, key: tuple | None = None) -> bool:
         return digest in self.index and self.keys[digest] == key
 
-    def save(self, src: list[torch.Tensor], src_row: int, digest: bytes, key: tuple | None) -> bool:
+    def save(self, src: str, src_row: int, digest: bytes, key: tuple | None) -> bool:
         if digest in self.index:
             self.index.move_to_end(digest)
             return False
         row = self._take()
         if row is None:
             return False
-        copy_rows(self.tensors, [row], src, [src_row])
+        self.copies.copy(self.name, [row], src, [src_row])
         self.index[digest], self.keys[digest] = row, key
         return True
 
-    def restore(self, digest: bytes, dst: list[torch.Tensor], dst_row: int) -> None:
+    def restore(self, digest: bytes, dst: str, dst_row: int) -> None:
         row = self.index[digest]
         self.index.move_to_end(digest)
-        copy_rows(dst, [dst_row], self.tensors, [row])
+        self.copies.copy(dst, [dst_row], self.name, [row])
 
     def _take(self) -> int | None:
         if self.free:
@@ -63,20 +64,22 @@ class _Store:
 
 
 class HostTier:
-    def __init__(self, block_like: list[torch.Tensor], snapshot_like: list[torch.Tensor], num_blocks: int,
-                 num_snapshots: int, pin: bool):
-        self.blocks = _Store(block_like, num_blocks, pin)
-        self.snapshots = _Store(snapshot_like, num_snapshots, pin)
+    """Host rows beside the device pools of `copies` ("block", "snapshot", "slot"), added to it as
+    "host_block" and "host_snapshot"."""
+
+    def __init__(self, copies: RowCopies, num_blocks: int, num_snapshots: int, pin: bool):
+        self.blocks = _Store(copies, "host_block", "block", num_blocks, pin)
+        self.snapshots = _Store(copies, "host_snapshot", "slot", num_snapshots, pin)
         self.num_blocks, self.num_snapshots = num_blocks, num_snapshots
         self.blocks_offloaded = self.snapshots_offloaded = 0
         self.blocks_restored = self.snapshots_restored = 0
 
     # -- device -> host (called from the device pools' eviction hooks) ---------------------------
-    def save_block(self, device_blocks: list[torch.Tensor], b: int, digest: bytes, key: tuple) -> None:
-        self.blocks_offloaded += self.blocks.save(device_blocks, b, digest, key)
+    def save_block(self, b: int, digest: bytes, key: tuple) -> None:
+        self.blocks_offloaded += self.blocks.save("block", b, digest, key)
 
-    def save_snapshot(self, device_snapshots: list[torch.Tensor], row: int, digest: bytes) -> None:
-        self.snapshots_offloaded += self.snapshots.save(device_snapshots, row, digest, None)
+    def save_snapshot(self, row: int, digest: bytes) -> None:
+        self.snapshots_offloaded += self.snapshots.save("snapshot", row, digest, None)
 
     # -- lookups and host -> device -------------------------------------------------------------
     def has_block(self, digest: bytes, key: tuple) -> bool:
@@ -93,12 +96,12 @@ class HostTier:
         self.blocks.pinned.clear()
         self.snapshots.pinned.clear()
 
-    def restore_block(self, digest: bytes, device_blocks: list[torch.Tensor], b: int) -> None:
-        self.blocks.restore(digest, device_blocks, b)
+    def restore_block(self, digest: bytes, b: int) -> None:
+        self.blocks.restore(digest, "block", b)
         self.blocks_restored += 1
 
-    def restore_snapshot(self, digest: bytes, device_slots: list[torch.Tensor], slot: int) -> None:
-        self.snapshots.restore(digest, device_slots, slot)
+    def restore_snapshot(self, digest: bytes, slot: int) -> None:
+        self.snapshots.restore(digest, "slot", slot)
         self.snapshots_restored += 1
 
     def reset(self) -> None:

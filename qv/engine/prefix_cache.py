@@ -17,6 +17,10 @@ KV blocks AND Gated DeltaNet state are both cached.
   or snapshot, and the block pool keeps them from evicting a reserved share of cached blocks.
 - With a host tier (qv/engine/host_tier.py), blocks and snapshots evicted from the device are
   copied to pinned host memory and restored on a hit.
+- Every copy of device state (snapshot save and load, host offload and restore) goes through
+  `copies` (qv/engine/state_pool.py RowCopies). With tensor parallelism the driver logs them and each
+  worker replays them on its own shard's pools (`replica_pools`) before the next step's forward; the
+  bookkeeping here (digests, LRU, reference counts) runs on the driver only.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from qv.engine.host_tier import HostTier
 from qv.engine.kv_cache import NO_CACHE, KVBlockPool
 from qv.engine.prompt_logprobs import cacheable_tokens
 from qv.engine.sequence import Sequence
-from qv.engine.state_pool import GDNSnapshotPool, block_tensors, slot_tensors
+from qv.engine.state_pool import GDNSnapshotPool, RowCopies, block_tensors
 from qv.model.cache import HybridCache
 
 AUTO_INTERVAL_BLOCKS = 64  # the automatic snapshot spacing is a multiple of this many blocks
@@ -140,12 +144,12 @@ class PrefixCacheStats:
 class PrefixCache:
     def __init__(self, plan: PrefixPlan, blocks: KVBlockPool, cache: HybridCache):
         self.blocks, self.bs, self.interval = blocks, blocks.block_size, plan.interval
-        self.snaps = GDNSnapshotPool(cache, plan.num_snapshots)
-        self.block_tensors, self.slot_tensors = block_tensors(cache), slot_tensors(cache)
+        self.copies = RowCopies()  # every device-state copy below goes through it (tensor parallelism logs them)
+        kv = self.copies.add("block", block_tensors(cache))
+        self.snaps = GDNSnapshotPool(cache, plan.num_snapshots, self.copies)
         self.host: HostTier | None = None
         if plan.host_blocks or plan.host_snapshots:
-            pin = bool(self.block_tensors) and self.block_tensors[0].is_cuda
-            self.host = HostTier(self.block_tensors, self.slot_tensors, plan.host_blocks, plan.host_snapshots, pin)
+            self.host = HostTier(self.copies, plan.host_blocks, plan.host_snapshots, pin=bool(kv) and kv[0].is_cuda)
             self.snaps.on_evict = self.host.save_snapshot
         blocks.on_evict = self._block_evicted
         self.stats = PrefixCacheStats()
@@ -193,14 +197,14 @@ class PrefixCache:
         for k in from_host:
             b = self.blocks.take()
             d, key = hit.chain[k]
-            self.host.restore_block(d, self.block_tensors, b)
+            self.host.restore_block(d, b)
             self.blocks.register(b, d, key)
             ids[k] = b
         seq.block_ids = ids
         if snap in self.snaps:
             self.snaps.load(snap, seq.state_slot)
         else:
-            self.host.restore_snapshot(snap, self.slot_tensors, seq.state_slot)
+            self.host.restore_snapshot(snap, seq.state_slot)
             self.stats.host_snapshot_hits += 1
         if self.host:
             self.host.unpin()
@@ -323,10 +327,18 @@ class PrefixCache:
 
     def _block_evicted(self, b: int, digest: bytes, key: tuple) -> None:
         if self.host is not None:
-            self.host.save_block(self.block_tensors, b, digest, key)
+            self.host.save_block(b, digest, key)
         else:  # its prefix is gone, so a snapshot at its end can never be reached again
             self.snaps.drop(digest)
 
 
 def make_prefix_cache(plan: PrefixPlan, blocks: KVBlockPool, cache: HybridCache) -> PrefixCache | None:
     return PrefixCache(plan, blocks, cache) if plan.enabled else None
+
+
+def replica_pools(plan: PrefixPlan, cache: HybridCache) -> RowCopies | None:
+    """A tensor-parallel worker's state pools: the driver's (same rows, built by the same code) over this
+    rank's cache shard, to replay the driver's logged copies on; None with prefix caching off."""
+    if not plan.enabled:
+        return None
+    return PrefixCache(plan, KVBlockPool(cache.num_blocks, cache.block_size), cache).copies

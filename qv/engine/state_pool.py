@@ -10,6 +10,10 @@ so a freed slot never needs clearing.
 A snapshot is a copy of one slot's tensors taken when the sequence's computed tokens sit exactly
 on a snapshot boundary, stored in the slot's own dtype with its int16 scales (so saving and
 restoring are exact copies, never a requantization).
+
+Every row copy the prefix cache makes goes through one RowCopies, between pools named by role, so
+that with tensor parallelism the driver can log them (names and rows) and each worker replay them on
+its own shard's pools, in the driver's order (qv/engine/tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -81,19 +85,57 @@ def copy_rows(dst: list[torch.Tensor], dst_rows: list[int], src: list[torch.Tens
             a[i].copy_(b[j], non_blocking=True)
 
 
+StateOp = tuple[str, tuple[int, ...], str, tuple[int, ...]]  # (dst pool, dst rows, src pool, src rows)
+
+
+class RowCopies:
+    """The prefix cache's state pools by name ("slot": GDN state slots, "block": KV blocks,
+    "snapshot": device GDN snapshots, "host_block" / "host_snapshot": the host tier) and every copy
+    of rows between them. After `start_log` each copy is also logged, for tensor-parallel workers."""
+
+    def __init__(self):
+        self.pools: dict[str, list[torch.Tensor]] = {}
+        self._log: list[StateOp] | None = None
+
+    def add(self, name: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        self.pools[name] = tensors
+        return tensors
+
+    def copy(self, dst: str, dst_rows: list[int], src: str, src_rows: list[int]) -> None:
+        copy_rows(self.pools[dst], dst_rows, self.pools[src], src_rows)
+        if self._log is not None and dst_rows:
+            self._log.append((dst, tuple(dst_rows), src, tuple(src_rows)))
+
+    def start_log(self) -> None:
+        self._log = []
+
+    def take_log(self) -> tuple[StateOp, ...]:
+        """The copies made since the last call, in order (empty when not logging)."""
+        if not self._log:
+            return ()
+        ops, self._log = tuple(self._log), []
+        return ops
+
+    def replay(self, ops: tuple[StateOp, ...]) -> None:
+        """Make another rank's logged copies on these pools (the same names and rows, this rank's shard)."""
+        for dst, dst_rows, src, src_rows in ops:
+            copy_rows(self.pools[dst], list(dst_rows), self.pools[src], list(src_rows))
+
+
 class GDNSnapshotPool:
     """Snapshots keyed by the digest of the last block before their boundary (which names the whole
     prefix, salt and media included). Nobody holds a snapshot: a hit copies it into the sequence's
-    slot, so eviction is plain LRU; `on_evict` lets a host tier keep it."""
+    slot, so eviction is plain LRU; `on_evict(row, digest)` lets a host tier keep it."""
 
-    def __init__(self, cache: HybridCache, num_snapshots: int):
+    def __init__(self, cache: HybridCache, num_snapshots: int, copies: RowCopies | None = None):
         self.num_snapshots = num_snapshots
-        self.slots = slot_tensors(cache)
+        self.copies = copies or RowCopies()
+        self.slots = self.copies.add("slot", slot_tensors(cache))
         device = self.slots[0].device if self.slots else "cpu"
-        self.tensors = empty_like_rows(self.slots, num_snapshots, device)
+        self.tensors = self.copies.add("snapshot", empty_like_rows(self.slots, num_snapshots, device))
         self.index: OrderedDict[bytes, int] = OrderedDict()  # least recently used first
         self.free = list(range(num_snapshots - 1, -1, -1))
-        self.on_evict: Callable[[list[torch.Tensor], int, bytes], None] | None = None
+        self.on_evict: Callable[[int, bytes], None] | None = None
         self.num_saved = 0
 
     def __contains__(self, digest: bytes) -> bool:
@@ -112,7 +154,7 @@ class GDNSnapshotPool:
         if not todo:
             return
         rows = [self._take() for _ in todo]
-        copy_rows(self.tensors, rows, self.slots, [slot for _, slot in todo])
+        self.copies.copy("snapshot", rows, "slot", [slot for _, slot in todo])
         for row, (digest, _) in zip(rows, todo):
             self.index[digest] = row
         self.num_saved += len(todo)
@@ -120,7 +162,7 @@ class GDNSnapshotPool:
     def load(self, digest: bytes, slot: int) -> None:
         row = self.index[digest]
         self.index.move_to_end(digest)
-        copy_rows(self.slots, [slot], self.tensors, [row])
+        self.copies.copy("slot", [slot], "snapshot", [row])
 
     def drop(self, digest: bytes) -> None:
         row = self.index.pop(digest, None)
@@ -136,5 +178,5 @@ class GDNSnapshotPool:
             return self.free.pop()
         digest, row = self.index.popitem(last=False)
         if self.on_evict is not None:
-            self.on_evict(self.tensors, row, digest)
+            self.on_evict(row, digest)
         return row

@@ -11,6 +11,15 @@ the device fills async scheduling's pending ids). A worker rebuilds the StepBatc
 runs model.forward and the same compute_logits calls (their all-reduces and all-gathers are the
 collectives the driver joins) and discards the results.
 
+Prefix caching keeps its bookkeeping (digests, LRU, reference counts, which block or snapshot row
+holds what) on the driver only, but its copies of device state (GDN snapshot save and load, host-tier
+offload and restore of KV blocks and snapshots) must happen on every rank's own shard. Every such copy
+goes through the prefix cache's RowCopies (qv/engine/state_pool.py), which the driver logs as (pool,
+rows, pool, rows); the next StepMessage carries the log, and each worker replays it on its own pools
+(built from the driver's PrefixPlan by the same code, so every row id agrees) before that step's
+forward: the same copies in the same order between the same forwards as on the driver. Each rank's
+host tier holds its own shard, so kv_offload_bytes (like kv_cache_bytes) is per rank.
+
 A worker that dies breaks the next collective (gloo and NCCL see the closed connection; a hung rank
 hits the process group's timeout), and the driver then raises TensorParallelError naming the rank, its
 exit code and its traceback; every later step raises it too. shutdown() (LLMEngine.shutdown, the
@@ -19,6 +28,7 @@ engine's finalizer, interpreter exit) stops the workers.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -31,6 +41,7 @@ from datetime import timedelta
 
 import torch
 
+from qv.engine.prefix_cache import PrefixPlan, replica_pools
 from qv.errors import ConfigError
 from qv.model.batch import AttentionMeta, GDNMeta, StepBatch
 from qv.model.parallel import TPGroup
@@ -60,9 +71,6 @@ def check_levers(cfg, media: bool, clef: bool, device: torch.device) -> None:
     why = f"tensor_parallel_size {n} (> 1) does not support"
     if cfg.spec != "off":
         raise ConfigError(f"{why} spec={cfg.spec} yet: use spec=off")
-    if cfg.prefix_caching:
-        raise ConfigError(f"{why} prefix caching yet (its GDN snapshot copies would have to run on every rank): "
-                          "use prefix_caching=0")
     if cfg.cuda_graphs and device.type == "cuda":
         raise ConfigError(f"{why} CUDA graphs yet (the all-reduces would be captured): use cuda_graphs=0")
     if clef:
@@ -88,7 +96,8 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 class StepMessage:
     """One step for the workers; `stop` ends their loop. arrays: name -> (byte offset in the upload
     buffer, dtype, shape); logits_calls: hidden rows [a, b) of each compute_logits call before the
-    step's logits rows (prompt logprobs)."""
+    step's logits rows (prompt logprobs); state_ops: the prefix cache's state-row copies since the last
+    step, to replay before this one's forward (qv/engine/state_pool.py RowCopies)."""
 
     nbytes: int = 0
     arrays: dict | None = None
@@ -96,6 +105,7 @@ class StepMessage:
     max_seq_len: int = 0
     logits_calls: tuple[tuple[int, int], ...] = ()
     stop: bool = False
+    state_ops: tuple = ()
 
 
 def describe_step(buf: torch.Tensor, nbytes: int, ids: torch.Tensor, positions: torch.Tensor, batch: StepBatch,
@@ -143,6 +153,15 @@ def run_step(model, cache, ids: torch.Tensor, positions: torch.Tensor, batch: St
         model.compute_logits(hidden[batch.logits_indices])
 
 
+def replay_state_ops(pools, ops: tuple) -> None:
+    """The driver's prefix-cache state copies since the last step, on this rank's own pools, in its order."""
+    if not ops:
+        return
+    if pools is None:
+        raise TensorParallelError("prefix-cache state copies reached a worker planned without prefix caching (a bug)")
+    pools.replay(ops)
+
+
 # ---------------------------------------------------------------------------------------------
 # the worker process
 # ---------------------------------------------------------------------------------------------
@@ -184,8 +203,9 @@ def worker_main(rank: int, levers: dict, device: torch.device, port: int, errors
         device = rank_device(device, rank)
         tp, control = _init(rank, world, port, device)
         model, make_cache = load(cfg, device, tp)
-        num_blocks, num_slots = _recv_object(control)
+        num_blocks, num_slots, prefix_plan = _recv_object(control)
         cache = make_cache(num_blocks, num_slots)
+        pools = replica_pools(prefix_plan, cache)  # the prefix cache's state pools over this rank's shard
         buf = torch.empty(0, dtype=torch.uint8, device=device)
         while True:
             msg: StepMessage = _recv_object(control)
@@ -195,6 +215,7 @@ def worker_main(rank: int, levers: dict, device: torch.device, port: int, errors
                 buf = torch.empty(msg.nbytes, dtype=torch.uint8, device=device)
             dist.broadcast(buf[:msg.nbytes], src=0)
             with torch.inference_mode():
+                replay_state_ops(pools, msg.state_ops)
                 run_step(model, cache, *rebuild_step(buf, msg), msg.logits_calls)
         dist.destroy_process_group()
     except BaseException:
@@ -229,6 +250,7 @@ class TPDriver:
         self.world = cfg.tensor_parallel_size
         self.error: str | None = None
         self._closed = self._joined = False
+        self._state = None  # the prefix cache's RowCopies, logging (mirror_state)
         port = _free_port()
         ctx = mp.get_context("spawn")
         self._errors = ctx.Queue()
@@ -246,16 +268,25 @@ class TPDriver:
             self.shutdown()
             raise
 
-    def send_plan(self, num_blocks: int, num_slots: int) -> None:
-        """The cache every worker allocates (the driver's plan, so ids agree on every rank)."""
+    def send_plan(self, num_blocks: int, num_slots: int, prefix_plan: PrefixPlan) -> None:
+        """The cache every worker allocates (the driver's plan, so ids agree on every rank), and the prefix
+        cache's pools (snapshot and host rows) it mirrors."""
         with self.guard():
-            self._send_object((num_blocks, num_slots))
+            self._send_object((num_blocks, num_slots, prefix_plan))
+
+    def mirror_state(self, copies) -> None:
+        """Log the prefix cache's state-row copies (a RowCopies) so that each step carries them to the workers."""
+        copies.start_log()
+        self._state = copies
 
     def send_step(self, upload: torch.Tensor, nbytes: int, ids, positions, batch, logits_calls) -> None:
         """Before the driver's forward: the step's message, then its upload bytes."""
         import torch.distributed as dist
 
-        self._send_object(describe_step(upload, nbytes, ids, positions, batch, logits_calls))
+        msg = describe_step(upload, nbytes, ids, positions, batch, logits_calls)
+        if self._state is not None:  # the copies made since the last step, replayed before this forward
+            msg = dataclasses.replace(msg, state_ops=self._state.take_log())
+        self._send_object(msg)
         dist.broadcast(upload[:nbytes], src=0)
 
     def _send_object(self, obj) -> None:

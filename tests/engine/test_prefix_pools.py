@@ -9,9 +9,10 @@ import torch
 from qv.config import ConfigError
 from qv.engine.host_tier import HostTier
 from qv.engine.kv_cache import KVBlockPool
-from qv.engine.prefix_cache import plan_prefix_cache, snapshot_interval, split_budget
-from qv.engine.state_pool import GDNSnapshotPool, slot_tensors
-from qv.model.cache import GDNState, HybridCache
+from qv.engine.prefix_cache import (PrefixCache, PrefixPlan, plan_prefix_cache, replica_pools, snapshot_interval,
+                                    split_budget)
+from qv.engine.state_pool import GDNSnapshotPool, RowCopies, slot_tensors
+from qv.model.cache import GDNState, HybridCache, KVCache
 
 
 def _cached(pool: KVBlockPool, n: int) -> list[int]:
@@ -99,7 +100,7 @@ def test_snapshots_copy_exactly_and_evict_lru(int16):
     pool = GDNSnapshotPool(cache, 2)
     original = [t.clone() for t in slot_tensors(cache)]
     evicted = []
-    pool.on_evict = lambda tensors, row, d: evicted.append(d)
+    pool.on_evict = lambda row, d: evicted.append(d)
     pool.save([(0, b"a"), (1, b"b"), (1, b"b")])
     assert len(pool) == 2
     pool.load(b"a", 2)  # touch: b is now the least recently used
@@ -111,20 +112,56 @@ def test_snapshots_copy_exactly_and_evict_lru(int16):
 
 def test_host_tier_round_trip_and_pinning():
     cache = _tiny_cache()
-    slots = slot_tensors(cache)
-    host = HostTier([], slots, 0, 1, pin=False)
+    copies = RowCopies()
+    copies.add("block", [])
+    slots = copies.add("slot", slot_tensors(cache))
+    copies.add("snapshot", slots)  # offload straight from the slots
+    host = HostTier(copies, 0, 1, pin=False)
     want = [t[1].clone() for t in slots]
-    host.save_snapshot(slots, 1, b"s")
+    host.save_snapshot(1, b"s")
     for t in slots:
         t[0].zero_()
-    host.restore_snapshot(b"s", slots, 0)
+    host.restore_snapshot(b"s", 0)
     assert all(torch.equal(t[0], w) for t, w in zip(slots, want))
     host.pin([b"s"])
-    host.save_snapshot(slots, 2, b"t")  # the only row is pinned: nothing is dropped
+    host.save_snapshot(2, b"t")  # the only row is pinned: nothing is dropped
     assert host.has_snapshot(b"s") and not host.has_snapshot(b"t")
     host.unpin()
-    host.save_snapshot(slots, 2, b"t")
+    host.save_snapshot(2, b"t")
     assert host.has_snapshot(b"t") and not host.has_snapshot(b"s")
+
+
+def test_logged_copies_replay_on_another_ranks_pools():
+    """A tensor-parallel worker's part: the driver's logged state copies (snapshot saves, an eviction to
+    host, loads, host restores of a block and a snapshot) replayed on pools built from the same plan over
+    other contents (2x the driver's here) move exactly the same rows."""
+    def cache():
+        kv = KVCache(k=torch.randn(6, 4, 1, 2), v=torch.randn(6, 4, 1, 2), k_scale=None, v_scale=None)
+        return HybridCache(kv={0: kv}, gdn=_tiny_cache().gdn, block_size=4)
+
+    plan = PrefixPlan(True, num_blocks=6, interval=4, num_snapshots=2, host_blocks=2, host_snapshots=2)
+    mine = cache()
+    driver = PrefixCache(plan, KVBlockPool(6, 4), mine)
+    other = HybridCache(kv={0: KVCache(mine.kv[0].k * 2, mine.kv[0].v * 2, None, None)},
+                        gdn={i: GDNState(st.conv * 2, st.ssm * 2, None) for i, st in mine.gdn.items()}, block_size=4)
+    driver.copies.start_log()
+    driver.snaps.save([(0, b"a"), (1, b"b")])
+    driver.snaps.save([(2, b"c")])  # evicts a to the host tier
+    driver.snaps.load(b"b", 0)
+    driver.host.save_block(3, b"x", ("k",))
+    driver.host.restore_block(b"x", 5)
+    driver.host.restore_snapshot(b"a", 1)
+    ops = driver.copies.take_log()
+    assert [(d, s) for d, _, s, _ in ops] == [("snapshot", "slot"), ("host_snapshot", "snapshot"), ("snapshot", "slot"),
+                                              ("slot", "snapshot"), ("host_block", "block"), ("block", "host_block"),
+                                              ("slot", "host_snapshot")]
+    assert driver.copies.take_log() == ()
+    replica = replica_pools(plan, other)
+    replica.replay(ops)
+    assert replica.pools.keys() == driver.copies.pools.keys()
+    for name, tensors in driver.copies.pools.items():
+        for t, u in zip(tensors, replica.pools[name], strict=True):
+            assert torch.equal(u, t * 2), name
 
 
 def test_memory_plan():
