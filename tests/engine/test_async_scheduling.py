@@ -275,7 +275,8 @@ def test_gpu_graphs_async_equals_sync():
     """On the GPU, with decode CUDA graphs: the pending ids reach the graphs' static inputs in stream
     order (filled after the upload, before the replay's copy). Length ends only, so both engines run
     the same batches (bf16 sums over other batch shapes could flip a near-tie)."""
-    llms = {m: LLM(model=None, device="cuda", async_scheduling=m, max_num_seqs=8) for m in (False, True)}
+    llms = {m: LLM(model=None, device="cuda", async_scheduling=m, max_num_seqs=8, kv_cache_bytes=256 << 20)
+            for m in (False, True)}
     assert llms[True].engine.runner.graphs is not None
     rng = random.Random(12)
     reqs = [("add", f"gpu{i}", _prompt(rng, rng.choice([1, 16, 70, 300])),
