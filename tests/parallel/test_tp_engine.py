@@ -134,8 +134,6 @@ def test_shutdown_stops_the_worker(case):
 
 
 @pytest.mark.parametrize("levers, lever", [
-    (dict(spec="ngram"), "spec=off"),
-    (dict(spec="mtp"), "spec=off"),
     (dict(prefix_caching=True), "prefix_caching=0"),
 ])
 def test_unsupported_levers_are_refused_before_workers_start(case, levers, lever):
