@@ -177,17 +177,30 @@ def _checkpoint(cfg: EngineConfig, device: torch.device):
 
 
 def load_rank(cfg: EngineConfig, device: torch.device, tp: TPGroup):
-    """A tensor-parallel worker's shard (the driver's levers) and how to allocate its cache from the
-    driver's plan: make_cache(num_blocks, num_slots)."""
+    """A tensor-parallel worker's shard (the driver's levers), how to allocate its cache from the
+    driver's plan: make_cache(num_blocks, num_slots), and its speculator over that cache: make_spec(cache)
+    (None with spec=off; with an MTP head, the head's shard and its KV layer in the cache)."""
+    from qv.spec.speculator import Speculator
+
     use_state_dir(cfg.state_dir)
     model_dir, dtype, mcfg, reader = _checkpoint(cfg, device)
     model = load_text_model(str(model_dir), mcfg, dtype=dtype, device=device, reader=reader, tp=tp)
+    head = None
+    if wants_mtp(cfg, mcfg):
+        from qv.spec.mtp import load_mtp_head
+
+        head = load_mtp_head(str(model_dir), mcfg, model, dtype, device, reader=reader,
+                             draft_top1=cfg.spec_draft_top1, tp=tp)
+    mtp_layers = (mcfg.num_hidden_layers,) if head else ()
 
     def make_cache(num_blocks: int, num_slots: int) -> HybridCache:
         return allocate_cache(model.cfg, num_blocks, cfg.block_size, num_slots, resolve_kv_dtype(cfg.kv_dtype, dtype),
-                              STATE_DTYPES[cfg.gdn_state_dtype], dtype, device)
+                              STATE_DTYPES[cfg.gdn_state_dtype], dtype, device, extra_attention_layers=mtp_layers)
 
-    return model, make_cache
+    def make_spec(cache: HybridCache) -> Speculator | None:
+        return Speculator.for_engine(cfg, head, model.cfg, cache, device) if cfg.spec != "off" else None
+
+    return model, make_cache, make_spec
 
 
 def _build(cfg: EngineConfig, device: torch.device, tp: TPDriver | None) -> EngineParts:
@@ -213,7 +226,7 @@ def _build(cfg: EngineConfig, device: torch.device, tp: TPDriver | None) -> Engi
         from qv.spec.mtp import load_mtp_head
 
         mtp_head = load_mtp_head(str(model_dir), mcfg, model, dtype, device, reader=reader,
-                                 draft_top1=cfg.spec_draft_top1)
+                                 draft_top1=cfg.spec_draft_top1, tp=tp.group if tp else None)
     clef = None
     if cfg.clef:  # Clef's head and low-rank deltas, before the memory plan (qv/clef/adapters.py)
         from qv.clef.adapters import load_clef

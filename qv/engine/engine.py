@@ -82,8 +82,8 @@ class LLMEngine:
         self.prefix_cache = make_prefix_cache(parts.prefix_plan, self.blocks, parts.cache)
         self.spec = None
         if cfg.spec != "off":
-            self.spec = Speculator(cfg.spec, cfg.spec_k, parts.mtp_head, parts.model_config, parts.cache,
-                                   min(cfg.spec_max_seqs, cfg.max_num_seqs), parts.model.device, cfg.spec_policy)
+            # the model's own view: under tensor parallelism the per-position states hold the rank's GDN heads
+            self.spec = Speculator.for_engine(cfg, parts.mtp_head, parts.model.cfg, parts.cache, parts.model.device)
         scratch_slot = parts.cache.num_slots - 1  # never handed out (qv/engine/build.py)
         self.scheduler = Scheduler(self.blocks, GDNStatePool(scratch_slot), cfg.max_num_seqs,
                                    cfg.max_num_batched_tokens, lookahead=cfg.spec_k if self.spec else 0,

@@ -27,7 +27,7 @@ from qv.engine.prompt_logprobs import PromptLogprobRows, launch_prompt_logprobs,
 from qv.engine.scheduler import StepPlan
 from qv.engine.sequence import Sequence
 from qv.engine.structured import grammar_bitmask
-from qv.engine.tensor_parallel import TPDriver
+from qv.engine.tensor_parallel import SpecStep, TPDriver
 from qv.spec.speculator import Speculator
 from qv.model.batch import AttentionMeta, GDNMeta, StepBatch
 from qv.model.cache import HybridCache
@@ -106,6 +106,7 @@ class _Step:
     embeds: torch.Tensor | None = None  # input embeddings with vision rows, when a chunk holds media pads
     prompt_logprobs: PromptLogprobRows | None = None  # prompt rows' logprobs, in their own bounded copy
     graphs: DecodeGraphs | None = None  # the graphs that replayed the forward (None: it ran eagerly)
+    mtp: str | None = None  # the MTP head's work after the forward (Speculator.mtp_work)
 
 
 @dataclass
@@ -180,9 +181,12 @@ class ModelRunner:
 
     def _forward(self, st: "_Step") -> torch.Tensor:
         """Replay a captured graph where one fits the step (st.graphs); run eagerly otherwise."""
-        if self.tp is not None:  # the workers run the same forward and compute_logits calls
+        if self.tp is not None:  # the workers run the same forward, compute_logits calls and speculation
+            spec = None if self.spec is None else SpecStep(
+                st.num_spec, st.batch.gdn.num_spec_tokens, self.spec.k + 1, tuple(st.samplers), st.mtp,
+                _draft_max_len(st))
             self.tp.send_step(self.upload.dev, self.upload.used, st.ids, st.positions, st.batch,
-                              prompt_logits_calls(st.seqs, st.cu, self.vocab_size))
+                              prompt_logits_calls(st.seqs, st.cu, self.vocab_size), spec=spec, next_ids=st.next_ids)
         st.graphs = self._graphs_for(st)
         if st.graphs is not None:
             return st.graphs.run(st.batch, st.ids, st.positions)
@@ -298,11 +302,12 @@ class ModelRunner:
 
     def _execute(self, plan: StepPlan) -> StepHandle:
         st = self.prepare(plan)
+        st.mtp = self.spec.mtp_work(st.seqs) if self.spec else None  # before the forward: the workers' message says it
         hidden = self._forward(st)
         st.prompt_logprobs = launch_prompt_logprobs(self.model, st.seqs, st.cu, hidden, st.next_ids, self.vocab_size)
         if self.clef is not None:  # Clef records: their rows into the joint head, chunk by chunk
             self.clef.take_hidden(st.seqs, st.cu, hidden, st.host_ids)
-        mtp = self.spec.mtp_work(st.seqs) if self.spec else None
+        mtp = st.mtp
         if st.batch.logits_indices.numel() == 0:
             if mtp:  # the head's KV must still catch up with these rows
                 self._mtp(st, hidden, None, None, None, "catch_up")
@@ -322,6 +327,8 @@ class ModelRunner:
         if st.num_spec:
             tokens, n_acc, parts = self._verify(st, logits[:n_spec_rows], k1)
             packed += [tokens.reshape(-1), n_acc] + parts
+        if self.tp is not None and (st.num_spec or mtp):  # the workers commit and draft from the same outcome
+            self.tp.send_outcome(sampled, tokens, n_acc)
         drafts = self._mtp(st, hidden, sampled, tokens, n_acc, mtp) if mtp else None
         if drafts is not None:
             packed.append(drafts.reshape(-1))
@@ -357,29 +364,17 @@ class ModelRunner:
         """The MTP head after the step (on the device, no sync): its KV catches up with the step's rows, then
         ("draft") k drafts for every sequence that got a new token. Replays the head's graph where the
         forward replayed one."""
-        next_ids, rows = st.next_ids, []
-        rows_with_logits = st.batch.logits_indices  # verified sequences' k+1 rows each, then each sampler's last row
-        if st.num_spec:  # verified rows see the emitted tokens; the last valid row is row n_accepted
-            k1 = tokens.shape[1]
-            spec_rows = rows_with_logits[:st.num_spec * k1].view(st.num_spec, k1)
-            next_ids[spec_rows.reshape(-1)] = tokens.reshape(-1)
-            rows.append(spec_rows[:, 0] + n_acc)
-        if st.samplers:
-            last = rows_with_logits[st.num_spec * (tokens.shape[1] if st.num_spec else 0):]
-            next_ids[last] = sampled
-            rows.append(last)
-        draft_rows = torch.cat(rows) if rows and kind == "draft" else None
+        next_ids = st.next_ids
+        draft_rows = self.spec.mtp_inputs(next_ids, st.batch.logits_indices, st.num_spec, tokens, n_acc, sampled, kind)
         kind = "draft" if draft_rows is not None else "catch_up"  # no sequence got a token: nothing to draft from
         if st.graphs is not None and st.graphs.can_run_mtp(len(st.seqs), kind):
             return st.graphs.run_mtp(kind, next_ids, draft_rows)
-        out = self.spec.catch_up(st.positions, hidden, st.batch, next_ids, rope=st.rope)
-        if draft_rows is None:
-            return None
         draft_seqs = np.asarray(list(range(st.num_spec)) + st.samplers, dtype=np.int64)
-        max_len = int(max(s.num_computed_tokens for s in st.seqs) + st.q_lens.max())
-        deltas = self.media.draft_deltas(st.seqs, draft_seqs, self.device) if st.rope is not None else None
-        tables = st.batch.attn.block_tables[torch.from_numpy(draft_seqs).to(self.device)]
-        return self.spec.walk(out, st.positions, draft_rows, tables, None, max_len, rope_delta=deltas)
+        deltas = None
+        if st.rope is not None and draft_rows is not None:
+            deltas = self.media.draft_deltas(st.seqs, draft_seqs, self.device)
+        return self.spec.mtp_eager(st.positions, hidden, st.batch, next_ids, draft_rows, draft_seqs, _draft_max_len(st),
+                                   rope=st.rope, rope_delta=deltas)
 
     def _unpack(self, st: _Step, host: np.ndarray, k1: int, has_drafts: bool) -> dict[Sequence, StepResult]:
         results: dict[Sequence, StepResult] = {}
@@ -447,6 +442,11 @@ class ModelRunner:
         if bans is not None:
             b.ban_rows, b.ban_ids = t(bans[0], torch.int64), t(bans[1], torch.int64)
         return b
+
+
+def _draft_max_len(st: _Step) -> int:
+    """The longest sequence's length after the step: what the MTP walk's attention bounds its keys by."""
+    return int(max(s.num_computed_tokens for s in st.seqs) + st.q_lens.max())
 
 
 def _to_host(packed: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:

@@ -20,6 +20,14 @@ rows, pool, rows); the next StepMessage carries the log, and each worker replays
 forward: the same copies in the same order between the same forwards as on the driver. Each rank's
 host tier holds its own shard, so kv_offload_bytes (like kv_cache_bytes) is per rank.
 
+Speculative decoding (spec=ngram, mtp, auto) runs the same way: the message's SpecStep carries a
+verifying step's GDN metadata (its cu_rest array in the upload), and every rank keeps its own
+per-position states (its Speculator, over its shard's GDN heads). Sampling and verification happen
+once, on the driver; their outcome (sampled ids, verified tokens, accepted counts) is broadcast on the
+device right after, and each worker commits the accepted states and runs the MTP head's catch-up and
+walk from it, on its shard of the head (drafts come from the gathered vocabulary-parallel logits, so
+every rank drafts the same ids). N-gram drafts are host data of the driver's, in the step's ids.
+
 A worker that dies breaks the next collective (gloo and NCCL see the closed connection; a hung rank
 hits the process group's timeout), and the driver then raises TensorParallelError naming the rank, its
 exit code and its traceback; every later step raises it too. shutdown() (LLMEngine.shutdown, the
@@ -39,6 +47,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
+import numpy as np
 import torch
 
 from qv.engine.prefix_cache import PrefixPlan, replica_pools
@@ -69,8 +78,6 @@ def check_levers(cfg, media: bool, clef: bool, device: torch.device) -> None:
     vision tower would load; clef: the folder has a Clef head and clef is on)."""
     n = cfg.tensor_parallel_size
     why = f"tensor_parallel_size {n} (> 1) does not support"
-    if cfg.spec != "off":
-        raise ConfigError(f"{why} spec={cfg.spec} yet: use spec=off")
     if cfg.cuda_graphs and device.type == "cuda":
         raise ConfigError(f"{why} CUDA graphs yet (the all-reduces would be captured): use cuda_graphs=0")
     if clef:
@@ -93,6 +100,27 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 
 
 @dataclass(frozen=True)
+class SpecStep:
+    """A step's speculation, for the workers: the first num_spec_seqs sequences verify (num_spec_tokens
+    rows, k1 each; their GDN states kept per position), `samplers` sample one token each, and `mtp` is
+    the MTP head's work after the step (Speculator.mtp_work: "draft", "catch_up" or None), its walk's
+    attention bounded by draft_max_len keys."""
+
+    num_spec_seqs: int
+    num_spec_tokens: int
+    k1: int
+    samplers: tuple[int, ...]
+    mtp: str | None
+    draft_max_len: int
+
+    @property
+    def has_outcome(self) -> bool:
+        """Whether the driver broadcasts the step's outcome (sampled ids, verified tokens, accepted counts)
+        after its logits: the workers commit or draft from it."""
+        return bool(self.num_spec_seqs or self.mtp)
+
+
+@dataclass(frozen=True)
 class StepMessage:
     """One step for the workers; `stop` ends their loop. arrays: name -> (byte offset in the upload
     buffer, dtype, shape); logits_calls: hidden rows [a, b) of each compute_logits call before the
@@ -104,53 +132,114 @@ class StepMessage:
     max_query_len: int = 0
     max_seq_len: int = 0
     logits_calls: tuple[tuple[int, int], ...] = ()
+    spec: SpecStep | None = None  # with speculation: arrays also holds cu_rest (verifying steps) and next_ids
     stop: bool = False
     state_ops: tuple = ()
 
 
 def describe_step(buf: torch.Tensor, nbytes: int, ids: torch.Tensor, positions: torch.Tensor, batch: StepBatch,
-                  logits_calls: list[tuple[int, int]]) -> StepMessage:
-    """Where a step's arrays lie in `buf` (they must all be views of it: the engine's runner lays them out there)."""
-    if batch.delta_rows is not None or batch.gdn.num_spec_seqs:
-        raise TensorParallelError("a step with Clef deltas or speculative rows reached tensor parallelism (a bug: "
-                                  "start-up refuses those levers)")
+                  logits_calls: list[tuple[int, int]], spec: SpecStep | None = None,
+                  next_ids: torch.Tensor | None = None) -> StepMessage:
+    """Where a step's arrays lie in `buf` (they must all be views of it: the engine's runner lays them out there).
+    spec: the step's speculation (None: speculation off); next_ids: the MTP head's input ids, with spec."""
+    if batch.delta_rows is not None:
+        raise TensorParallelError("a step with Clef deltas reached tensor parallelism (a bug: start-up refuses "
+                                  "that lever)")
+    if batch.gdn.num_spec_seqs and (spec is None or spec.num_spec_seqs != batch.gdn.num_spec_seqs):
+        raise TensorParallelError("a step's speculative rows do not match its SpecStep (a bug)")
     tensors = dict(ids=ids, positions=positions, cu_seqlens_q=batch.cu_seqlens_q, slot_mapping=batch.attn.slot_mapping,
                    block_tables=batch.attn.block_tables, seq_lens=batch.attn.seq_lens,
                    state_slots=batch.gdn.state_slots, has_initial_state=batch.gdn.has_initial_state,
                    logits_indices=batch.logits_indices)
+    if spec is not None:
+        tensors["next_ids"] = next_ids
+        if spec.num_spec_seqs:
+            tensors["cu_rest"] = batch.gdn.cu_seqlens_rest
     base, arrays = buf.data_ptr(), {}
     for name, t in tensors.items():
         off = t.data_ptr() - base if t.numel() else 0  # an empty view may not point into the buffer
         if not t.is_contiguous() or off < 0 or off + t.numel() * t.element_size() > nbytes:
             raise TensorParallelError(f"step array {name} is not a contiguous view of the upload buffer (a bug)")
         arrays[name] = (off, t.dtype, tuple(t.shape))
-    return StepMessage(nbytes, arrays, batch.max_query_len, batch.attn.max_seq_len, tuple(logits_calls))
+    return StepMessage(nbytes, arrays, batch.max_query_len, batch.attn.max_seq_len, tuple(logits_calls), spec)
 
 
-def rebuild_step(buf: torch.Tensor, msg: StepMessage) -> tuple[torch.Tensor, torch.Tensor, StepBatch]:
-    """(ids, positions, batch): views of a worker's copy of the upload bytes."""
+def array_view(buf: torch.Tensor, msg: StepMessage, name: str) -> torch.Tensor:
+    """The message's array `name` as a view of a worker's copy of the upload bytes."""
+    off, dtype, shape = msg.arrays[name]
+    n = 1
+    for d in shape:
+        n *= d
+    return buf[off:off + n * dtype.itemsize].view(dtype).view(shape)
+
+
+def rebuild_step(buf: torch.Tensor, msg: StepMessage, spec=None) -> tuple[torch.Tensor, torch.Tensor, StepBatch]:
+    """(ids, positions, batch): views of a worker's copy of the upload bytes. spec: the worker's
+    Speculator, whose per-position state buffers a verifying step's GDN layers fill."""
     def view(name):
-        off, dtype, shape = msg.arrays[name]
-        n = 1
-        for d in shape:
-            n *= d
-        return buf[off:off + n * dtype.itemsize].view(dtype).view(shape)
+        return array_view(buf, msg, name)
 
+    s = msg.spec
+    if s is not None and s.num_spec_seqs:
+        gdn = spec.gdn_meta(view("state_slots"), view("has_initial_state"), s.num_spec_seqs, s.num_spec_tokens,
+                            view("cu_rest"))
+    else:
+        gdn = GDNMeta(view("state_slots"), view("has_initial_state"))
     batch = StepBatch(cu_seqlens_q=view("cu_seqlens_q"), max_query_len=msg.max_query_len,
                       attn=AttentionMeta(view("slot_mapping"), view("block_tables"), view("seq_lens"), msg.max_seq_len),
-                      gdn=GDNMeta(view("state_slots"), view("has_initial_state")),
-                      logits_indices=view("logits_indices"))
+                      gdn=gdn, logits_indices=view("logits_indices"))
     return view("ids"), view("positions"), batch
 
 
 def run_step(model, cache, ids: torch.Tensor, positions: torch.Tensor, batch: StepBatch,
-             logits_calls) -> None:
-    """A worker's share of a step: the forward and the driver's compute_logits calls, in its order."""
+             logits_calls) -> torch.Tensor:
+    """A worker's share of a step: the forward and the driver's compute_logits calls, in its order. The
+    hidden states, for the speculation that follows."""
     hidden = model.forward(ids, positions, batch, cache)
     for a, b in logits_calls:
         model.compute_logits(hidden[a:b])
     if batch.logits_indices.numel():
         model.compute_logits(hidden[batch.logits_indices])
+    return hidden
+
+
+def follow_spec(spec, s: SpecStep, hidden: torch.Tensor, positions: torch.Tensor, batch: StepBatch,
+                next_ids: torch.Tensor) -> None:
+    """A worker's speculation after the logits, as the runner's: the driver's outcome (receive_outcome),
+    the commit of each verified sequence's accepted state, the MTP head's catch-up and walk."""
+    if not batch.logits_indices.numel():  # nothing sampled: the head's KV only catches up
+        if s.mtp:
+            spec.catch_up(positions, hidden, batch, next_ids)
+        return
+    if not s.has_outcome:
+        return
+    sampled, tokens, n_acc = receive_outcome(s, hidden.device)
+    if s.num_spec_seqs:
+        spec.commit(batch.gdn.state_slots[:s.num_spec_seqs], n_acc)
+    if s.mtp:
+        draft_rows = spec.mtp_inputs(next_ids, batch.logits_indices, s.num_spec_seqs, tokens, n_acc, sampled, s.mtp)
+        draft_seqs = np.asarray(list(range(s.num_spec_seqs)) + list(s.samplers), dtype=np.int64)
+        spec.mtp_eager(positions, hidden, batch, next_ids, draft_rows, draft_seqs, s.draft_max_len)
+
+
+def pack_outcome(sampled: torch.Tensor | None, tokens: torch.Tensor | None, n_acc: torch.Tensor | None,
+                 device: torch.device) -> torch.Tensor:
+    """[sampled ids | verified tokens | accepted counts] as one int64 tensor (the parts a step has)."""
+    parts = [t.reshape(-1).long() for t in (sampled, tokens, n_acc) if t is not None]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64, device=device)
+
+
+def receive_outcome(s: SpecStep, device: torch.device):
+    """(sampled [len(samplers)] or None, tokens [S, k1] or None, n_acc [S] or None) from the driver's broadcast."""
+    import torch.distributed as dist
+
+    n, ns, k1 = len(s.samplers), s.num_spec_seqs, s.k1
+    packed = torch.empty(n + ns * k1 + ns, dtype=torch.int64, device=device)
+    dist.broadcast(packed, src=0)
+    sampled = packed[:n] if n else None
+    tokens = packed[n:n + ns * k1].view(ns, k1) if ns else None
+    n_acc = packed[n + ns * k1:] if ns else None
+    return sampled, tokens, n_acc
 
 
 def replay_state_ops(pools, ops: tuple) -> None:
@@ -202,10 +291,11 @@ def worker_main(rank: int, levers: dict, device: torch.device, port: int, errors
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # the ranks share the cores
         device = rank_device(device, rank)
         tp, control = _init(rank, world, port, device)
-        model, make_cache = load(cfg, device, tp)
+        model, make_cache, make_spec = load(cfg, device, tp)
         num_blocks, num_slots, prefix_plan = _recv_object(control)
         cache = make_cache(num_blocks, num_slots)
         pools = replica_pools(prefix_plan, cache)  # the prefix cache's state pools over this rank's shard
+        spec = make_spec(cache)  # the per-position states and MTP head of speculation on this rank's shard
         buf = torch.empty(0, dtype=torch.uint8, device=device)
         while True:
             msg: StepMessage = _recv_object(control)
@@ -216,7 +306,10 @@ def worker_main(rank: int, levers: dict, device: torch.device, port: int, errors
             dist.broadcast(buf[:msg.nbytes], src=0)
             with torch.inference_mode():
                 replay_state_ops(pools, msg.state_ops)
-                run_step(model, cache, *rebuild_step(buf, msg), msg.logits_calls)
+                ids, positions, batch = rebuild_step(buf, msg, spec)
+                hidden = run_step(model, cache, ids, positions, batch, msg.logits_calls)
+                if msg.spec is not None:
+                    follow_spec(spec, msg.spec, hidden, positions, batch, array_view(buf, msg, "next_ids"))
         dist.destroy_process_group()
     except BaseException:
         errors.put((rank, traceback.format_exc()))
@@ -279,15 +372,24 @@ class TPDriver:
         copies.start_log()
         self._state = copies
 
-    def send_step(self, upload: torch.Tensor, nbytes: int, ids, positions, batch, logits_calls) -> None:
+    def send_step(self, upload: torch.Tensor, nbytes: int, ids, positions, batch, logits_calls,
+                  spec: SpecStep | None = None, next_ids: torch.Tensor | None = None) -> None:
         """Before the driver's forward: the step's message, then its upload bytes."""
         import torch.distributed as dist
 
-        msg = describe_step(upload, nbytes, ids, positions, batch, logits_calls)
+        msg = describe_step(upload, nbytes, ids, positions, batch, logits_calls, spec, next_ids)
         if self._state is not None:  # the copies made since the last step, replayed before this forward
             msg = dataclasses.replace(msg, state_ops=self._state.take_log())
         self._send_object(msg)
         dist.broadcast(upload[:nbytes], src=0)
+
+    def send_outcome(self, sampled, tokens, n_acc) -> None:
+        """After sampling and verification, before the MTP head (a step whose SpecStep has_outcome): what
+        the workers commit and draft from. On the device, in stream order: no host sync."""
+        import torch.distributed as dist
+
+        device = next(t.device for t in (sampled, tokens, n_acc) if t is not None)
+        dist.broadcast(pack_outcome(sampled, tokens, n_acc, device), src=0)
 
     def _send_object(self, obj) -> None:
         import torch.distributed as dist

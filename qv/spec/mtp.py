@@ -60,16 +60,18 @@ class MTPHead:
 
 
 def load_mtp_head(model_dir: str, cfg: ModelConfig, target: Qwen3_5TextModel, dtype: torch.dtype,
-                  device: torch.device | str, reader=None, draft_top1: bool = True) -> MTPHead:
+                  device: torch.device | str, reader=None, draft_top1: bool = True, tp=None) -> MTPHead:
     """Build the head from `mtp.*` (of `reader` when given); a checkpoint without them gives a clear error.
-    draft_top1: on a GPU with a dense lm_head, also build the fused top-1's ranking copy of it."""
+    draft_top1: on a GPU with a dense lm_head, also build the fused top-1's ranking copy of it. With `tp`
+    (a TPGroup) the rank's shard: its decoder layer split as the target's (the KV heads with the rank's
+    cache), fc and the norms whole; drafts then come from the vocabulary-parallel lm_head's gathered logits."""
     if cfg.mtp_num_hidden_layers < 1:
         raise CheckpointError(f"{model_dir}: config has mtp_num_hidden_layers=0, so there is no MTP head to draft "
                               f"with; use spec=ngram or spec=off")
     reader = reader or CheckpointReader(model_dir, cfg)
     if not reader.has("mtp.fc.weight") and not reader.has("mtp.fc.qweight"):
         raise CheckpointError(f"{model_dir}: config declares an MTP head but the checkpoint has no mtp.* tensors")
-    b = LayerBuilder(cfg, reader, dtype, device)
+    b = LayerBuilder(cfg, reader, dtype, device, tp)
     h = cfg.hidden_size
     layer = b.decoder_layer(cfg.num_hidden_layers, "full_attention", "mtp.layers.0.")
     lm_head = target.lm_head.weight

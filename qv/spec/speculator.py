@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from qv.config import ModelConfig
@@ -85,6 +86,14 @@ class Speculator:
         self.inter_conv = {i: torch.zeros((max_seqs, k + 1) + tuple(st.conv.shape[1:]), dtype=st.conv.dtype,
                                           device=device) for i, st in cache.gdn.items()}
         self.stats = SpecStats(accepted_per_pos=[0] * k)
+
+    @classmethod
+    def for_engine(cls, cfg, head: MTPHead | None, model_cfg: ModelConfig, cache: HybridCache,
+                   device: torch.device) -> "Speculator":
+        """The engine's speculator from its levers (every tensor-parallel rank builds its own alike;
+        model_cfg is the rank's view: the per-position states hold its GDN heads)."""
+        return cls(cfg.spec, cfg.spec_k, head, model_cfg, cache, min(cfg.spec_max_seqs, cfg.max_num_seqs), device,
+                   cfg.spec_policy)
 
     @property
     def uses_mtp(self) -> bool:
@@ -169,6 +178,37 @@ class Speculator:
         if self.policy == "always" or any(s.spec_backoff is None or s.spec_backoff.pause == 0 for s in seqs):
             return "draft"
         return "catch_up"
+
+    def mtp_inputs(self, next_ids: torch.Tensor, rows_with_logits: torch.Tensor, num_spec: int,
+                   tokens: torch.Tensor | None, n_acc: torch.Tensor | None, sampled: torch.Tensor | None,
+                   kind: str) -> torch.Tensor | None:
+        """Writes the step's emitted tokens into `next_ids` (a verified row's own emitted token, a sampler's
+        sampled id) and returns the last valid row of each sequence that drafts ([D], verified sequences
+        first), or None where nothing drafts (kind "catch_up", or no sequence got a token).
+        rows_with_logits: the verified sequences' k+1 rows each, then each sampler's last row."""
+        rows = []
+        k1 = tokens.shape[1] if num_spec else 0
+        if num_spec:  # verified rows see the emitted tokens; the last valid row is row n_accepted
+            spec_rows = rows_with_logits[:num_spec * k1].view(num_spec, k1)
+            next_ids[spec_rows.reshape(-1)] = tokens.reshape(-1)
+            rows.append(spec_rows[:, 0] + n_acc)
+        if sampled is not None:
+            last = rows_with_logits[num_spec * k1:]
+            next_ids[last] = sampled
+            rows.append(last)
+        return torch.cat(rows) if rows and kind == "draft" else None
+
+    def mtp_eager(self, positions: torch.Tensor, hidden: torch.Tensor, batch: StepBatch, next_ids: torch.Tensor,
+                  draft_rows: torch.Tensor | None, draft_seqs: np.ndarray, max_seq_len: int,
+                  rope: torch.Tensor | None = None, rope_delta: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The head's passes after a step, eagerly: the catch-up over every row, then (draft_rows given) the
+        walk from each drafting sequence's last valid row. draft_seqs: those sequences' indices in the
+        batch. [D, k] drafts, or None."""
+        out = self.catch_up(positions, hidden, batch, next_ids, rope=rope)
+        if draft_rows is None:
+            return None
+        tables = batch.attn.block_tables[torch.from_numpy(draft_seqs).to(positions.device)]
+        return self.walk(out, positions, draft_rows, tables, None, max_seq_len, rope_delta=rope_delta)
 
     def catch_up(self, positions: torch.Tensor, hidden: torch.Tensor, batch: StepBatch, next_ids: torch.Tensor,
                  rope: torch.Tensor | None = None) -> torch.Tensor:

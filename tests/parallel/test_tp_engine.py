@@ -133,14 +133,10 @@ def test_shutdown_stops_the_worker(case):
     llm.engine.shutdown()  # twice is harmless
 
 
-@pytest.mark.parametrize("levers, lever", [
-    (dict(spec="ngram"), "spec=off"),
-    (dict(spec="mtp"), "spec=off"),
-])
-def test_unsupported_levers_are_refused_before_workers_start(case, levers, lever):
-    model_dir = case[0]
-    with pytest.raises(ConfigError, match=f"tensor_parallel_size 2 .*use {lever}"):
-        LLM(model=model_dir, tensor_parallel_size=2, **{**LEVERS, **levers})
+def test_media_is_refused_before_workers_start(tiny_dirs):
+    """A checkpoint with a vision tower (mixed: its heads split over 2 ranks) and media left on."""
+    with pytest.raises(ConfigError, match="tensor_parallel_size 2 .*images and videos yet: use media_max_images=0"):
+        LLM(model=str(tiny_dirs("mixed")), tensor_parallel_size=2, **LEVERS)
     assert not multiprocessing.active_children() and not dist.is_initialized()
 
 
