@@ -12,9 +12,9 @@ from tqdm import tqdm
 
 from qv import kernels as K
 from qv.config import ModelConfig
+from qv.kernels.linear import GPTQWeight
 from qv.model.batch import StepBatch
 from qv.model.cache import HybridCache
-from qv.kernels.linear import GPTQWeight
 from qv.model.layers import MLP, FusedLinear, GatedAttention, GatedDeltaNet, Linear
 from qv.model.parallel import (TPGroup, VocabParallelLMHead, rank_config, shard_linear, shard_rows,
                                vocab_parallel_embed, vocab_range, vocab_shard)
