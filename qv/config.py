@@ -58,7 +58,7 @@ class EngineConfig(BaseSettings):
     tensor_parallel_size: int = lever(
         1, "Processes that each hold 1/N of every layer (vLLM's name): the engine starts N-1 workers, NCCL on CUDA "
         "(rank r on cuda:r), gloo on the CPU; the scheduler and sampling stay in the engine's process. N > 1 does not "
-        "support CUDA graphs, Clef records or images/videos yet.", ge=1)
+        "support CUDA graphs or images/videos yet.", ge=1)
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = lever(
         "auto", "Activation dtype. auto: float16 on sm_70, bfloat16 on sm_80+, float32 on CPU.")
     kernels: Literal["auto", "reference", "triton", "sm70"] = lever(

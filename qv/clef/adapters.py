@@ -11,7 +11,8 @@
 
 Deltas are attached to qv's Linears as LowRankDelta(a [r, K], b [n, r], scale, columns): a checkpoint
 module fused into a bigger Linear (q/k/v, in_proj_qkv+z, in_proj_b+a, gate+up) addresses its column
-range. They act only on a batch's `delta_rows`; no base weight is copied or changed.
+range. They act only on a batch's `delta_rows`; no base weight is copied or changed. Under tensor
+parallelism every rank attaches its cut of each delta, cut like its weight (qv.model.parallel.delta_shard).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from safetensors.torch import load_file
 from qv.clef.head import JointHead
 from qv.model.joint_head_layout import HEAD_CONFIG, HEAD_WEIGHTS
 from qv.model.layers import FusedLinear, Linear, LowRankDelta
+from qv.model.parallel import delta_shard
 
 # PEFT options that change the math in ways a plain (x A^T) B^T * scale delta does not express.
 _UNSUPPORTED = {"use_dora": "DoRA", "fan_in_fan_out": "fan_in_fan_out", "lora_bias": "lora_bias",
@@ -114,8 +116,9 @@ def read_peft_adapter(folder: str | Path, rank: int | None = None) -> list[Adapt
     return modules
 
 
-def locate(model, name: str) -> tuple[Linear, int, int]:
-    """qv's Linear computing checkpoint module `name`, and the output columns that are its."""
+def _place(model, name: str):
+    """The module qv computes checkpoint module `name` with (a Linear or FusedLinear), and its index
+    among the fused members (None: the whole Linear)."""
     m = _MODULE.fullmatch(name)
     place = _PLACES.get((m.group(2), m.group(3))) if m else None
     if place is None:
@@ -131,10 +134,32 @@ def locate(model, name: str) -> tuple[Linear, int, int]:
     target = layer
     for attr in place[0].split("."):
         target = getattr(target, attr)
-    if place[1] is None:
+    return target, place[1]
+
+
+def locate(model, name: str) -> tuple[Linear, int, int]:
+    """qv's Linear computing checkpoint module `name`, and the output columns that are its."""
+    target, member = _place(model, name)
+    if member is None:
         return target, 0, target.out_features
     assert isinstance(target, FusedLinear)
-    return target.member(place[1])  # fused along N: this module is a column range of its part
+    return target.member(member)  # fused along N: this module is a column range of its part
+
+
+def _rank_factors(model, mod: AdapterModule, linear: Linear, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """mod's A and B as this rank applies them (cut like its Linear under tensor parallelism), once
+    the whole factors are checked against the whole weight."""
+    tp = getattr(model, "tp", None)
+    world = 1 if tp is None or linear.shard is None else tp.world_size
+    target, member = _place(model, mod.name)
+    pieces = target.member_pieces[member] if member is not None else linear.pieces
+    k = linear.weight.shape[1]
+    full_k = k * world if linear.shard == "row" else k
+    full_n = sum(pieces) if linear.shard == "column" else end - start
+    if mod.a.shape[1] != full_k or mod.b.shape[0] != full_n:
+        raise ClefLayoutError(f"LoRA module {mod.name}: A {tuple(mod.a.shape)}, B {tuple(mod.b.shape)} do not fit "
+                              f"its weight ({full_n} outputs, {full_k} inputs)")
+    return delta_shard(mod.a, mod.b, linear.shard, pieces, tp, mod.name)
 
 
 def attach(model, modules: list[AdapterModule], dtype: torch.dtype | None = None,
@@ -145,15 +170,11 @@ def attach(model, modules: list[AdapterModule], dtype: torch.dtype | None = None
     placed = []
     for mod in modules:  # check everything before touching the model
         linear, start, end = locate(model, mod.name)
-        k = linear.weight.shape[1]
-        if mod.a.shape[1] != k or mod.b.shape[0] != end - start:
-            raise ClefLayoutError(f"LoRA module {mod.name}: A {tuple(mod.a.shape)}, B {tuple(mod.b.shape)} do not fit "
-                                  f"its weight ({end - start} outputs, {k} inputs)")
-        placed.append((linear, start, end, mod))
+        placed.append((linear, start, end, mod, *_rank_factors(model, mod, linear, start, end)))
     dtype, device = dtype or model.dtype, device or model.device
     total = 0
-    for linear, start, end, mod in placed:
-        a, b = mod.a.to(device=device, dtype=dtype).contiguous(), mod.b.to(device=device, dtype=dtype).contiguous()
+    for linear, start, end, mod, a, b in placed:
+        a, b = a.to(device=device, dtype=dtype).contiguous(), b.to(device=device, dtype=dtype).contiguous()
         if pin:
             a, b = a.pin_memory(), b.pin_memory()
         linear.deltas.append(LowRankDelta(a.contiguous(), b.contiguous(), mod.scale, start, end))
@@ -188,6 +209,9 @@ class ClefAssets:
     delta_bytes: int
     lora_modules: int
     deabl_modules: int
+    # the whole output embedding for the head's lexical vectors where the model's lm_head is a
+    # vocabulary shard (tensor parallelism); None: the model's lm_head weight
+    output_embedding: object | None = None
 
 
 def clef_layout(model_dir: str | Path) -> str | None:
@@ -216,6 +240,14 @@ def load_clef(model_dir: str | Path, model, head_device: torch.device | str | No
     if not (config_dir / HEAD_CONFIG).is_file():
         raise ClefLayoutError(f"{clef}: no joint_head_config.json (in clef/ or beside the base weights)")
     head = JointHead.load(clef, head_device, config_dir)
+    return ClefAssets(layout, head, *load_clef_deltas(d, model, delta_dtype, delta_host))
+
+
+def load_clef_deltas(model_dir: str | Path, model, delta_dtype: torch.dtype | None = None,
+                     delta_host: bool = False) -> tuple[int, int, int]:
+    """Attach layout (b)'s LoRA and deabl deltas (this rank's cut of them under tensor parallelism:
+    a worker loads these and no head); (bytes, LoRA modules, deabl modules)."""
+    clef = Path(model_dir) / "clef"
     lora_dir = clef if (clef / "adapter_config.json").is_file() else clef / "adapter"
     if not (lora_dir / "adapter_config.json").is_file():
         raise ClefLayoutError(f"{clef}: no LoRA adapter (adapter_config.json in clef/ or clef/adapter/)")
@@ -223,4 +255,4 @@ def load_clef(model_dir: str | Path, model, head_device: torch.device | str | No
     deabl = read_peft_adapter(clef / "deabl", rank=1) if (clef / "deabl").is_dir() else []
     on_gpu = model.device.type == "cuda"
     total = attach(model, lora + deabl, delta_dtype, "cpu" if delta_host else None, pin=delta_host and on_gpu)
-    return ClefAssets(layout, head, total, len(lora), len(deabl))
+    return total, len(lora), len(deabl)

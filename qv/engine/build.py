@@ -3,6 +3,7 @@ tokenizer, and plan memory (KV blocks and GDN slots) once, from a budget."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from qv.engine.tensor_parallel import TPDriver, check_levers, rank_device
 from qv.model.cache import (KV_DTYPES, STATE_DTYPES, HybridCache, allocate_cache, gdn_bytes_per_slot,
                             kv_bytes_per_block)
 from qv.model.parallel import TPGroup
-from qv.model.qwen3_5 import Qwen3_5TextModel, held_bytes, load_text_model
+from qv.model.qwen3_5 import Qwen3_5TextModel, held_bytes, load_text_model, read_output_embedding
 from qv.model.random_weights import checkpoint_reader, with_quantization
 from qv.model.vision_processor import missing_processor_config
 from qv.version import __version__
@@ -158,12 +159,9 @@ def build_engine_parts(cfg: EngineConfig) -> EngineParts:
 
 def start_tensor_parallel(cfg: EngineConfig, device: torch.device) -> TPDriver:
     """The workers of tensor_parallel_size > 1, once the levers are known to be supported there."""
-    from qv.clef.adapters import clef_layout
-
     model_dir = resolve_model_dir(cfg)
     mcfg = ModelConfig.from_dir(model_dir)
-    check_levers(cfg, media_off_reason(cfg, mcfg, model_dir) is None,
-                 cfg.clef and clef_layout(model_dir) is not None, device)
+    check_levers(cfg, media_off_reason(cfg, mcfg, model_dir) is None, device)
     return TPDriver(cfg, rank_device(device, 0), load_rank)
 
 
@@ -192,6 +190,11 @@ def load_rank(cfg: EngineConfig, device: torch.device, tp: TPGroup):
         head = load_mtp_head(str(model_dir), mcfg, model, dtype, device, reader=reader,
                              draft_top1=cfg.spec_draft_top1, tp=tp)
     mtp_layers = (mcfg.num_hidden_layers,) if head else ()
+    if cfg.clef:  # the rank's cut of Clef's deltas; the head and its state live on the driver only
+        from qv.clef.adapters import clef_layout, load_clef_deltas
+
+        if clef_layout(model_dir) == "adapters":
+            load_clef_deltas(model_dir, model, delta_host=cfg.clef_delta_host)
 
     def make_cache(num_blocks: int, num_slots: int) -> HybridCache:
         return allocate_cache(model.cfg, num_blocks, cfg.block_size, num_slots, resolve_kv_dtype(cfg.kv_dtype, dtype),
@@ -238,6 +241,8 @@ def _build(cfg: EngineConfig, device: torch.device, tp: TPDriver | None) -> Engi
                                      reserve_bytes=clef_reserve_bytes(clef, cfg.clef_slots, min(cfg.clef_nmax, max_len)),
                                      weight_bytes=held_bytes(model, mtp_head, vision, clef))
     log.info("%s", plan.summary())
+    if clef is not None and tp is not None:  # host memory, off the device plan: rank 0's lm_head is a vocabulary slice
+        clef.output_embedding = host_copy(read_output_embedding(mcfg, reader, dtype, device))
     if tp is not None:
         tp.send_plan(cache.num_blocks, cache.num_slots, prefix)
     if prefix.enabled:
@@ -248,6 +253,14 @@ def _build(cfg: EngineConfig, device: torch.device, tp: TPDriver | None) -> Engi
                                     "presence_penalty", "frequency_penalty") if k in gen}
     return EngineParts(model_dir, mcfg, model, tokenizer, cache, max_len, eos_ids, defaults, mtp_head, prefix, vision,
                        clef=clef, memory_plan=plan, media_off=media_off, tp=tp)
+
+
+def host_copy(w):
+    """A dense tensor or GPTQWeight in host memory (read where the model lives: random weights are made there)."""
+    if isinstance(w, torch.Tensor):
+        return w.cpu()
+    return dataclasses.replace(w, **{f: None if getattr(w, f) is None else getattr(w, f).cpu()
+                                     for f in ("qweight", "scales", "zeros", "g_idx")})
 
 
 def plan_cache(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_model_len: int,

@@ -217,7 +217,8 @@ def make_clef_rows(assets, model, slots: int, nmax: int, max_model_len: int) -> 
         log.warning("Clef records are capped at max_model_len=%d tokens (QV_CLEF_NMAX is %d)", max_model_len, nmax)
     log.info("Clef: %s layout, %d slots, records up to %d tokens, deltas %.1f MiB (%d LoRA, %d deabl modules)",
              assets.layout, slots, cap, assets.delta_bytes / 2**20, assets.lora_modules, assets.deabl_modules)
-    return ClefRows(assets.head, model.lm_head.weight, slots, cap, cap_name, assets.delta_bytes > 0)
+    output = model.lm_head.weight if assets.output_embedding is None else assets.output_embedding  # whole under TP
+    return ClefRows(assets.head, output, slots, cap, cap_name, assets.delta_bytes > 0)
 
 
 def clef_reserve_bytes(assets, slots: int, nmax: int) -> int:

@@ -28,6 +28,12 @@ device right after, and each worker commits the accepted states and runs the MTP
 walk from it, on its shard of the head (drafts come from the gathered vocabulary-parallel logits, so
 every rank drafts the same ids). N-gram drafts are host data of the driver's, in the step's ids.
 
+Clef records: every rank attaches its cut of the low-rank deltas (qv/model/parallel.py, delta_shard)
+and the step's `delta_rows` travel as one more array of the upload. The joint head and its per-record
+state live on the driver only: it reads the driver's final-norm hidden rows, which the row-parallel
+all-reduces leave whole on every rank, and runs no collective; its lexical vectors read a host copy of
+the whole output embedding (rank 0's lm_head is a vocabulary slice). Workers load no head.
+
 A worker that dies breaks the next collective (gloo and NCCL see the closed connection; a hung rank
 hits the process group's timeout), and the driver then raises TensorParallelError naming the rank, its
 exit code and its traceback; every later step raises it too. shutdown() (LLMEngine.shutdown, the
@@ -73,15 +79,13 @@ class TensorParallelError(RuntimeError):
 # ---------------------------------------------------------------------------------------------
 
 
-def check_levers(cfg, media: bool, clef: bool, device: torch.device) -> None:
+def check_levers(cfg, media: bool, device: torch.device) -> None:
     """ConfigError naming the lever for each part not built for tensor_parallel_size > 1 (media: the
-    vision tower would load; clef: the folder has a Clef head and clef is on)."""
+    vision tower would load)."""
     n = cfg.tensor_parallel_size
     why = f"tensor_parallel_size {n} (> 1) does not support"
     if cfg.cuda_graphs and device.type == "cuda":
         raise ConfigError(f"{why} CUDA graphs yet (the all-reduces would be captured): use cuda_graphs=0")
-    if clef:
-        raise ConfigError(f"{why} Clef records yet (the checkpoint has a Clef head): use clef=0")
     if media:
         raise ConfigError(f"{why} images and videos yet: use media_max_images=0 and media_max_videos=0")
     if device.type == "cuda" and torch.cuda.device_count() < n:
@@ -142,9 +146,6 @@ def describe_step(buf: torch.Tensor, nbytes: int, ids: torch.Tensor, positions: 
                   next_ids: torch.Tensor | None = None) -> StepMessage:
     """Where a step's arrays lie in `buf` (they must all be views of it: the engine's runner lays them out there).
     spec: the step's speculation (None: speculation off); next_ids: the MTP head's input ids, with spec."""
-    if batch.delta_rows is not None:
-        raise TensorParallelError("a step with Clef deltas reached tensor parallelism (a bug: start-up refuses "
-                                  "that lever)")
     if batch.gdn.num_spec_seqs and (spec is None or spec.num_spec_seqs != batch.gdn.num_spec_seqs):
         raise TensorParallelError("a step's speculative rows do not match its SpecStep (a bug)")
     tensors = dict(ids=ids, positions=positions, cu_seqlens_q=batch.cu_seqlens_q, slot_mapping=batch.attn.slot_mapping,
@@ -155,6 +156,8 @@ def describe_step(buf: torch.Tensor, nbytes: int, ids: torch.Tensor, positions: 
         tensors["next_ids"] = next_ids
         if spec.num_spec_seqs:
             tensors["cu_rest"] = batch.gdn.cu_seqlens_rest
+    if batch.delta_rows is not None:  # Clef rows: every rank adds its cut of the deltas to them
+        tensors["delta_rows"] = batch.delta_rows
     base, arrays = buf.data_ptr(), {}
     for name, t in tensors.items():
         off = t.data_ptr() - base if t.numel() else 0  # an empty view may not point into the buffer
@@ -187,7 +190,8 @@ def rebuild_step(buf: torch.Tensor, msg: StepMessage, spec=None) -> tuple[torch.
         gdn = GDNMeta(view("state_slots"), view("has_initial_state"))
     batch = StepBatch(cu_seqlens_q=view("cu_seqlens_q"), max_query_len=msg.max_query_len,
                       attn=AttentionMeta(view("slot_mapping"), view("block_tables"), view("seq_lens"), msg.max_seq_len),
-                      gdn=gdn, logits_indices=view("logits_indices"))
+                      gdn=gdn, logits_indices=view("logits_indices"),
+                      delta_rows=view("delta_rows") if "delta_rows" in msg.arrays else None)
     return view("ids"), view("positions"), batch
 
 

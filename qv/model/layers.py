@@ -29,7 +29,8 @@ class Linear:
     """y = x W^T (+ b). `weight` is a dense [N, K] tensor or a GPTQWeight; several checkpoint
     modules may be fused along N (q/k/v, gate/up, ...), `deltas` then address their column ranges.
     Under tensor parallelism `shard` says how the weight is cut ("column", "row", "vocab"), and a
-    row-parallel Linear sums its partial outputs over `reduce`."""
+    row-parallel Linear sums its partial outputs over `reduce`, its deltas' partial outputs with them
+    (qv/model/parallel.py, delta_shard: each rank's deltas are cut like its weight)."""
 
     def __init__(self, weight: torch.Tensor | GPTQWeight, bias: torch.Tensor | None = None,
                  reduce=None):  # a qv.model.parallel.TPGroup (that module builds on this one)
@@ -38,15 +39,13 @@ class Linear:
         self.deltas: list[LowRankDelta] = []
         self.reduce = reduce
         self.shard: str | None = None
+        self.pieces: list[int] | None = None  # column-parallel: the full output pieces this shard holds a block of
 
     @property
     def out_features(self) -> int:
         return self.weight.shape[0]
 
     def __call__(self, x: torch.Tensor, delta_rows: torch.Tensor | None = None) -> torch.Tensor:
-        if self.deltas and self.shard is not None:
-            raise NotImplementedError("low-rank deltas (Clef) on a tensor-parallel shard are not built yet: "
-                                      "they address the full weight's rows and columns")
         y = K.linear(x, self.weight, self.bias)
         if self.deltas and delta_rows is not None and delta_rows.numel():
             for d in self.deltas:
@@ -106,6 +105,7 @@ class FusedLinear:
 
     def __init__(self, members: list[Linear], sizes: list[int]):
         self.sizes = sizes
+        self.member_pieces = [m.pieces for m in members]  # how each member was cut (Clef deltas are cut alike)
         self.runs = fuse_linears(members)
         self.parts = [_concat([members[i] for i in run]) for run in self.runs]
 

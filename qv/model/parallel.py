@@ -9,6 +9,8 @@ The standard (Megatron) splits, each rank holding 1/world of every large matrix:
 - vocabulary-parallel: the embedding (ids outside a rank's slice give zeros, then all-reduce) and the
   lm_head (each rank its slice of the logits, then all-gather to the full row; simple first, a
   sampler over sharded logits would gather less).
+Clef's low-rank deltas are cut with their linear (delta_shard): B by the output columns of a
+column-parallel one, A by the input rows of a row-parallel one (its partial delta joins the all-reduce).
 Each rank takes a contiguous block of heads: query head h reads KV head h // (Hq/Hkv) and GDN value
 head j reads key head j // (Hv/Hk), so rank r's query (value) heads read exactly its KV (key) heads.
 A world of 1 shards nothing and calls no torch.distributed.
@@ -164,12 +166,28 @@ def shard_linear(w, bias: torch.Tensor | None, split: str | None, tp: TPGroup | 
     if split == "column":
         pieces = pieces or [w.shape[0]]
         out = Linear(column_shard(w, pieces, tp, what), None if bias is None else shard_rows(bias, pieces, tp, what))
+        out.pieces = pieces
     elif split == "row":
         out = Linear(row_shard(w, tp, what), bias if tp.rank == 0 else None, reduce=tp)
     else:
         raise ValueError(f"unknown split {split!r}: expected None, 'column' or 'row'")
     out.shard = split
     return out
+
+
+def delta_shard(a: torch.Tensor, b: torch.Tensor, split: str | None, pieces: list[int] | None, tp: TPGroup | None,
+                what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank's factors of a low-rank delta (x A^T) B^T (A [r, K], B [N, r]) on a Linear cut by `split`, as
+    its weight is cut: column-parallel keeps A whole and takes B's rows of the rank's block of each of
+    `pieces` (the rank's output columns); row-parallel takes A's columns of the rank's input rows and
+    keeps B whole, so each rank adds a partial delta that the base output's all-reduce sums once."""
+    if tp is None or tp.world_size == 1 or split is None:
+        return a, b
+    if split == "column":
+        return a, _take(b, _piece_blocks(pieces or [b.shape[0]], tp, what), 0)
+    if split == "row":
+        return a[:, rank_block(a.shape[1], tp, what)].contiguous(), b
+    raise ConfigError(f"{what}: a low-rank delta on a {split}-parallel linear is not built")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from qv import kernels as K
 from qv.config import ModelConfig
+from qv.kernels.linear import GPTQWeight
 from qv.model.batch import StepBatch
 from qv.model.cache import HybridCache
 from qv.model.layers import MLP, FusedLinear, GatedAttention, GatedDeltaNet, Linear
@@ -190,6 +191,15 @@ class LayerBuilder:
         h = self.cfg.hidden_size
         return DecoderLayer(index, kind, mixer, self.mlp(lp + "mlp."), self.vec(lp + "input_layernorm.weight", h),
                             self.vec(lp + "post_attention_layernorm.weight", h), self.cfg.rms_norm_eps)
+
+
+def read_output_embedding(cfg: ModelConfig, reader: CheckpointReader, dtype: torch.dtype,
+                          device: torch.device | str) -> torch.Tensor | GPTQWeight:
+    """The whole output embedding [V, H] (the lm_head, or the embedding it is tied to), read again: a
+    tensor-parallel rank's lm_head holds only its vocabulary slice."""
+    if cfg.tie_word_embeddings:
+        return reader.tensor(f"{cfg.weight_prefix}embed_tokens.weight", dtype, device, shape=(cfg.vocab_size, cfg.hidden_size))
+    return reader.linear("lm_head", cfg.vocab_size, cfg.hidden_size, dtype, device)
 
 
 def build_text_model(cfg: ModelConfig, reader: CheckpointReader, dtype: torch.dtype,

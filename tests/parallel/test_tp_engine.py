@@ -24,7 +24,6 @@ import torch.distributed as dist
 from qv import LLM, SamplingParams
 from qv.config import ConfigError, EngineConfig
 from qv.engine.tensor_parallel import TensorParallelError, check_levers
-from qv.model.tiny import make_tiny
 from engine.engine_oracle import assert_logprob_close, hf_model  # tests/engine as a namespace package
 from util import assert_close
 
@@ -140,16 +139,9 @@ def test_media_is_refused_before_workers_start(tiny_dirs):
     assert not multiprocessing.active_children() and not dist.is_initialized()
 
 
-def test_clef_head_is_refused(tmp_path):
-    folder = make_tiny(tmp_path / "clef", "gqa1", clef_head=True)
-    with pytest.raises(ConfigError, match="Clef records yet .*use clef=0"):
-        LLM(model=str(folder), tensor_parallel_size=2, **LEVERS)
-    assert not multiprocessing.active_children()
-
-
 @pytest.mark.parametrize("kw, match", [
-    (dict(media=True, clef=False, device=torch.device("cpu")), "images and videos yet: use media_max_images=0"),
-    (dict(media=False, clef=False, device=torch.device("cuda")), "CUDA graphs yet .*use cuda_graphs=0"),
+    (dict(media=True, device=torch.device("cpu")), "images and videos yet: use media_max_images=0"),
+    (dict(media=False, device=torch.device("cuda")), "CUDA graphs yet .*use cuda_graphs=0"),
 ])
 def test_media_and_cuda_graphs_are_refused(kw, match):
     # no vision fixture or GPU here: the check the start-up path calls, with what it would pass
