@@ -5,6 +5,8 @@
 #   prefix27 clef clef27 clefmix kernels bench27 top1 plp mask
 # BENCH_KERNELS_ARGS passes options to bench/kernels.py (e.g. "--only attn,gdn --sweep attn,gdn");
 # BENCH27_ARGS to `qv bench --preset 27b` (e.g. "--prefill-lengths 32768 --profile").
+# The pytest sections run with OMP_NUM_THREADS=${PYTEST_THREADS:-4}: host-side fits (the MTP head's) crawl when
+# every xdist worker takes all 16 cores.
 set -u
 . bench/device_env.sh
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
@@ -18,26 +20,26 @@ run() {  # name seconds command...
 }
 for section in "$@"; do
   case $section in
-    tests) run tests 100 python3 -m pytest -q -m gpu tests/engine tests/clef -n 3 -p no:cacheprovider -rfE --durations=10 ;;
-    oracles) run oracles 150 python3 -m pytest -q -m gpu tests/oracles -n 8 -p no:cacheprovider -rfE --durations=5 ;;
-    sm70) run sm70 ${SM70_S:-200} python3 -m pytest -q -m gpu tests/oracles/test_linear_sm70.py \
+    tests) run tests 100 env OMP_NUM_THREADS=${PYTEST_THREADS:-4} python3 -m pytest -q -m gpu tests/engine tests/clef -n 3 -p no:cacheprovider -rfE --durations=10 ;;
+    oracles) run oracles 150 env OMP_NUM_THREADS=${PYTEST_THREADS:-4} python3 -m pytest -q -m gpu tests/oracles -n 8 -p no:cacheprovider -rfE --durations=5 ;;
+    sm70) run sm70 ${SM70_S:-200} env OMP_NUM_THREADS=${PYTEST_THREADS:-4} python3 -m pytest -q -m gpu tests/oracles/test_linear_sm70.py \
         tests/oracles/test_paged_attention_sm70.py tests/oracles/test_gated_delta_rule_sm70.py \
         tests/oracles/test_varlen_attention.py tests/oracles/test_sm70_chain.py tests/engine/test_sm70_engine_gpu.py \
         -n 4 -p no:cacheprovider -rfE ;;
-    specgpu) run specgpu ${SPECGPU_S:-200} python3 -m pytest -q -m gpu tests/engine/test_engine_gpu.py \
+    specgpu) run specgpu ${SPECGPU_S:-200} env OMP_NUM_THREADS=${PYTEST_THREADS:-4} python3 -m pytest -q -m gpu tests/engine/test_engine_gpu.py \
         tests/spec/test_spec_distribution.py -p no:cacheprovider -rfE --durations=5 ;;
     spec27) run spec27 ${SPEC27_S:-240} python3 -m qv.cli bench --preset 27b --spec mtp --batch-sizes 1 \
         --contexts 131072 --prefill-lengths 32768,131072 --json "$out/spec27.json" ;;
     ngram27) run ngram27 ${NGRAM27_S:-150} python3 -m qv.cli bench --preset 27b --spec ngram --batch-sizes 1 \
         --contexts 32768 --prefill-lengths 32768 --json "$out/ngram27.json" ;;
     newgpu)  # the m8n8k4 oracles, the speculation and prompt-logprob GPU tests, the graph check: side by side
-        run sm70 150 python3 -m pytest -q -m gpu tests/oracles/test_linear_sm70.py tests/oracles/test_paged_attention_sm70.py \
+        run sm70 150 env OMP_NUM_THREADS=${PYTEST_THREADS:-4} python3 -m pytest -q -m gpu tests/oracles/test_linear_sm70.py tests/oracles/test_paged_attention_sm70.py \
           tests/oracles/test_gated_delta_rule_sm70.py tests/oracles/test_varlen_attention.py \
           tests/oracles/test_lm_head_top1.py -n 6 -p no:cacheprovider -rfE --durations=5 &
-        run specgpu ${SPECGPU_S:-240} python3 -m pytest -q -m gpu tests/engine/test_engine_gpu.py tests/spec/test_spec_distribution.py \
+        run specgpu ${SPECGPU_S:-240} env OMP_NUM_THREADS=${PYTEST_THREADS:-4} python3 -m pytest -q -m gpu tests/engine/test_engine_gpu.py tests/spec/test_spec_distribution.py \
           tests/oracles/test_sm70_chain.py tests/engine/test_prompt_logprobs.py -n 3 -p no:cacheprovider -rfE --durations=5 &
-        run graphs 150 python3 -m pytest -q -m gpu tests/engine/test_cuda_graphs_gpu.py -p no:cacheprovider -rfE &
-        run sm70engine ${SM70ENGINE_S:-200} python3 -m pytest -q -m gpu tests/engine/test_sm70_engine_gpu.py -n 2 \
+        run graphs 150 env OMP_NUM_THREADS=${PYTEST_THREADS:-4} python3 -m pytest -q -m gpu tests/engine/test_cuda_graphs_gpu.py -p no:cacheprovider -rfE &
+        run sm70engine ${SM70ENGINE_S:-200} env OMP_NUM_THREADS=${PYTEST_THREADS:-4} python3 -m pytest -q -m gpu tests/engine/test_sm70_engine_gpu.py -n 2 \
           -p no:cacheprovider -rfE --durations=5 &
         wait ;;
     top1) run top1 60 python3 bench/lm_head_top1.py ;;
