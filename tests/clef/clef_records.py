@@ -128,3 +128,23 @@ def answer_cases(layout_seed: int, most_questions: int = 64) -> list[dict]:
     out.append({"model": "clef", "state": SPECIAL, "questions": {"u": {"type": "choice", "criteria": {
         "é": "accent", "e": None, "😀": ["emoji"]}}}})
     return out
+
+
+def run_engine(eng, records: dict, chats: dict | None = None, chat_params=None) -> dict:
+    """Chats first (so they decode beside the records' prefill chunks), then records; run to the end.
+    Returns request id -> its finished output."""
+    for rid, ids in (chats or {}).items():
+        eng.add_request(rid, ids, chat_params)
+    for rid, rec in records.items():
+        eng.add_clef(rid, rec, rec.num_tokens, rec.checksum)
+    done = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
+def max_dp(a, b) -> float:
+    """The largest difference between two records' per-option probabilities."""
+    return max(abs(x - y) for qa, qb in zip(a, b) for x, y in zip(qa, qb))

@@ -16,7 +16,7 @@ import random
 
 import pytest
 
-from clef_records import make_record
+from clef_records import make_record, max_dp, run_engine
 from qv.clef.request import encode_request
 from qv.config import EngineConfig
 from qv.engine.engine import LLMEngine
@@ -34,21 +34,7 @@ def make_engine(folder, **levers) -> LLMEngine:
 
 
 def run(eng: LLMEngine, records: dict, chats: dict | None = None, chat_params: SamplingParams = CHAT) -> dict:
-    """Chats first (so they decode beside the records' prefill chunks), then records; run to the end."""
-    for rid, ids in (chats or {}).items():
-        eng.add_request(rid, ids, chat_params)
-    for rid, rec in records.items():
-        eng.add_clef(rid, rec, rec.num_tokens, rec.checksum)
-    done = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
-
-
-def max_dp(a, b) -> float:
-    return max(abs(x - y) for qa, qb in zip(a, b) for x, y in zip(qa, qb))
+    return run_engine(eng, records, chats, chat_params)
 
 
 def spy_steps(eng: LLMEngine) -> list:

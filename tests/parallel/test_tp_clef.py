@@ -22,6 +22,7 @@ import torch
 pytest.importorskip("clef_finetune")
 pytest.importorskip("peft")
 
+from clef.clef_records import max_dp, run_engine  # noqa: E402  (tests/ on sys.path)
 from qv.clef.adapters import load_clef  # noqa: E402
 from qv.clef.encode import option_token_ids  # noqa: E402
 from qv.clef.offline import run_record  # noqa: E402
@@ -71,30 +72,13 @@ def case(tmp_path_factory):
     return folder, records, chats, seed, bare
 
 
-def run(eng: LLMEngine, records: dict, chats: dict) -> dict:
-    for rid, ids in chats.items():
-        eng.add_request(rid, ids, CHAT)
-    for rid, rec in records.items():
-        eng.add_clef(rid, rec, rec.num_tokens, rec.checksum)
-    done = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
-
-
 def serve(folder, records: dict, chats: dict, world: int) -> tuple[dict, dict]:
     """(record r0 alone, everything batched) through one engine of `world` ranks."""
     eng = LLMEngine(EngineConfig(model=str(folder), tensor_parallel_size=world, **LEVERS))
     try:
-        return run(eng, {"r0": records["r0"]}, {}), run(eng, records, chats)
+        return run_engine(eng, {"r0": records["r0"]}, {}, CHAT), run_engine(eng, records, chats, CHAT)
     finally:
         eng.shutdown()
-
-
-def max_dp(a, b) -> float:
-    return max(abs(x - y) for qa, qb in zip(a, b) for x, y in zip(qa, qb))
 
 
 @pytest.mark.timeout(300)  # a collective the ranks do not share would wait out the process group timeout
