@@ -188,12 +188,11 @@ class BenchRun:
     def _warm_prefills(self) -> None:
         """With speculation the prefill rows are compared with and without it: first a two-chunk prompt under
         each policy, so that neither timing holds the first chunk's kernel compiles and autotuning, then the
-        longest prompt once, since kernels over longer cached prefixes compile on first use too (a cold 32K
-        prefill measured 6.5% slower than the warm one after it)."""
+        longest prompt once, since kernels over longer cached prefixes compile on first use too."""
         longest = max(self.spec.prefill_lengths)
-        warm = [("off", min(2 * self.engine.cfg.max_num_batched_tokens + 1, longest)),
-                (self.engine.spec.policy, min(2 * self.engine.cfg.max_num_batched_tokens + 1, longest)),
-                (self.engine.spec.policy, longest)]
+        two_chunks = min(2 * self.engine.cfg.max_num_batched_tokens + 1, longest)
+        on = self.engine.spec.policy
+        warm = [("off", two_chunks), (on, two_chunks), (on, longest)]
         for policy, length in warm:
             with speculator_policy(self.engine.spec, policy):
                 counts = {self._add(self._prompt(length)): 0}
