@@ -369,7 +369,7 @@ class ModelRunner:
         kind = "draft" if draft_rows is not None else "catch_up"  # no sequence got a token: nothing to draft from
         if st.graphs is not None and st.graphs.can_run_mtp(len(st.seqs), kind):
             return st.graphs.run_mtp(kind, next_ids, draft_rows)
-        draft_seqs = np.asarray(list(range(st.num_spec)) + st.samplers, dtype=np.int64)
+        draft_seqs = self.spec.drafting_seqs(st.num_spec, st.samplers)
         deltas = None
         if st.rope is not None and draft_rows is not None:
             deltas = self.media.draft_deltas(st.seqs, draft_seqs, self.device)

@@ -53,7 +53,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
-import numpy as np
 import torch
 
 from qv.engine.prefix_cache import PrefixPlan, replica_pools
@@ -222,8 +221,8 @@ def follow_spec(spec, s: SpecStep, hidden: torch.Tensor, positions: torch.Tensor
         spec.commit(batch.gdn.state_slots[:s.num_spec_seqs], n_acc)
     if s.mtp:
         draft_rows = spec.mtp_inputs(next_ids, batch.logits_indices, s.num_spec_seqs, tokens, n_acc, sampled, s.mtp)
-        draft_seqs = np.asarray(list(range(s.num_spec_seqs)) + list(s.samplers), dtype=np.int64)
-        spec.mtp_eager(positions, hidden, batch, next_ids, draft_rows, draft_seqs, s.draft_max_len)
+        spec.mtp_eager(positions, hidden, batch, next_ids, draft_rows, spec.drafting_seqs(s.num_spec_seqs, s.samplers),
+                       s.draft_max_len)
 
 
 def pack_outcome(sampled: torch.Tensor | None, tokens: torch.Tensor | None, n_acc: torch.Tensor | None,

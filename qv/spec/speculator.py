@@ -198,6 +198,12 @@ class Speculator:
             rows.append(last)
         return torch.cat(rows) if rows and kind == "draft" else None
 
+    @staticmethod
+    def drafting_seqs(num_spec: int, samplers) -> np.ndarray:
+        """The batch indices of the sequences the MTP walk drafts for, in mtp_inputs' row order: the
+        verified ones, then the samplers."""
+        return np.asarray(list(range(num_spec)) + list(samplers), dtype=np.int64)
+
     def mtp_eager(self, positions: torch.Tensor, hidden: torch.Tensor, batch: StepBatch, next_ids: torch.Tensor,
                   draft_rows: torch.Tensor | None, draft_seqs: np.ndarray, max_seq_len: int,
                   rope: torch.Tensor | None = None, rope_delta: torch.Tensor | None = None) -> torch.Tensor | None:
