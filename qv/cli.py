@@ -134,7 +134,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     spec = BenchSpec(batch_sizes=_int_list(args.batch_sizes), batch_context=args.batch_context,
                      contexts=_int_list(args.contexts), prefill_lengths=_int_list(args.prefill_lengths),
-                     steps=args.steps, warmup=args.warmup, profile=args.profile)
+                     steps=args.steps, warmup=args.warmup, profile=args.profile, linears=args.linears,
+                     attention=args.attention)
     report = bench(spec, _overrides(args), model=args.model, preset=args.preset)
     print(markdown(report))
     if args.json:
@@ -234,6 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", default=None, metavar="OUT", help="also write the report as JSON")
     b.add_argument("--profile", action="store_true",
                    help="per-kernel table of one decode step at the smallest and the largest batch")
+    b.add_argument("--linears", action="store_true",
+                   help="also each GPTQ linear at M = 1..8192 beside cuBLAS bf16 and the weight-read floor")
+    b.add_argument("--attention", action="store_true",
+                   help="also a prompt chunk over a 32K and a 128K int8 prefix beside SDPA and the FLOP floor")
     _add_lever_flags(b)
     b.set_defaults(fn=cmd_bench)
 

@@ -191,3 +191,25 @@ def test_bench_spec_ngram_parts(tmp_path, capsys):
         assert r["projected_tokens_per_s"] == pytest.approx(3.6 * r["batch"] / r["spec_step_s"])
     assert [p["tokens"] for p in report["spec_prefill"]] == [64] and report["spec_prefill"][0]["plain_s"] > 0
     assert "speculative decoding (ngram)" in text and "| prefill | without speculation |" in text
+
+
+def test_bench_peer_tables(tmp_path, capsys):
+    """--linears and --attention: every linear of a layer at every row count and each context, beside its peer
+    and floor, in the JSON and as tables (the CPU checks completeness only: no timing is asserted)."""
+    from qv.bench.peers import CPU_ATTENTION_CONTEXTS, CPU_LINEAR_ROWS, layer_linears
+    from qv.bench.presets import preset_config
+    from qv.model_config import ModelConfig
+
+    report, text = _bench(tmp_path, capsys, "--preset", "tiny", "--batch-sizes", "1", "--contexts", "",
+                          "--prefill-lengths", "64", "--linears", "--attention")
+    names = [name for name, _, _ in layer_linears(ModelConfig.from_dict(preset_config("tiny")))]
+    assert [(r["linear"], r["m"]) for r in report["linears"]] == [
+        (name, m) for m in CPU_LINEAR_ROWS for name in names + ["sum"]]
+    for m in CPU_LINEAR_ROWS:
+        rows = [r for r in report["linears"] if r["m"] == m]
+        assert rows[-1]["qv_ms"] == pytest.approx(sum(r["qv_ms"] for r in rows[:-1]))
+    for r in report["linears"] + report["attention"]:
+        assert all(r[k] > 0 for k in r if k.endswith("_ms")), r
+    assert [r["context"] for r in report["attention"]] == list(CPU_ATTENTION_CONTEXTS)
+    assert text.count("| linear | M |") == 1 and text.count("| context | chunk |") == 1
+    assert text.count("| **sum** |") == len(CPU_LINEAR_ROWS)

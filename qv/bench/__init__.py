@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from qv.bench import peers
 from qv.bench.floors import ModelFloors, measure_ceilings
 from qv.bench.presets import bench_config, write_preset
 from qv.bench.report import build_report, markdown, row_record
@@ -51,8 +52,15 @@ def run_bench(cfg: EngineConfig, spec: BenchSpec, label: str) -> dict:
                           cuda_graphs=engine.runner.graphs is not None,
                           memory_plan=getattr(engine, "memory_plan", None), rows=rows, profiles=bench_run.profiles)
     report["spec"], report["spec_prefill"] = bench_run.spec_records, bench_run.spec_prefill
+    mcfg = engine.model_config
     del bench_run, engine
     gc.collect()  # the engine's parts reference each other: free its cache before anything else runs
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if spec.linears:
+        report["linears"] = peers.linear_table(mcfg, device, act_dtype, ceilings)
+    if spec.attention:
+        report["attention"] = peers.attention_table(mcfg, device, act_dtype, ceilings)
     return report
 
 

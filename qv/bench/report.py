@@ -11,6 +11,7 @@ import platform
 import torch
 
 from qv.version import __version__
+from qv.bench import peers
 from qv.bench.floors import Ceilings, ModelFloors, floor_s
 from qv.bench.profile import profile_markdown
 from qv.bench.run import Measured
@@ -138,6 +139,12 @@ def markdown(r: dict) -> str:
              "matmul rate (qv/bench/floors.py). floor/measured 1.00 is the hardware limit."]
     if r.get("spec") or r.get("spec_prefill"):
         parts += ["", spec_table(r.get("spec", []), r.get("spec_prefill", []))]
+    if r.get("linears"):
+        parts += ["", "GPTQ-Int8 linears beside cuBLAS bf16 on dense weights (`--linears`):", "",
+                  peers.linear_markdown(r["linears"])]
+    if r.get("attention"):
+        parts += ["", "A prompt chunk over the int8 paged cache beside SDPA on bf16 keys (`--attention`):", "",
+                  peers.attention_markdown(r["attention"])]
     for p in r["profile"]:
         what = (f"the last prefill chunk of a {_tokens(p['context'])}-token prompt" if p.get("kind") == "prefill"
                 else f"one decode step at batch {p['batch']}, {_tokens(p['context'])} context")

@@ -33,6 +33,8 @@ class BenchSpec:
     steps: int = 32  # timed decode steps per row
     warmup: int = 4  # decode steps before timing (first replays, allocator warm-up)
     profile: bool = False  # per-kernel tables of one decode step at the smallest and largest batch
+    linears: bool = False  # the GPTQ linears beside cuBLAS and the floor (qv/bench/peers.py)
+    attention: bool = False  # a prompt chunk over an int8 prefix beside SDPA and the floor (qv/bench/peers.py)
     seed: int = 0  # of the random prompts
 
     def __post_init__(self):

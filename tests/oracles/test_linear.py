@@ -173,6 +173,27 @@ def test_gptq_dequant_cublas(dtype, act_order):
     assert_close("linear (dequant + cuBLAS)", out, run_reference(K.linear, x, w, b), BOUND[dtype])
 
 
+@pytest.mark.parametrize("dtype,act_order", [(torch.float32, True), (torch.bfloat16, False), (torch.float16, True)])
+def test_gptq_chunked_dequant_cublas(dtype, act_order):
+    """The prompt-chunk path: W dequantized 16 output columns at a time (the last chunk narrower) and each chunk
+    multiplied by cuBLAS into its columns of out, bias sliced alike."""
+    from qv.kernels.linear.triton import linear as linear_triton
+
+    w = gptq_weight(45, 96, 32, True, act_order, dtype)
+    x, b = randn(21, 96, dtype=dtype), randn(45, dtype=dtype)
+    out = run_triton(linear_triton, x, w, b, config=dict(kind="chunked", cols=16))
+    assert_close("linear (chunked dequant + cuBLAS)", out, run_reference(K.linear, x, w, b), BOUND[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [9, 16, 17, 40, 64, 65, 300, 511, 512, 4096])
+def test_gptq_rows_dispatch_gpu(m):
+    """Every row band of the sm_90 dispatch (configs.gemv_kind: GEMV, tensor-core GEMM tiles by rows, chunked
+    dequantization) at 27B shapes, sequential and act-order, asymmetric zeros and bias."""
+    _case(torch.bfloat16, m, 5120, 17408, 128, zeros=True, bias=True)
+    _case(torch.bfloat16, m, 1000, 5120, 128, act_order=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_gptq_large_m_real_shapes(dtype):

@@ -137,3 +137,50 @@ def test_paged_attention_real_shapes(act_dtype, kv_dtype, rep, d):
     _case(act_dtype, kv_dtype, hkv, rep, d, [1000, 777, 9, 0], [500, 0, 3000, 5], new_kv=True)  # new keys from k_new
     _case(act_dtype, kv_dtype, hkv, rep, d, [1] * 16, [9000 - 555 * i for i in range(16)])  # decode batch
     _case(act_dtype, kv_dtype, hkv, rep, d, [4, 4, 4], [33000, 17, 4100])  # speculative rows (k=3)
+
+
+def _attention_with_lse(q, k, v, scale, causal):
+    """fp32 stand-in for torch's cuDNN attention on the CPU: (out [L, Hq, D], natural-log lse [Hq, L])."""
+    rep = q.shape[1] // k.shape[1]
+    kf, vf = k.float().repeat_interleave(rep, 1), v.float().repeat_interleave(rep, 1)
+    s = torch.einsum("lhd,shd->hls", q.float(), kf) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[1:], dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    out = torch.einsum("hls,shd->lhd", torch.exp(s - lse[..., None]), vf)
+    return out.to(q.dtype), lse
+
+
+@pytest.fixture
+def cudnn_or_stand_in(monkeypatch):
+    """On the GPU torch's cuDNN attention itself; on the CPU the fp32 stand-in above, so the gather of pages into
+    pieces, the pieces' spans and the log-sum-exp merge run here too."""
+    from qv.kernels.paged_attention import sdpa_prefill
+
+    if DEV.type == "cpu":
+        monkeypatch.setattr(sdpa_prefill, "cudnn_attention", _attention_with_lse)
+    elif not sdpa_prefill.available(DEV):
+        pytest.skip("torch's cuDNN attention does not run on this GPU")
+
+
+@pytest.mark.parametrize("act_dtype,kv_dtype,q_lens,ctx,config", [
+    # one long chunk over pieces of 32 keys: the prefix in pieces, the chunk causal, merged in fp32
+    (torch.bfloat16, torch.int8, [70], [101], dict(min_rows=16, piece_tokens=32)),
+    # decodes and short chunks around two long chunks: the short runs go to the Triton kernels
+    (torch.bfloat16, torch.int8, [1, 40, 3, 1, 33, 2], [50, 9, 0, 17, 60, 5], dict(min_rows=16, piece_tokens=48)),
+    (torch.float16, torch.float16, [37, 20], [0, 30], dict(min_rows=30, piece_tokens=16)),  # no prefix: one span
+    (torch.bfloat16, torch.bfloat16, [24], [40], dict(min_rows=16, piece_tokens=1024)),  # one prefix piece
+])
+def test_paged_attention_cudnn_prefill(cudnn_or_stand_in, act_dtype, kv_dtype, q_lens, ctx, config):
+    """Long chunks through cuDNN over pieces of the cache dequantized to a workspace, against the fp32
+    reference over the same cache; the output starts poisoned."""
+    torch.manual_seed(5)
+    _case(act_dtype, kv_dtype, 2, 3, 64, q_lens, ctx, new_kv=True, config=dict(prefill="cudnn", **config))
+
+
+@pytest.mark.gpu
+def test_paged_attention_cudnn_real_shapes(cudnn_or_stand_in):
+    """27B heads (24 query, 4 KV, d 256), an int8 cache, a 700-row chunk over 3,000 keys in 1,024-key pieces."""
+    torch.manual_seed(6)
+    _case(torch.bfloat16, torch.int8, 4, 6, 256, [700, 1], [3000, 500], new_kv=True,
+          config=dict(prefill="cudnn", piece_tokens=1024))

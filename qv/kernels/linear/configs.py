@@ -18,15 +18,45 @@ from qv.kernels.triton_utils import interpreting
 CUDA_GEMV_ROWS = 8
 
 
+# sm_90 from this many rows: the weight dequantized in L2-sized column chunks, each multiplied by cuBLAS
+# (triton.dequant_matmul); below, the tensor-core GEMM (triton_gemm.py). At 512 rows the chunks measured
+# 1.18 ms for the five 27B linears against the GEMM's 1.28; at 256 rows 0.95 against 0.71.
+# Re-measure: python bench/prefill_sweep.py --only gemm
+CHUNKED_ROWS = 512
+
+
 def gemv_kind(device, m, dtype):
-    """Default kernel for few rows. On sm_90, where it was measured: the raw-CUDA GEMV ("cuda", cuda_sm90.py;
-    where it does not apply, "fma" at M = 1 and its Triton twin "mma" in triton_gemv.py, the next best there).
-    Other GPUs keep the older kernels: "fma" (CUDA cores) at M = 1 and "dot" (x on the MMA's wide side) above.
-    Re-measure: python bench/kernels.py --sweep gemv"""
-    if (m <= CUDA_GEMV_ROWS and dtype in (torch.float16, torch.bfloat16) and device.type == "cuda"
-            and torch.cuda.get_device_capability(device)[0] == 9):
-        return "cuda"
+    """Default kernel by rows. On sm_90, where it was measured: the raw-CUDA GEMV up to CUDA_GEMV_ROWS ("cuda",
+    cuda_sm90.py; where it does not apply, "fma" at M = 1 and its Triton twin "mma" in triton_gemv.py, the
+    next best there), then the tensor-core GEMM ("tc", triton_gemm.py), then from CHUNKED_ROWS the chunked
+    dequantization ahead of cuBLAS ("chunked"). Other GPUs keep the older kernels: "fma" (CUDA cores) at
+    M = 1 and "dot" (gptq_matmul_kernel) above. Re-measure: python bench/kernels.py --sweep gemv;
+    python bench/prefill_sweep.py --only gemm"""
+    if dtype in (torch.float16, torch.bfloat16) and device.type == "cuda" and \
+            torch.cuda.get_device_capability(device)[0] == 9:
+        return "cuda" if m <= CUDA_GEMV_ROWS else "tc" if m < CHUNKED_ROWS else "chunked"
     return "fma" if m == 1 else "dot"
+
+
+def tc_config(device, m):
+    """triton_gemm.gemm's tiles by rows, all with the weight as the A operand (SWAP): BLOCK_N weight rows
+    (output columns) by BLOCK_M activation rows. Decode batches stream the codes with split K over two
+    rounds of the SMs; prompt chunks take 128 x 128 tiles. Re-measure: python bench/prefill_sweep.py --only gemm"""
+    if interpreting(device):
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, STAGES=1, SWAP=True, waves=2)
+    if m <= 16:
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, STAGES=4, SWAP=True, waves=2)
+    if m <= 32:
+        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, num_warps=4, STAGES=4, SWAP=True, waves=2)
+    if m <= 64:
+        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, STAGES=4, SWAP=True, waves=2)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, STAGES=4, SWAP=True, waves=1)
+
+
+def chunked_cols(device, m):
+    """Output columns of one dequantized chunk (a 5120-row weight's 8192 columns: 80 MiB of bf16, mostly in
+    L2); 4096 from 4096 rows on. Re-measure: python bench/prefill_sweep.py --only gemm"""
+    return 4096 if m >= 4096 else 8192
 
 
 def gemv_cuda_config(device):

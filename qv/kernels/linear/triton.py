@@ -29,8 +29,10 @@ import triton
 import triton.language as tl
 
 from qv.kernels.linear import GPTQWeight
-from qv.kernels.linear.configs import gemv_config, gemv_cuda_config, gemv_kind, gemv_mma_config, gptq_config
+from qv.kernels.linear.configs import (chunked_cols, gemv_config, gemv_cuda_config, gemv_kind, gemv_mma_config,
+                                      gptq_config, tc_config)
 from qv.kernels.linear.cuda_sm90 import gemv_cuda
+from qv.kernels.linear.triton_gemm import gemm, rows_to_f16
 from qv.kernels.linear.triton_gemv import codes_f16, gemv_fma, gemv_mma, k_ranges, sum_partials
 from qv.kernels.triton_utils import interpreting, next_pow2, num_sms
 
@@ -154,44 +156,24 @@ def gptq_dequant_kernel(q_ptr, s_ptr, z_ptr, g_ptr, w_ptr, N, K, stride_qk, stri
              mask=m)
 
 
-@triton.jit
-def rows_to_f16_kernel(x_ptr, y_ptr, r_ptr, K, stride_x, stride_y, BLOCK: tl.constexpr):
-    """One row: its max to (8192, 16384] by a power of two r (at least 1), y = x / r in fp16."""
-    row = tl.program_id(0).to(tl.int64)
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK):
-        o = k0 + tl.arange(0, BLOCK)
-        amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + row * stride_x + o, mask=o < K, other=0.).to(tl.float32)))
-    r = tl.exp2(tl.maximum(tl.ceil(tl.log2(tl.max(amax) / 16384.)), 0.))
-    for k0 in range(0, K, BLOCK):
-        o = k0 + tl.arange(0, BLOCK)
-        v = tl.load(x_ptr + row * stride_x + o, mask=o < K, other=0.).to(tl.float32)
-        tl.store(y_ptr + row * stride_y + o, (v / r).to(tl.float16), mask=o < K)
-    tl.store(r_ptr + row, r)
-
-
-def rows_to_f16(x2):
-    """bf16 rows -> (fp16 rows scaled into range, fp32 scale per row): one launch."""
-    m, k = x2.shape
-    y = torch.empty((m, k), dtype=torch.float16, device=x2.device)
-    r = torch.empty(m, dtype=torch.float32, device=x2.device)
-    rows_to_f16_kernel[(m,)](x2, y, r, k, x2.stride(0), y.stride(0), BLOCK=min(next_pow2(k), 1024))
-    return y, r
-
-
-def dequant_matmul(x2, w, bias, out):
-    """Large M (prefill): W dequantized once into a [K, N] workspace in x's dtype, then cuBLAS. The extra
-    traffic (K*N codes read, 2 K*N bytes written and read) is small next to the 2*M*K*N FLOPs."""
+def dequant_matmul(x2, w, bias, out, cols=None):
+    """Prompt chunks: W dequantized in x's dtype `cols` output columns at a time (any g_idx) into a chunk that
+    stays in L2, each chunk then multiplied by cuBLAS straight into its columns of out. Only the codes come
+    from HBM: the 2-byte chunk is written and re-read in L2 (cols=None: the whole weight, written to HBM)."""
     k, n = w.qweight.shape
-    wd = torch.empty((k, n), dtype=x2.dtype, device=x2.device)
+    cols = min(n, cols or n)
+    wd = torch.empty((k, cols), dtype=x2.dtype, device=x2.device)
     bk, bn = (16, 32) if interpreting(x2.device) else (32, 256)
-    gptq_dequant_kernel[(triton.cdiv(k, bk), triton.cdiv(n, bn))](
-        w.qweight, w.scales, w.zeros if w.zeros is not None else w.scales, w.g_idx, wd, n, k, w.qweight.stride(0),
-        w.scales.stride(0), wd.stride(0), BLOCK_K=bk, BLOCK_N=bn, HAS_ZERO=w.zeros is not None)
-    if bias is not None:
-        torch.addmm(bias.to(x2.dtype), x2, wd, out=out)
-    else:
-        torch.mm(x2, wd, out=out)
+    for a in range(0, n, cols):
+        c = min(cols, n - a)
+        gptq_dequant_kernel[(triton.cdiv(k, bk), triton.cdiv(c, bn))](
+            w.qweight[:, a:], w.scales[:, a:], w.zeros[:, a:] if w.zeros is not None else w.scales, w.g_idx, wd, c,
+            k, w.qweight.stride(0), w.scales.stride(0), wd.stride(0), BLOCK_K=bk, BLOCK_N=bn,
+            HAS_ZERO=w.zeros is not None)
+        if bias is not None:
+            torch.addmm(bias[a:a + c].to(x2.dtype), x2, wd[:, :c], out=out[:, a:a + c])
+        else:
+            torch.mm(x2, wd[:, :c], out=out[:, a:a + c])
 
 
 def gptq_linear(x, w, bias=None, config=None):
@@ -217,6 +199,14 @@ def gptq_linear(x, w, bias=None, config=None):
     if kind == "mma" and m <= 16 and sequential and x.dtype in (torch.float16, torch.bfloat16):
         if gemv_mma(x2, w, bias, out, dict(gemv_mma_config(x.device), **config)):
             return out.view(*shape[:-1], n)
+    if kind == "tc":
+        if gemm(x2, w, bias, out, dict(tc_config(x.device, m), **config)):
+            return out.view(*shape[:-1], n)
+        # act-order weights (any g_idx: the chunked dequantization gathers their scales), unaligned tensors
+        kind, config = ("chunked" if m > 64 else "dot"), {}
+    if kind == "chunked":
+        dequant_matmul(x2, w, bias, out, config.pop("cols", chunked_cols(x.device, m)))
+        return out.view(*shape[:-1], n)
     if kind != "dot":  # that GEMV's settings do not apply to the paths below
         config = {}
     if m >= config.pop("dequant_min_m", 1 << 30 if interpreting(x.device) else 1024):

@@ -57,6 +57,27 @@ def decode_cuda_config(device):
     return dict(waves=1, min_blocks=2, eager_min_bytes=512 << 20)
 
 
+# Query rows from which a sequence's prompt chunk runs through cuDNN (sdpa_prefill.py); from 256 rows on it
+# was faster than the Triton kernel over an int8 cache at 32K and 128K (1.8x at 256, 3.3x at 2048).
+# Re-measure: python bench/prefill_sweep.py --only attn
+CUDNN_MIN_ROWS = 256
+# keys a cuDNN piece holds: a 32K-key piece measured within 1.05x of SDPA on bf16 keys at 128K (the fp16
+# workspace: 2 * 32K * Hkv * D * 2 bytes, 128 MiB at the 27B shapes)
+CUDNN_PIECE_TOKENS = 32768
+
+
+def prefill_kind(device, max_q: int, dtype, kv_dtype) -> str:
+    """"cudnn" (sdpa_prefill.py) for chunks of at least CUDNN_MIN_ROWS rows of 16-bit activations over an
+    int8 or 16-bit cache on sm_90 where torch's cuDNN attention runs, else "triton". Re-measure: python bench/prefill_sweep.py --only attn"""
+    from qv.kernels.paged_attention import sdpa_prefill
+
+    if (max_q >= CUDNN_MIN_ROWS and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+            and kv_dtype in (torch.int8, torch.float16, torch.bfloat16) and not torch.cuda.is_current_stream_capturing()
+            and sdpa_prefill.available(device)):
+        return "cudnn"
+    return "triton"
+
+
 # settings only the Triton split-K decode kernel reads: a config that names one means that kernel
 SPLIT_ONLY_KEYS = frozenset({"BLOCK_M", "BLOCK_N", "num_warps", "stages", "words"})
 

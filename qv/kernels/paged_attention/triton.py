@@ -16,7 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from qv.kernels.paged_attention.configs import attn_config, decode_config, decode_cuda_config, decode_kind
+from qv.kernels.paged_attention import sdpa_prefill
+from qv.kernels.paged_attention.configs import (CUDNN_MIN_ROWS, CUDNN_PIECE_TOKENS, attn_config, decode_config,
+                                                decode_cuda_config, decode_kind, prefill_kind)
 from qv.kernels.paged_attention.cuda_sm90 import decode_cuda
 from qv.kernels.paged_attention.triton_decode import (LOG2E, decode_attention, kv_codes, split_length,
                                                       split_outputs)
@@ -304,5 +306,44 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, s
         raise ValueError("paged_attention: K and V caches must share one layout with a unit inner stride")
     if k_cache.dtype == torch.int8 and k_scale.stride() != v_scale.stride():
         raise ValueError("paged_attention: K and V scale tables must share one layout")
+    config = dict(config or {})
+    if max_query_len is None:
+        max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())  # one sync; callers pass it
+    kind = config.pop("prefill", None) or prefill_kind(q.device, max_query_len, q.dtype, k_cache.dtype)
+    if kind == "cudnn":
+        return cudnn_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, k_scale, v_scale,
+                             max_seq_len, k_new, v_new, config)
     return attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_seqlens_q, seq_lens, scale, True, True,
-                      max_query_len, max_seq_len, config, k_new, v_new)
+                     max_query_len, max_seq_len, config, k_new, v_new)
+
+
+def cudnn_prefill(q, k_cache, v_cache, block_tables, cu_q, seq_lens, scale, k_scale, v_scale, max_seq_len, k_new,
+                  v_new, config):
+    """Sequences with a chunk of at least min_rows rows through cuDNN (sdpa_prefill.chunk_attention), the runs of
+    shorter ones between them (decodes, short chunks) through the Triton kernels. One host sync reads the
+    sequences' lengths: a step with such a chunk runs for milliseconds per layer."""
+    min_rows = config.pop("min_rows", CUDNN_MIN_ROWS)
+    piece = config.pop("piece_tokens", CUDNN_PIECE_TOKENS)
+    cu, lens = cu_q.tolist(), seq_lens.tolist()
+    out = torch.empty_like(q)
+    short = []  # a run of consecutive short sequences
+    for b in range(len(lens) + 1):
+        long_chunk = b < len(lens) and cu[b + 1] - cu[b] >= min_rows
+        if short and (b == len(lens) or long_chunk):
+            s, e = short[0], short[-1] + 1
+            rows = slice(cu[s], cu[e])
+            if rows.start < rows.stop:
+                out[rows] = attention(q[rows], k_cache, v_cache, k_scale, v_scale, block_tables[s:e],
+                                      cu_q[s:e + 1] - cu[s], seq_lens[s:e], scale, True, True,
+                                      max(cu[i + 1] - cu[i] for i in short), max(lens[s:e]), dict(config),
+                                      None if k_new is None else k_new[rows], None if v_new is None else v_new[rows])
+            short = []
+        if b == len(lens):
+            break
+        if long_chunk:
+            sdpa_prefill.chunk_attention(q[cu[b]:cu[b + 1]], k_cache, v_cache, k_scale, v_scale, block_tables[b],
+                                         lens[b], scale, out[cu[b]:cu[b + 1]], piece,
+                                         *(None, None) if k_new is None else (k_new[cu[b]:cu[b + 1]], v_new[cu[b]:cu[b + 1]]))
+        else:
+            short.append(b)
+    return out
