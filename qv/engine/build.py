@@ -18,7 +18,7 @@ from qv.engine.memory_plan import MemoryPlan
 from qv.engine.prefix_cache import PrefixPlan, plan_prefix_cache
 from qv.engine.tensor_parallel import TPDriver, check_levers, rank_device
 from qv.model.cache import (KV_DTYPES, STATE_DTYPES, HybridCache, allocate_cache, gdn_bytes_per_slot,
-                            kv_bytes_per_block)
+                            kv_bytes_per_block, prefill_workspace_bytes)
 from qv.model.parallel import TPGroup
 from qv.model.qwen3_5 import Qwen3_5TextModel, held_bytes, load_text_model, read_output_embedding
 from qv.model.random_weights import checkpoint_reader, with_quantization
@@ -294,6 +294,8 @@ def plan_memory(cfg: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, max_mo
     spec_bytes = 0
     if cfg.spec != "off":  # per-position states of the verified sequences (qv/engine/speculator.py)
         spec_bytes = gdn_bytes_per_slot(mcfg, dtype, torch.float32) * (cfg.spec_k + 1) * cfg.spec_max_seqs
+    if total:  # a GPU: prompt chunks' attention workspace (cuDNN on sm_90; counted on every GPU)
+        reserve_bytes += prefill_workspace_bytes(mcfg, cfg.max_num_batched_tokens)
     budget = cfg.kv_cache_bytes
     if budget == 0:
         if total:

@@ -54,6 +54,18 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_dtype: torch.dtype,
     return 2 * layers * block_size * cfg.num_key_value_heads * per_token_head
 
 
+def prefill_workspace_bytes(cfg: ModelConfig, chunk_rows: int) -> int:
+    """Device memory a prompt chunk of chunk_rows rows takes for its attention through cuDNN (sm_90): the 16-bit
+    K/V workspace and padded queries of qv/kernels/paged_attention/sdpa_prefill.py."""
+    from qv.kernels.paged_attention import sdpa_prefill
+    from qv.kernels.paged_attention.configs import CUDNN_PIECE_TOKENS
+
+    if not cfg.attention_layer_ids:
+        return 0
+    return sdpa_prefill.workspace_bytes(CUDNN_PIECE_TOKENS, chunk_rows, cfg.num_attention_heads,
+                                        cfg.num_key_value_heads, cfg.head_dim)
+
+
 def gdn_bytes_per_slot(cfg: ModelConfig, conv_dtype: torch.dtype, state_dtype: torch.dtype) -> int:
     conv = (cfg.linear_conv_kernel_dim - 1) * cfg.linear_conv_dim * torch.tensor([], dtype=conv_dtype).element_size()
     hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim

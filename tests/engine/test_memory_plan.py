@@ -201,3 +201,18 @@ def test_every_slot_at_its_planned_context_runs_at_once(small, monkeypatch):
     assert max(batch_sizes) == SEQS
     assert small.engine.stats.num_preemptions == before
     assert small.engine.blocks.num_free == BLOCKS
+
+
+def test_gpu_plan_counts_the_prefill_attention_workspace():
+    """On a GPU the plan holds back the prompt chunks' cuDNN attention workspace (K/V of a 32K-key piece and
+    the padded queries, fp16): at the 27B shapes with 8192-token chunks, 2 * 32768 * 4 * 256 * 2 bytes of K/V
+    plus 9216 padded rows of 24 query heads."""
+    from qv.bench.presets import preset_config
+    from qv.config import EngineConfig, ModelConfig
+    from qv.engine.build import plan_memory
+
+    mcfg = ModelConfig.from_dict(preset_config("27b"))
+    cfg = EngineConfig(max_num_batched_tokens=8192, kv_cache_bytes=1 << 30, prefix_caching=False)
+    _, gpu = plan_memory(cfg, mcfg, torch.bfloat16, 32768, room=60 << 30, total=80 << 30)
+    _, cpu = plan_memory(cfg, mcfg, torch.bfloat16, 32768, room=0, total=0)
+    assert gpu.other_bytes - cpu.other_bytes == (2 * 32768 * 4 + 9216 * 24) * 256 * 2

@@ -164,12 +164,16 @@ def cudnn_or_stand_in(monkeypatch):
 
 
 @pytest.mark.parametrize("act_dtype,kv_dtype,q_lens,ctx,config", [
-    # one long chunk over pieces of 32 keys: the prefix in pieces, the chunk causal, merged in fp32
-    (torch.bfloat16, torch.int8, [70], [101], dict(min_rows=16, piece_tokens=32)),
+    # one long chunk: prefix keys in pieces of 32 (grain 16), the last 5 prefix keys in the causal call behind 5
+    # discarded rows, 75 rows padded to 80
+    (torch.bfloat16, torch.int8, [70], [101], dict(min_rows=16, piece_tokens=32, grain=16, bucket=8)),
     # decodes and short chunks around two long chunks: the short runs go to the Triton kernels
-    (torch.bfloat16, torch.int8, [1, 40, 3, 1, 33, 2], [50, 9, 0, 17, 60, 5], dict(min_rows=16, piece_tokens=48)),
-    (torch.float16, torch.float16, [37, 20], [0, 30], dict(min_rows=30, piece_tokens=16)),  # no prefix: one span
-    (torch.bfloat16, torch.bfloat16, [24], [40], dict(min_rows=16, piece_tokens=1024)),  # one prefix piece
+    (torch.bfloat16, torch.int8, [1, 40, 3, 1, 33, 2], [50, 9, 0, 17, 60, 5],
+     dict(min_rows=16, piece_tokens=48, grain=16, bucket=16)),
+    # a 16-bit cache: the chunk's own keys from k_new (their pages hold NaN), no whole grain of prefix
+    (torch.float16, torch.float16, [37, 20], [0, 30], dict(min_rows=30, piece_tokens=16, grain=16, bucket=8)),
+    (torch.bfloat16, torch.bfloat16, [24], [40], dict(min_rows=16, piece_tokens=1024, grain=8, bucket=32)),
+    (torch.bfloat16, torch.int8, [19], [64], dict(min_rows=16, piece_tokens=64, grain=16, bucket=1)),  # one piece
 ])
 def test_paged_attention_cudnn_prefill(cudnn_or_stand_in, act_dtype, kv_dtype, q_lens, ctx, config):
     """Long chunks through cuDNN over pieces of the cache dequantized to a workspace, against the fp32
@@ -180,7 +184,9 @@ def test_paged_attention_cudnn_prefill(cudnn_or_stand_in, act_dtype, kv_dtype, q
 
 @pytest.mark.gpu
 def test_paged_attention_cudnn_real_shapes(cudnn_or_stand_in):
-    """27B heads (24 query, 4 KV, d 256), an int8 cache, a 700-row chunk over 3,000 keys in 1,024-key pieces."""
+    """27B heads (24 query, 4 KV, d 256), an int8 cache: a 700-row chunk over 3,000 cached keys (two 1,024-key
+    pieces, 952 in the causal call) beside a decode, and a 16-bit cache."""
     torch.manual_seed(6)
     _case(torch.bfloat16, torch.int8, 4, 6, 256, [700, 1], [3000, 500], new_kv=True,
           config=dict(prefill="cudnn", piece_tokens=1024))
+    _case(torch.bfloat16, torch.bfloat16, 4, 6, 256, [300], [5000], new_kv=True, config=dict(prefill="cudnn"))

@@ -1,13 +1,12 @@
 """Prompt chunks over the paged cache through cuDNN's fused attention (sm_90).
 
-A long chunk's keys and values are dequantized, page range by page range, into a bf16 workspace of
+A long chunk's keys and values are dequantized, page range by page range, into a 16-bit workspace of
 contiguous rows (gather_kv_kernel: one pass, int8 codes times their per-key scale), and each piece is handed
 to cuDNN's flash attention through torch (`_scaled_dot_product_cudnn_attention`, which also returns the
-log-sum-exp of every query row): the prefix pieces without a mask, the chunk's own keys causally (square, so
-top-left and bottom-right alignment agree). The pieces are merged by their log-sum-exps (merge_kernel),
-so the result is the attention over all keys: exact up to the cache's own int8 rounding and the bf16
-workspace. The workspace holds at most `piece_tokens` keys and values (counted in the memory plan:
-workspace_bytes).
+log-sum-exp of every query row): the prefix's pieces without a mask, the chunk's own keys causally. The
+pieces are merged by their log-sum-exps (merge_kernel), so the result is the attention over all keys: exact
+up to the cache's own int8 rounding and the fp16 workspace. Shapes are kept to a few (chunk_attention), as
+cuDNN plans each new one. The workspace is counted in the memory plan (workspace_bytes).
 """
 
 from __future__ import annotations
@@ -19,6 +18,10 @@ import triton
 import triton.language as tl
 
 from qv.kernels.triton_utils import next_pow2
+
+# keys the prefix pieces come in multiples of, and rows the calls are padded to: few shapes, few cuDNN plans
+KEY_GRAIN = 1024
+ROW_BUCKET = 256
 
 
 @triton.jit
@@ -103,49 +106,59 @@ def gather_kv(k_cache, v_cache, k_scale, v_scale, table, t0, t1, wk, wv):
 
 
 def chunk_attention(q, k_cache, v_cache, k_scale, v_scale, table, kv_len, scale, out, piece_tokens, k_new=None,
-                    v_new=None):
+                    v_new=None, grain=KEY_GRAIN, bucket=ROW_BUCKET):
     """out [L, Hq, D] = causal attention of one sequence's L chunk rows q (positions kv_len - L ..) over its
-    kv_len cached keys, through cuDNN over pieces of at most piece_tokens keys (fp16 for an int8 cache, else
-    bf16). k_new/v_new [L, Hkv, D]: the chunk's own keys as written, used as they are where the cache holds
-    them unchanged (a 16-bit cache)."""
+    kv_len cached keys, through cuDNN (fp16 for an int8 cache, else the cache's dtype).
+
+    cuDNN builds an execution plan for every new shape (about 0.1 s on an H100), so the calls take few
+    shapes: the prefix's first keys in whole `grain`s go in pieces of at most piece_tokens (a multiple of
+    grain) without a mask; the last e = prefix % grain prefix keys and the chunk's own keys go in one causal
+    call, square, behind e discarded query rows (row i sees keys up to i, so the chunk's rows see those e keys
+    and their own causally), padded to a multiple of `bucket` rows with zero queries and zero keys at the
+    end (no real row reaches them). Every call has that padded row count. k_new/v_new [L, Hkv, D]: the
+    chunk's own keys as written, used as they are where the cache holds them unchanged (a 16-bit cache)."""
     L = q.shape[0]
-    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    hq, hkv, d = q.shape[1], k_cache.shape[2], k_cache.shape[3]
     prefix = kv_len - L
-    piece = min(piece_tokens, max(prefix, 1))
+    e = prefix % grain
+    whole = prefix - e
+    rows = -(-(e + L) // bucket) * bucket
+    piece = min(piece_tokens // grain * grain, whole)
     # int8 codes times their scales keep fp16's 10 mantissa bits (as the Triton kernels' fp16 dots do)
     dt = torch.float16 if k_cache.dtype == torch.int8 else k_cache.dtype
-    ws = torch.empty((2, max(piece, L), hkv, d), dtype=dt, device=q.device)
-    qb = q.to(dt).contiguous()
-    # the chunk's own keys causally, then each prefix piece, merged into the running result
-    acc, lse = None, None
-    spans = [(prefix, kv_len, True)] + [(a, min(a + piece, prefix), False) for a in range(0, prefix, piece)]
-    for i, (a, b, causal) in enumerate(spans):
-        if causal and k_new is not None and k_new.dtype == k_cache.dtype == dt:
-            o, lse_p = cudnn_attention(qb, k_new.contiguous(), v_new.contiguous(), scale, True)
+    ws = torch.empty((2, max(piece, rows), hkv, d), dtype=dt, device=q.device)
+    qp = torch.zeros((rows, hq, d), dtype=dt, device=q.device)
+    qp[e:e + L] = q
+    # the causal span: positions whole .. kv_len - 1, then zero rows
+    if k_new is not None and k_new.dtype == k_cache.dtype == dt:
+        gather_kv(k_cache, v_cache, k_scale, v_scale, table, whole, prefix, ws[0], ws[1])
+        ws[0, e:e + L], ws[1, e:e + L] = k_new, v_new
+    else:
+        gather_kv(k_cache, v_cache, k_scale, v_scale, table, whole, kv_len, ws[0], ws[1])
+    ws[:, e + L:rows] = 0
+    acc, lse = cudnn_attention(qp, ws[0, :rows], ws[1, :rows], scale, True)
+    starts = list(range(0, whole, piece)) if piece else []
+    if not starts:
+        out.copy_(acc[e:e + L])
+        return out
+    if len(starts) > 1:  # a running result that is merged again stays in fp32
+        acc = acc.float()
+    for i, a in enumerate(starts):
+        b = min(a + piece, whole)
+        gather_kv(k_cache, v_cache, k_scale, v_scale, table, a, b, ws[0], ws[1])
+        o, lse_p = cudnn_attention(qp, ws[0, : b - a], ws[1, : b - a], scale, False)
+        if i < len(starts) - 1:
+            lse = merge(acc, lse, o, lse_p, acc, True)
         else:
-            gather_kv(k_cache, v_cache, k_scale, v_scale, table, a, b, ws[0], ws[1])
-            o, lse_p = cudnn_attention(qb, ws[0, : b - a], ws[1, : b - a], scale, causal)
-        if acc is None:
-            if len(spans) == 1:
-                out.copy_(o)
-                return out
-            acc, lse = o, lse_p
-            if len(spans) > 2:  # a running result that is merged again stays in fp32
-                acc = o.float()
-            continue
-        last = i == len(spans) - 1
-        lse = merge(acc, lse, o, lse_p, out if last else acc, not last)
+            merge(acc[e:e + L], lse[:, e:e + L], o[e:e + L], lse_p[:, e:e + L], out, False)
     return out
 
 
-def workspace_bytes(piece_tokens: int, hkv: int, d: int) -> int:
-    """Device memory the cuDNN path holds while it runs: the bf16 K/V workspace of one piece."""
-    return 2 * piece_tokens * hkv * d * 2
-
-
-def default_piece_tokens(hkv: int, d: int, budget_bytes: int = 512 << 20) -> int:
-    """Keys per piece so that the workspace stays under budget_bytes (whole 16-token pages)."""
-    return max(16, budget_bytes // (2 * hkv * d * 2) // 16 * 16)
+def workspace_bytes(piece_tokens: int, chunk_rows: int, hq: int, hkv: int, d: int) -> int:
+    """Device memory the cuDNN path holds while it runs: the 16-bit K/V workspace of one piece or of the
+    padded causal span, whichever is larger, and the padded queries."""
+    rows = -(-(KEY_GRAIN + chunk_rows) // ROW_BUCKET) * ROW_BUCKET
+    return (2 * max(piece_tokens, rows) * hkv + rows * hq) * d * 2
 
 
 _CUDNN_OK: dict[int, bool] = {}

@@ -324,6 +324,7 @@ def cudnn_prefill(q, k_cache, v_cache, block_tables, cu_q, seq_lens, scale, k_sc
     sequences' lengths: a step with such a chunk runs for milliseconds per layer."""
     min_rows = config.pop("min_rows", CUDNN_MIN_ROWS)
     piece = config.pop("piece_tokens", CUDNN_PIECE_TOKENS)
+    shapes = {k: config.pop(k) for k in ("grain", "bucket") if k in config}  # tests: small grains and buckets
     cu, lens = cu_q.tolist(), seq_lens.tolist()
     out = torch.empty_like(q)
     short = []  # a run of consecutive short sequences
@@ -343,7 +344,8 @@ def cudnn_prefill(q, k_cache, v_cache, block_tables, cu_q, seq_lens, scale, k_sc
         if long_chunk:
             sdpa_prefill.chunk_attention(q[cu[b]:cu[b + 1]], k_cache, v_cache, k_scale, v_scale, block_tables[b],
                                          lens[b], scale, out[cu[b]:cu[b + 1]], piece,
-                                         *(None, None) if k_new is None else (k_new[cu[b]:cu[b + 1]], v_new[cu[b]:cu[b + 1]]))
+                                         *(None, None) if k_new is None else (k_new[cu[b]:cu[b + 1]], v_new[cu[b]:cu[b + 1]]),
+                                         **shapes)
         else:
             short.append(b)
     return out
