@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from qv.engine.memory_plan import MemoryPlan
 from qv.engine.prefix_cache import PrefixPlan, plan_prefix_cache
 from qv.engine.tensor_parallel import TPDriver, check_levers, rank_device
 from qv.model.cache import (KV_DTYPES, STATE_DTYPES, HybridCache, allocate_cache, gdn_bytes_per_slot,
-                            kv_bytes_per_block, prefill_workspace_bytes)
+                            kv_bytes_per_block, prefill_workspace_bytes, warm_prefill_attention)
 from qv.model.parallel import TPGroup
 from qv.model.qwen3_5 import Qwen3_5TextModel, held_bytes, load_text_model, read_output_embedding
 from qv.model.random_weights import checkpoint_reader, with_quantization
@@ -241,6 +242,12 @@ def _build(cfg: EngineConfig, device: torch.device, tp: TPDriver | None) -> Engi
                                      reserve_bytes=clef_reserve_bytes(clef, cfg.clef_slots, min(cfg.clef_nmax, max_len)),
                                      weight_bytes=held_bytes(model, mtp_head, vision, clef))
     log.info("%s", plan.summary())
+    if device.type == "cuda":
+        t0 = time.perf_counter()
+        planned = warm_prefill_attention(model.cfg if tp else mcfg, cfg.max_num_batched_tokens, device, dtype,
+                                         resolve_kv_dtype(cfg.kv_dtype, dtype))
+        if planned:
+            log.info("prompt attention: %d cuDNN plans built in %.1f s", planned, time.perf_counter() - t0)
     if clef is not None and tp is not None:  # host memory, off the device plan: rank 0's lm_head is a vocabulary slice
         clef.output_embedding = host_copy(read_output_embedding(mcfg, reader, dtype, device))
     if tp is not None:

@@ -66,6 +66,19 @@ def prefill_workspace_bytes(cfg: ModelConfig, chunk_rows: int) -> int:
                                         cfg.num_key_value_heads, cfg.head_dim)
 
 
+def warm_prefill_attention(cfg: ModelConfig, chunk_rows: int, device: torch.device, dtype: torch.dtype,
+                           kv_dtype: torch.dtype) -> int:
+    """Where prompt chunks run through cuDNN, its plans for a full chunk's shapes are built now rather than by
+    the first long prompts (qv/kernels/paged_attention/sdpa_prefill.py: warm_plans). Returns the shapes planned."""
+    from qv.kernels.paged_attention import sdpa_prefill
+    from qv.kernels.paged_attention.configs import CUDNN_PIECE_TOKENS, prefill_kind
+
+    if not cfg.attention_layer_ids or prefill_kind(device, chunk_rows, dtype, kv_dtype) != "cudnn":
+        return 0
+    return sdpa_prefill.warm_plans(device, dtype, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                                   chunk_rows, CUDNN_PIECE_TOKENS, kv_dtype == torch.int8)
+
+
 def gdn_bytes_per_slot(cfg: ModelConfig, conv_dtype: torch.dtype, state_dtype: torch.dtype) -> int:
     conv = (cfg.linear_conv_kernel_dim - 1) * cfg.linear_conv_dim * torch.tensor([], dtype=conv_dtype).element_size()
     hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
