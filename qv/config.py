@@ -71,10 +71,11 @@ class EngineConfig(BaseSettings):
         "auto",
         "auto: read the checkpoint's safetensors; random: make weights on the device in the layout the checkpoint "
         "would load into (vLLM's dummy format, for benchmarks: a folder with only config.json serves).")
-    quantization: Literal["auto", "gptq-int8"] = lever(
+    quantization: Literal["auto", "gptq-int8", "gptq-int4", "awq"] = lever(
         "auto",
-        "auto: as the checkpoint's quantization_config says; gptq-int8: with load_format random, GPTQ-Int8 "
-        "(symmetric, group 128) for a config without one.")
+        "auto: as the checkpoint's quantization_config says; with load_format random, for a config without one: "
+        "gptq-int8 GPTQ-Int8 (symmetric, group 128), gptq-int4 GPTQ-Int4 (symmetric, group 128), awq AWQ "
+        "(4 bits with zero points, group 128).")
     # -- capacity ------------------------------------------------------------------------------
     max_model_len: int = lever(0, "Longest sequence (prompt + output); 0: the model's max_position_embeddings.", ge=0)
     max_num_seqs: int = lever(64, "Most sequences running in one step.", ge=1)

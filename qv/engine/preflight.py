@@ -64,7 +64,7 @@ def port_problem(host: str, port: int) -> str | None:
 
 def weight_bytes(mcfg: ModelConfig, dtype: torch.dtype, mtp: bool, media: bool) -> int:
     """Device bytes of the weights a start loads, from their shapes (build_text_model's layout: 1-D
-    vectors of the text model in fp32, GPTQ codes one byte each, the rest in the activation dtype)."""
+    vectors of the text model in fp32, GPTQ codes one byte each (two a byte at 4 bits), the rest in the activation dtype)."""
     reader = RandomReader(mcfg, 0, "meta")  # names, shapes and which linears are GPTQ; makes no tensor
     size, total = dtype.itemsize, 0
     for name, shape in reader.shapes.items():
@@ -75,7 +75,7 @@ def weight_bytes(mcfg: ModelConfig, dtype: torch.dtype, mtp: bool, media: bool) 
             n, k = shape
             q = reader.rules.resolve(module)
             groups = 1 if q.group_size == -1 else k // q.group_size
-            total += k * n + groups * n * size * (1 if mcfg.quant.sym else 2) + 4 * k
+            total += k * n * q.bits // 8 + groups * n * size * (1 if mcfg.quant.sym else 2) + 4 * k
         elif len(shape) == 1 and ".visual." not in f".{name}":
             total += 4 * shape[0]
         else:
