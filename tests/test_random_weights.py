@@ -147,3 +147,19 @@ def test_random_weights_load_like_the_checkpoint_they_would_be(tmp_path):
         logits.append(model.compute_logits(model.forward(ids, torch.arange(5), batch, cache)))
     assert torch.isfinite(logits[0]).all()
     assert torch.equal(logits[0], logits[1])
+
+
+@pytest.mark.parametrize("quantization", ["gptq-int4", "awq"])
+def test_forced_4bit_on_a_dense_config(tmp_path, quantization):
+    folder = write_config(tmp_path / "m", preset="random-128", **SHAPE_128)
+    llm = LLM(model=str(folder), load_format="random", quantization=quantization)
+    layers = llm.engine.runner.model.layers
+    weights = [layers[0].mixer.in_proj.parts[0].weight, layers[0].mixer.out_proj.weight,
+               layers[3].mixer.qkv.parts[0].weight, layers[3].mlp.gate_up.parts[0].weight]
+    assert all(isinstance(w, GPTQWeight) and (w.bits, w.group_size) == (4, 128) for w in weights)
+    assert all(w.qweight.shape[0] * 2 == w.in_features for w in weights)
+    assert all((w.zeros is None) == (quantization == "gptq-int4") for w in weights)  # AWQ has zero points
+    codes = torch.cat([w.codes().flatten() for w in weights]).float()
+    assert codes.max() == 15 and abs(codes.mean().item() - 7.5) < 0.1  # uniform nibbles
+    out = llm.generate(["hello"], GREEDY)[0]
+    assert len(out.outputs[0].token_ids) == 6

@@ -30,11 +30,12 @@ from qv.model.weights import CheckpointError, CheckpointReader, QuantRules
 # (every text linear but the lm_head; the vision tower stays dense, as in Qwen's own GPTQ releases)
 GPTQ_INT8 = QuantConfig(bits=8, group_size=128, sym=True, desc_act=False, checkpoint_format="gptq_v2",
                         dynamic={"-:.*visual.*": {}}, modules_to_not_convert=(), lm_head=False)
+# 4 bits: the GDN gates in_proj_a/b ([Hv, H]) stay dense too, as `qv quantize` and 4-bit uploads keep them
 RANDOM_QUANT = {
     "gptq-int8": GPTQ_INT8,
-    "gptq-int4": dataclasses.replace(GPTQ_INT8, bits=4),
-    "awq": dataclasses.replace(GPTQ_INT8, bits=4, sym=False, dynamic={}, modules_to_not_convert=("visual",),
-                               method="awq"),
+    "gptq-int4": dataclasses.replace(GPTQ_INT8, bits=4, dynamic={"-:.*visual.*": {}, r"-:.*in_proj_[ab]$": {}}),
+    "awq": dataclasses.replace(GPTQ_INT8, bits=4, sym=False, dynamic={},
+                               modules_to_not_convert=("visual", "in_proj_a", "in_proj_b"), method="awq"),
 }
 GPTQ_SUFFIXES = (".qweight", ".scales", ".g_idx")
 EMBEDDINGS = ("embed_tokens", "pos_embed")
