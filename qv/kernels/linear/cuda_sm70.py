@@ -22,6 +22,7 @@ import triton
 from qv.kernels.cuda_build import KernelBuild, cupy_or_none, kernel_for, launch, pointer, resident_blocks
 from qv.kernels.linear import GPTQWeight
 from qv.kernels.linear.triton import dequant_matmul
+from qv.kernels.linear.triton_int4 import dequant_matmul_int4
 from qv.kernels.linear.triton_gemv import MAX_TICKET_TILES, k_ranges, split_tickets
 from qv.kernels.triton_utils import num_sms
 
@@ -124,6 +125,8 @@ def linear(x, weight, bias=None):
     if not isinstance(weight, GPTQWeight):
         w = weight if weight.dtype == x.dtype else weight.to(x.dtype)
         return F.linear(x, w, None if bias is None else bias.to(x.dtype))
+    if weight.bits == 4:
+        return linear_int4(x, weight, bias)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.stride(-1) != 1 or x2.stride(0) % 4:
@@ -136,4 +139,17 @@ def linear(x, weight, bias=None):
     if applies(x2, weight, bias) and (gemv_m884 if m <= GEMV_MAX_ROWS else gemm_m884)(x2, weight, bias, out):
         return out.view(*shape[:-1], n)
     dequant_matmul(x2, weight, bias, out)  # Triton dequantization (no tl.dot), then cuBLAS
+    return out.view(*shape[:-1], n)
+
+
+def linear_int4(x, weight, bias=None):
+    """4-bit weights: W dequantized by int4_dequant_kernel (Triton, no tl.dot), then cuBLAS."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    n = weight.out_features
+    out = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
+    if x2.shape[0]:
+        dequant_matmul_int4(x2, weight, bias, out)
     return out.view(*shape[:-1], n)
