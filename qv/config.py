@@ -73,9 +73,10 @@ class EngineConfig(BaseSettings):
         "would load into (vLLM's dummy format, for benchmarks: a folder with only config.json serves).")
     quantization: Literal["auto", "gptq-int8", "gptq-int4", "awq"] = lever(
         "auto",
-        "auto: as the checkpoint's quantization_config says; with load_format random, for a config without one: "
-        "gptq-int8 GPTQ-Int8 (symmetric, group 128), gptq-int4 GPTQ-Int4 (symmetric, group 128), awq AWQ "
-        "(4 bits with zero points, group 128).")
+        "auto: as the checkpoint's quantization_config says; with load_format random, the weights' format in "
+        "place of the config's own: gptq-int8 GPTQ-Int8 (symmetric, group 128), gptq-int4 GPTQ-Int4 "
+        "(symmetric, group 128), awq AWQ (4 bits with zero points, group 128); the GDN gates in_proj_a/b stay "
+        "dense at 4 bits.")
     # -- capacity ------------------------------------------------------------------------------
     max_model_len: int = lever(0, "Longest sequence (prompt + output); 0: the model's max_position_embeddings.", ge=0)
     max_num_seqs: int = lever(64, "Most sequences running in one step.", ge=1)

@@ -170,6 +170,19 @@ def test_bench_model_folder_gptq_int8_kv(tmp_path, capsys):
     _check_against_engine(report, folder, json.loads((folder / "config.json").read_text()))
 
 
+def test_bench_model_folder_gptq_int4(tmp_path, capsys):
+    """A GPTQ-Int4 folder (asymmetric): the rows count two codes a byte, and the zeros."""
+    from qv.model.quantize import quantize_checkpoint
+    from qv.model.tiny import make_tiny
+
+    folder = make_tiny(tmp_path / "gqa1", "gqa1")
+    quantize_checkpoint(folder, folder, bits=4, group_size=16, sym=False, in_place=True)
+    report, text = _bench(tmp_path, capsys, str(folder), "--batch-sizes", "1,2", "--batch-context", "40",
+                          "--contexts", "64", "--prefill-lengths", "48")
+    _check_report(report, text, {("decode", 1, 40), ("decode", 2, 40), ("decode", 1, 64), ("prefill", 1, 48)})
+    _check_against_engine(report, folder, json.loads((folder / "config.json").read_text()))
+
+
 def test_bench_rows_need_a_long_enough_model(tmp_path, capsys):
     from qv.config import ConfigError
 

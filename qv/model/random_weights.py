@@ -50,8 +50,8 @@ def checkpoint_reader(model_dir: str | Path, cfg: ModelConfig, load_format: str 
 
 
 def with_quantization(cfg: ModelConfig, quantization: str, load_format: str) -> ModelConfig:
-    """`cfg` with the GPTQ/AWQ settings `quantization` names (random weights only: a real checkpoint's stored
-    tensors decide what it holds)."""
+    """`cfg` with the GPTQ/AWQ settings `quantization` names, in place of the config's own (random weights
+    only: a real checkpoint's stored tensors decide what it holds)."""
     if quantization == "auto":
         return cfg
     if load_format != "random":
@@ -59,7 +59,7 @@ def with_quantization(cfg: ModelConfig, quantization: str, load_format: str) -> 
                               "quantization_config says how its weights are stored")
     if quantization not in RANDOM_QUANT:
         raise ConfigError(f"quantization={quantization!r}: expected auto or one of {', '.join(RANDOM_QUANT)}")
-    return cfg if cfg.quant is not None else dataclasses.replace(cfg, quant=RANDOM_QUANT[quantization])
+    return dataclasses.replace(cfg, quant=RANDOM_QUANT[quantization])
 
 
 def shape_config(cfg: ModelConfig) -> dict:
