@@ -85,6 +85,11 @@ class EngineConfig(BaseSettings):
                                 "gpu_memory_utilization (CPU: 256 MiB).", ge=0)
     gpu_memory_utilization: float = lever(0.90, "Share of GPU memory qv may plan for when kv_cache_bytes is 0.",
                                           gt=0, le=1)
+    device_memory_bytes: int = lever(
+        0, "Device memory the memory plan assumes, in bytes; 0: the device's own. Set, the plan is made for a GPU of "
+        "this size (times gpu_memory_utilization) whatever runs it: `qv serve --dry-run` shows a deployment's plan "
+        "from any machine (e.g. 34089730048, a 32 GB V100, with dtype float16), and on a larger GPU qv takes no "
+        "more.", ge=0)
     block_size: int = lever(16, "Tokens per KV block.", ge=1)
     kv_dtype: Literal["auto", "fp16", "bf16", "int8"] = lever(
         "auto", "KV cache storage: auto (activation dtype), fp16, bf16, int8 (symmetric, fp32 scale per token and "

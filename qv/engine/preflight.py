@@ -21,8 +21,8 @@ import torch
 from qv.clef.adapters import clef_layout
 from qv.clef.head import HeadConfig, expected_shapes, max_state_bytes
 from qv.config import EngineConfig, ModelConfig
-from qv.engine.build import (plan_memory, resolve_device, resolve_dtype, resolve_max_len, resolve_model_dir,
-                             wants_media, wants_mtp)
+from qv.engine.build import (device_memory, plan_memory, resolve_device, resolve_dtype, resolve_max_len,
+                             resolve_model_dir, wants_media, wants_mtp)
 from qv.engine.memory_plan import GIB, MemoryPlan
 from qv.model.random_weights import RandomReader, with_quantization
 
@@ -127,10 +127,10 @@ def preflight(cfg: EngineConfig, check_port: bool = True) -> Preflight:
     weights = weight_bytes(mcfg, dtype, mtp, wants_media(cfg, mcfg, model_dir)) + clef_weights
     problems = [p for p in [port_problem(cfg.host, cfg.port) if check_port else None] if p]
     room = total = 0
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
+    if device.type == "cuda" or cfg.device_memory_bytes:
+        free, total, held = device_memory(cfg, device)
         # as plan_cache computes it once the weights are in: what this process holds counts against the share
-        room = int(min(total * cfg.gpu_memory_utilization - torch.cuda.memory_reserved(device), free)) - weights
+        room = int(min(total * cfg.gpu_memory_utilization - held, free)) - weights
     else:
         free = host_available()
     if total and room <= 0:
