@@ -204,3 +204,22 @@ def test_bench_spec_ngram_parts(tmp_path, capsys):
         assert r["projected_tokens_per_s"] == pytest.approx(3.6 * r["batch"] / r["spec_step_s"])
     assert [p["tokens"] for p in report["spec_prefill"]] == [64] and report["spec_prefill"][0]["plain_s"] > 0
     assert "speculative decoding (ngram)" in text and "| prefill | without speculation |" in text
+
+
+def test_v100_model_single_card_int4():
+    """bench/v100_model.py's one-V100 GPTQ-Int4 deployment: the whole model's 4-bit codes on one card (the
+    two-card int8 deployment reads half its int8 codes a card), no all-reduces, a slower prefill than two cards."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("v100_model", Path(__file__).parents[1] / "bench" / "v100_model.py")
+    v = importlib.util.module_from_spec(spec)
+    sys.modules["v100_model"] = v  # its dataclasses look their module up there
+    spec.loader.exec_module(v)
+    one, two = v.decode_parts(32768, tp=1, bits=4), v.decode_parts(32768, tp=2, bits=8)
+    assert abs(one[0].bytes / two[0].bytes - (0.5 + 2 / 128) / (1 + 2 / 128) * 2) < 1e-9
+    assert not any("all-reduce" in p.kernel for p in one + v.prefill_parts(1000, tp=1, bits=4))
+    single, pair = v.predict(tp=1, bits=4), v.predict(tp=2, bits=8)
+    assert single["prefill_250k_s"] > pair["prefill_250k_s"]
+    assert all(single["decode"][c]["tokens_per_s"] > 0 for c in v.ORIGINAL_TOKENS_PER_S)
