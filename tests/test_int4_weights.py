@@ -193,7 +193,9 @@ def compare(folder: Path, tmp_path: Path, label: str, seed: int) -> float:
     t = 20 + seed % 30
     ids = torch.randint(0, vocab, (t,), generator=torch.Generator().manual_seed(seed))
     twin = dense_twin4(folder, tmp_path / f"{folder.name}-dense")
-    return assert_matches_hf(folder, twin, ids, f"{label} (seed {seed}, {t} tokens)")[0]
+    err, noise = assert_matches_hf(folder, twin, ids, f"{label} (seed {seed}, {t} tokens)")
+    print(f"{label}: rel err {err:.2e}" + ("" if noise is None else f" (fp32 noise {noise:.2e})"))
+    return err
 
 
 QUANTIZE = r"(mlp|in_proj_qkv|in_proj_z|out_proj|self_attn)\.\w+$"
