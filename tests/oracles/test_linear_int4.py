@@ -105,6 +105,10 @@ def test_int4_shape_errors():
     w = int4_weight(8, 32, 32, False, False, torch.float32)
     with pytest.raises(ValueError, match="in_features 32"):
         K.linear(randn(2, 64), w)
+    from qv.kernels.linear.triton import linear as linear_triton
+
+    with pytest.raises(ValueError, match="kind"):  # the 8-bit GEMV choices do not apply
+        linear_triton(randn(2, 32), w, None, config=dict(kind="fma"))
     with pytest.raises(ValueError, match="bits=3"):
         GPTQWeight(w.qweight, w.scales, None, w.g_idx, 32, bits=3)
 

@@ -167,7 +167,11 @@ def int4_linear(x, w, bias=None, config=None):
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out.view(*shape[:-1], n)
-    cfg = dict(int4_config(x.device, m), **(config or {}))
+    cfg = int4_config(x.device, m)
+    unknown = set(config or {}) - set(cfg) - {"dequant_min_m"}
+    if unknown:
+        raise ValueError(f"int4_linear: unknown settings {sorted(unknown)} (the 4-bit kernel takes {sorted(cfg)})")
+    cfg.update(config or {})
     if m >= cfg.pop("dequant_min_m", 1 << 30 if interpreting(x.device) else DEQUANT_MIN_M):
         dequant_matmul_int4(x2, w, bias, out)
         return out.view(*shape[:-1], n)
