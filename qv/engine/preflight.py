@@ -1,8 +1,9 @@
 """What a start will hold, known before any weight is read, and the checks `qv serve` makes before it
-loads: the listen port is free and the memory plan fits the device's free memory.
+loads: the listen port is free and the memory plan fits the device's free memory (or the planned device's,
+device_memory_bytes).
 
 The plan is build.plan_memory's, fed with the weights' bytes counted from the model config (every
-tensor's shape, GPTQ-Int8 codes + scales + group indices where the quantization rules quantize a
+tensor's shape, GPTQ codes (8 or 4 bits) + scales + group indices where the quantization rules quantize a
 linear, the activation dtype for the rest; the vision tower and the MTP head only when they would load)
 and the Clef head's files and record states. Its weight figure is an estimate: the real start measures
 what the loaded tensors hold."""

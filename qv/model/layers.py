@@ -1,4 +1,4 @@
-"""Qwen3.5 building blocks: Linear (dense or GPTQ-int8, with optional low-rank row deltas),
+"""Qwen3.5 building blocks: Linear (dense or GPTQ at 8 or 4 bits, with optional low-rank row deltas),
 gated full attention, Gated DeltaNet and the SwiGLU MLP. Math goes through qv.kernels only."""
 
 from __future__ import annotations
