@@ -71,3 +71,4 @@ def test_mtp_head_from_4bit_tensors_drafts(tiny_dirs, tmp_path):
     head = llm.engine.spec.head
     assert all(isinstance(w, GPTQWeight) and w.bits == 4 for w in (head.fc.weight, head.layer.mlp.gate_up.parts[0].weight))
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == base
+
