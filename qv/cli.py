@@ -103,7 +103,8 @@ def dry_run_text(cfg: EngineConfig, origins: dict[str, str], check) -> str:
                  ", ".join(f"{k}={v}" for k, v in kernel_cache_dirs(cfg.state_dir).items()) + ")")
     if check.plan is not None:
         lines.append(f"{check.plan.summary()} (weights counted from the config)")
-    where = "free on the GPU" if check.device.type == "cuda" else "available on the host"
+    where = ("free on the planned device (device_memory_bytes)" if cfg.device_memory_bytes else
+             "free on the GPU" if check.device.type == "cuda" else "available on the host")
     lines.append(f"needs {gib(check.needed_bytes)} of the {gib(check.free_bytes)} {where}")
     lines.append("a start would be refused: " + "; ".join(check.problems) if check.problems else
                  f"checks: port {cfg.port} on {cfg.host} is free, the plan fits")
@@ -252,13 +253,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--group-size", type=int, default=16, help="GPTQ group size (16 divides every tiny preset's dims)")
     t.set_defaults(fn=cmd_make_tiny)
 
-    q = command("quantize", "write a GPTQ-Int8 checkpoint (round-to-nearest)")
+    q = command("quantize", "write a GPTQ-Int8 or GPTQ-Int4 checkpoint (round-to-nearest)")
     q.add_argument("src", help="checkpoint folder to quantize")
     q.add_argument("out", help="folder to write")
-    q.add_argument("--bits", type=int, default=8, help="bits per weight (qv loads 8)")
+    q.add_argument("--bits", type=int, default=8, choices=(8, 4), help="bits per weight: 8 (GPTQ-Int8) or 4")
     q.add_argument("--group-size", type=int, default=128, help="input rows per scale group (-1: one group)")
     sym = q.add_mutually_exclusive_group()
-    sym.add_argument("--sym", action="store_true", default=True, help="symmetric codes (zero 128)")
+    sym.add_argument("--sym", action="store_true", default=True, help="symmetric codes (zero 128, or 8 at 4 bits)")
     sym.add_argument("--asym", action="store_true", help="asymmetric codes (a zero point per group)")
     q.add_argument("--exclude", action="append", default=[], metavar="REGEX",
                    help="module name regex to keep unquantized (repeatable)")

@@ -71,10 +71,12 @@ class EngineConfig(BaseSettings):
         "auto",
         "auto: read the checkpoint's safetensors; random: make weights on the device in the layout the checkpoint "
         "would load into (vLLM's dummy format, for benchmarks: a folder with only config.json serves).")
-    quantization: Literal["auto", "gptq-int8"] = lever(
+    quantization: Literal["auto", "gptq-int8", "gptq-int4", "awq"] = lever(
         "auto",
-        "auto: as the checkpoint's quantization_config says; gptq-int8: with load_format random, GPTQ-Int8 "
-        "(symmetric, group 128) for a config without one.")
+        "auto: as the checkpoint's quantization_config says; with load_format random, the weights' format in "
+        "place of the config's own: gptq-int8 GPTQ-Int8 (symmetric, group 128), gptq-int4 GPTQ-Int4 "
+        "(symmetric, group 128), awq AWQ (4 bits with zero points, group 128); the GDN gates in_proj_a/b stay "
+        "dense at 4 bits.")
     # -- capacity ------------------------------------------------------------------------------
     max_model_len: int = lever(0, "Longest sequence (prompt + output); 0: the model's max_position_embeddings.", ge=0)
     max_num_seqs: int = lever(64, "Most sequences running in one step.", ge=1)
@@ -83,6 +85,11 @@ class EngineConfig(BaseSettings):
                                 "gpu_memory_utilization (CPU: 256 MiB).", ge=0)
     gpu_memory_utilization: float = lever(0.90, "Share of GPU memory qv may plan for when kv_cache_bytes is 0.",
                                           gt=0, le=1)
+    device_memory_bytes: int = lever(
+        0, "Device memory the memory plan assumes, in bytes; 0: the device's own. Set, the plan is made for a GPU of "
+        "this size (times gpu_memory_utilization) whatever runs it: `qv serve --dry-run` shows a deployment's plan "
+        "from any machine (e.g. 34089730048, a 32 GB V100, with dtype float16), and on a larger GPU qv takes no "
+        "more.", ge=0)
     block_size: int = lever(16, "Tokens per KV block.", ge=1)
     kv_dtype: Literal["auto", "fp16", "bf16", "int8"] = lever(
         "auto", "KV cache storage: auto (activation dtype), fp16, bf16, int8 (symmetric, fp32 scale per token and "

@@ -19,7 +19,7 @@ SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """GPTQ settings from `quantization_config` (or `quantize_config.json`)."""
+    """GPTQ or AWQ settings from `quantization_config` (or `quantize_config.json`)."""
 
     bits: int
     group_size: int  # -1: one group over the whole input dim
@@ -29,6 +29,7 @@ class QuantConfig:
     dynamic: dict[str, dict]  # "-:regex" excludes modules; "+:regex"/"regex" overrides
     modules_to_not_convert: tuple[str, ...]
     lm_head: bool
+    method: str = "gptq"  # "gptq" or "awq" (AWQ's GEMM layout: codes packed along N, true zeros)
 
 
 @dataclass(frozen=True)
@@ -289,11 +290,13 @@ def _parse_vision(raw: dict | None) -> VisionConfig | None:
 
 def _parse_quant(raw: dict) -> QuantConfig:
     method = raw.get("quant_method", "gptq")
+    if method == "awq":
+        return _parse_awq(raw)
     if method != "gptq":
-        raise ConfigError(f"unsupported quant_method {method!r}: qv loads GPTQ checkpoints")
+        raise ConfigError(f"unsupported quant_method {method!r}: qv loads GPTQ and AWQ checkpoints")
     bits = int(raw.get("bits", 8))
-    if bits != 8:
-        raise ConfigError(f"GPTQ bits={bits} is not supported: qv loads GPTQ-Int8 (bits=8)")
+    if bits not in (4, 8):
+        raise ConfigError(f"GPTQ bits={bits} is not supported: qv loads GPTQ-Int8 and GPTQ-Int4 (bits 8 or 4)")
     fmt = raw.get("checkpoint_format", "gptq")
     if fmt not in ("gptq", "gptq_v2"):
         raise ConfigError(f"unsupported GPTQ checkpoint_format {fmt!r}: expected 'gptq' or 'gptq_v2'")
@@ -310,6 +313,25 @@ def _parse_quant(raw: dict) -> QuantConfig:
         modules_to_not_convert=tuple(raw.get("modules_to_not_convert") or ()),
         lm_head=_json_bool(raw, "lm_head", False),
     )
+
+
+def _parse_awq(raw: dict) -> QuantConfig:
+    """AWQ's config (AutoAWQ's quant_config keys w_bit / q_group_size are accepted too): 4 bits, the GEMM
+    layout, zero points; the lm_head is never quantized."""
+    bits = int(raw.get("bits", raw.get("w_bit", 4)))
+    if bits != 4:
+        raise ConfigError(f"AWQ bits={bits} is not supported: qv loads 4-bit AWQ")
+    version = str(raw.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise ConfigError(f"AWQ version {version!r} is not supported: qv loads AWQ's GEMM layout ('gemm')")
+    if not _json_bool(raw, "zero_point", True):
+        raise ConfigError("AWQ zero_point=false is not supported: qv loads AWQ with zero points")
+    group_size = int(raw.get("group_size", raw.get("q_group_size", 128)))
+    if group_size == 0 or group_size < -1:
+        raise ConfigError(f"AWQ group_size={group_size}: expected a positive group size or -1 (one group)")
+    return QuantConfig(bits=4, group_size=group_size, sym=False, desc_act=False, checkpoint_format="gptq_v2",
+                       dynamic={}, modules_to_not_convert=tuple(raw.get("modules_to_not_convert") or ()),
+                       lm_head=False, method="awq")
 
 
 def _json_bool(raw: dict, key: str, default: bool) -> bool:

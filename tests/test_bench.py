@@ -170,6 +170,19 @@ def test_bench_model_folder_gptq_int8_kv(tmp_path, capsys):
     _check_against_engine(report, folder, json.loads((folder / "config.json").read_text()))
 
 
+def test_bench_model_folder_gptq_int4(tmp_path, capsys):
+    """A GPTQ-Int4 folder (asymmetric): the rows count two codes a byte, and the zeros."""
+    from qv.model.quantize import quantize_checkpoint
+    from qv.model.tiny import make_tiny
+
+    folder = make_tiny(tmp_path / "gqa1", "gqa1")
+    quantize_checkpoint(folder, folder, bits=4, group_size=16, sym=False, in_place=True)
+    report, text = _bench(tmp_path, capsys, str(folder), "--batch-sizes", "1,2", "--batch-context", "40",
+                          "--contexts", "64", "--prefill-lengths", "48")
+    _check_report(report, text, {("decode", 1, 40), ("decode", 2, 40), ("decode", 1, 64), ("prefill", 1, 48)})
+    _check_against_engine(report, folder, json.loads((folder / "config.json").read_text()))
+
+
 def test_bench_rows_need_a_long_enough_model(tmp_path, capsys):
     from qv.config import ConfigError
 
@@ -213,3 +226,22 @@ def test_bench_peer_tables(tmp_path, capsys):
     assert [r["context"] for r in report["attention"]] == list(CPU_ATTENTION_CONTEXTS)
     assert text.count("| linear | M |") == 1 and text.count("| context | chunk |") == 1
     assert text.count("| **sum** |") == len(CPU_LINEAR_ROWS)
+
+
+def test_v100_model_single_card_int4():
+    """bench/v100_model.py's one-V100 GPTQ-Int4 deployment: the whole model's 4-bit codes on one card (the
+    two-card int8 deployment reads half its int8 codes a card), no all-reduces, a slower prefill than two cards."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("v100_model", Path(__file__).parents[1] / "bench" / "v100_model.py")
+    v = importlib.util.module_from_spec(spec)
+    sys.modules["v100_model"] = v  # its dataclasses look their module up there
+    spec.loader.exec_module(v)
+    one, two = v.decode_parts(32768, tp=1, bits=4), v.decode_parts(32768, tp=2, bits=8)
+    assert abs(one[0].bytes / two[0].bytes - (0.5 + 2 / 128) / (1 + 2 / 128) * 2) < 1e-9
+    assert not any("all-reduce" in p.kernel for p in one + v.prefill_parts(1000, tp=1, bits=4))
+    single, pair = v.predict(tp=1, bits=4), v.predict(tp=2, bits=8)
+    assert single["prefill_250k_s"] > pair["prefill_250k_s"]
+    assert all(single["decode"][c]["tokens_per_s"] > 0 for c in v.ORIGINAL_TOKENS_PER_S)

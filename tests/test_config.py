@@ -102,9 +102,12 @@ MODEL_ERRORS = [
     ("contiguous mrope_section", _rope(mrope_section=[4, 4, 4], mrope_interleaved=False), ["mrope_section"]),
     ("kv heads", _set("num_key_value_heads", 4), ["num_key_value_heads"]),
     ("gdn heads", _set("linear_num_key_heads", 3), ["linear_num_key_heads"]),
-    ("gptq bits", _quant(bits=4), ["bits=4"]),
+    ("gptq bits", _quant(bits=3), ["bits=3"]),
     ("gptq format", _quant(checkpoint_format="marlin"), ["checkpoint_format", "marlin"]),
-    ("quant method", _quant(quant_method="awq"), ["quant_method", "awq"]),
+    ("quant method", _quant(quant_method="bitsandbytes"), ["quant_method", "bitsandbytes"]),
+    ("awq bits", _quant(quant_method="awq", bits=8), ["AWQ bits=8"]),
+    ("awq version", _quant(quant_method="awq", bits=4, version="gemv"), ["version", "gemv"]),
+    ("awq zero point", _quant(quant_method="awq", bits=4, zero_point=False), ["zero_point"]),
 ]
 
 

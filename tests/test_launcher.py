@@ -53,6 +53,7 @@ def gptq_dir(tmp_path_factory):
     from qv.model.tiny import make_tiny
 
     root = tmp_path_factory.mktemp("pre")
+    quantize_checkpoint(make_tiny(root / "t4", "gqa3"), root / "q4", bits=4, group_size=16, sym=False)
     return quantize_checkpoint(make_tiny(root / "t", "gqa3"), root / "q", bits=8, group_size=16, sym=True)
 
 
@@ -63,6 +64,20 @@ def test_dry_run_plan_is_the_starts_plan(case, tiny_dirs, gptq_dir):
     assert {k: v for k, v in vars(planned).items() if k != "weight_bytes"} == \
         {k: v for k, v in vars(real).items() if k != "weight_bytes"}
     assert abs(planned.weight_bytes - real.weight_bytes) <= 0.01 * real.weight_bytes
+
+
+def test_planned_device_memory_on_the_cpu(gptq_dir):
+    """device_memory_bytes on the CPU: the start plans as on a GPU of that size, its loaded weights held there;
+    the dry run's plan is the start's but for the weights, counted from shapes (within 1%), and what the
+    KV blocks get of the rest. A 4-bit checkpoint (two codes a byte)."""
+    planned, real = _plans(model=str(gptq_dir.parent / "q4"), device="cpu", device_memory_bytes=40 << 20,
+                           max_num_seqs=3)
+    assert real.device_bytes == planned.device_bytes == 40 << 20 and real.utilization == 0.9
+    assert abs(planned.weight_bytes - real.weight_bytes) <= 0.01 * real.weight_bytes
+    assert abs(planned.kv_blocks - real.kv_blocks) <= 0.01 * real.kv_blocks
+    # everything of the 36 MiB share is planned: weights, blocks, states, the activation reserve
+    used = real.weight_bytes + real.kv_bytes + real.gdn_bytes + real.snapshot_bytes + real.reserve_bytes
+    assert 0.99 * (0.9 * (40 << 20)) <= used <= 0.9 * (40 << 20)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="the Clef fixtures write adapters with peft")

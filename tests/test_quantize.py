@@ -247,7 +247,8 @@ def test_make_tiny_gptq_in_place_and_sharded_output(tmp_path, tiny_dirs):
 
 
 @pytest.mark.parametrize("kwargs,needle", [
-    ({"bits": 4}, "--bits 4"),
+    ({"bits": 3}, "--bits 3"),
+    ({"bits": 4, "group_size": 20}, "multiples of 8"),
     ({"group_size": 0}, "--group-size 0"),
     ({"group_size": 64}, "model.language_model.layers.0.mlp.down_proj"),  # K = 160
     ({"exclude": ["(unclosed"]}, "(unclosed"),

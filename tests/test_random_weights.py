@@ -111,33 +111,38 @@ def test_same_seed_same_weights_whatever_the_order():
     assert not torch.equal(first[names[-1]], c.tensor(names[-1]))
 
 
-def _write_as_checkpoint(reader: RandomReader, cfg: ModelConfig, folder, config: dict, group: int):
+def _write_as_checkpoint(reader: RandomReader, cfg: ModelConfig, folder, config: dict, group: int, bits: int = 8):
     """The reader's tensors as a GPTQ (v1) checkpoint folder, packed the way GPTQ writers pack them."""
     tensors = {}
     for name, shape in reader.shapes.items():
         module = name.removesuffix(".weight")
         if name.endswith(".weight") and reader.has(module + ".qweight"):
             w = reader.linear(module, shape[0], shape[1], torch.float32)
-            qweight, qzeros = pack_gptq(w.qweight, torch.full(w.scales.shape, 128, dtype=torch.int32))
+            zeros = torch.full(w.scales.shape, w.symmetric_zero, dtype=torch.int32)
+            qweight, qzeros = pack_gptq(w.codes(), zeros, bits)
             tensors.update({module + ".qweight": qweight, module + ".qzeros": qzeros, module + ".scales": w.scales,
                             module + ".g_idx": w.g_idx})
         else:
             tensors[name] = reader.tensor(name)
     folder.mkdir()
     save_file(tensors, str(folder / "model.safetensors"))
-    config = dict(config, quantization_config={"quant_method": "gptq", "bits": 8, "group_size": group, "sym": True,
+    config = dict(config, quantization_config={"quant_method": "gptq", "bits": bits, "group_size": group, "sym": True,
                                                "desc_act": False, "checkpoint_format": "gptq"})
     (folder / "config.json").write_text(json.dumps(config))
 
 
-def test_random_weights_load_like_the_checkpoint_they_would_be(tmp_path):
+@pytest.mark.parametrize("bits", [8, 4])
+def test_random_weights_load_like_the_checkpoint_they_would_be(tmp_path, bits):
     """Oracle: the same random tensors written as a GPTQ checkpoint and read back by CheckpointReader give
     identical logits, so the random layout is the layout a real checkpoint loads into."""
-    folder = write_config(tmp_path / "rand", preset="tiny", quant={"group_size": 16, "checkpoint_format": "gptq"})
+    quant = {"group_size": 16, "checkpoint_format": "gptq", "bits": bits}
+    if bits == 4:  # the GDN gates ([4, 96]) are too narrow to pack 8 columns a word
+        quant["dynamic"] = {r"-:.*in_proj_[ab]$": {}}
+    folder = write_config(tmp_path / "rand", preset="tiny", quant=quant)
     config = json.loads((folder / "config.json").read_text())
     cfg = ModelConfig.from_dir(folder)
     from_random = load_text_model(str(folder), cfg, reader=RandomReader(cfg, seed=5))
-    _write_as_checkpoint(RandomReader(cfg, seed=5), cfg, tmp_path / "ckpt", config, 16)
+    _write_as_checkpoint(RandomReader(cfg, seed=5), cfg, tmp_path / "ckpt", config, 16, bits)
     from_disk = load_text_model(str(tmp_path / "ckpt"))
     ids = torch.tensor([3, 17, 99, 4, 250])
     logits = []
@@ -147,3 +152,19 @@ def test_random_weights_load_like_the_checkpoint_they_would_be(tmp_path):
         logits.append(model.compute_logits(model.forward(ids, torch.arange(5), batch, cache)))
     assert torch.isfinite(logits[0]).all()
     assert torch.equal(logits[0], logits[1])
+
+
+@pytest.mark.parametrize("quantization", ["gptq-int4", "awq"])
+def test_forced_4bit_on_a_dense_config(tmp_path, quantization):
+    folder = write_config(tmp_path / "m", preset="random-128", **SHAPE_128)
+    llm = LLM(model=str(folder), load_format="random", quantization=quantization)
+    layers = llm.engine.runner.model.layers
+    weights = [layers[0].mixer.in_proj.parts[0].weight, layers[0].mixer.out_proj.weight,
+               layers[3].mixer.qkv.parts[0].weight, layers[3].mlp.gate_up.parts[0].weight]
+    assert all(isinstance(w, GPTQWeight) and (w.bits, w.group_size) == (4, 128) for w in weights)
+    assert all(w.qweight.shape[0] * 2 == w.in_features for w in weights)
+    assert all((w.zeros is None) == (quantization == "gptq-int4") for w in weights)  # AWQ has zero points
+    codes = torch.cat([w.codes().flatten() for w in weights]).float()
+    assert codes.max() == 15 and abs(codes.mean().item() - 7.5) < 0.1  # uniform nibbles
+    out = llm.generate(["hello"], GREEDY)[0]
+    assert len(out.outputs[0].token_ids) == 6

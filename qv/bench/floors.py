@@ -48,6 +48,7 @@ class LinearShape:
     quantized: bool
     group_size: int  # rows per GPTQ group (in_features for one group); 0 when dense
     sym: bool
+    bits: int = 8  # bits per GPTQ code (8 or 4)
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,8 @@ def text_linears(cfg: ModelConfig) -> list[LinearShape]:
         mq = rules.resolve(name) if quantized else None
         quantized = mq is not None and mq.excluded_by is None
         group = (k if mq.group_size == -1 else mq.group_size) if quantized else 0
-        out.append(LinearShape(name, n, k, quantized, group, cfg.quant.sym if quantized else True))
+        out.append(LinearShape(name, n, k, quantized, group, cfg.quant.sym if quantized else True,
+                               mq.bits if quantized else 8))
     return out
 
 
@@ -123,7 +125,7 @@ class ModelFloors:
             return n * k * self.act_bytes
         groups = k // lin.group_size
         per_group = 1 if lin.sym else 2  # scales, plus zeros when asymmetric
-        return n * k + per_group * groups * n * self.act_bytes
+        return n * k * lin.bits // 8 + per_group * groups * n * self.act_bytes
 
     def vector_bytes(self) -> int:
         """Norms, GDN gate vectors and conv filters: small, but read every step."""

@@ -142,11 +142,11 @@ class JointHead:
 
 
 def output_embedding_rows(weight: torch.Tensor | GPTQWeight, ids: torch.Tensor) -> torch.Tensor:
-    """fp32 rows `ids` of the output embedding (lm_head) [V, H], dense or GPTQ-int8 (dequantized)."""
+    """fp32 rows `ids` of the output embedding (lm_head) [V, H], dense or GPTQ (dequantized)."""
     if isinstance(weight, GPTQWeight):
         g = weight.g_idx.long()
-        codes = weight.qweight[:, ids].float()  # [K, n]
-        zeros = 128.0 if weight.zeros is None else weight.zeros.float()[g][:, ids]
+        codes = weight.codes()[:, ids].float()  # [K, n]
+        zeros = float(weight.symmetric_zero) if weight.zeros is None else weight.zeros.float()[g][:, ids]
         return ((codes - zeros) * weight.scales.float()[g][:, ids]).t()
     return weight[ids].float()
 

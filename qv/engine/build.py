@@ -276,16 +276,33 @@ def plan_cache(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device, dtype
     """reserve_bytes: other device memory the engine will hold (Clef head states), off a derived budget;
     weight_bytes: what the loaded weights hold (for the plan's record)."""
     room = total = 0
-    if device.type == "cuda":
+    if device.type == "cuda" or cfg.device_memory_bytes:
         # this process may hold total * utilization; what it holds already (weights) counts against
         # that, and memory other processes hold is simply not free
-        free, total = torch.cuda.mem_get_info(device)
-        room = int(min(total * cfg.gpu_memory_utilization - torch.cuda.memory_reserved(device), free))
+        free, total, held = device_memory(cfg, device)
+        if device.type != "cuda":  # a planned device: the weights loaded into host memory count as held there
+            held, free = weight_bytes, free - weight_bytes
+        room = int(min(total * cfg.gpu_memory_utilization - held, free))
     prefix, plan = plan_memory(cfg, mcfg, dtype, max_model_len, room, total, mtp_layers, reserve_bytes, weight_bytes)
     # one slot more than sequences: the last is scratch for the padding rows of captured decode graphs
     cache = allocate_cache(mcfg, plan.kv_blocks, cfg.block_size, plan.gdn_slots + 1, resolve_kv_dtype(cfg.kv_dtype, dtype),
                            STATE_DTYPES[cfg.gdn_state_dtype], dtype, device, extra_attention_layers=mtp_layers)
     return cache, prefix, plan
+
+
+def device_memory(cfg: EngineConfig, device: torch.device) -> tuple[int, int, int]:
+    """(free, total, held by this process) bytes of the device the plan is made for: the GPU's own, or a GPU
+    of cfg.device_memory_bytes (on a real GPU no more than it has free; elsewhere an empty one)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        held = torch.cuda.memory_reserved(device)
+        if cfg.device_memory_bytes:
+            total = cfg.device_memory_bytes
+            free = min(free, total - held)
+        return free, total, held
+    if not cfg.device_memory_bytes:
+        raise ValueError("device_memory: a CPU device has no device memory unless device_memory_bytes sets one")
+    return cfg.device_memory_bytes, cfg.device_memory_bytes, 0
 
 
 def plan_memory(cfg: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, max_model_len: int, room: int, total: int,

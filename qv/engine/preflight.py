@@ -1,8 +1,9 @@
 """What a start will hold, known before any weight is read, and the checks `qv serve` makes before it
-loads: the listen port is free and the memory plan fits the device's free memory.
+loads: the listen port is free and the memory plan fits the device's free memory (or the planned device's,
+device_memory_bytes).
 
 The plan is build.plan_memory's, fed with the weights' bytes counted from the model config (every
-tensor's shape, GPTQ-Int8 codes + scales + group indices where the quantization rules quantize a
+tensor's shape, GPTQ codes (8 or 4 bits) + scales + group indices where the quantization rules quantize a
 linear, the activation dtype for the rest; the vision tower and the MTP head only when they would load)
 and the Clef head's files and record states. Its weight figure is an estimate: the real start measures
 what the loaded tensors hold."""
@@ -21,8 +22,8 @@ import torch
 from qv.clef.adapters import clef_layout
 from qv.clef.head import HeadConfig, expected_shapes, max_state_bytes
 from qv.config import EngineConfig, ModelConfig
-from qv.engine.build import (plan_memory, resolve_device, resolve_dtype, resolve_max_len, resolve_model_dir,
-                             wants_media, wants_mtp)
+from qv.engine.build import (device_memory, plan_memory, resolve_device, resolve_dtype, resolve_max_len,
+                             resolve_model_dir, wants_media, wants_mtp)
 from qv.engine.memory_plan import GIB, MemoryPlan
 from qv.model.random_weights import RandomReader, with_quantization
 
@@ -64,7 +65,7 @@ def port_problem(host: str, port: int) -> str | None:
 
 def weight_bytes(mcfg: ModelConfig, dtype: torch.dtype, mtp: bool, media: bool) -> int:
     """Device bytes of the weights a start loads, from their shapes (build_text_model's layout: 1-D
-    vectors of the text model in fp32, GPTQ codes one byte each, the rest in the activation dtype)."""
+    vectors of the text model in fp32, GPTQ codes one byte each (two a byte at 4 bits), the rest in the activation dtype)."""
     reader = RandomReader(mcfg, 0, "meta")  # names, shapes and which linears are GPTQ; makes no tensor
     size, total = dtype.itemsize, 0
     for name, shape in reader.shapes.items():
@@ -75,7 +76,7 @@ def weight_bytes(mcfg: ModelConfig, dtype: torch.dtype, mtp: bool, media: bool) 
             n, k = shape
             q = reader.rules.resolve(module)
             groups = 1 if q.group_size == -1 else k // q.group_size
-            total += k * n + groups * n * size * (1 if mcfg.quant.sym else 2) + 4 * k
+            total += k * n * q.bits // 8 + groups * n * size * (1 if mcfg.quant.sym else 2) + 4 * k
         elif len(shape) == 1 and ".visual." not in f".{name}":
             total += 4 * shape[0]
         else:
@@ -127,10 +128,10 @@ def preflight(cfg: EngineConfig, check_port: bool = True) -> Preflight:
     weights = weight_bytes(mcfg, dtype, mtp, wants_media(cfg, mcfg, model_dir)) + clef_weights
     problems = [p for p in [port_problem(cfg.host, cfg.port) if check_port else None] if p]
     room = total = 0
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
+    if device.type == "cuda" or cfg.device_memory_bytes:
+        free, total, held = device_memory(cfg, device)
         # as plan_cache computes it once the weights are in: what this process holds counts against the share
-        room = int(min(total * cfg.gpu_memory_utilization - torch.cuda.memory_reserved(device), free)) - weights
+        room = int(min(total * cfg.gpu_memory_utilization - held, free)) - weights
     else:
         free = host_available()
     if total and room <= 0:

@@ -1,4 +1,4 @@
-"""Qwen3.5 building blocks: Linear (dense or GPTQ-int8, with optional low-rank row deltas),
+"""Qwen3.5 building blocks: Linear (dense or GPTQ at 8 or 4 bits, with optional low-rank row deltas),
 gated full attention, Gated DeltaNet and the SwiGLU MLP. Math goes through qv.kernels only."""
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def _fusable(a: Linear, b: Linear) -> bool:
     if isinstance(wa, torch.Tensor) and isinstance(wb, torch.Tensor):
         return wa.dtype == wb.dtype
     if isinstance(wa, GPTQWeight) and isinstance(wb, GPTQWeight):
-        return (wa.scales.shape[0] == wb.scales.shape[0] and (wa.zeros is None) == (wb.zeros is None)
+        return (wa.bits == wb.bits and wa.scales.shape[0] == wb.scales.shape[0] and (wa.zeros is None) == (wb.zeros is None)
                 and torch.equal(wa.g_idx, wb.g_idx))
     return False
 
@@ -82,7 +82,7 @@ def _concat(run: list[Linear]) -> Linear:
     else:
         zeros = None if ws[0].zeros is None else torch.cat([w.zeros for w in ws], dim=1)
         out = Linear(GPTQWeight(torch.cat([w.qweight for w in ws], dim=1), torch.cat([w.scales for w in ws], dim=1),
-                                zeros, ws[0].g_idx, ws[0].group_size))
+                                zeros, ws[0].g_idx, ws[0].group_size, ws[0].bits))
     out.shard = run[0].shard  # members are column shards alike (row-parallel ones all-reduce and never fuse)
     return out
 

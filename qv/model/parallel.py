@@ -130,14 +130,14 @@ def column_shard(w: torch.Tensor | GPTQWeight, pieces: list[int], tp: TPGroup, w
     if isinstance(w, GPTQWeight):
         zeros = None if w.zeros is None else _take(w.zeros, blocks, 1)
         return GPTQWeight(_take(w.qweight, blocks, 1), _take(w.scales, blocks, 1), zeros, w.g_idx.clone(),
-                          w.group_size)
+                          w.group_size, w.bits)
     return _take(w, blocks, 0)
 
 
 def row_shard(w: torch.Tensor | GPTQWeight, tp: TPGroup, what: str):
     """Rank's block of the input rows K of a linear. A GPTQ shard keeps whole groups: the groups its
     rows use are used by no other rank's rows (else an error naming `what`); their scales/zeros are
-    kept and g_idx renumbered to them."""
+    kept and g_idx renumbered to them. A 4-bit shard starts and ends on a packed byte row (even K)."""
     if tp.world_size == 1:
         return w
     s = rank_block(w.shape[1], tp, what)
@@ -153,8 +153,13 @@ def row_shard(w: torch.Tensor | GPTQWeight, tp: TPGroup, what: str):
     renumber = torch.full((w.scales.shape[0],), -1, dtype=torch.long, device=here.device)
     renumber[groups] = torch.arange(groups.numel(), device=here.device)
     zeros = None if w.zeros is None else w.zeros[groups].contiguous()
-    return GPTQWeight(w.qweight[s].clone(), w.scales[groups].contiguous(), zeros,
-                      renumber[here].to(torch.int32), w.group_size)
+    per_byte = 8 // w.bits
+    if s.start % per_byte or s.stop % per_byte:
+        raise ConfigError(f"{what}: tensor parallel size {tp.world_size} splits its {w.in_features} inputs at row "
+                          f"{s.start if s.start % per_byte else s.stop}, inside a byte of packed {w.bits}-bit codes")
+    rows = slice(s.start // per_byte, s.stop // per_byte)
+    return GPTQWeight(w.qweight[rows].clone(), w.scales[groups].contiguous(), zeros,
+                      renumber[here].to(torch.int32), w.group_size, w.bits)
 
 
 def shard_linear(w, bias: torch.Tensor | None, split: str | None, tp: TPGroup | None, what: str,
@@ -210,7 +215,8 @@ def vocab_shard(w: torch.Tensor | GPTQWeight, tp: TPGroup) -> torch.Tensor | GPT
     if isinstance(w, GPTQWeight):
         block = [slice(start, end)]
         zeros = None if w.zeros is None else _take(w.zeros, block, 1)
-        return GPTQWeight(_take(w.qweight, block, 1), _take(w.scales, block, 1), zeros, w.g_idx.clone(), w.group_size)
+        return GPTQWeight(_take(w.qweight, block, 1), _take(w.scales, block, 1), zeros, w.g_idx.clone(), w.group_size,
+                          w.bits)
     return w[start:end].clone()
 
 

@@ -1,6 +1,7 @@
-"""`qv quantize`: write a GPTQ-Int8 checkpoint (round-to-nearest) in the standard layout that
-vLLM, transformers/GPTQModel and exllama read: checkpoint_format "gptq" (v1, zero stored minus
-one), qweight int32 [K/4, N], qzeros int32 [K/g, N/4], scales fp16 [K/g, N], g_idx int32 [K].
+"""`qv quantize`: write a GPTQ-Int8 or GPTQ-Int4 checkpoint (round-to-nearest) in the standard layout
+that vLLM, transformers/GPTQModel and exllama read: checkpoint_format "gptq" (v1, zero stored minus
+one), P = 32 / bits codes per int32: qweight int32 [K/P, N], qzeros int32 [K/g, N/P], scales fp16
+[K/g, N], g_idx int32 [K]. (Calibrated GPTQ is not built: qv has no calibration pass.)
 
 Which modules are quantized: every 2-D `<module>.weight` whose HF module name (e.g.
 `model.language_model.layers.3.mlp.down_proj`) is not matched (`re.match`) by DEFAULT_EXCLUDE or
@@ -24,6 +25,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from qv.config import ConfigError, ModelConfig
+from qv.kernels.linear import pack_nibbles
 from qv.model.weights import FUSED, index_checkpoint, vllm_names
 
 # Kept dense by default (re.match against the HF module name), and why:
@@ -35,7 +37,6 @@ DEFAULT_EXCLUDE = (
     r".*norm$",  # RMSNorm weights (1-D anyway)
     r"model\.visual\.",  # the vision tower stays dense, like Qwen's own GPTQ releases
 )
-PACK = 4  # int8 codes per int32
 SHARD_BYTES = 4 << 30
 _SCALE_MIN = 2.0**-24  # smallest fp16 subnormal: a scale that underflows to 0 would divide by zero
 
@@ -43,8 +44,8 @@ _SCALE_MIN = 2.0**-24  # smallest fp16 subnormal: a scale that underflows to 0 w
 def quantize_checkpoint(src: str | Path, out: str | Path, bits: int = 8, group_size: int = 128, sym: bool = True,
                         exclude=(), in_place: bool = False, shard_bytes: int = SHARD_BYTES) -> Path:
     """Quantize the dense checkpoint folder `src` into `out` (or rewrite `src` when in_place)."""
-    if bits != 8:
-        raise ConfigError(f"--bits {bits} is not supported: qv writes GPTQ-Int8 (bits=8) only")
+    if bits not in (4, 8):
+        raise ConfigError(f"--bits {bits} is not supported: qv writes GPTQ-Int8 and GPTQ-Int4 (bits 8 or 4)")
     if group_size != -1 and group_size < 1:
         raise ConfigError(f"--group-size {group_size}: expected -1 (one group over all inputs) or a positive size")
     src, out = Path(src), Path(out)
@@ -61,14 +62,14 @@ def quantize_checkpoint(src: str | Path, out: str | Path, bits: int = 8, group_s
         raise ConfigError(f"{out} already holds a checkpoint; choose an empty folder")
     patterns = _compile(tuple(DEFAULT_EXCLUDE) + tuple(exclude))
     files = index_checkpoint(src)
-    plan, excluded = _plan(files, patterns, group_size)
+    plan, excluded = _plan(files, patterns, group_size, 32 // bits)
     out.mkdir(parents=True, exist_ok=True)
 
-    qcfg = {"quant_method": "gptq", "bits": 8, "group_size": group_size, "sym": sym, "desc_act": False,
+    qcfg = {"quant_method": "gptq", "bits": bits, "group_size": group_size, "sym": sym, "desc_act": False,
             "checkpoint_format": "gptq", "lm_head": False,
             "dynamic": _dynamic_rules(excluded, config),
             "modules_to_not_convert": excluded}
-    shards = _write_tensors(files, plan, out, group_size, sym, shard_bytes)
+    shards = _write_tensors(files, plan, out, group_size, sym, shard_bytes, bits)
     if not in_place:
         _copy_others(src, out)
     written = _finish_shards(out, shards)  # renames over same-named old files
@@ -93,7 +94,8 @@ def _compile(patterns: tuple[str, ...]) -> list[re.Pattern]:
     return compiled
 
 
-def _plan(files: dict[str, Path], patterns: list[re.Pattern], group_size: int) -> tuple[dict[str, bool], list[str]]:
+def _plan(files: dict[str, Path], patterns: list[re.Pattern], group_size: int,
+          pack: int) -> tuple[dict[str, bool], list[str]]:
     """name -> quantize?; plus the excluded 2-D modules. Checks every quantized shape first, so
     a bad group size fails before anything is written."""
     plan: dict[str, bool] = {}
@@ -112,11 +114,11 @@ def _plan(files: dict[str, Path], patterns: list[re.Pattern], group_size: int) -
             excluded.append(module)
             continue
         n, k = shape
-        if k % PACK or n % PACK or (group_size != -1 and k % group_size):
+        if k % pack or n % pack or (group_size != -1 and k % group_size):
             bad.append(f"{module} [{n}, {k}]")
         plan[name] = True
     if bad:
-        raise ConfigError(f"cannot quantize with group_size {group_size} (in/out features must be multiples of 4 "
+        raise ConfigError(f"cannot quantize with group_size {group_size} (in/out features must be multiples of {pack} "
                           f"and of the group size): {', '.join(bad[:6])}{' ...' if len(bad) > 6 else ''}; "
                           f"choose another --group-size or --exclude these modules")
     return plan, excluded
@@ -139,47 +141,53 @@ def _dynamic_rules(excluded: list[str], config: dict) -> dict[str, dict]:
     return rules
 
 
-def rtn_quantize(w: torch.Tensor, group_size: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Round-to-nearest int8 of a dense weight w [N, K] -> codes uint8 [K, N], scales fp16 [G, N],
-    true zeros int32 [G, N], with w ~= scales * (codes - zeros) per group of `group_size` inputs.
-    The ranges follow GPTQ's quantizer: sym uses zero 128 and scale 2*amax/255."""
+def rtn_quantize(w: torch.Tensor, group_size: int, sym: bool,
+                 bits: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest of a dense weight w [N, K] to `bits` -> codes uint8 [K, N] (one a byte), scales fp16
+    [G, N], true zeros int32 [G, N], with w ~= scales * (codes - zeros) per group of `group_size` inputs.
+    The ranges follow GPTQ's quantizer: sym uses zero 2^(bits-1) and scale 2*amax/(2^bits - 1)."""
+    top = (1 << bits) - 1
     n, k = w.shape
     group = k if group_size == -1 else group_size
     x = w.float().t().reshape(k // group, group, n)  # [G, g, N]
     if sym:
         amax = x.abs().amax(1)
-        scale = torch.where(amax > 0, 2 * amax / 255, torch.ones_like(amax))
-        zero = torch.full_like(scale, 128)
+        scale = torch.where(amax > 0, 2 * amax / top, torch.ones_like(amax))
+        zero = torch.full_like(scale, 1 << (bits - 1))
     else:
         lo, hi = x.amin(1).clamp_max(0), x.amax(1).clamp_min(0)
         empty = (lo == 0) & (hi == 0)
         lo, hi = torch.where(empty, -1.0, lo), torch.where(empty, 1.0, hi)
-        scale = (hi - lo) / 255
+        scale = (hi - lo) / top
         zero = torch.round(-lo / scale)
-        # v1 stores zero - 1 in a byte, so a zero of 0 cannot be written (it would read back as 256):
+        # v1 stores zero - 1 in `bits` bits, so a zero of 0 cannot be written (it would read back as 2^bits):
         # such groups use zero 1 with a scale that still spans [lo, hi].
         low = zero < 1
-        scale, zero = torch.where(low, hi / 254, scale), torch.where(low, torch.ones_like(zero), zero)
+        scale, zero = torch.where(low, hi / (top - 1), scale), torch.where(low, torch.ones_like(zero), zero)
     scale = scale.clamp_min(_SCALE_MIN).half()
-    codes = torch.clamp(torch.round(x / scale.float()[:, None, :]) + zero[:, None, :], 0, 255)
+    codes = torch.clamp(torch.round(x / scale.float()[:, None, :]) + zero[:, None, :], 0, top)
     return codes.reshape(k, n).to(torch.uint8), scale, zero.to(torch.int32)
 
 
-def pack_gptq(codes: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """codes uint8 [K, N], true zeros [G, N] -> (qweight int32 [K/4, N], qzeros int32 [G, N/4]) in v1."""
+def pack_gptq(codes: torch.Tensor, zeros: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """codes uint8 [K, N] one a byte, true zeros [G, N] -> (qweight int32 [K/P, N], qzeros int32 [G, N/P])
+    in v1, P = 32 / bits."""
     if sys.byteorder != "little":  # the byte views below are GPTQ's shifts only on little-endian hosts
         raise RuntimeError("qv writes GPTQ checkpoints on little-endian hosts only")
-    k, n = codes.shape
-    qweight = codes.reshape(k // PACK, PACK, n).permute(0, 2, 1).contiguous().view(torch.int32).reshape(k // PACK, n)
     stored = zeros - 1  # checkpoint_format "gptq" (v1)
-    if int(stored.min()) < 0 or int(stored.max()) > 255:
-        raise ValueError("GPTQ v1 zeros must lie in 1..256")
+    if int(stored.min()) < 0 or int(stored.max()) > (1 << bits) - 1:
+        raise ValueError(f"GPTQ v1 zeros must lie in 1..{1 << bits}")
+    if bits == 4:  # two codes a byte along K (qv's runtime rows) and along N (zeros), then packed as bytes
+        codes = pack_nibbles(codes)
+        stored = pack_nibbles(stored.to(torch.uint8).t()).t()
+    rows, n = codes.shape
+    qweight = codes.reshape(rows // 4, 4, n).permute(0, 2, 1).contiguous().view(torch.int32).reshape(rows // 4, n)
     qzeros = stored.to(torch.uint8).contiguous().view(torch.int32)
     return qweight, qzeros
 
 
 def _write_tensors(files: dict[str, Path], plan: dict[str, bool], out: Path, group_size: int, sym: bool,
-                   shard_bytes: int) -> list[tuple[Path, list[str]]]:
+                   shard_bytes: int, bits: int) -> list[tuple[Path, list[str]]]:
     """Write temporary shards (renamed by _finish_shards once all exist); returns (path, names)."""
     total = sum(p.stat().st_size for p in set(files.values()))
     shards: list[tuple[Path, list[str]]] = []
@@ -204,8 +212,8 @@ def _write_tensors(files: dict[str, Path], plan: dict[str, bool], out: Path, gro
                 t = f.get_tensor(name)
                 if plan[name]:
                     module = name[: -len(".weight")]
-                    codes, scales, zeros = rtn_quantize(t, group_size, sym)
-                    qweight, qzeros = pack_gptq(codes, zeros)
+                    codes, scales, zeros = rtn_quantize(t, group_size, sym, bits)
+                    qweight, qzeros = pack_gptq(codes, zeros, bits)
                     g = codes.shape[0] if group_size == -1 else group_size
                     new = {f"{module}.qweight": qweight, f"{module}.qzeros": qzeros, f"{module}.scales": scales,
                            f"{module}.g_idx": torch.arange(codes.shape[0], dtype=torch.int32) // g}

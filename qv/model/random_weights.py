@@ -26,11 +26,17 @@ from qv.kernels.linear import GPTQWeight
 from qv.model.tiny import random_tensor, tensor_shapes, weight_std
 from qv.model.weights import CheckpointError, CheckpointReader, QuantRules
 
-# what `quantization=gptq-int8` gives a config without a quantization_config
+# what `quantization=gptq-int8|gptq-int4|awq` gives a config without a quantization_config
 # (every text linear but the lm_head; the vision tower stays dense, as in Qwen's own GPTQ releases)
 GPTQ_INT8 = QuantConfig(bits=8, group_size=128, sym=True, desc_act=False, checkpoint_format="gptq_v2",
                         dynamic={"-:.*visual.*": {}}, modules_to_not_convert=(), lm_head=False)
-CODE_STD = math.sqrt((256**2 - 1) / 12)  # spread of uniform codes 0..255 around their zero 128
+# 4 bits: the GDN gates in_proj_a/b ([Hv, H]) stay dense too, as `qv quantize` and 4-bit uploads keep them
+RANDOM_QUANT = {
+    "gptq-int8": GPTQ_INT8,
+    "gptq-int4": dataclasses.replace(GPTQ_INT8, bits=4, dynamic={"-:.*visual.*": {}, r"-:.*in_proj_[ab]$": {}}),
+    "awq": dataclasses.replace(GPTQ_INT8, bits=4, sym=False, dynamic={},
+                               modules_to_not_convert=("visual", "in_proj_a", "in_proj_b"), method="awq"),
+}
 GPTQ_SUFFIXES = (".qweight", ".scales", ".g_idx")
 EMBEDDINGS = ("embed_tokens", "pos_embed")
 
@@ -44,14 +50,16 @@ def checkpoint_reader(model_dir: str | Path, cfg: ModelConfig, load_format: str 
 
 
 def with_quantization(cfg: ModelConfig, quantization: str, load_format: str) -> ModelConfig:
-    """`cfg` with GPTQ-Int8 settings when `quantization` asks for them (random weights only: a real
-    checkpoint's stored tensors decide what it holds)."""
+    """`cfg` with the GPTQ/AWQ settings `quantization` names, in place of the config's own (random weights
+    only: a real checkpoint's stored tensors decide what it holds)."""
     if quantization == "auto":
         return cfg
     if load_format != "random":
         raise ConfigError(f"quantization={quantization} applies to load_format=random; a checkpoint's own "
                               "quantization_config says how its weights are stored")
-    return cfg if cfg.quant is not None else dataclasses.replace(cfg, quant=GPTQ_INT8)
+    if quantization not in RANDOM_QUANT:
+        raise ConfigError(f"quantization={quantization!r}: expected auto or one of {', '.join(RANDOM_QUANT)}")
+    return dataclasses.replace(cfg, quant=RANDOM_QUANT[quantization])
 
 
 def shape_config(cfg: ModelConfig) -> dict:
@@ -83,8 +91,8 @@ class RandomReader:
         if self.rules is None or shape is None or len(shape) != 2 or module.endswith(EMBEDDINGS):
             return False
         mq = self.rules.resolve(module)
-        if mq.excluded_by is None and mq.bits != 8:
-            raise CheckpointError(f"{module}: bits={mq.bits} (from quantization_config); qv loads GPTQ-Int8 only")
+        if mq.excluded_by is None and mq.bits not in (4, 8):
+            raise CheckpointError(f"{module}: bits={mq.bits} (from quantization_config); qv loads 8- and 4-bit GPTQ")
         return mq.excluded_by is None
 
     def names(self) -> list[str]:
@@ -130,21 +138,25 @@ class RandomReader:
         mq = self.rules.resolve(prefix)
         k, n = in_features, out_features
         group = k if mq.group_size == -1 else mq.group_size
-        if k % group or k % 4 or n % 4:
-            raise CheckpointError(f"{prefix}: GPTQ-Int8 with group {group} needs in/out features {k}/{n} that it "
-                                  "divides, in multiples of 4")
+        pack, levels = 32 // mq.bits, 1 << mq.bits
+        if k % group or k % pack or n % pack:
+            raise CheckpointError(f"{prefix}: {mq.bits}-bit GPTQ with group {group} needs in/out features {k}/{n} "
+                                  f"that it divides, in multiples of {pack}")
         device = torch.device(device)
         gen = self._generator(prefix + ".qweight", device)
-        codes = torch.randint(0, 256, (k, n), generator=gen, device=device, dtype=torch.uint8)
+        # uniform codes: at 4 bits each byte is two uniform nibbles
+        qweight = torch.randint(0, 256, (k * mq.bits // 8, n), generator=gen, device=device, dtype=torch.uint8)
         # scales vary by (group, column) as real ones do; their mean gives the weight fan_in^-1/2
         spread = torch.rand((k // group, n), generator=gen, device=device, dtype=torch.float32) * 0.5 + 0.75
-        scales = (spread * (weight_std(prefix + ".weight", shape) / CODE_STD)).to(dtype)
+        code_std = math.sqrt((levels**2 - 1) / 12)  # spread of uniform codes around the middle one
+        scales = (spread * (weight_std(prefix + ".weight", shape) / code_std)).to(dtype)
         zeros = None
         if not self.cfg.quant.sym:
-            zeros = torch.randint(120, 137, (k // group, n), generator=gen, device=device).to(dtype)
+            mid, span = levels // 2, max(1, levels // 32)
+            zeros = torch.randint(mid - span, mid + span + 1, (k // group, n), generator=gen, device=device).to(dtype)
         g_idx = torch.arange(k, dtype=torch.int32, device=device) // group
         self.used.update(prefix + s for s in GPTQ_SUFFIXES)
-        return GPTQWeight(codes, scales, zeros, g_idx, group)
+        return GPTQWeight(qweight, scales, zeros, g_idx, group, mq.bits)
 
     def unused(self, ignore_prefixes: tuple[str, ...] = ()) -> list[str]:
         return []  # every name is made on request: nothing is left over by construction

@@ -1,4 +1,4 @@
-"""Reading checkpoints: safetensors (single or sharded), dense and GPTQ-int8 linears.
+"""Reading checkpoints: safetensors (single or sharded), dense, GPTQ (8 and 4 bits) and AWQ linears.
 
 `CheckpointReader` hands out tensors by checkpoint name, remembers which were used, and turns a
 module prefix into a dense weight or a `GPTQWeight` (repacked to qv's runtime layout) depending
@@ -6,12 +6,20 @@ on what the checkpoint stores for it. Whether a module is quantized follows the 
 the `quantization_config` rules (`dynamic`, `modules_to_not_convert`, `lm_head`) are checked
 against them, so a config that contradicts its checkpoint fails loudly instead of loading garbage.
 
-GPTQ layout read here (bits=8, pack factor 4; K = in_features, N = out_features, G = groups):
-  qweight int32 [K/4, N]   byte i of qweight[r, n] is the code of input row 4r+i
-  qzeros  int32 [G, N/4]   byte i of qzeros[g, c] is the zero of output column 4c+i
+GPTQ layout read here (bits b = 8 or 4, P = 32 / b codes per int32; K = in_features, N = out_features,
+G = groups):
+  qweight int32 [K/P, N]   bits b*i .. b*i+b-1 of qweight[r, n] are the code of input row P*r+i
+  qzeros  int32 [G, N/P]   bits b*i .. of qzeros[g, c] are the zero of output column P*c+i
   scales  float [G, N]     g_idx int [K] (group of each input row; permuted under desc_act)
   w[n, k] = scales[g_idx[k], n] * (q[k, n] - zero[g_idx[k], n]); checkpoint_format "gptq" (v1)
-  stores zero - 1, read back as byte + 1 without uint8 wraparound (0xFF -> 256, as exllama does).
+  stores zero - 1, read back as code + 1 without wraparound (0xFF -> 256, 0xF -> 16, as exllama does).
+The int32 rows viewed as little-endian bytes are qv's runtime layout as they stand: one code a byte at
+8 bits, two at 4 (input 2r in the low nibble of byte row r).
+
+AWQ's GEMM layout (4 bits; packed along N, not K):
+  qweight int32 [K, N/8]   nibble i of qweight[k, c] is the code of output column 8c + AWQ_ORDER[i]
+  qzeros  int32 [G, N/8]   the same order; true zeros (no minus one)
+  scales  float [G, N]     groups sequential (no g_idx); repacked at load into the GPTQ runtime layout.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ import torch
 from safetensors import safe_open
 
 from qv.config import ModelConfig, QuantConfig
-from qv.kernels.linear import GPTQWeight
+from qv.kernels.linear import GPTQWeight, pack_nibbles
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
@@ -42,6 +50,8 @@ FUSED = {
     "in_proj_ba": ("in_proj_b", "in_proj_a"),
 }
 _FUSED_OF = {member: (fused, members) for fused, members in FUSED.items() for member in members}
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's GEMM packing: nibble i holds column AWQ_ORDER[i] of 8
+AWQ_COLUMN_NIBBLE = tuple(AWQ_ORDER.index(c) for c in range(8))  # its inverse: column c sits in this nibble
 
 
 class CheckpointError(ValueError):
@@ -234,28 +244,36 @@ class CheckpointReader:
         mq = self.rules.resolve(module)
         if mq.excluded_by is not None:
             raise CheckpointError(f"{module} is stored GPTQ-quantized but {mq.excluded_by} excludes it from quantization")
-        if mq.bits != 8:
-            raise CheckpointError(f"{module}: bits={mq.bits} (from quantization_config); qv loads GPTQ-Int8 only")
+        if mq.bits not in (4, 8):
+            raise CheckpointError(f"{module}: bits={mq.bits} (from quantization_config); qv loads 8- and 4-bit GPTQ")
+        awq = self.cfg.quant.method == "awq"
+        bits, pack = mq.bits, 32 // mq.bits
         group = k if mq.group_size == -1 else mq.group_size
-        if k % 4 or n % 4:
-            raise CheckpointError(f"{module}: GPTQ-Int8 packs 4 codes per int32; in/out features {k}/{n} must be multiples of 4")
+        name = "AWQ" if awq else f"GPTQ-Int{bits}"
+        if k % pack or n % pack:
+            raise CheckpointError(f"{module}: {name} packs {pack} codes per int32; in/out features {k}/{n} must be "
+                                  f"multiples of {pack}")
         if group <= 0 or k % group:
             raise CheckpointError(f"{module}: group_size {mq.group_size} does not divide in_features {k}")
         n_groups = k // group
-        qweight = self._int_tensor(f"{prefix}.qweight", (k // 4, n))
         scales = self.tensor(f"{prefix}.scales", dtype, shape=(n_groups, n))
-        codes = _unpack_rows(qweight, k, n)
+        if awq:
+            codes = pack_nibbles(_awq_unpack(self._int_tensor(f"{prefix}.qweight", (k, n // 8))))
+            z = _awq_unpack(self._int_tensor(f"{prefix}.qzeros", (n_groups, n // 8))).to(torch.int32)
+        else:
+            qweight = self._int_tensor(f"{prefix}.qweight", (k // pack, n))
+            codes = _unpack_rows(qweight, k * bits // 8, n)
+            z = None
+            if self.has(f"{prefix}.qzeros"):
+                z = _unpack_columns(self._int_tensor(f"{prefix}.qzeros", (n_groups, n // pack)), bits)
+                if self.cfg.quant.checkpoint_format == "gptq":
+                    z = z + 1  # v1 stores zero - 1; in int32, so a stored all-ones code reads 2^bits like exllama
+            elif not self.cfg.quant.sym:
+                raise CheckpointError(f"{module}: asymmetric GPTQ (sym=false) needs {module}.qzeros")
         zeros = None
-        if self.has(f"{prefix}.qzeros"):
-            qz = self._int_tensor(f"{prefix}.qzeros", (n_groups, n // 4))
-            z = qz.contiguous().view(torch.uint8).view(n_groups, n).to(torch.int32)
-            if self.cfg.quant.checkpoint_format == "gptq":
-                z = z + 1  # v1 stores zero - 1; in int32, so a stored 0xFF reads 256 like exllama
-            if not bool((z == 128).all()):  # 128 everywhere is the symmetric case: no zero tensor
-                zeros = z.to(dtype)
-        elif not self.cfg.quant.sym:
-            raise CheckpointError(f"{module}: asymmetric GPTQ (sym=false) needs {module}.qzeros")
-        if self.has(f"{prefix}.g_idx"):
+        if z is not None and not bool((z == 1 << (bits - 1)).all()):  # the middle code everywhere: symmetric
+            zeros = z.to(dtype)
+        if self.has(f"{prefix}.g_idx") and not awq:
             g_idx = self._int_tensor(f"{prefix}.g_idx", (k,), INT_DTYPES).to(torch.int32)
             if int(g_idx.min()) < 0 or int(g_idx.max()) >= n_groups:
                 raise CheckpointError(f"{module}.g_idx has groups {int(g_idx.min())}..{int(g_idx.max())}, "
@@ -269,19 +287,35 @@ class CheckpointReader:
             # non-zero one would silently change the output.
             bias = self.tensor(f"{prefix}.bias", torch.float32)
             if bool(bias.any()):
-                raise CheckpointError(f"{module}.bias is non-zero beside a GPTQ weight; qv only skips zero placeholders")
+                raise CheckpointError(f"{module}.bias is non-zero beside a {name} weight; qv only skips zero "
+                                      "placeholders")
         return GPTQWeight(codes.to(device), scales.to(device), None if zeros is None else zeros.to(device),
-                          g_idx.to(device), group)
+                          g_idx.to(device), group, bits)
 
     def unused(self, ignore_prefixes: tuple[str, ...] = ()) -> list[str]:
         return [n for n in self.names() if n not in self.used and not n.startswith(ignore_prefixes)]
 
 
-def _unpack_rows(qweight: torch.Tensor, k: int, n: int) -> torch.Tensor:
-    """int32 [K/4, N] -> uint8 codes [K, N] (little-endian bytes are input rows 4r..4r+3)."""
+def _unpack_rows(qweight: torch.Tensor, rows: int, n: int) -> torch.Tensor:
+    """int32 [rows/4, N] -> uint8 [rows, N] (little-endian bytes are byte rows 4r..4r+3): the codes at 8 bits,
+    at 4 bits the packed rows of the runtime layout (byte j of an int32 holds its nibbles 2j and 2j + 1)."""
     if sys.byteorder != "little":  # the byte view below assumes it; GPTQ's shifts are little-endian
         raise RuntimeError("qv reads GPTQ checkpoints on little-endian hosts only")
-    return qweight.contiguous().view(torch.uint8).view(k // 4, n, 4).permute(0, 2, 1).reshape(k, n)
+    return qweight.contiguous().view(torch.uint8).view(rows // 4, n, 4).permute(0, 2, 1).reshape(rows, n)
+
+
+def _unpack_columns(qzeros: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 [G, N/P] -> int32 zeros [G, N], P = 32 / bits codes per word, the lowest bits first."""
+    g, words = qzeros.shape
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    return ((qzeros.to(torch.int32)[:, :, None] >> shifts) & ((1 << bits) - 1)).reshape(g, words * (32 // bits))
+
+
+def _awq_unpack(packed: torch.Tensor) -> torch.Tensor:
+    """AWQ int32 [R, N/8] -> uint8 codes [R, N], undoing AWQ_ORDER within each word."""
+    r, words = packed.shape
+    nibbles = _unpack_columns(packed, 4).view(r, words, 8)
+    return nibbles[:, :, list(AWQ_COLUMN_NIBBLE)].reshape(r, 8 * words).to(torch.uint8)
 
 
 # ---------------------------------------------------------------------------------------------

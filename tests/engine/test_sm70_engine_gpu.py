@@ -73,11 +73,12 @@ def test_sm70_greedy_equals_reference_on_tiny_gptq(tiny_dirs, tmp_path, preset):
             _generate(folder, prompts, params, kernels="sm70")
 
 
-def test_sm70_matches_default_chain_on_27b_shapes(tmp_path):
-    """4 layers of the 27B (3 GDN + 1 attention), random GPTQ-Int8 weights, int8 KV: sm70 against the default
-    chain at fp16, prompts past one prefill chunk, decode through each chain's CUDA graphs."""
+@pytest.mark.parametrize("quantization", ["gptq-int8", "gptq-int4", "awq"])
+def test_sm70_matches_default_chain_on_27b_shapes(tmp_path, quantization):
+    """4 layers of the 27B (3 GDN + 1 attention), random GPTQ-Int8 / GPTQ-Int4 / AWQ weights, int8 KV: sm70
+    against the default chain at fp16, prompts past one prefill chunk, decode through each chain's CUDA graphs."""
     model_dir = write_27b_config(tmp_path, 4, 4096)
-    levers = dict(load_format="random", quantization="gptq-int8", kv_dtype="int8", max_model_len=4096,
+    levers = dict(load_format="random", quantization=quantization, kv_dtype="int8", max_model_len=4096,
                   max_num_seqs=8, kv_cache_bytes=1 << 30, max_num_batched_tokens=1024)
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(248000) for _ in range(n)]} for n in (17, 300, 1500)]

@@ -59,6 +59,21 @@ def code_words(codes: np.ndarray, k: int, n: int, ok: bool) -> tuple[int, int]:
     return tuple(int(sum(int(c[4 * w + i]) << 8 * i for i in range(4))) for w in range(2))
 
 
+def nibble_rows(p0: int, p1: int) -> list[int]:
+    """The .cu's nibble_rows: packed byte rows r, r + 1 (one word, 4 columns) -> byte rows 2r .. 2r + 3."""
+    return [p0 & 0x0F0F0F0F, (p0 >> 4) & 0x0F0F0F0F, p1 & 0x0F0F0F0F, (p1 >> 4) & 0x0F0F0F0F]
+
+
+def code_rows(codes: np.ndarray, k0: int, n: int, ok: bool, bits: int) -> list[tuple[int, int]]:
+    """The .cu's load_rows4: inputs k0 .. k0+3 of columns n .. n+7 as 4 (word 0..3, word 4..7) byte rows;
+    `codes` is [K, N] at 8 bits, the packed [K/2, N] at 4."""
+    if bits == 8:
+        return [code_words(codes, k0 + r, n, ok) for r in range(4)]
+    p0, p1 = code_words(codes, k0 // 2, n, ok), code_words(codes, k0 // 2 + 1, n, ok)
+    lo, hi = nibble_rows(p0[0], p1[0]), nibble_rows(p0[1], p1[1])
+    return [(lo[r], hi[r]) for r in range(4)]
+
+
 def columns8(s_words: list[int], z_words: list[int]) -> tuple[list[int], list[int]]:
     """The .cu's columns8: off[c] = half2(1024 + z_c) twice, scale[c] = half2(s_c) twice."""
     off, scale = [0] * 8, [0] * 8
@@ -88,21 +103,21 @@ def fragment_values(pair: list[int]) -> np.ndarray:
     return np.concatenate([halves(pair[0]), halves(pair[1])]).astype(np.float64)
 
 
-SYMMETRIC = words(np.full(8, 128, dtype=np.float16))
+SYMMETRIC = {8: words(np.full(8, 128, dtype=np.float16)), 4: words(np.full(8, 8, dtype=np.float16))}
 
 
-def _scale_words(scales, zeros, g, n, ok):
+def _scale_words(scales, zeros, g, n, ok, bits):
     if not ok:
-        return [0] * 4, SYMMETRIC
-    return words(scales[g, n:n + 8]), (words(zeros[g, n:n + 8]) if zeros is not None else SYMMETRIC)
+        return [0] * 4, SYMMETRIC[bits]
+    return words(scales[g, n:n + 8]), (words(zeros[g, n:n + 8]) if zeros is not None else SYMMETRIC[bits])
 
 
 # --- the GEMV ----------------------------------------------------------------------------------------
 
-def gemv(x16, codes, scales, zeros, group, k_split=None):
+def gemv(x16, codes, scales, zeros, group, k_split=None, bits=8):
     """gptq_gemv_m884 over its whole grid, in float64 after fp16 dequantization: y [M, N] (NaN where no
-    lane wrote, and an error if one is written twice). x16 [M, K] fp16, codes [K, N] uint8, scales/zeros
-    [G, N] fp16 (zeros None: symmetric)."""
+    lane wrote, and an error if one is written twice). x16 [M, K] fp16, codes [K, N] uint8 (bits 8) or
+    packed [K/2, N] (bits 4), scales/zeros [G, N] fp16 (zeros None: symmetric)."""
     M, K = x16.shape
     N = codes.shape[1]
     MT = (M + 7) // 8
@@ -119,13 +134,13 @@ def gemv(x16, codes, scales, zeros, group, k_split=None):
                     cols = []
                     for lane in range(32):
                         n_lane = bx * 256 + 8 * lane
-                        cols.append(columns8(*_scale_words(scales, zeros, kg // group, n_lane, n_lane < N)))
+                        cols.append(columns8(*_scale_words(scales, zeros, kg // group, n_lane, n_lane < N, bits)))
                     for k0 in range(kg, kg + chunk, 4):
                         a = np.zeros((8, 32, 4))
                         b = np.zeros((MT, 32, 4))
                         for lane in range(32):
                             n_lane = bx * 256 + 8 * lane
-                            q = [code_words(codes, k0 + r, n_lane, n_lane < N) for r in range(4)]
+                            q = code_rows(codes, k0, n_lane, n_lane < N, bits)
                             off, scale = cols[lane]
                             frag = (dequant4([w[0] for w in q], off[:4], scale[:4])
                                     + dequant4([w[1] for w in q], off[4:], scale[4:]))
@@ -171,7 +186,7 @@ class _Loader:
     def __init__(self, tid):
         self.tid, self.group_index, self.s, self.z = tid, -1, [0] * 4, [0] * 4
 
-    def load_store(self, x16, codes, scales, zeros, group, m0, n0, kt, k_end, xs, ws):
+    def load_store(self, x16, codes, scales, zeros, group, m0, n0, kt, k_end, xs, ws, bits):
         M, N = x16.shape[0], codes.shape[1]
         for j in range(4):
             piece = self.tid + 128 * j
@@ -179,18 +194,18 @@ class _Loader:
             xs[piece // 8, 4 * (piece % 8):4 * (piece % 8) + 4] = x16[m, k:k + 4] if m < M and k < k_end else 0
         k, n = kt + 4 * (self.tid % 8), n0 + 8 * (self.tid // 8)
         ok = k < k_end and n < N
-        q = [code_words(codes, k + r, n, ok) for r in range(4)]
+        q = code_rows(codes, k, n, ok, bits)
         if ok and k // group != self.group_index:
             self.group_index = k // group
-            self.s, self.z = _scale_words(scales, zeros, self.group_index, n, True)
-        off, scale = columns8(self.s if ok else [0] * 4, self.z if zeros is not None else SYMMETRIC)
+            self.s, self.z = _scale_words(scales, zeros, self.group_index, n, True, bits)
+        off, scale = columns8(self.s if ok else [0] * 4, self.z if zeros is not None else SYMMETRIC[bits])
         frag = dequant4([w[0] for w in q], off[:4], scale[:4]) + dequant4([w[1] for w in q], off[4:], scale[4:])
         rq, co = self.tid % 8, self.tid // 8
         for c in range(8):
             ws[8 * co + c, 4 * rq:4 * rq + 4] = fragment_values(frag[c])
 
 
-def gemm(x16, codes, scales, zeros, group, k_split=None):
+def gemm(x16, codes, scales, zeros, group, k_split=None, bits=8):
     """gptq_gemm_m884 over its whole grid, in float64 after fp16 dequantization (as gemv)."""
     M, K = x16.shape
     N = codes.shape[1]
@@ -208,7 +223,7 @@ def gemm(x16, codes, scales, zeros, group, k_split=None):
             for kt in range(k_lo, k_end, BK):
                 xs, ws = np.full((BM, PITCH), np.nan), np.full((BN, PITCH), np.nan)
                 for ld in loaders:
-                    ld.load_store(x16, codes, scales, zeros, group, m0, n0, kt, k_end, xs, ws)
+                    ld.load_store(x16, codes, scales, zeros, group, m0, n0, kt, k_end, xs, ws, bits)
                 for ks in range(BK // 4):
                     for warp in range(4):
                         wm, wn = 32 * (warp & 1), 64 * (warp >> 1)
@@ -234,8 +249,14 @@ def gemm(x16, codes, scales, zeros, group, k_split=None):
     return y
 
 
-def dequantized(codes, scales, zeros, group) -> np.ndarray:
-    """W [K, N] as the kernels round it: (c - z) exactly, times s rounded to fp16 (numpy's fp16 product)."""
+def dequantized(codes, scales, zeros, group, bits=8) -> np.ndarray:
+    """W [K, N] as the kernels round it: (c - z) exactly, times s rounded to fp16 (numpy's fp16 product).
+    At 4 bits `codes` is the packed [K/2, N], unpacked here by a loop over rows (not the kernels' masks)."""
+    if bits == 4:
+        packed = codes
+        codes = np.zeros((2 * packed.shape[0], packed.shape[1]), dtype=np.uint8)
+        for r in range(packed.shape[0]):
+            codes[2 * r], codes[2 * r + 1] = packed[r] % 16, packed[r] // 16
     g = np.arange(codes.shape[0]) // group
-    z = np.full_like(scales, 128) if zeros is None else zeros
+    z = np.full_like(scales, 1 << (bits - 1)) if zeros is None else zeros
     return ((codes.astype(np.float16) - z[g]) * scales[g]).astype(np.float16)

@@ -1,6 +1,7 @@
 """End to end on the GPU: the tiny fixtures generate the same greedy tokens with the Triton kernels
 as with the reference ops. A prefill of two prompts in one flat batch (crossing GDN chunk and KV
-block boundaries over scattered blocks and slots), then batched greedy decode steps.
+block boundaries over scattered blocks and slots), then batched greedy decode steps. Also 4-bit (`qv quantize
+--bits 4`) tiny models in fp32 through the W4A16 kernels.
 
 fp32: both backends run free and must produce identical tokens. 16-bit: the logits are bf16/fp16
 values, and the tiny random models often have exact ties at that resolution, which either side's
@@ -87,3 +88,18 @@ def test_16bit_greedy_tokens_match(tiny_dirs, preset, dtype, kv_dtype, state_dty
     assert not torch.isnan(tri_logits).any() and err < LOGIT_BOUND[dtype]
     assert bool(agree[decided].all()), f"different greedy token at {(decided & ~agree).nonzero().tolist()}"
     assert int(decided.sum()) >= decided.numel() // 2, "too many ties for the test to mean anything"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset,flags", [("gqa3", dict(group_size=16, sym=False)), ("tiny", dict(group_size=32))])
+def test_4bit_tiny_greedy_triton_equals_reference_gpu(tiny_dirs, tmp_path, preset, flags):
+    """fp32 on the GPU: the W4A16 Triton kernels (GEMV, GEMM, split-K at the tiny shapes) through the whole
+    model generate the reference ops' greedy tokens."""
+    from qv.model.quantize import quantize_checkpoint
+
+    q = quantize_checkpoint(tiny_dirs(preset), tmp_path / "q4", bits=4, **flags)
+    model = load_text_model(str(q), dtype=torch.float32, device="cuda")
+    prompts = _prompts(model.cfg.vocab_size)
+    ref_tokens, _ = run(model, prompts, torch.float32, torch.float32, "reference")
+    tri_tokens, _ = run(model, prompts, torch.float32, torch.float32, "triton")
+    assert tri_tokens == ref_tokens

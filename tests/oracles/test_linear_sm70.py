@@ -1,4 +1,5 @@
-"""The Volta (sm_70) GPTQ linear: the m8n8k4 GEMV and GEMM of qv/kernels/linear/gptq_m884.cu (cuda_sm70.py).
+"""The Volta (sm_70) GPTQ linear: the m8n8k4 GEMV and GEMM of qv/kernels/linear/gptq_m884.cu (cuda_sm70.py),
+at 8 bits and at 4 (BITS=4: two packed byte rows split into four by nibble masks in registers).
 
 CPU: a NumPy model of mma.m8n8k4's fragment tables runs both kernels' lane arithmetic and byte permutes
 (m884_model.py) and must reproduce x W^T with W dequantized to fp16, every output written once; the
@@ -20,6 +21,7 @@ import torch
 import m884_model as model
 from kernel_cases import BOUND, DEV, K, capture_graph, nan_empty, randn, run_reference
 from test_linear import gptq_weight
+from test_linear_int4 import int4_weight
 from util import assert_close
 
 BOUND_SM70 = 2e-3
@@ -47,13 +49,14 @@ def test_mma_model_layout_is_a_bijection():
             assert np.isclose(d[lane, i], a[row_lane] @ b[col_lane] + c[lane, i])
 
 
-def _model_case(m, n, k, group, zeros, seed):
+def _model_case(m, n, k, group, zeros, seed, bits=8):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((m, k)).astype(np.float16)
-    codes = rng.integers(0, 256, (k, n), dtype=np.uint8)
+    codes = rng.integers(0, 256, (k * bits // 8, n), dtype=np.uint8)  # at 4 bits: two codes a byte
     scales = (rng.random((k // group, n)) * 0.02 + 1e-3).astype(np.float16)
-    z = rng.integers(0, 257, (k // group, n)).astype(np.float16) if zeros else None  # 256: a stored 0xFF + 1
-    ref = x.astype(np.float64) @ model.dequantized(codes, scales, z, group).astype(np.float64)
+    # 2^bits: a v1 checkpoint's all-ones zero read back + 1
+    z = rng.integers(0, (1 << bits) + 1, (k // group, n)).astype(np.float16) if zeros else None
+    ref = x.astype(np.float64) @ model.dequantized(codes, scales, z, group, bits).astype(np.float64)
     return x, codes, scales, z, ref
 
 
@@ -63,9 +66,10 @@ def _model_case(m, n, k, group, zeros, seed):
     (8, 512, 256, 16, True, None),  # every warp several groups
     (2, 16, 1024, 1024, True, 512),  # one group over K: chunks of 128 rows over the warps and splits
 ])
-def test_gemv_model(m, n, k, group, zeros, k_split):
-    x, codes, scales, z, ref = _model_case(m, n, k, group, zeros, seed=m)
-    y = model.gemv(x, codes, scales, z, group, k_split)
+@pytest.mark.parametrize("bits", [8, 4])
+def test_gemv_model(m, n, k, group, zeros, k_split, bits):
+    x, codes, scales, z, ref = _model_case(m, n, k, group, zeros, seed=m, bits=bits)
+    y = model.gemv(x, codes, scales, z, group, k_split, bits)
     np.testing.assert_allclose(y, ref, rtol=1e-9, atol=1e-9 * np.abs(ref).max())
 
 
@@ -73,9 +77,10 @@ def test_gemv_model(m, n, k, group, zeros, k_split):
     (70, 136, 96, 32, True, None),  # two row and two column tiles, both partly past M / N; 3 K steps
     (9, 8, 64, 16, False, 32),      # one narrow tile, split-K, groups of 16 inside a K step
 ])
-def test_gemm_model(m, n, k, group, zeros, k_split):
-    x, codes, scales, z, ref = _model_case(m, n, k, group, zeros, seed=n)
-    y = model.gemm(x, codes, scales, z, group, k_split)
+@pytest.mark.parametrize("bits", [8, 4])
+def test_gemm_model(m, n, k, group, zeros, k_split, bits):
+    x, codes, scales, z, ref = _model_case(m, n, k, group, zeros, seed=n, bits=bits)
+    y = model.gemm(x, codes, scales, z, group, k_split, bits)
     np.testing.assert_allclose(y, ref, rtol=1e-9, atol=1e-9 * np.abs(ref).max())
 
 
@@ -121,18 +126,19 @@ def test_sm70_chain_picks_the_m884_linear(monkeypatch):
 
 
 @pytest.mark.parametrize("m,dtype,act_order", [(3, torch.float16, False), (20, torch.float32, True)])
-def test_sm70_fallback(m, dtype, act_order):
+@pytest.mark.parametrize("bits", [8, 4])
+def test_sm70_fallback(m, dtype, act_order, bits):
     """Where the kernels do not apply (here: no GPU; on the GPU: act-order, odd groups, ...) the sm70 linear
     dequantizes and multiplies (on CPU, through the Triton interpreter), right, with no tl.dot kernel."""
     from tl_dot_recorder import record_launches
 
-    w = gptq_weight(40, 64, 16, True, act_order, dtype)
+    w = (gptq_weight if bits == 8 else int4_weight)(40, 64, 16, True, act_order, dtype)
     x = randn(m, 64, dtype=dtype)
     with record_launches() as launched, K.backend("sm70"), nan_empty():
         out = K.linear(x, w)
     assert_close("sm70 fallback", out, run_reference(K.linear, x, w), BOUND[dtype])
     if DEV.type == "cpu":
-        assert launched.names() == ["gptq_dequant_kernel"]
+        assert launched.names() == ["gptq_dequant_kernel" if bits == 8 else "int4_dequant_kernel"]
     assert launched.with_dot() == []
 
 
@@ -153,7 +159,8 @@ def _signature(kernel: str) -> list[tuple[str, type]]:
     ("gemv", 5, 264, 2048, 32, True), ("gemv", 16, 40, 96, 16, False),  # (4 "SMs" on the CPU)
     ("gemv", 1, 64, 4096, 4096, True),  # one group over K: split in chunks of 128
     ("gemm", 33, 136, 4096, 64, True), ("gemm", 300, 512, 96, 32, False)])
-def test_launch_arguments_match_the_kernel(monkeypatch, kind, m, n, k, group, split):
+@pytest.mark.parametrize("bits", [8, 4])
+def test_launch_arguments_match_the_kernel(monkeypatch, kind, m, n, k, group, split, bits):
     """The host side on the CPU (kernel_for and launch stubbed): the arguments line up with the kernel's
     parameter list by type and meaning, and the grid's K ranges are whole groups / K steps covering K."""
     from qv.kernels.linear import cuda_sm70
@@ -162,7 +169,7 @@ def test_launch_arguments_match_the_kernel(monkeypatch, kind, m, n, k, group, sp
     monkeypatch.setattr(cuda_sm70, "kernel_for", lambda source, name, *a: (name, 152))
     monkeypatch.setattr(cuda_sm70, "launch", lambda kernel, grid, block, args, dev: launched.append(
         (kernel, grid, block, args)))
-    w = gptq_weight(n, k, group, True, False, torch.float16)
+    w = (gptq_weight if bits == 8 else int4_weight)(n, k, group, True, False, torch.float16)
     x = randn(m, k + 4, dtype=torch.float16)[:, :k]
     bias, out = randn(n, dtype=torch.float16), torch.empty(m, n, dtype=torch.float16)
     assert (cuda_sm70.gemv_m884 if kind == "gemv" else cuda_sm70.gemm_m884)(x, w, bias, out)
@@ -178,21 +185,23 @@ def test_launch_arguments_match_the_kernel(monkeypatch, kind, m, n, k, group, sp
     assert got["k_split"] % step == 0 and (grid[1] - 1) * got["k_split"] < k <= grid[1] * got["k_split"]
     assert (got["part"] != 0) == (got["tickets"] != 0) == (grid[1] > 1) == split
     if kind == "gemv":
-        assert name == f"gptq_gemv_m884<{(m + 7) // 8}, {cuda_sm70.GEMV_MIN_BLOCKS[(m + 7) // 8]}>"
+        mt = (m + 7) // 8
+        assert name == f"gptq_gemv_m884<{mt}, {cuda_sm70.GEMV_MIN_BLOCKS[mt]}{'' if bits == 8 else ', 4'}>"
         assert grid[0] == -(-n // 256)
     else:
-        assert name == f"gptq_gemm_m884<{cuda_sm70.GEMM_MIN_BLOCKS}>" and grid[0] == -(-m // 64) * -(-n // 128)
+        assert name == f"gptq_gemm_m884<{cuda_sm70.GEMM_MIN_BLOCKS}{'' if bits == 8 else ', 4'}>"
+        assert grid[0] == -(-m // 64) * -(-n // 128)
 
 
 # --- GPU: the kernels -----------------------------------------------------------------------------------
 
-def _cuda_case(kind, m, n, k, group, zeros=False, bias=False, strided_x=False):
+def _cuda_case(kind, m, n, k, group, zeros=False, bias=False, strided_x=False, bits=8):
     """The kernel on NaN-poisoned output against the fp32 reference, row by row; it must report that it ran."""
     from qv.kernels.linear import cuda_sm70
 
-    w = gptq_weight(n, k, group, zeros, False, torch.float16)
-    if zeros:  # the whole code range, 0 and 256 (a stored 0xFF + 1) included
-        w.zeros.copy_(torch.randint(0, 257, w.zeros.shape, device=DEV).to(torch.float16))
+    w = (gptq_weight if bits == 8 else int4_weight)(n, k, group, zeros, False, torch.float16)
+    if zeros:  # the whole code range, 0 and 2^bits (a stored all-ones v1 zero + 1) included
+        w.zeros.copy_(torch.randint(0, (1 << bits) + 1, w.zeros.shape, device=DEV).to(torch.float16))
     x = randn(m, k + 8 if strided_x else k, dtype=torch.float16)[:, :k]
     b = randn(n, dtype=torch.float16) if bias else None
     out = torch.full((m, n), float("nan"), dtype=torch.float16, device=DEV)
@@ -295,3 +304,45 @@ def test_sm70_fallback_gpu(what):
             out = K.linear(x, w)
         assert_close(f"sm70 fallback {what}", out, run_reference(K.linear, x, w), BOUND[dtype])
         assert launched.with_dot() == []
+
+
+@pytest.mark.gpu
+@needs_cupy
+@pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 13, 16])
+def test_gemv_sm70_int4_gpu(m):
+    torch.manual_seed(m)
+    _cuda_case("gemv", m, 264, 96, 32, zeros=m % 2 == 1, bias=m % 3 == 0, bits=4)
+    _cuda_case("gemv", m, 8, 16, 16, bias=True, bits=4)
+    _cuda_case("gemv", m, 1040, 384, 128, zeros=True, strided_x=True, bits=4)
+    _cuda_case("gemv", m, 5120, 17408, 128, zeros=m == 7, bits=4)  # split-K, the ticketed sum
+    _cuda_case("gemv", m, 512, 4096, 4096, zeros=True, bits=4)  # one group over K
+
+
+@pytest.mark.gpu
+@needs_cupy
+@pytest.mark.parametrize("m", [1, 7, 17, 33, 200])
+def test_gemm_sm70_int4_gpu(m):
+    torch.manual_seed(m)
+    _cuda_case("gemm", m, 136, 96, 32, zeros=True, bias=True, bits=4)
+    _cuda_case("gemm", m, 8, 48, 16, strided_x=True, bits=4)
+    _cuda_case("gemm", m, 5120, 17408, 128, zeros=m == 33, bits=4)
+    _cuda_case("gemm", m, 34816, 5120, 128, bias=m == 200, bits=4)
+
+
+@pytest.mark.gpu
+@needs_cupy
+@pytest.mark.parametrize("m", [1, 16, 17, 200])
+def test_linear_op_sm70_int4_gpu(monkeypatch, m):
+    """The public op under the sm70 backend runs the 4-bit kernels (the fallback is made to fail)."""
+    torch.manual_seed(m)
+    from qv.kernels.linear import cuda_sm70
+
+    def no_fallback(*args):
+        raise AssertionError("the sm70 linear fell back to dequantize + cuBLAS")
+
+    monkeypatch.setattr(cuda_sm70, "dequant_matmul_int4", no_fallback)
+    w = int4_weight(5120, 6144, 128, True, False, torch.float16)
+    x = randn(m, 6144, dtype=torch.float16)
+    with K.backend("sm70"), nan_empty():
+        out = K.linear(x.view(1, m, 6144), w)
+    assert_close("sm70 int4 linear", out[0], run_reference(K.linear, x, w), BOUND_SM70)

@@ -25,7 +25,7 @@ from qv.model.parallel import (TPGroup, VocabParallelLMHead, column_shard, rank_
                                vocab_parallel_embed, vocab_shard)
 from qv.model.qwen3_5 import load_text_model
 from qv.model.quantize import quantize_checkpoint
-from qv.model.random_weights import GPTQ_INT8, RandomReader
+from qv.model.random_weights import GPTQ_INT8, RANDOM_QUANT, RandomReader
 from qv.model.tiny import build_config
 from qv.model.tiny_tokenizer import tokenizer_json
 from util import assert_close
@@ -122,15 +122,16 @@ def worker(rank: int, init: str, cases: dict, out_dir: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def random_untied_cfg() -> ModelConfig:
+def random_untied_cfg(quant=GPTQ_INT8) -> ModelConfig:
     """gqa3's geometry with GDN heads 2/4 (gqa3's single key head does not split), untied, GPTQ-Int8
-    (group 8) from random weights: the untied lm_head, the RandomReader's codes cut as a checkpoint's."""
+    (group 8) from random weights: the untied lm_head, the RandomReader's codes cut as a checkpoint's.
+    With AWQ's settings: 4-bit codes two a byte along K, zero points, row shards on packed rows."""
     _, special = tokenizer_json()
     raw = build_config("gqa3", 384, special)
     raw.update(linear_num_key_heads=2, linear_num_value_heads=4)
     cfg = ModelConfig.from_dict(raw)
     assert not cfg.tie_word_embeddings
-    return dataclasses.replace(cfg, quant=dataclasses.replace(GPTQ_INT8, group_size=8))
+    return dataclasses.replace(cfg, quant=dataclasses.replace(quant, group_size=8))
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +147,7 @@ def cases(tiny_dirs, tmp_path_factory):
         "mixed-gptq": {"dir": str(quantize_checkpoint(tiny_dirs("mixed"), root / "mixed-gptq", group_size=8)),
                        "seed": seed + 1},
         "random-untied-gptq": {"random": random_untied_cfg(), "seed": seed + 2},
+        "random-untied-awq": {"random": random_untied_cfg(RANDOM_QUANT["awq"]), "seed": seed + 3},
     }
 
 
@@ -157,7 +159,7 @@ def two_ranks(cases, tmp_path_factory):
     return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
 
 
-@pytest.mark.parametrize("name", ["gqa1", "mixed-gptq", "random-untied-gptq"])
+@pytest.mark.parametrize("name", ["gqa1", "mixed-gptq", "random-untied-gptq", "random-untied-awq"])
 def test_tp2_logits_equal_tp1(name, cases, two_ranks):
     ref = steps(load(cases[name], None), cases[name]["seed"])
     assert len(ref) > DECODE_STEPS  # chunked prefill steps, then the decode steps
@@ -216,3 +218,27 @@ def test_gptq_shards_sum_to_the_whole_under_act_order():
     w.g_idx[0], w.g_idx[-1] = w.g_idx[-1].clone(), w.g_idx[0].clone()  # a group now spans both ranks
     with pytest.raises(ConfigError, match="cut GPTQ groups"):
         row_shard(w, ranks[0], "w")
+
+
+def test_int4_shards_sum_to_the_whole_under_act_order():
+    """4-bit: a row shard takes the packed byte rows of its inputs (two a byte); with act-order g_idx and
+    zero points the shards still sum to the whole, column shards concatenate; a split inside a byte fails."""
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    k, n, group = 24, 12, 4
+    g_idx = torch.cat([torch.randperm(k // 2, generator=gen) // group,
+                       torch.randperm(k // 2, generator=gen) // group + k // 2 // group]).to(torch.int32)
+    w = GPTQWeight(torch.randint(0, 256, (k // 2, n), generator=gen, dtype=torch.uint8),
+                   torch.rand(k // group, n, generator=gen) * 0.1 + 0.05,
+                   torch.randint(0, 16, (k // group, n), generator=gen).float(), g_idx, group, bits=4)
+    x = torch.randn(5, k, generator=gen)
+    whole = linear(x, w)
+    ranks = [TPGroup(r, 2) for r in range(2)]
+    shards = [row_shard(w, r, "w") for r in ranks]
+    assert all((s.bits, s.in_features, s.qweight.shape[0]) == (4, k // 2, k // 4) for s in shards)
+    rows = sum(linear(x[:, r.rank * k // 2:(r.rank + 1) * k // 2], s) for r, s in zip(ranks, shards))
+    assert_close("4-bit row shards summed", rows, whole, BOUND)
+    cols = torch.cat([linear(x, column_shard(w, [n], r, "w")) for r in ranks], -1)
+    assert_close("4-bit column shards", cols, whole, BOUND)
+    odd = GPTQWeight(w.qweight[:7], w.scales[:2], None, torch.arange(14, dtype=torch.int32) // 7, 7, bits=4)
+    with pytest.raises(ConfigError, match="inside a byte"):  # 14 inputs, groups of 7: rank 0 would end at row 7
+        row_shard(odd, ranks[0], "w")

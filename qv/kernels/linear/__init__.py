@@ -1,4 +1,4 @@
-"""Linear layers over dense or GPTQ-int8 weights, and qv's runtime layout of a GPTQ-int8 weight."""
+"""Linear layers over dense or GPTQ weights (8 or 4 bits), and qv's runtime layout of a GPTQ weight."""
 
 from __future__ import annotations
 
@@ -11,13 +11,17 @@ from qv.kernels.registry import impl
 
 @dataclass
 class GPTQWeight:
-    """A GPTQ-int8 weight in qv's runtime layout (repacked once at load from the checkpoint's).
+    """A GPTQ weight in qv's runtime layout (repacked once at load from the checkpoint's, GPTQ or AWQ).
 
-    qweight [K, N] uint8  - the integer codes, input-major like GPTQ's packed qweight
+    qweight uint8         - the integer codes, input-major like GPTQ's packed qweight:
+                            bits 8: [K, N], one code a byte;
+                            bits 4: [K/2, N], byte row r holds input 2r in its low nibble, 2r + 1 in its high
+                            (GPTQ's int32 [K/8, N] qweight viewed as bytes, rows in order)
     scales  [G, N] fp     - per (group, output) scale, G = number of groups
-    zeros   [G, N] fp | None - per (group, output) true zero point; None means symmetric (128)
+    zeros   [G, N] fp | None - per (group, output) true zero point; None means symmetric (128, or 8 for 4 bits)
     g_idx   [K] int32     - group of each input row (k // group_size unless desc_act)
     group_size: int       - rows per group (K for a single group); informational when desc_act
+    bits: int             - 8 or 4
     sequential: bool | None - whether g_idx is k // group_size; None until is_sequential() first checks
     """
 
@@ -26,11 +30,27 @@ class GPTQWeight:
     zeros: torch.Tensor | None
     g_idx: torch.Tensor
     group_size: int
+    bits: int = 8
     sequential: bool | None = field(default=None, compare=False)
+
+    def __post_init__(self):
+        if self.bits not in (4, 8):
+            raise ValueError(f"GPTQWeight: bits={self.bits}; qv runs 8- and 4-bit weights")
 
     @property
     def in_features(self) -> int:
-        return self.qweight.shape[0]
+        return self.qweight.shape[0] * (8 // self.bits)
+
+    @property
+    def symmetric_zero(self) -> int:
+        """The zero point of a symmetric weight (zeros None): the middle code."""
+        return 1 << (self.bits - 1)
+
+    def codes(self) -> torch.Tensor:
+        """The codes one a byte, uint8 [K, N] (a copy for 4 bits, the stored tensor for 8)."""
+        if self.bits == 8:
+            return self.qweight
+        return unpack_nibbles(self.qweight)
 
     @property
     def out_features(self) -> int:
@@ -50,7 +70,19 @@ class GPTQWeight:
 
     def to(self, device) -> "GPTQWeight":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return GPTQWeight(move(self.qweight), move(self.scales), move(self.zeros), move(self.g_idx), self.group_size)
+        return GPTQWeight(move(self.qweight), move(self.scales), move(self.zeros), move(self.g_idx), self.group_size,
+                          self.bits)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [R, N] of two 4-bit codes a byte (row 2r low nibble, 2r + 1 high) -> uint8 codes [2R, N]."""
+    return torch.stack([packed & 15, packed >> 4], dim=1).reshape(2 * packed.shape[0], packed.shape[1])
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [K, N] in 0..15, K even -> uint8 [K/2, N]: the inverse of unpack_nibbles."""
+    c = codes.to(torch.uint8).reshape(codes.shape[0] // 2, 2, codes.shape[1])
+    return c[:, 0] | (c[:, 1] << 4)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | GPTQWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

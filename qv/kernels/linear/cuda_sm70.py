@@ -1,4 +1,5 @@
-"""GPTQ-int8 linear for Volta (sm_70) in raw CUDA on m8n8k4 tensor cores (gptq_m884.cu): a GEMV for up to
+"""GPTQ linear (8- and 4-bit codes) for Volta (sm_70) in raw CUDA on m8n8k4 tensor cores (gptq_m884.cu, its
+BITS template argument picking the code layout): a GEMV for up to
 GEMV_MAX_ROWS rows (decode and speculative verification) and a tiled GEMM above (prefill), fp16 activations
 (Volta has no bf16). Compiled at first use by NVRTC through CuPy and launched on torch's current stream;
 they run on any GPU from sm_70 (on sm_80 and newer the m8n8k4 MMA is emulated, slowly: that is how an H200
@@ -6,7 +7,8 @@ proves them).
 
 Where the kernels do not apply (no CuPy, activations or scales not fp16, act-order g_idx, group sizes not
 a multiple of 16, N not a multiple of 8, misaligned tensors, a CUDA graph captured before the kernel was
-built), the weight is dequantized by gptq_dequant_kernel (Triton, no tl.dot) and multiplied by cuBLAS:
+built), the weight is dequantized by gptq_dequant_kernel or int4_dequant_kernel (Triton, no tl.dot) and multiplied by
+cuBLAS:
 under the sm70 chain no Triton tl.dot runs (it has no tensor-core path below sm_80, and Triton >= 3.3 has
 computed it wrong there). Dense weights go to cuBLAS. The Clef low-rank rows (lora_delta, CUDA-core Triton
 without tl.dot) are a separate call right after the linear (qv/model/layers.py).
@@ -22,6 +24,7 @@ import triton
 from qv.kernels.cuda_build import KernelBuild, cupy_or_none, kernel_for, launch, pointer, resident_blocks
 from qv.kernels.linear import GPTQWeight
 from qv.kernels.linear.triton import dequant_matmul
+from qv.kernels.linear.triton_int4 import dequant_matmul_int4
 from qv.kernels.linear.triton_gemv import MAX_TICKET_TILES, k_ranges, split_tickets
 from qv.kernels.triton_utils import num_sms
 
@@ -33,15 +36,26 @@ GEMV_MAX_ROWS = 16  # two 8-row tiles of x; above, the GEMM
 GEMV_MIN_BLOCKS = {1: 3, 2: 2}
 GEMM_MIN_BLOCKS = 3
 GEMV_COLUMNS, GEMM_ROWS, GEMM_COLUMNS, GEMM_K_STEP = 256, 64, 128, 32  # the kernels' tiles
-BUILDS = (KernelBuild(SOURCE, tuple(f"gptq_gemv_m884<{mt}, {b}>" for mt, b in GEMV_MIN_BLOCKS.items())
-                      + (f"gptq_gemm_m884<{GEMM_MIN_BLOCKS}>",), tensor_cores=True),)
+
+
+def gemv_name(mt: int, bits: int) -> str:
+    """The GEMV instantiation for `mt` 8-row tiles of x and `bits`-bit codes (8 is the template's default)."""
+    return f"gptq_gemv_m884<{mt}, {GEMV_MIN_BLOCKS[mt]}{'' if bits == 8 else f', {bits}'}>"
+
+
+def gemm_name(bits: int) -> str:
+    return f"gptq_gemm_m884<{GEMM_MIN_BLOCKS}{'' if bits == 8 else f', {bits}'}>"
+
+
+BUILDS = (KernelBuild(SOURCE, tuple(gemv_name(mt, bits) for bits in (8, 4) for mt in GEMV_MIN_BLOCKS)
+                      + tuple(gemm_name(bits) for bits in (8, 4)), tensor_cores=True),)
 # eager calls launch too: the fallback (dequantize + cuBLAS) is never the cheaper one
 CONFIG = dict(eager_min_bytes=0)
 
 
 def applies(x2: torch.Tensor, w: GPTQWeight, bias: torch.Tensor | None) -> bool:
     """Whether the kernels take these tensors (x2 [M, K] with unit inner stride)."""
-    k, n = w.qweight.shape
+    k, n = w.in_features, w.out_features
     tensors = [x2, w.qweight, w.scales] + [t for t in (w.zeros, bias) if t is not None]
     return (x2.is_cuda and torch.cuda.get_device_capability(x2.device) >= (7, 0) and cupy_or_none() is not None
             and x2.dtype == torch.float16 and w.scales.dtype == torch.float16 and w.qweight.dtype == torch.uint8
@@ -91,7 +105,7 @@ def gemv_m884(x2, w, bias, out) -> bool:
     if not 1 <= m <= GEMV_MAX_ROWS:
         raise ValueError(f"gemv_m884: {m} rows, the GEMV takes 1 to {GEMV_MAX_ROWS}")
     mt = (m + 7) // 8
-    built = kernel_for(SOURCE, f"gptq_gemv_m884<{mt}, {GEMV_MIN_BLOCKS[mt]}>", x2.device, k * n, CONFIG)
+    built = kernel_for(SOURCE, gemv_name(mt, w.bits), x2.device, k * n * w.bits // 8, CONFIG)
     if built is None:
         return False
     kernel, regs = built
@@ -109,7 +123,7 @@ def gemm_m884(x2, w, bias, out) -> bool:
     caller has checked `applies`."""
     m, k = x2.shape
     n = out.shape[1]
-    built = kernel_for(SOURCE, f"gptq_gemm_m884<{GEMM_MIN_BLOCKS}>", x2.device, k * n, CONFIG)
+    built = kernel_for(SOURCE, gemm_name(w.bits), x2.device, k * n * w.bits // 8, CONFIG)
     if built is None:
         return False
     tiles = triton.cdiv(m, GEMM_ROWS) * triton.cdiv(n, GEMM_COLUMNS)
@@ -135,5 +149,7 @@ def linear(x, weight, bias=None):
         return out.view(*shape[:-1], n)
     if applies(x2, weight, bias) and (gemv_m884 if m <= GEMV_MAX_ROWS else gemm_m884)(x2, weight, bias, out):
         return out.view(*shape[:-1], n)
-    dequant_matmul(x2, weight, bias, out)  # Triton dequantization (no tl.dot), then cuBLAS
+    # Triton dequantization (no tl.dot), then cuBLAS
+    (dequant_matmul if weight.bits == 8 else dequant_matmul_int4)(x2, weight, bias, out)
     return out.view(*shape[:-1], n)
+

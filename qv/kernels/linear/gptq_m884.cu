@@ -1,10 +1,13 @@
-// GPTQ-int8 linear layers for Volta (sm_70) on tensor cores with mma.sync.m8n8k4 (HMMA.884), fp16 in and
-// out: a GEMV for a few rows (M <= 16: decode and verification) and a tiled GEMM for any M (prefill).
+// GPTQ linear layers (8- and 4-bit codes) for Volta (sm_70) on tensor cores with mma.sync.m8n8k4 (HMMA.884),
+// fp16 in and out: a GEMV for a few rows (M <= 16: decode and verification) and a tiled GEMM for any M
+// (prefill). Template argument BITS (8 by default) picks the code layout; everything past the code loads is
+// one design for both.
 // Compiled at run time by NVRTC through CuPy (cuda_sm70.py beside it), and ahead of time for sm_70 by
 // `qv kernels --arch sm_70`; no CUDA headers needed.
 //
-// y[m, n] = sum_k x[m, k] (c[k, n] - z[G(k), n]) s[G(k), n] (+ bias[n]): codes c uint8 [K, N] row-major,
-// scale group G(k) = k / group; zeros z are integers (GPTQ's), 128 where the weight is symmetric.
+// y[m, n] = sum_k x[m, k] (c[k, n] - z[G(k), n]) s[G(k), n] (+ bias[n]): codes c uint8 [K, N] row-major
+// (BITS 8), or two a byte [K/2, N] (BITS 4: byte row r holds input 2r in its low nibble, 2r + 1 in its
+// high), scale group G(k) = k / group; zeros z are integers (GPTQ's), 128 (8 at 4 bits) where symmetric.
 //
 // m8n8k4 runs four independent 8x8x4 products, one per quad pair (QP) of lanes: QP q is lanes 4q .. 4q+3
 // and 16 + 4q .. 16 + 4q + 3; within it lane L is thread T = L % 4 + 4 (L / 16). With .row A and .col B
@@ -17,7 +20,8 @@
 //
 // Codes become weights in registers: bytes of 4 rows regrouped by byte permutes into the k-pairs of one
 // column, 0x64 as the high byte reads as fp16 1024 + c, minus (1024 + z) is c - z exactly (integers
-// below 2048), times s rounds once to fp16. The MMAs accumulate in fp32.
+// below 2048), times s rounds once to fp16. The MMAs accumulate in fp32. At 4 bits two packed byte rows
+// become those 4 rows of bytes first by nibble masks and shifts (nibble_rows), in registers.
 
 #include "../cuda_common.cuh"
 
@@ -65,7 +69,37 @@ __device__ __forceinline__ Columns8 columns8(U4 s, U4 z) {
   return c;
 }
 __device__ __forceinline__ U4 splat4(u32 v) { return U4{v, v, v, v}; }
-enum : u32 { SYMMETRIC_ZERO = 0x58005800u };  // fp16 128 twice
+enum : u32 { SYMMETRIC_ZERO = 0x58005800u, SYMMETRIC_ZERO4 = 0x48004800u };  // fp16 128 twice, fp16 8 twice
+template <int BITS>
+__device__ __forceinline__ u32 symmetric_zero() {
+  return BITS == 8 ? SYMMETRIC_ZERO : SYMMETRIC_ZERO4;
+}
+
+// Packed byte rows r and r + 1 of 4-bit codes (one word: 4 columns) to the byte rows 2r .. 2r + 3 that
+// dequant4 takes: the low nibbles are the even inputs, the high ones the odd.
+__device__ __forceinline__ void nibble_rows(u32 p0, u32 p1, u32* w) {
+  w[0] = p0 & 0x0F0F0F0Fu;
+  w[1] = (p0 >> 4) & 0x0F0F0F0Fu;
+  w[2] = p1 & 0x0F0F0F0Fu;
+  w[3] = (p1 >> 4) & 0x0F0F0F0Fu;
+}
+
+// Codes of inputs k0 .. k0+3 (k0 % 4 == 0) for 8 columns, one byte each: q[r] = row k0 + r (.x columns
+// 0..3, .y 4..7). `row` points at the code row of k0 (BITS 8) or its packed byte row k0 / 2 (BITS 4).
+template <int BITS>
+__device__ __forceinline__ void load_rows4(const u8* row, long long stride_qk, bool ok, U2* q) {
+  if (BITS == 8) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) q[r] = load8(row + r * stride_qk, ok);
+  } else {
+    const U2 p0 = load8(row, ok), p1 = load8(row + stride_qk, ok);
+    u32 lo[4], hi[4];
+    nibble_rows(p0.x, p1.x, lo);
+    nibble_rows(p0.y, p1.y, hi);
+#pragma unroll
+    for (int r = 0; r < 4; ++r) q[r] = U2{lo[r], hi[r]};
+  }
+}
 
 // Rows k0 .. k0+3 of 4 columns (word r: the 4 codes of row k0 + r) to the A pairs of each column:
 // a[c][0] = {w(k0, c), w(k0+1, c)}, a[c][1] = {w(k0+2, c), w(k0+3, c)} in fp16. prmt(a, b, sel) picks byte
@@ -139,7 +173,7 @@ __device__ bool last_of_splits(int* tickets, int tile) {
 // w, w + 4, ... of the block's K range (gridDim.y ranges of whole chunks: split-K, summed by the last block
 // per tile). A chunk is a scale group, or 128 rows of one where groups are multiples of 128 (a single
 // group over K still spreads over the warps and the splits).
-template <int MT, int MIN_BLOCKS>
+template <int MT, int MIN_BLOCKS, int BITS = 8>
 __global__ void __launch_bounds__(128, MIN_BLOCKS) gptq_gemv_m884(
     const u16* __restrict__ x, const u8* __restrict__ codes, const u16* __restrict__ scales,
     const u16* __restrict__ zeros, const u16* __restrict__ bias, float* __restrict__ part, u16* __restrict__ y,
@@ -164,16 +198,17 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) gptq_gemv_m884(
     const long long g_off = (long long)(kg / group) * stride_sg + n_lane;
     // columns past N get scale 0: their weights are 0
     const U4 s_raw = n_ok ? *reinterpret_cast<const U4*>(scales + g_off) : splat4(0u);
-    const U4 z_raw = has_zero && n_ok ? *reinterpret_cast<const U4*>(zeros + g_off) : splat4(SYMMETRIC_ZERO);
+    const U4 z_raw =
+        has_zero && n_ok ? *reinterpret_cast<const U4*>(zeros + g_off) : splat4(symmetric_zero<BITS>());
     const Columns8 col = columns8(s_raw, z_raw);
-    const u8* p = codes + (long long)kg * stride_qk + n_lane;
+    const u8* p = codes + (long long)(kg / (8 / BITS)) * stride_qk + n_lane;
     for (int k16 = kg; k16 < kg + chunk; k16 += 16) {  // group % 16 == 0
 #pragma unroll
       for (int s = 0; s < 4; ++s) {
         const int k0 = k16 + 4 * s;
-        const U2 q0 = load8(p, n_ok), q1 = load8(p + stride_qk, n_ok);
-        const U2 q2 = load8(p + 2 * stride_qk, n_ok), q3 = load8(p + 3 * stride_qk, n_ok);
-        p += 4 * stride_qk;
+        U2 q[4];
+        load_rows4<BITS>(p, stride_qk, n_ok, q);
+        p += (4 / (8 / BITS)) * stride_qk;
         u32 xb[MT][2];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
@@ -183,8 +218,8 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) gptq_gemv_m884(
           xb[mt][1] = v.y;
         }
         u32 a[8][2];
-        dequant4(q0.x, q1.x, q2.x, q3.x, col.off, col.scale, a);
-        dequant4(q0.y, q1.y, q2.y, q3.y, col.off + 4, col.scale + 4, a + 4);
+        dequant4(q[0].x, q[1].x, q[2].x, q[3].x, col.off, col.scale, a);
+        dequant4(q[0].y, q[1].y, q[2].y, q[3].y, col.off + 4, col.scale + 4, a + 4);
 #pragma unroll
         for (int c = 0; c < 8; ++c)
 #pragma unroll
@@ -267,6 +302,7 @@ struct GemmTile {
   bool ok;        // this thread's code rows are inside the K range and its columns inside N
 };
 
+template <int BITS>
 __device__ __forceinline__ void gemm_load(GemmTile& t, const u16* __restrict__ x, const u8* __restrict__ codes,
                                           const u16* __restrict__ scales, const u16* __restrict__ zeros, int M,
                                           int N, int k_end, int group, int m0, int n0, int kt,
@@ -280,8 +316,7 @@ __device__ __forceinline__ void gemm_load(GemmTile& t, const u16* __restrict__ x
   }
   const int k = kt + 4 * (tid % 8), n = n0 + 8 * (tid / 8);
   t.ok = k < k_end && n < N;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) t.q[j] = load8(codes + (long long)(k + j) * stride_qk + n, t.ok);
+  load_rows4<BITS>(codes + (long long)(k / (8 / BITS)) * stride_qk + n, stride_qk, t.ok, t.q);
   const int g = k / group;
   if (t.ok && g != t.group_index) {
     t.group_index = g;
@@ -290,6 +325,7 @@ __device__ __forceinline__ void gemm_load(GemmTile& t, const u16* __restrict__ x
   }
 }
 
+template <int BITS>
 __device__ __forceinline__ void gemm_store(const GemmTile& t, u16 (*xs)[PITCH], u16 (*ws)[PITCH], int has_zero) {
   const int tid = threadIdx.x;
 #pragma unroll
@@ -298,7 +334,7 @@ __device__ __forceinline__ void gemm_store(const GemmTile& t, u16 (*xs)[PITCH], 
     *reinterpret_cast<U2*>(&xs[piece / 8][4 * (piece % 8)]) = t.x[j];
   }
   // rows past the K range or columns past N: scale 0, so their weights are 0
-  const Columns8 col = columns8(t.ok ? t.s : splat4(0u), has_zero ? t.z : splat4(SYMMETRIC_ZERO));
+  const Columns8 col = columns8(t.ok ? t.s : splat4(0u), has_zero ? t.z : splat4(symmetric_zero<BITS>()));
   u32 a[8][2];
   dequant4(t.q[0].x, t.q[1].x, t.q[2].x, t.q[3].x, col.off, col.scale, a);
   dequant4(t.q[0].y, t.q[1].y, t.q[2].y, t.q[3].y, col.off + 4, col.scale + 4, a + 4);
@@ -307,7 +343,7 @@ __device__ __forceinline__ void gemm_store(const GemmTile& t, u16 (*xs)[PITCH], 
   for (int c = 0; c < 8; ++c) *reinterpret_cast<U2*>(&ws[8 * co + c][4 * rq]) = U2{a[c][0], a[c][1]};
 }
 
-template <int MIN_BLOCKS>
+template <int MIN_BLOCKS, int BITS = 8>
 __global__ void __launch_bounds__(128, MIN_BLOCKS) gptq_gemm_m884(
     const u16* __restrict__ x, const u8* __restrict__ codes, const u16* __restrict__ scales,
     const u16* __restrict__ zeros, const u16* __restrict__ bias, float* __restrict__ part, u16* __restrict__ y,
@@ -337,15 +373,15 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) gptq_gemm_m884(
   GemmTile t;
   t.group_index = -1;
   t.s = t.z = splat4(0u);
-  gemm_load(t, x, codes, scales, zeros, M, N, k_end, group, m0, n0, k_lo, stride_xm, stride_qk, stride_sg,
+  gemm_load<BITS>(t, x, codes, scales, zeros, M, N, k_end, group, m0, n0, k_lo, stride_xm, stride_qk, stride_sg,
             has_zero);
-  gemm_store(t, xs[0], ws[0], has_zero);
+  gemm_store<BITS>(t, xs[0], ws[0], has_zero);
   __syncthreads();
   int buf = 0;
   for (int kt = k_lo; kt < k_end; kt += BK) {
     const bool more = kt + BK < k_end;
     if (more)
-      gemm_load(t, x, codes, scales, zeros, M, N, k_end, group, m0, n0, kt + BK, stride_xm, stride_qk, stride_sg,
+      gemm_load<BITS>(t, x, codes, scales, zeros, M, N, k_end, group, m0, n0, kt + BK, stride_xm, stride_qk, stride_sg,
                 has_zero);
 #pragma unroll
     for (int ks = 0; ks < BK / 4; ++ks) {
@@ -361,7 +397,7 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) gptq_gemm_m884(
 #pragma unroll
         for (int ni = 0; ni < 4; ++ni) mma_m8n8k4(acc[mi][ni], af[mi].x, af[mi].y, bf[ni].x, bf[ni].y);
     }
-    if (more) gemm_store(t, xs[buf ^ 1], ws[buf ^ 1], has_zero);
+    if (more) gemm_store<BITS>(t, xs[buf ^ 1], ws[buf ^ 1], has_zero);
     __syncthreads();
     buf ^= 1;
   }

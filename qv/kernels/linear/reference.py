@@ -9,8 +9,8 @@ from qv.kernels.linear import GPTQWeight
 
 def dequantize_gptq(w) -> torch.Tensor:
     """fp32 [N, K] weight of a GPTQWeight: w[n, k] = (q[k, n] - zero[g(k), n]) * scale[g(k), n]."""
-    q = w.qweight.float()  # [K, N]
-    zeros = torch.full_like(w.scales, 128.0, dtype=torch.float32) if w.zeros is None else w.zeros.float()
+    q = w.codes().float()  # [K, N]
+    zeros = torch.full_like(w.scales, float(w.symmetric_zero), dtype=torch.float32) if w.zeros is None else w.zeros.float()
     g = w.g_idx.long()
     deq = (q - zeros[g]) * w.scales.float()[g]
     return deq.t()

@@ -33,6 +33,7 @@ from qv.kernels.linear.configs import (chunked_cols, gemv_config, gemv_cuda_conf
                                       gptq_config, tc_config)
 from qv.kernels.linear.cuda_sm90 import gemv_cuda
 from qv.kernels.linear.triton_gemm import gemm, rows_to_f16
+from qv.kernels.linear.triton_int4 import int4_linear
 from qv.kernels.linear.triton_gemv import codes_f16, gemv_fma, gemv_mma, k_ranges, sum_partials
 from qv.kernels.triton_utils import interpreting, next_pow2, num_sms
 
@@ -177,6 +178,8 @@ def dequant_matmul(x2, w, bias, out, cols=None):
 
 
 def gptq_linear(x, w, bias=None, config=None):
+    if w.bits == 4:  # 4-bit weights: triton_int4.py
+        return int4_linear(x, w, bias, config)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.stride(-1) != 1:
