@@ -184,6 +184,9 @@ class LLMEngine:
                 f"{n + params.max_tokens} tokens ({n} + {params.max_tokens} = {n + params.max_tokens} > "
                 f"{self.max_model_len}). Please reduce the length of the input prompt or the number of requested "
                 f"output tokens.", "max_tokens")
+        if params.min_tokens > room:
+            raise InvalidFieldError(f"min_tokens={params.min_tokens} is more than the {room} tokens the context leaves "
+                                    f"after the {n}-token prompt (max_model_len {self.max_model_len})", "min_tokens")
         return room if params.max_tokens is None else params.max_tokens
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

@@ -57,8 +57,8 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     items = _items(state, req)
     params = state.sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs, prompt_logprobs=(
         prompt_logprobs_field(state, req.prompt_logprobs, req.logprobs if req.echo else None)))
-    params.grammar = await compile_constraint(state, req)
     state.check_capacity(len(items) * req.n)  # the whole request at once, before the work
+    params.grammar = await compile_constraint(state, req, request=request)
     prompts = await state.offload(size, _prompts, state, req, items, params)
     rid, created = random_id("cmpl"), int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}

@@ -72,8 +72,8 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     prompt_lps = None if req.stream else prompt_logprobs_field(state, req.prompt_logprobs)
     params = state.sampling_params(req, max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                                    names=names, prompt_logprobs=prompt_lps)
-    params.grammar = await compile_constraint(state, req)
     state.check_capacity(req.n)  # before the work; admit() below holds the seats
+    params.grammar = await compile_constraint(state, req, request=request)
     check = None if req.truncate_prompt_tokens else (lambda text: state.check_text(text, max_tokens, "messages"))
     thinking = state.enable_thinking and req.constraint is None  # a grammar applies from the first token
     rendered = await state.offload(size, render_chat, state.tokenizer, req, thinking, check)

@@ -138,8 +138,8 @@ async def create_response(state: ServerState, request: Request) -> Response:
     req = to_chat_request(rreq)
     names = {"max_tokens": "max_output_tokens"}
     params = state.sampling_params(req, max_tokens=req.max_output_tokens, logprobs=None, names=names)
-    params.grammar = await compile_constraint(state, req, {"response_format": "text.format"})
     state.check_capacity(1)
+    params.grammar = await compile_constraint(state, req, {"response_format": "text.format"}, request)
     check = lambda text: state.check_text(text, req.max_output_tokens, "input")  # noqa: E731
     thinking = state.enable_thinking and req.constraint is None  # a grammar applies from the first token
     rendered = await state.offload(size, render_chat, state.tokenizer, req, thinking, check)

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from qv.config import EngineConfig
 from qv.engine.request import InvalidRequestError, SamplingParams, TextBound
+from qv.engine.structured import GRAMMAR_STOPPED
 from qv.server.errors import (BUSY_MESSAGE, SHUTDOWN_MESSAGE, STOPPED_MESSAGE, APIError, bad_request,
                               internal_error)
 from qv.server.media import ServerMedia
@@ -28,6 +29,7 @@ log = logging.getLogger("qv.server")
 
 LARGE_WORKERS = 2  # threads for bodies of LARGE_BYTES or more (tokenizers release the GIL; templating shares it)
 LARGE_QUEUE = 16  # such bodies in work at once (running and waiting for a thread); more get 503
+GRAMMAR_WAITERS_PER_WORKER = 4  # grammar compiles in work or waiting per compile worker; more get 503
 
 
 def random_id(prefix: str, sep: str = "-") -> str:
@@ -80,6 +82,10 @@ class ServerState:
                      "shrink %dx, max_model_len %d)", b.max_token_bytes * b.shrink * self.max_model_len,
                      b.max_token_bytes, b.shrink, self.max_model_len)
         self._large = ThreadPoolExecutor(LARGE_WORKERS, thread_name_prefix="qv-tokenize")
+        # threads that wait on the engine's grammar compile processes, apart from those that render chats
+        self.max_grammar_waiters = GRAMMAR_WAITERS_PER_WORKER * cfg.grammar_compile_workers
+        self.grammar_pool = ThreadPoolExecutor(self.max_grammar_waiters, thread_name_prefix="qv-grammar")
+        self.grammar_waiters = 0
         self._large_jobs = 0
         self.metrics = ServerMetrics(engine, self.model_name, self.max_model_len)
         self.media = ServerMedia(cfg, getattr(engine, "multimodal", None),  # image/video parts of chat requests
@@ -221,6 +227,7 @@ class ServerState:
 
     def close(self) -> None:
         self._large.shutdown(wait=False, cancel_futures=True)
+        self.grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- running ---------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -242,6 +249,8 @@ class ServerState:
                             admission.release(held)
                             held = 0
                         tracker.on_output(out)
+                        if out.error and out.error.startswith(GRAMMAR_STOPPED):  # the client's grammar, not a bug
+                            raise bad_request(out.error, "response_format")
                         if out.error:
                             raise internal_error("the engine failed this request", request_id, detail=out.error)
                         if out.finished:

@@ -28,6 +28,7 @@ from qv.server.streaming import read_body, until_disconnect
 
 JSON, MULTIPART = "application/json", "multipart/form-data"
 REQUEST_PART = "request"  # the multipart part that holds the JSON body (the TypeSafe SDK's name)
+MAX_BOUNDARY = 70  # RFC 2046, section 5.1.1
 
 
 async def create_decision(state: ServerState, request: Request) -> Response:
@@ -83,6 +84,9 @@ def read_multipart(content_type: str, body: bytes, max_parts: int) -> dict[str, 
     boundary = params.get(b"boundary")
     if not boundary:
         raise bad_request("the multipart body's Content-Type has no boundary")
+    if len(boundary) > MAX_BOUNDARY:
+        raise bad_request(f"the multipart boundary is {len(boundary)} characters long; RFC 2046 allows at most "
+                          f"{MAX_BOUNDARY}")
     parts: dict[str, bytearray] = {}
     header: list[bytes] = [b"", b""]  # the header line being read: name, value
     seen = {"disposition": b"", "current": bytearray(), "ended": False}
