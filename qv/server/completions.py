@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from qv.server.errors import APIError, bad_request, internal_error, sse_error
 from qv.server.logprobs import (completion_logprobs, echo_logprobs, joined, prompt_logprobs_field,
@@ -85,10 +85,11 @@ async def create_completion(state: ServerState, request: Request) -> Response:
         seats.release()
         raise
     seats.release()
-    if params.prompt_logprobs is None:
-        return JSONResponse(completion_response(state, req, head, prompts, finals))
-    # an entry per prompt token: built and rendered off the event loop
-    return await state.offload(0, lambda: JSONResponse(completion_response(state, req, head, prompts, finals)))
+    per_token = 1 + (req.logprobs or 0)
+    entries = sum(len(o.token_ids) for f in finals for o in f.outputs) * per_token
+    if params.prompt_logprobs is not None:
+        entries += sum(len(f.prompt_token_ids) for f in finals) * (1 + params.prompt_logprobs)
+    return await state.json_response(entries, lambda: completion_response(state, req, head, prompts, finals))
 
 
 def _echo_logprobs(state: ServerState, req: CompletionRequest, out) -> dict:

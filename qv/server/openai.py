@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from qv.server.chat import RenderedPrompt, render_chat
 from qv.server.errors import APIError, internal_error, sse_error, validation_error
@@ -40,7 +40,8 @@ async def read_request(state: ServerState, request: Request, model_cls):
 def stream_response(state: ServerState, chunks, admission, trailer: bytes) -> SSEResponse:
     """SSE for a request in flight: cut at the end of the shutdown grace with `trailer`, its seats
     released however it ends."""
-    return SSEResponse(chunks, stop=state.stopping, trailer=trailer, on_close=admission.release)
+    return SSEResponse(chunks, stop=state.stopping, trailer=trailer, on_close=admission.release,
+                       stall_timeout_s=state.stream_stall_timeout_s)
 
 
 @dataclass
@@ -98,9 +99,9 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
         seats.release()
         raise
     seats.release()
-    if prompt_lps is None:
-        return JSONResponse(chat_response(state, ctx, final))
-    return await state.offload(0, lambda: JSONResponse(chat_response(state, ctx, final)))  # an entry per prompt token
+    entries = sum(len(o.token_ids) for o in final.outputs) * (1 + (req.top_logprobs or 0) if req.logprobs else 1)
+    entries += len(final.prompt_token_ids) * (1 + (prompt_lps or 0)) if prompt_lps is not None else 0
+    return await state.json_response(entries, lambda: chat_response(state, ctx, final))
 
 
 def chat_response(state: ServerState, ctx: ChatContext, out) -> dict:

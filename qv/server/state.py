@@ -16,6 +16,8 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
+from starlette.responses import JSONResponse
+
 from qv.config import EngineConfig
 from qv.engine.request import InvalidRequestError, SamplingParams, TextBound
 from qv.engine.structured import GRAMMAR_STOPPED
@@ -29,6 +31,7 @@ log = logging.getLogger("qv.server")
 
 LARGE_WORKERS = 2  # threads for bodies of LARGE_BYTES or more (tokenizers release the GIL; templating shares it)
 LARGE_QUEUE = 16  # such bodies in work at once (running and waiting for a thread); more get 503
+LARGE_RESPONSE_ENTRIES = 4096  # output tokens x (1 + top logprobs) from which a body is built off the loop
 GRAMMAR_WAITERS_PER_WORKER = 4  # grammar compiles in work or waiting per compile worker; more get 503
 
 
@@ -66,6 +69,7 @@ class ServerState:
         self.max_prompts = cfg.max_prompts_per_request
         self.max_logprobs = cfg.max_logprobs
         self.shutdown_grace_s = cfg.shutdown_grace_s
+        self.stream_stall_timeout_s = cfg.stream_stall_timeout_s
         self.created = int(time.time())
         self.in_flight = 0  # requests of this server between submission and their last output
         self.unstarted = 0  # sequences admitted that have not produced a token yet (Admission)
@@ -108,6 +112,13 @@ class ServerState:
             return await asyncio.get_running_loop().run_in_executor(self._large, fn, *args)
         finally:
             self._large_jobs -= 1
+
+    async def json_response(self, entries: int, build) -> JSONResponse:
+        """JSONResponse(build()): built and serialized on a worker thread when the body holds many
+        entries (tokens, logprobs), so that n=64 x 1000 tokens x 20 logprobs never stalls the loop."""
+        if entries < LARGE_RESPONSE_ENTRIES:
+            return JSONResponse(build())
+        return await asyncio.to_thread(lambda: JSONResponse(build()))
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         """Tokenize (call it off the loop: the fast tokenizer releases the GIL while it works)."""

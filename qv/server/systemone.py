@@ -40,7 +40,8 @@ async def create_decision(state: ServerState, request: Request) -> Response:
         state.check_model(decision.model)
     images = await load_images(state, decision.image_sources(parts))
     try:
-        record = await asyncio.to_thread(encode_decision, state.tokenizer, decision, cap, images, state.media.inputs)
+        record = await asyncio.to_thread(encode_decision, state.tokenizer, decision, cap, images, state.media.inputs,
+                                         state.text_bound)
     except ClefRequestError as exc:
         raise bad_request(str(exc), exc.param) from None
     except InvalidRequestError as exc:
