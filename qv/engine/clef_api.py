@@ -39,9 +39,9 @@ def encode_decision(tokenizer: Any, decision: Decision, cap: tuple[int, str], im
     """The record the engine runs (`AsyncLLMEngine.decide` / `LLMEngine.add_clef`). `cap`: the
     engine's record cap and what sets it (`clef_cap`); `images`: the decision's images
     (`decision.image_sources()`, in that order) preprocessed by `multimodal.processor`; `text_bound`:
-    the tokenizer's TextBound, if the caller has it (else it is read from the tokenizer)."""
+    the tokenizer's TextBound (the server's): with it, a schema too long is refused by its size."""
     nmax, cap_name = cap
-    bound = text_bound if text_bound is not None else TextBound.of(tokenizer)
+    bound = text_bound
     if bound is not None:  # bytes first: a schema too long for the cap is refused before any of it is tokenized
         chars = sum(len(render(q.instructions)) + len(render(q.criteria)) for q in decision.questions.values())
         floor = chars // (bound.max_token_bytes * bound.shrink)

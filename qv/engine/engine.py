@@ -432,8 +432,8 @@ class LLMEngine:
     def _grammar_done(self, seq: Sequence, token_id: int) -> bool:
         """Advance a structured output's matcher; True when that finished the sequence."""
         if not seq.matcher.accept_token(token_id):  # the mask allowed only tokens it accepts
-            seq.error = seq.matcher.failure or f"token {token_id} is outside the request's grammar (a qv bug)"
-            self.scheduler.finish(seq, "abort")
+            self.scheduler.finish(seq, "abort", error=seq.matcher.failure
+                                  or f"token {token_id} is outside the request's grammar (a qv bug)")
             return True
         if seq.matcher.is_terminated():  # it took a stop token where the grammar is complete
             self.scheduler.finish(seq, "stop")

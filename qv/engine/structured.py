@@ -381,7 +381,7 @@ class BudgetedMatcher:
         out = fn(*args)
         spent = time.perf_counter() - t0
         if spent > self.budget_s and self.failure is None:
-            self.failure = (f"{GRAMMAR_STOPPED}: one step of its grammar took {spent * 1000:.0f} ms, over this "
+            self.failure = (f"{GRAMMAR_STOPPED}: one step of its grammar took {spent * 1000:.1f} ms, over this "
                             f"server's budget of {self.budget_s * 1000:g} ms (grammar_mask_budget_ms); an ambiguous "
                             "grammar gets slower with every token: make it unambiguous")
         return out
