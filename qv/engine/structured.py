@@ -17,6 +17,7 @@ a model loop on blanks, and a bounded schema then always terminates.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -291,6 +292,7 @@ class GrammarCompiler:
                                                        stop_token_ids=list(eos_token_ids))
         self.workers = CompileWorkers(self.info.serialize_json(), limits.workers)
         self._cache: OrderedDict[tuple[str, str], Grammar | str] = OrderedDict()
+        self._pending: dict[tuple[str, str], concurrent.futures.Future] = {}
         self._size = cache_size
         self._lock = threading.Lock()
         self.hits = self.misses = 0
@@ -321,12 +323,37 @@ class GrammarCompiler:
         if hit is not None:
             return hit
         self.limits.check(kind, key[1], param)
+        while True:  # the same constraint asked for again while it compiles waits for that compile
+            with self._lock:
+                running = self._pending.get(key)
+                if running is None:
+                    mine = self._pending[key] = concurrent.futures.Future()
+                    break
+            while True:
+                if cancel is not None and cancel.is_set():
+                    raise GrammarCancelled("the compile was cancelled")
+                try:
+                    return running.result(timeout=_POLL_S)
+                except concurrent.futures.TimeoutError:
+                    continue
+                except GrammarCancelled:
+                    break  # its client left: compile it here
+                except InvalidFieldError as exc:
+                    raise InvalidFieldError(str(exc), param) from None
         try:
             grammar = Grammar(kind, key[1], self._compile(kind, key[1], param, cancel), self.limits.mask_budget_s)
+            self._remember(key, grammar)  # before the compile stops being pending: no window for a second one
         except _OverBudget as exc:
             self._remember(key, str(exc))
+            mine.set_exception(InvalidFieldError(str(exc), param))
             raise InvalidFieldError(str(exc), param) from None
-        self._remember(key, grammar)
+        except BaseException as exc:
+            mine.set_exception(exc if isinstance(exc, (InvalidFieldError, GrammarBusy)) else GrammarCancelled())
+            raise
+        finally:
+            with self._lock:
+                self._pending.pop(key, None)
+        mine.set_result(grammar)
         return grammar
 
     def _remember(self, key, value) -> None:
