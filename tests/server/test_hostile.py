@@ -298,12 +298,15 @@ def test_a_stream_that_is_not_read_is_cut(hostile):
         s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         engine = _state(hostile).engine
-        t0 = time.monotonic()
+        stats = engine.engine.stats
+        before, t0 = stats.generation_tokens, time.monotonic()
         while time.monotonic() - t0 < 120:
             if engine.stats().num_running == 0 and time.monotonic() - t0 > 1:
                 break
             time.sleep(0.2)
         assert engine.stats().num_running == 0, "the stream nobody reads still holds its rows"
+        made = stats.generation_tokens - before
+        assert made < 8 * 1900 // 2, f"the stream ran to its end ({made} tokens) instead of being cut"
     finally:
         s.close()
 
