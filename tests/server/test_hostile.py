@@ -55,8 +55,12 @@ def _start(model_dir, **levers) -> tuple[Running, callable]:
 
 
 @pytest.fixture(scope="module")
-def hostile(tiny_model):
-    running, stop = _start(os.environ.get("QV_HOSTILE_MODEL") or tiny_model, **LEVERS)
+def hostile(tmp_path_factory):
+    """The embedded tiny model (vision and a Clef head), or QV_HOSTILE_MODEL's folder."""
+    from qv.model.tiny import make_embedded
+
+    folder = os.environ.get("QV_HOSTILE_MODEL") or make_embedded(tmp_path_factory.mktemp("hostile") / "embedded")
+    running, stop = _start(folder, **LEVERS)
     with httpx.Client(base_url=running.url, timeout=120) as c:  # warm: the first chat and the first compile
         c.post("/v1/chat/completions", json=_chat("hi", 2))
         c.post("/v1/chat/completions", json=_chat("hi", 2, response_format={"type": "json_object"}))
@@ -326,6 +330,77 @@ def test_images_outside_the_allow_list_never_reach_a_decoder(tmp_path, monkeypat
     assert not log.exists(), "an external program ran on the request's bytes"
 
 
+def test_an_eps_data_url_runs_nothing(hostile, tmp_path, monkeypatch):
+    """The 117-byte EPS of the issue as a chat image: a 400 naming the format, and the `gs` on PATH
+    (which logs every run) never runs."""
+    import base64
+
+    log = tmp_path / "gs.log"
+    gs = tmp_path / "gs"
+    gs.write_text(f"#!/bin/sh\necho ran >> {log}\nexit 1\n")
+    gs.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")  # the server runs in this process
+    eps = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\n0 0 moveto 10 10 lineto stroke\nshowpage\n"
+    url = "data:image/png;base64," + base64.b64encode(eps).decode()
+    chat = {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"},
+                                                      {"type": "image_url", "image_url": {"url": url}}]}],
+            "max_tokens": 2}
+    r = httpx.post(hostile.v1 + "/chat/completions", json=chat, timeout=60)
+    assert r.status_code == 400 and "EPS" in r.json()["error"]["message"], r.text
+    assert not log.exists(), "an external program ran on the request's bytes"
+
+
+def test_a_long_multipart_boundary_is_a_400_over_http(hostile):
+    b = "b" * 10_000
+    body = f"--{b}\r\nContent-Disposition: form-data; name=\"request\"\r\n\r\n{{}}\r\n--{b}--\r\n".encode()
+    r = httpx.post(hostile.v1 + "/systemone", content=body, timeout=60,
+                   headers={"Content-Type": f"multipart/form-data; boundary={b}"})
+    assert r.status_code == 400 and "RFC 2046" in r.text, r.text[:300]
+
+
+def _clef_body(mb: int) -> bytes:
+    return json.dumps({"model": "clef", "state": {"a": 1}, "questions": {"q": {
+        "type": "choice", "instructions": "word " * ((mb << 20) // 5), "criteria": {"yes": "y", "no": "n"}}}}).encode()
+
+
+def test_two_28_mb_clef_bodies_cost_under_1_gb(hostile):
+    """Two 28 MB `instructions` at once over HTTP: 400 by size before tokenizing; the server's RSS
+    (sampled every 10 ms) rises by less than 1 GiB and comes back within 10%, /health stays fast."""
+    proc, body, peak, rss0 = psutil.Process(), _clef_body(28), [0], 0
+    gc.collect()
+    rss0 = proc.memory_info().rss
+    done = threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], proc.memory_info().rss)
+            time.sleep(0.01)
+
+    statuses = []
+
+    def send():
+        r = httpx.post(hostile.v1 + "/systemone", content=body, headers={"Content-Type": "application/json"},
+                       timeout=120)
+        statuses.append((r.status_code, r.text[:300]))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    with Probe(hostile.url) as probe:
+        senders = [threading.Thread(target=send) for _ in range(2)]
+        for t in senders:
+            t.start()
+        for t in senders:
+            t.join()
+    done.set()
+    sampler.join()
+    assert all(code == 400 and "record cap" in text for code, text in statuses), statuses
+    assert peak[0] - rss0 < 1 << 30, f"peak +{(peak[0] - rss0) / 2**20:.0f} MiB"
+    assert not probe.errors and max(probe.health) < HEALTH_S, (probe.errors, max(probe.health))
+    body = None
+    gc.collect()
+    assert proc.memory_info().rss < rss0 * 1.10
+
+
 # ---- memory --------------------------------------------------------------------------------------------
 def test_two_huge_clef_bodies_are_refused_by_size(tiny_model):
     """Two 28 MB `instructions` at once: refused by their size before tokenizing, each in well under 1 GB."""
@@ -384,6 +459,7 @@ def test_hostile_load(hostile):
     with Probe(hostile.url) as quiet:
         time.sleep(5)
     base_chat = _p95(quiet.chats)
+    print(f"unloaded: /health max {max(quiet.health) * 1000:.1f} ms, chat p95 {base_chat * 1000:.0f} ms")
     gc.collect()
     rss0 = proc.memory_info().rss
     attacks = {
@@ -399,6 +475,10 @@ def test_hostile_load(hostile):
                 {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[" * 50_000}}]}],
             "max_tokens": 2}),
         "min_tokens": lambda c: c.post("/v1/chat/completions", json=_chat("x", None, min_tokens=10**9)),
+        "clef_instructions": lambda c: c.post("/v1/systemone", content=_clef_body(28),
+                                              headers={"Content-Type": "application/json"}),
+        "clef_state": lambda c: c.post("/v1/systemone", content=b'{"model": "clef", "questions": {}, "state": ['
+                                       + b"{}," * 10_000_000 + b"{}]}", headers={"Content-Type": "application/json"}),
     }
     budget = {"schema": LEVERS["grammar_compile_timeout_s"]}
     for name, attack in attacks.items():
