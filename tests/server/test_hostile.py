@@ -197,6 +197,7 @@ def test_an_ambiguous_grammar_is_stopped_by_the_mask_budget(hostile):
     assert r.status_code == 400 and "grammar_mask_budget_ms" in r.text, r.text[:500]
     assert took < 60, took
     assert not probe.errors and max(probe.health, default=0) < HEALTH_S, (probe.errors, max(probe.health))
+    assert _p95(probe.chats) < 2.0, f"chats beside the grammar slowed to p95 {_p95(probe.chats):.2f} s"
 
 
 # ---- the event loop ------------------------------------------------------------------------------------
@@ -287,6 +288,18 @@ def test_silent_connections_are_closed_and_capped(hostile):
             s.close()
     time.sleep(0.5)
     assert httpx.get(hostile.url + "/health", timeout=5).status_code == 200
+
+
+def test_an_idle_keep_alive_connection_is_closed(hostile):
+    host, port = hostile.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=LEVERS["keep_alive_timeout_s"] + SLACK_S) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        first = s.recv(65536)
+        assert first.startswith(b"HTTP/1.1 200"), first
+        t0 = time.monotonic()
+        while s.recv(65536):
+            pass
+        assert time.monotonic() - t0 < LEVERS["keep_alive_timeout_s"] + SLACK_S
 
 
 def test_a_stream_that_is_not_read_is_cut(hostile):
@@ -394,6 +407,7 @@ def test_two_28_mb_clef_bodies_cost_under_1_gb(hostile):
     done.set()
     sampler.join()
     assert all(code == 400 and "record cap" in text for code, text in statuses), statuses
+    print(f"two 28 MB Clef bodies: RSS peak +{(peak[0] - rss0) / 2**20:.0f} MiB")
     assert peak[0] - rss0 < 1 << 30, f"peak +{(peak[0] - rss0) / 2**20:.0f} MiB"
     assert not probe.errors and max(probe.health) < HEALTH_S, (probe.errors, max(probe.health))
     body = None
