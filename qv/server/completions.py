@@ -15,7 +15,7 @@ from qv.server.logprobs import (completion_logprobs, echo_logprobs, joined, prom
 from qv.server.openai import read_request, stream_response, usage
 from qv.server.protocol import CompletionRequest
 from qv.server.state import ServerState, random_id
-from qv.server.structured import compile_constraint
+from qv.server.structured import compile_constraint, constraint_field
 from qv.server.streaming import DONE, merge, sse, until_disconnect
 
 
@@ -64,7 +64,8 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     head = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
     seats = state.admit(len(prompts) * req.n)
     try:
-        gens = [state.generate(f"{rid}-{k}", ids, params, prompt=text, cache_salt=req.cache_salt, admission=seats)
+        gens = [state.generate(f"{rid}-{k}", ids, params, prompt=text, cache_salt=req.cache_salt, admission=seats,
+                               grammar_field=constraint_field(req))
                 for k, (text, ids) in enumerate(prompts)]
         if req.stream:
             trailer = sse_error(state.stopped_error()) + DONE

@@ -18,7 +18,7 @@ from qv.server.parsers import OutputStream, Qwen3CoderToolParser, parse_output
 from qv.server.protocol import ChatCompletionRequest
 from qv.server.state import ServerState, random_id
 from qv.server.streaming import DONE, LARGE_BYTES, SSEResponse, last_output, read_json_sized, sse, until_disconnect
-from qv.server.structured import check_not_thinking, compile_constraint
+from qv.server.structured import check_not_thinking, compile_constraint, constraint_field
 
 
 def validate_body(model_cls, body: dict):
@@ -91,6 +91,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     seats = state.admit(req.n)
     try:
         gen = state.generate(ctx.request_id, prompt_ids, params, prompt=rendered.text, cache_salt=req.cache_salt,
+                             grammar_field=constraint_field(req),
                              multimodal=mm, admission=seats)
         if req.stream:
             return stream_response(state, chat_stream(state, ctx, gen), seats, sse_error(state.stopped_error()) + DONE)

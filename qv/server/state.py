@@ -243,11 +243,12 @@ class ServerState:
     # -- running ---------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        prompt: str | None = None, cache_salt: str | None = None, multimodal=None,
-                       admission: Admission | None = None):
+                       admission: Admission | None = None, grammar_field: str = "response_format"):
         """engine.generate with metrics; engine failures become APIErrors (500, or 400 for a
         request the engine refused). Closing this iterator closes the engine's (abort).
         multimodal: the prompt's images/videos (a MultimodalPrompt from `self.media.prompt`);
-        admission: the seats this prompt's n sequences hold, given back at its first output."""
+        admission: the seats this prompt's n sequences hold, given back at its first output;
+        grammar_field: the field named when the request's grammar is stopped (grammar_mask_budget_ms)."""
         tracker = self.metrics.tracker(params.n, params.max_tokens)
         gen = self.engine.generate(request_id, prompt_ids, params, prompt=prompt, cache_salt=cache_salt,
                                    multimodal=multimodal)
@@ -261,7 +262,7 @@ class ServerState:
                             held = 0
                         tracker.on_output(out)
                         if out.error and out.error.startswith(GRAMMAR_STOPPED):  # the client's grammar, not a bug
-                            raise bad_request(out.error, "response_format")
+                            raise bad_request(out.error, grammar_field)
                         if out.error:
                             raise internal_error("the engine failed this request", request_id, detail=out.error)
                         if out.finished:

@@ -69,6 +69,12 @@ async def compile_constraint(state, req, names: dict | None = None, request=None
         state.grammar_waiters -= 1
 
 
+def constraint_field(req, names: dict | None = None) -> str:
+    """The request field a grammar came from, for an error that stops it while it runs."""
+    field = req.constraint[2] if req.constraint is not None else "tools"
+    return (names or {}).get(field, field)
+
+
 def check_not_thinking(rendered, req) -> None:
     """A grammar constrains the output from its first token, so an output that opens in a think
     block would put the constrained text into the reasoning: refused rather than mis-parsed."""

@@ -195,6 +195,7 @@ def test_an_ambiguous_grammar_is_stopped_by_the_mask_budget(hostile):
         r = httpx.post(hostile.v1 + "/chat/completions", json=body, timeout=300)
         took = time.monotonic() - t0
     assert r.status_code == 400 and "grammar_mask_budget_ms" in r.text, r.text[:500]
+    assert r.json()["error"]["param"] == "guided_grammar"
     assert took < 60, took
     assert not probe.errors and max(probe.health, default=0) < HEALTH_S, (probe.errors, max(probe.health))
     assert _p95(probe.chats) < 2.0, f"chats beside the grammar slowed to p95 {_p95(probe.chats):.2f} s"
