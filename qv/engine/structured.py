@@ -1,7 +1,10 @@
 """Structured outputs: grammars compiled by xgrammar, one token matcher per constrained sequence.
 
 The engine owns it all: `GrammarCompiler.compile(kind, spec)` (LLMEngine.compile_grammar) turns a
-request's constraint into a `Grammar` once per (kind, spec) string, cached; SamplingParams.grammar
+request's constraint into a `Grammar` once per (kind, spec) string, cached. A spec over a size limit
+(`GrammarLimits`, the grammar_* levers) is refused before compiling; compiles run in worker processes
+(grammar_worker.py: xgrammar's C++ cannot be interrupted in a thread), killed past the time budget or
+when the caller cancels; each matcher is timed (`BudgetedMatcher`). SamplingParams.grammar
 carries it; add_request gives each of the request's sequences a `GrammarMatcher`. Each step the
 runner fills the constrained rows' token bitmasks on the host (`grammar_bitmask`), the sampler
 applies them to those rows of the logits on the logits' device (qv/engine/sampler.py), the engine
