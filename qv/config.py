@@ -154,6 +154,38 @@ class EngineConfig(BaseSettings):
     state_dir: str = lever("", "Directory for compiled kernels (Triton, CuPy), the embedded tiny model and "
                            "anything else reused by the next start; empty: ~/.cache/qv.")
     max_logprobs: int = lever(20, "Most top logprobs a request may ask for.", ge=0)
+    header_read_timeout_s: float = lever(
+        10.0, "Longest wait for a request's headers once a connection opens or finishes a response; a connection "
+        "that sends none in time is closed.", gt=0)
+    keep_alive_timeout_s: float = lever(5.0, "Idle time after which a keep-alive connection is closed (uvicorn's "
+                                        "timeout_keep_alive).", gt=0)
+    max_connections: int = lever(
+        512, "Most open connections; a request past it gets 503 (uvicorn's limit_concurrency) and a connection "
+        "opened past twice it is answered 503 and closed at once. Keep it under the process's file limit.", ge=1)
+    stream_stall_timeout_s: float = lever(
+        30.0, "A streaming client that reads nothing for this long is cut (its engine request aborted); meanwhile "
+        "its output waits in a bounded queue and its generation is paused.", gt=0)
+    # -- structured outputs ------------------------------------------------------------------------
+    grammar_compile_workers: int = lever(
+        2, "Processes that compile structured-output grammars (xgrammar), apart from the threads that render chats; "
+        "a compile over its budget or whose client left is killed with its process.", ge=1)
+    grammar_compile_timeout_s: float = lever(
+        10.0, "Budget of one request's grammar compile: a compile that takes longer gets a 400 (and the same "
+        "constraint again is refused at once); a request that waits this long for a free worker gets 503.", gt=0)
+    grammar_max_spec_bytes: int = lever(256 << 10, "Largest structured-output constraint (JSON schema, regex, "
+                                        "grammar, choice list or the tools' schemas) in bytes.", ge=1)
+    grammar_max_properties: int = lever(512, "Most object properties in one JSON schema (all objects together).",
+                                        ge=1)
+    grammar_max_enum_entries: int = lever(4096, "Most enum entries in one JSON schema (all enums together), or "
+                                          "guided_choice options.", ge=1)
+    grammar_max_depth: int = lever(32, "Deepest nesting of a JSON schema's objects and arrays.", ge=1)
+    grammar_max_any_of: int = lever(64, "Most anyOf/oneOf/allOf branches in one JSON schema (all together).", ge=1)
+    grammar_max_regex_chars: int = lever(4096, "Longest regex: a regex constraint, or one pattern in a JSON schema.",
+                                         ge=1)
+    grammar_mask_budget_ms: float = lever(
+        50.0, "Most host time one call of a constrained sequence's grammar may take in an engine step (its token "
+        "mask, or accepting a token); a grammar that takes more is stopped with an error, so the batch is not slowed.",
+        gt=0)
     # -- media -----------------------------------------------------------------------------------
     media_max_images: int = lever(20, "Most images per chat request (0 with media_max_videos 0: the vision tower "
                                   "is not loaded).", ge=0)

@@ -115,9 +115,11 @@ class LLM:
 
         from PIL import Image, UnidentifiedImageError
 
+        from qv.engine.media import IMAGE_FORMATS
+
         if isinstance(source, str):
             try:
-                source = Image.open(io.BytesIO(base64.b64decode(source, validate=True)))
+                source = Image.open(io.BytesIO(base64.b64decode(source, validate=True)), formats=IMAGE_FORMATS)
             except (binascii.Error, UnidentifiedImageError):
                 raise InvalidRequestError(f"{where}: offline, images are PIL images, HxWx3 uint8 arrays or base64 "
                                           "image data (URLs are fetched by the server only)") from None

@@ -6,3 +6,4 @@ MAX_OPTIONS_PER_QUESTION = 256
 MAX_OPTIONS_TOTAL = 448
 MAX_IMAGES = 16  # `images` and `assets` together
 MAX_JSON_DEPTH = 128  # nesting of the body's JSON values (state, instructions, criteria)
+MAX_JSON_CONTAINERS = 1 << 18  # objects and arrays in one body: a state of more renders past any record cap

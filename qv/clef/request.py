@@ -29,8 +29,8 @@ from pydantic_core import PydanticCustomError
 
 from qv.clef.encode import (DEFAULT_MAX_LENGTH, QUESTION_TYPES, EncodedRecord, SchemaTooLong, Tokenize,
                             batch_tokenizer, encode_record, media_text)
-from qv.clef.limits import (MAX_IMAGES, MAX_JSON_DEPTH, MAX_OPTIONS_PER_QUESTION, MAX_OPTIONS_TOTAL,
-                            MAX_QUESTIONS)
+from qv.clef.limits import (MAX_IMAGES, MAX_JSON_CONTAINERS, MAX_JSON_DEPTH, MAX_OPTIONS_PER_QUESTION,
+                            MAX_OPTIONS_TOTAL, MAX_QUESTIONS)
 from qv.errors import InvalidRequestError
 
 __all__ = ["MAX_IMAGES", "MAX_OPTIONS_PER_QUESTION", "MAX_OPTIONS_TOTAL", "MAX_QUESTIONS", "ClefRequestError",
@@ -80,7 +80,13 @@ def _pairs(pairs: list[tuple[str, Any]]) -> _Object:
 
 def decode_json(raw: bytes | str) -> Any:
     """JSON text -> Python values, keeping track of duplicate keys so that a duplicated question
-    or option id is refused instead of silently dropped."""
+    or option id is refused instead of silently dropped. A text with more than MAX_JSON_CONTAINERS
+    opening brackets is refused before it is parsed (they are counted on the text, strings included:
+    ten million empty objects would take seconds and gigabytes to parse)."""
+    opens = raw.count(b"{") + raw.count(b"[") if isinstance(raw, (bytes, bytearray)) else raw.count("{") + raw.count("[")
+    if opens > MAX_JSON_CONTAINERS:
+        raise ClefRequestError(f"the request body holds {opens} '{{' and '[' characters; a record may hold at most "
+                               f"{MAX_JSON_CONTAINERS} JSON objects and arrays (counted on the text, strings included)")
     try:
         return json.loads(raw, object_pairs_hook=_pairs)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
@@ -113,8 +119,12 @@ def check_json_values(body: Mapping) -> None:
     the path of the value. Iterative, so a deep body cannot exhaust the stack; paths are made for
     containers and for the value that fails only."""
     stack: list[tuple[Any, str, int]] = [(body, "", 0)]
+    walked = 0
     while stack:
         node, where, depth = stack.pop()
+        walked += 1
+        if walked > MAX_JSON_CONTAINERS:  # a body given as Python values (the offline API) has not been counted
+            raise _fail(f"more than {MAX_JSON_CONTAINERS} JSON objects and arrays in the record", "state")
         if depth > MAX_JSON_DEPTH:
             top = re.split(r"[.\[]", where, maxsplit=1)[0]
             raise _fail(f"{top}: JSON nested deeper than {MAX_JSON_DEPTH} levels", top)

@@ -58,6 +58,16 @@ class _Wake:
 _Command = _Add | _AddClef | _Abort | _ResetPrefixCache | _Wake
 
 
+def _put_latest(q: asyncio.Queue, item) -> None:
+    """Queue `item` in place of the outputs its reader has not taken: outputs are cumulative, so a
+    reader that is behind (a stream whose client reads nothing) holds one output, not every step's."""
+    while not q.empty() and not isinstance(item, BaseException):
+        older = q.get_nowait()
+        if isinstance(older, BaseException):  # a failure stays, and ends the request first
+            item = older
+    q.put_nowait(item)
+
+
 class AsyncLLMEngine:
     """LLMEngine on its own thread; requests are async iterators of cumulative RequestOutputs."""
 
@@ -170,7 +180,7 @@ class AsyncLLMEngine:
             target = self._queues.get(request_id)
         if target is not None:
             loop, q = target
-            loop.call_soon_threadsafe(q.put_nowait, item)
+            loop.call_soon_threadsafe(_put_latest, q, item)
 
     def _apply(self, cmd: _Command) -> None:
         match cmd:

@@ -9,9 +9,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from qv.clef.answers import response
-from qv.clef.encode import EncodedRecord
+from qv.clef.encode import EncodedRecord, render
 from qv.clef.limits import MAX_IMAGES
 from qv.clef.request import ClefRequestError, SystemOneRequest, decode_json, encode_request, validate
+from qv.engine.request import TextBound
 
 __all__ = ["CLEF_MODEL_NAMES", "MAX_IMAGES", "NOT_SERVED", "ClefRequestError", "Decision", "decision_response",
            "encode_decision", "parse_decision"]
@@ -34,11 +35,19 @@ def parse_decision(body: bytes | str | Mapping, parts: Mapping[str, bytes] | Non
 
 
 def encode_decision(tokenizer: Any, decision: Decision, cap: tuple[int, str], images: Sequence = (),
-                    multimodal: Any = None) -> EncodedRecord:
+                    multimodal: Any = None, text_bound: TextBound | None = None) -> EncodedRecord:
     """The record the engine runs (`AsyncLLMEngine.decide` / `LLMEngine.add_clef`). `cap`: the
     engine's record cap and what sets it (`clef_cap`); `images`: the decision's images
-    (`decision.image_sources()`, in that order) preprocessed by `multimodal.processor`."""
+    (`decision.image_sources()`, in that order) preprocessed by `multimodal.processor`; `text_bound`:
+    the tokenizer's TextBound (the server's): with it, a schema too long is refused by its size."""
     nmax, cap_name = cap
+    bound = text_bound
+    if bound is not None:  # bytes first: a schema too long for the cap is refused before any of it is tokenized
+        chars = sum(len(render(q.instructions)) + len(render(q.criteria)) for q in decision.questions.values())
+        floor = chars // (bound.max_token_bytes * bound.shrink)
+        if floor > nmax:
+            raise ClefRequestError(f"record too long: the questions' text ({chars} characters) makes at least {floor} "
+                                   f"tokens, more than the {nmax}-token Clef record cap ({cap_name})", "questions")
     return encode_request(tokenizer, decision, nmax, cap_name=cap_name, images=images, multimodal=multimodal)
 
 

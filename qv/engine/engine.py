@@ -28,7 +28,7 @@ from qv.engine.request import (CompletionOutput, InvalidFieldError, InvalidReque
 from qv.engine.runner import ModelRunner, StepHandle, StepResult
 from qv.engine.scheduler import Scheduler, StepPlan
 from qv.engine.sequence import PENDING, SeqStatus, Sequence
-from qv.engine.structured import Grammar, GrammarCompiler
+from qv.engine.structured import Grammar, GrammarCompiler, GrammarLimits
 from qv.spec.speculator import Speculator
 from qv.engine.state_pool import GDNStatePool
 
@@ -126,16 +126,20 @@ class LLMEngine:
         """Stop the tensor-parallel workers (nothing to do at one rank); the engine takes no steps after."""
         if self._stop_workers is not None:
             self._stop_workers()
+        if self._grammars is not None:
+            self._grammars.close()
 
-    def compile_grammar(self, kind: str, spec: str, param: str = "response_format") -> Grammar:
+    def compile_grammar(self, kind: str, spec: str, param: str = "response_format", cancel=None) -> Grammar:
         """A structured-output constraint compiled for this model's tokenizer, for SamplingParams.grammar
         (cached per (kind, spec); thread-safe, call it off the event loop). kind: json (a JSON schema
         as text), json_object, regex, choice (a JSON list of strings), grammar (EBNF), structural_tag
-        (xgrammar's, as JSON). A bad spec raises InvalidFieldError naming `param`."""
+        (xgrammar's, as JSON). A bad spec raises InvalidFieldError naming `param`; `cancel` (a
+        threading.Event) set by the caller stops the compile (GrammarCancelled)."""
         with self._grammars_lock:
             if self._grammars is None:
-                self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
-        return self._grammars.compile(kind, spec, param)
+                self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
+                                                 limits=GrammarLimits.of(self.cfg))
+        return self._grammars.compile(kind, spec, param, cancel)
 
     # -- requests ------------------------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
@@ -180,6 +184,9 @@ class LLMEngine:
                 f"{n + params.max_tokens} tokens ({n} + {params.max_tokens} = {n + params.max_tokens} > "
                 f"{self.max_model_len}). Please reduce the length of the input prompt or the number of requested "
                 f"output tokens.", "max_tokens")
+        if params.min_tokens > room:
+            raise InvalidFieldError(f"min_tokens={params.min_tokens} is more than the {room} tokens the context leaves "
+                                    f"after the {n}-token prompt (max_model_len {self.max_model_len})", "min_tokens")
         return room if params.max_tokens is None else params.max_tokens
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -425,8 +432,8 @@ class LLMEngine:
     def _grammar_done(self, seq: Sequence, token_id: int) -> bool:
         """Advance a structured output's matcher; True when that finished the sequence."""
         if not seq.matcher.accept_token(token_id):  # the mask allowed only tokens it accepts
-            seq.error = f"token {token_id} is outside the request's {seq.params.grammar.kind} grammar (a qv bug)"
-            self.scheduler.finish(seq, "abort")
+            self.scheduler.finish(seq, "abort", error=seq.matcher.failure
+                                  or f"token {token_id} is outside the request's grammar (a qv bug)")
             return True
         if seq.matcher.is_terminated():  # it took a stop token where the grammar is complete
             self.scheduler.finish(seq, "stop")

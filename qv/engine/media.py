@@ -41,6 +41,28 @@ KINDS = ("image", "video")
 VIDEO_FORMATS = "MP4 and WebM files, and animated GIF, WebP or PNG"
 
 
+# The decoders untrusted bytes may reach: Pillow's others (EPS runs Ghostscript, and TGA, ICO, TIFF,
+# FITS and the rest are rarely fuzzed) are refused by name. Videos are MP4/WebM through PyAV.
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+
+
+def format_of(data: bytes) -> str | None:
+    """The Pillow format whose signature `data` carries, among those it has but qv does not decode
+    (a prefix check only: no plugin of theirs opens the data)."""
+    Image = _pil()
+    Image.init()
+    prefix = data[:64]
+    for name, (_, accept) in Image.OPEN.items():
+        if name in IMAGE_FORMATS or accept is None:
+            continue
+        try:
+            if accept(prefix):
+                return name
+        except Exception:  # noqa: BLE001 - a plugin's signature check on odd bytes: not this format
+            continue
+    return None
+
+
 def _pil():
     from PIL import Image
 
@@ -96,10 +118,14 @@ def open_media(data: bytes, kind: str, pick: Pick | None = None, limits: VideoLi
         return OpenedMedia("video", video, frames)
     Image = _pil()
     try:
-        im = Image.open(io.BytesIO(data))
+        im = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
     except Image.DecompressionBombError:
         raise MediaError(f"{kind} is over the {MAX_IMAGE_PIXELS}-pixel limit (by more than twice)") from None
     except Exception as exc:  # untrusted bytes: any decoder failure is the data's fault
+        other = format_of(data)
+        if other is not None:
+            raise MediaError(f"{other} {kind}s are not read here: qv decodes {', '.join(IMAGE_FORMATS)} images"
+                             + (f" and {VIDEO_FORMATS}" if kind == "video" else "")) from None
         if kind == "video":
             raise MediaError(f"could not decode the video: qv reads {VIDEO_FORMATS}") from None
         raise _undecodable(kind, exc) from None

@@ -20,6 +20,8 @@ MAX_N = 1024  # samples per prompt; the server's max_waiting bounds the sequence
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 LOGIT_BIAS_RANGE = 100.0
 MAX_BAD_WORDS = 128  # words, and token sequences once tokenized (qv/engine/bad_words.py), as vLLM allows
+MAX_BAD_WORDS_CHARS = 16384  # all bad_words together, checked before tokenizing (their 1024 tokens at 16 chars each)
+MAX_STOP_CHARS = 16384  # all stop strings together: each step's stop check scans as far back as the longest
 
 
 class InvalidFieldError(InvalidRequestError):
@@ -125,6 +127,9 @@ class SamplingParams:
         need(isinstance(self.stop, list) and all(isinstance(s, str) for s in self.stop), "stop",
              f"stop must be a string or a list of strings, got {self.stop!r}")
         need(all(s != "" for s in self.stop), "stop", "stop cannot contain an empty string")
+        stop_chars = sum(map(len, self.stop))
+        need(stop_chars <= MAX_STOP_CHARS, "stop",
+             f"the stop strings hold {stop_chars} characters in all; at most {MAX_STOP_CHARS} are allowed")
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         need(isinstance(self.stop_token_ids, list)
@@ -171,6 +176,10 @@ class SamplingParams:
                                         "allowed_token_ids")
         words = self.bad_words
         if words is not None:
+            chars = sum(len(w) for w in words if isinstance(w, str)) if isinstance(words, list) else 0
+            if chars > MAX_BAD_WORDS_CHARS:  # before anything reads or tokenizes them
+                raise InvalidFieldError(f"bad_words hold {chars} characters in all; at most {MAX_BAD_WORDS_CHARS} are "
+                                        "allowed", "bad_words")
             if not (isinstance(words, list) and all(isinstance(w, str) and w.strip() for w in words)):
                 raise InvalidFieldError(f"bad_words must be a list of words (strings that are not empty or blank), "
                                         f"got {words!r}"[:300], "bad_words")

@@ -1,7 +1,10 @@
 """Structured outputs: grammars compiled by xgrammar, one token matcher per constrained sequence.
 
 The engine owns it all: `GrammarCompiler.compile(kind, spec)` (LLMEngine.compile_grammar) turns a
-request's constraint into a `Grammar` once per (kind, spec) string, cached; SamplingParams.grammar
+request's constraint into a `Grammar` once per (kind, spec) string, cached. A spec over a size limit
+(`GrammarLimits`, the grammar_* levers) is refused before compiling; compiles run in worker processes
+(grammar_worker.py: xgrammar's C++ cannot be interrupted in a thread), killed past the time budget or
+when the caller cancels; each matcher is timed (`BudgetedMatcher`). SamplingParams.grammar
 carries it; add_request gives each of the request's sequences a `GrammarMatcher`. Each step the
 runner fills the constrained rows' token bitmasks on the host (`grammar_bitmask`), the sampler
 applies them to those rows of the logits on the logits' device (qv/engine/sampler.py), the engine
@@ -17,8 +20,18 @@ a model loop on blanks, and a bounded schema then always terminates.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import json
+import os
+import queue
+import re
+import select
+import struct
+import subprocess
+import sys
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -39,11 +52,12 @@ class Grammar:
     kind: str
     spec: str
     compiled: object  # xgrammar.CompiledGrammar
+    step_budget_s: float = 0.05  # grammar_mask_budget_ms
 
-    def matcher(self):
+    def matcher(self) -> "BudgetedMatcher":
         import xgrammar as xgr
 
-        return xgr.GrammarMatcher(self.compiled)
+        return BudgetedMatcher(xgr.GrammarMatcher(self.compiled), self.step_budget_s)
 
 
 JSON_TEXT_CHARS = '[ !#-\\[\\]-~]'  # printable ASCII but the quote and the backslash
@@ -79,28 +93,223 @@ def _choice_ebnf(spec: str) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+@dataclass(frozen=True)
+class GrammarLimits:
+    """What one constraint may ask of the compiler, checked on the spec before compiling (the
+    grammar_* levers), and the time it may take: compiling, and per call of its matcher."""
+
+    spec_bytes: int = 256 << 10
+    properties: int = 512
+    enum_entries: int = 4096
+    depth: int = 32
+    any_of: int = 64
+    regex_chars: int = 4096
+    compile_timeout_s: float = 10.0
+    workers: int = 2
+    mask_budget_s: float = 0.05
+
+    @classmethod
+    def of(cls, cfg) -> "GrammarLimits":
+        return cls(cfg.grammar_max_spec_bytes, cfg.grammar_max_properties, cfg.grammar_max_enum_entries,
+                   cfg.grammar_max_depth, cfg.grammar_max_any_of, cfg.grammar_max_regex_chars,
+                   cfg.grammar_compile_timeout_s, cfg.grammar_compile_workers, cfg.grammar_mask_budget_ms / 1000)
+
+    def over(self, what: str, found: int, limit: int, lever: str, param: str) -> InvalidFieldError:
+        return InvalidFieldError(f"the {what} is over this server's limit: {found} > {limit} (grammar_{lever})", param)
+
+    def check(self, kind: str, spec: str, param: str) -> None:
+        """Refuse a spec whose size alone says it is too costly to compile (InvalidFieldError naming the lever)."""
+        size = len(spec.encode("utf-8", "surrogatepass"))
+        if size > self.spec_bytes:
+            raise self.over(f"{kind} constraint's size in bytes", size, self.spec_bytes, "max_spec_bytes", param)
+        if kind == "regex" and len(spec) > self.regex_chars:
+            raise self.over("regex's length", len(spec), self.regex_chars, "max_regex_chars", param)
+        if kind not in ("json", "structural_tag", "choice"):
+            return
+        try:
+            tree = json.loads(spec)
+        except (ValueError, RecursionError):
+            return  # the compile names what is wrong with it
+        if kind == "choice":
+            if isinstance(tree, list) and len(tree) > self.enum_entries:
+                raise self.over("number of choices", len(tree), self.enum_entries, "max_enum_entries", param)
+            return
+        counts = {"properties": 0, "enum": 0, "anyOf": 0}
+        stack = [(tree, 1)]
+        while stack:  # iterative: the JSON parser bounds the depth, this bounds the work by the spec's size
+            node, depth = stack.pop()
+            if depth > self.depth:
+                raise self.over("schema's nesting depth", depth, self.depth, "max_depth", param)
+            if isinstance(node, list):
+                stack.extend((v, depth + 1) for v in node)
+                continue
+            if not isinstance(node, dict):
+                continue
+            props, enum, pattern = node.get("properties"), node.get("enum"), node.get("pattern")
+            counts["properties"] += len(props) if isinstance(props, dict) else 0
+            counts["enum"] += len(enum) if isinstance(enum, list) else 0
+            counts["anyOf"] += sum(len(node[k]) for k in ("anyOf", "oneOf", "allOf") if isinstance(node.get(k), list))
+            if isinstance(pattern, str) and len(pattern) > self.regex_chars:
+                raise self.over("length of a pattern", len(pattern), self.regex_chars, "max_regex_chars", param)
+            stack.extend((v, depth + 1) for v in node.values() if isinstance(v, (dict, list)))
+        for name, limit, lever, what in (("properties", self.properties, "max_properties", "number of object properties"),
+                                         ("enum", self.enum_entries, "max_enum_entries", "number of enum entries"),
+                                         ("anyOf", self.any_of, "max_any_of", "number of anyOf/oneOf/allOf branches")):
+            if counts[name] > limit:
+                raise self.over(f"schema's {what}", counts[name], limit, lever, param)
+
+
+class GrammarBusy(RuntimeError):
+    """No compile worker came free within the request's budget (the server answers 503)."""
+
+
+class GrammarCancelled(RuntimeError):
+    """The caller gave up (its client disconnected): the compile was killed."""
+
+
+_LIBRARY_NOISE = re.compile(r"^\[[\d:.]+\]\s*|\S*/\S+\.(?:cc|cpp|h|hpp):\d+:?\s*")
+
+
+def library_message(text: str) -> str:
+    """xgrammar's message without its log prefix and C++ source path (`[07:18:59] /project/cpp/...cc:820:`)."""
+    lines = [ln for ln in (_LIBRARY_NOISE.sub("", ln).strip() for ln in str(text).splitlines()) if ln]
+    return lines[-1] if lines else "rejected"
+
+
+_HEADER = struct.Struct(">I")
+_POLL_S = 0.05  # how often a compile's waiter checks for cancellation
+STARTUP_S = 120.0  # a worker that is not ready by then (importing xgrammar) is broken
+
+
+class _Worker:
+    """One grammar_worker.py process, started at once (its imports overlap the parent's work)."""
+
+    def __init__(self, info_json: str):
+        self.proc = subprocess.Popen([sys.executable, "-u", os.path.join(os.path.dirname(__file__), "grammar_worker.py")],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
+        self._send({"info": info_json})
+        self.ready = False
+
+    def _send(self, obj) -> None:
+        body = json.dumps(obj).encode()
+        self.proc.stdin.write(_HEADER.pack(len(body)) + body)
+        self.proc.stdin.flush()
+
+    def call(self, job: dict, budget_s: float, cancel: threading.Event | None) -> dict:
+        """The worker's reply to `job`; TimeoutError past `budget_s`, counted once the worker is ready
+        (its start, imports included, is not the request's doing)."""
+        if not self.ready:
+            self.ready = self._receive(time.monotonic() + STARTUP_S, cancel).get("ready", False)
+        self._send(job)
+        return self._receive(time.monotonic() + budget_s, cancel)
+
+    def _receive(self, deadline: float, cancel: threading.Event | None) -> dict:
+        fd = self.proc.stdout.fileno()
+        while True:
+            if cancel is not None and cancel.is_set():
+                raise GrammarCancelled("the compile was cancelled")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            ready, _, _ = select.select([fd], [], [], min(left, _POLL_S))
+            if ready:
+                break
+        head = self.proc.stdout.read(_HEADER.size)
+        body = self.proc.stdout.read(_HEADER.unpack(head)[0]) if len(head) == _HEADER.size else b""
+        if not body:
+            raise RuntimeError(f"the grammar compile worker died (exit status {self.proc.poll()})")
+        return json.loads(body)
+
+    def kill(self) -> None:
+        with contextlib.suppress(OSError):
+            self.proc.kill()
+        self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            with contextlib.suppress(OSError):
+                f.close()
+
+
+class CompileWorkers:
+    """`n` worker processes; a compile takes one for its duration. A compile past its deadline, or
+    cancelled, kills its process (the only way to stop xgrammar's C++) and a fresh one takes its place."""
+
+    def __init__(self, info_json: str, n: int):
+        self.info_json = info_json
+        self._free: queue.Queue[_Worker] = queue.Queue()
+        self._all: list[_Worker] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        for _ in range(n):
+            self._free.put(self._start())
+
+    def _start(self) -> _Worker:
+        w = _Worker(self.info_json)
+        with self._lock:
+            self._all.append(w)
+        return w
+
+    def _retire(self, w: _Worker) -> None:
+        w.kill()
+        with self._lock:
+            self._all.remove(w)
+
+    def run(self, job: dict, budget_s: float, cancel: threading.Event | None = None) -> dict:
+        """The reply to `job` from a free worker: GrammarBusy when none comes free within `budget_s`,
+        TimeoutError when its compile takes longer than `budget_s`."""
+        try:
+            w = self._free.get(timeout=budget_s)
+        except queue.Empty:
+            raise GrammarBusy("every grammar compile worker is busy (grammar_compile_workers)") from None
+        try:
+            reply = w.call(job, budget_s, cancel)
+        except BaseException:
+            self._retire(w)
+            w = None if self._closed else self._start()
+            raise
+        finally:
+            if w is not None:
+                self._free.put(w)
+        return reply
+
+    def close(self) -> None:
+        self._closed = True
+        with self._lock:
+            workers = list(self._all)
+        for w in workers:
+            w.kill()
+
+
 class GrammarCompiler:
     """One per engine: xgrammar's TokenizerInfo over the model's logits width (which may exceed the
-    tokenizer's vocabulary: the extra ids are never allowed) and an LRU of compiled grammars.
-    Thread-safe: the server calls `compile` on worker threads."""
+    tokenizer's vocabulary: the extra ids are never allowed), the compile worker processes and an
+    LRU of compiled grammars (with the constraints that ran out of time, so a repeat is refused at
+    once). Thread-safe: the server calls `compile` on worker threads."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids, cache_size: int = CACHE_SIZE):
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids, cache_size: int = CACHE_SIZE,
+                 limits: GrammarLimits = GrammarLimits()):
         import xgrammar as xgr
 
         self.vocab_size = vocab_size
+        self.limits = limits
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=list(eos_token_ids))
-        self._xgr = xgr.GrammarCompiler(self.info, cache_enabled=False)  # the LRU below is the cache
-        self._cache: OrderedDict[tuple[str, str], Grammar] = OrderedDict()
+        self.workers = CompileWorkers(self.info.serialize_json(), limits.workers)
+        self._cache: OrderedDict[tuple[str, str], Grammar | str] = OrderedDict()
+        self._pending: dict[tuple[str, str], concurrent.futures.Future] = {}
         self._size = cache_size
         self._lock = threading.Lock()
         self.hits = self.misses = 0
 
-    def compile(self, kind: str, spec: str, param: str = "response_format") -> Grammar:
+    def close(self) -> None:
+        self.workers.close()
+
+    def compile(self, kind: str, spec: str, param: str = "response_format",
+                cancel: threading.Event | None = None) -> Grammar:
         """The Grammar for (kind, spec): json (a JSON schema, as text), json_object (spec ignored),
         regex, choice (a JSON list of strings), grammar (EBNF, GBNF style), structural_tag (an
-        xgrammar structural tag as JSON: the server's tool-call grammar). A bad spec raises
-        InvalidFieldError naming `param`."""
+        xgrammar structural tag as JSON: the server's tool-call grammar). A bad spec, one over a
+        limit or one that does not compile within the budget raises InvalidFieldError naming
+        `param`; GrammarBusy when no worker came free in time; GrammarCancelled once `cancel` is set."""
         if kind not in KINDS:
             raise InvalidFieldError(f"unknown structured output kind {kind!r}; expected one of {', '.join(KINDS)}",
                                     param)
@@ -112,16 +321,54 @@ class GrammarCompiler:
             if hit is not None:
                 self._cache.move_to_end(key)
                 self.hits += 1
-                return hit
-        grammar = Grammar(kind, key[1], self._compile(kind, key[1], param))
-        with self._lock:
-            self.misses += 1
-            self._cache[key] = grammar
-            while len(self._cache) > self._size:
-                self._cache.popitem(last=False)
+        if isinstance(hit, str):
+            raise InvalidFieldError(hit, param)
+        if hit is not None:
+            return hit
+        self.limits.check(kind, key[1], param)
+        while True:  # the same constraint asked for again while it compiles waits for that compile
+            with self._lock:
+                running = self._pending.get(key)
+                if running is None:
+                    mine = self._pending[key] = concurrent.futures.Future()
+                    break
+            while True:
+                if cancel is not None and cancel.is_set():
+                    raise GrammarCancelled("the compile was cancelled")
+                try:
+                    return running.result(timeout=_POLL_S)
+                except concurrent.futures.TimeoutError:
+                    continue
+                except GrammarCancelled:
+                    break  # its client left: compile it here
+                except InvalidFieldError as exc:
+                    raise InvalidFieldError(str(exc), param) from None
+        try:
+            grammar = Grammar(kind, key[1], self._compile(kind, key[1], param, cancel), self.limits.mask_budget_s)
+            self._remember(key, grammar)  # before the compile stops being pending: no window for a second one
+        except _OverBudget as exc:
+            self._remember(key, str(exc))
+            mine.set_exception(InvalidFieldError(str(exc), param))
+            raise InvalidFieldError(str(exc), param) from None
+        except BaseException as exc:
+            mine.set_exception(exc if isinstance(exc, (InvalidFieldError, GrammarBusy)) else GrammarCancelled())
+            raise
+        finally:
+            with self._lock:
+                self._pending.pop(key, None)
+        mine.set_result(grammar)
         return grammar
 
-    def _compile(self, kind: str, spec: str, param: str):
+    def _remember(self, key, value) -> None:
+        with self._lock:
+            self.misses += 1
+            self._cache[key] = value
+            while len(self._cache) > self._size:
+                self._cache.popitem(last=False)
+
+    def _compile(self, kind: str, spec: str, param: str, cancel: threading.Event | None):
+        import xgrammar as xgr
+
         what = {"json": "JSON schema", "json_object": "JSON grammar", "regex": "regex", "choice": "choice list",
                 "grammar": "grammar", "structural_tag": "structural tag"}[kind]
         try:
@@ -129,21 +376,65 @@ class GrammarCompiler:
                 schema = json.loads(spec)
                 if not isinstance(schema, (dict, bool)):
                     raise ValueError("a JSON schema must be an object or a boolean")
-                return self._xgr.compile_json_schema(json.dumps(bounded_strings(schema)), any_whitespace=False,
-                                                     strict_mode=True)
-            if kind == "json_object":
-                # any object, compact (xgrammar's builtin JSON grammar takes any value, and free whitespace)
-                return self._xgr.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
-            if kind == "regex":
-                return self._xgr.compile_regex(spec)
-            if kind == "choice":
-                return self._xgr.compile_grammar(_choice_ebnf(spec))
-            if kind == "structural_tag":
-                return self._xgr.compile_structural_tag(spec)
-            return self._xgr.compile_grammar(spec)
-        except (ValueError, RuntimeError, TypeError) as e:  # xgrammar reports bad input as RuntimeError/ValueError
-            msg = str(e).strip().splitlines()
-            raise InvalidFieldError(f"invalid {what}: {msg[-1] if msg else type(e).__name__}"[:1000], param) from None
+                spec = json.dumps(bounded_strings(schema))
+            elif kind == "choice":
+                spec, kind = _choice_ebnf(spec), "grammar"
+        except (ValueError, RecursionError) as e:
+            raise InvalidFieldError(f"invalid {what}: {library_message(e)}"[:1000], param) from None
+        budget = self.limits.compile_timeout_s
+        try:
+            reply = self.workers.run({"kind": kind, "spec": spec}, budget, cancel)
+        except TimeoutError:
+            raise _OverBudget(f"the {what} did not compile within this server's budget of {budget:g} s "
+                              "(grammar_compile_timeout_s): simplify it") from None
+        if "error" in reply:
+            raise InvalidFieldError(f"invalid {what}: {library_message(reply['error'])}"[:1000], param)
+        return xgr.CompiledGrammar.deserialize_json(reply["ok"], self.info)
+
+
+class _OverBudget(Exception):
+    pass
+
+
+class BudgetedMatcher:
+    """xgrammar's GrammarMatcher, timed: a call (a token mask, or accepting a token) that takes more
+    than `budget_s` (grammar_mask_budget_ms) stops the grammar. From then on the mask allows every
+    token and accept_token refuses, so the engine finishes the sequence with `failure` as its error
+    (an ambiguous grammar's cost grows with every token: it is stopped before it slows the batch)."""
+
+    def __init__(self, matcher, budget_s: float):
+        self._m, self.budget_s = matcher, budget_s
+        self.failure: str | None = None
+
+    def _timed(self, fn, *args):
+        t0 = time.perf_counter()
+        out = fn(*args)
+        spent = time.perf_counter() - t0
+        if spent > self.budget_s and self.failure is None:
+            self.failure = (f"{GRAMMAR_STOPPED}: one step of its grammar took {spent * 1000:.1f} ms, over this "
+                            f"server's budget of {self.budget_s * 1000:g} ms (grammar_mask_budget_ms); an ambiguous "
+                            "grammar gets slower with every token: make it unambiguous")
+        return out
+
+    def accept_token(self, token: int) -> bool:
+        return self.failure is None and self._timed(self._m.accept_token, token) and self.failure is None
+
+    def fill_next_token_bitmask(self, mask, index: int = 0) -> None:
+        if self.failure is None:
+            self._timed(self._m.fill_next_token_bitmask, mask, index)
+
+    def is_terminated(self) -> bool:
+        return self.failure is None and self._m.is_terminated()
+
+    def rollback(self, n: int) -> None:
+        if self.failure is None:
+            self._m.rollback(n)
+
+    def __getattr__(self, name):
+        return getattr(self._m, name)
+
+
+GRAMMAR_STOPPED = "the structured output was stopped"
 
 
 def grammar_bitmask(rows: list[tuple[object | None, list[int]]], vocab_size: int,

@@ -9,9 +9,10 @@ and exit status 1 rather than inside uvicorn's lifespan traceback.
 Requests pass a pure-ASGI guard first: Bearer auth on every route but /health when an API key is
 set (401; /metrics too unless metrics_public), the body-size limit (413) and the body-read timeout
 (408). SIGTERM (or Ctrl+C) drains, under `qv serve` and plain uvicorn alike (`_drain_on_signals`):
-new requests get 503, requests in flight may finish until the grace is nearly over, then streams
-end with an error event and `[DONE]`, other requests get a JSON 503, and the process exits within
-shutdown_grace_s.
+new requests (and /health) get 503, requests in flight may finish until the grace is nearly over,
+then streams end with an error event and `[DONE]`, other requests get a JSON 503, and the process
+exits within shutdown_grace_s; a second signal changes nothing. Connection levers (header-read and
+keep-alive timeouts, the connection cap) are set by `uvicorn_config` (qv/server/connections.py).
 """
 
 from __future__ import annotations
@@ -128,6 +129,9 @@ class Guards:
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         path = scope["path"]
+        ambiguous = _ambiguous_headers(scope["headers"])
+        if ambiguous:
+            return await error_response(400, ambiguous, headers={"Connection": "close"})(scope, receive, send)
         open_route = path == "/health" or (path == "/metrics" and cfg.metrics_public)
         if cfg.api_key and not open_route and scope["method"] != "OPTIONS":
             given = headers.get("authorization", "")
@@ -170,6 +174,17 @@ class Guards:
             await api_error_response(internal_error(f"internal error serving {path}", exc=exc))(scope, receive, send)
 
 
+def _ambiguous_headers(raw: list[tuple[bytes, bytes]]) -> str | None:
+    """Why a request's headers could be read two ways (RFC 9112 6.3: a proxy in front may pick the
+    other reading), or None: Authorization twice, or Content-Length with Transfer-Encoding."""
+    names = [k.lower() for k, _ in raw]
+    if names.count(b"authorization") > 1:
+        return "the request has more than one Authorization header"
+    if b"content-length" in names and b"transfer-encoding" in names:
+        return "the request has both Content-Length and Transfer-Encoding headers"
+    return None
+
+
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     if exc.status_code == 404:
         return error_response(404, f"no route {request.method} {request.url.path}")
@@ -179,11 +194,14 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
 
 
 def _drain_on_signals(state: ServerState):
-    """Chain SIGTERM and SIGINT to begin the drain before the server's own handler (uvicorn's, which
-    stops accepting connections and waits for the ones open); a timer ends the process when the
-    grace is over whatever still runs (the engine's own shutdown included). Only in the main thread,
-    and only over a handler that can be chained (under uvicorn, always). Returns the function that
-    puts the handlers back once the app has shut down."""
+    """Chain SIGTERM and SIGINT to begin the drain; the server's own handler (uvicorn's, which closes
+    the listener and waits for the connections open) gets the first signal only once nothing is in
+    flight or the grace is nearly over, so that meanwhile new requests (and /health) get a 503
+    rather than a refused connection. A later signal (SIGTERM then Ctrl+C) changes nothing: uvicorn
+    would take a second one as "cut every connection now", without the streams' error event and
+    [DONE]. A timer ends the process when the grace is over whatever still runs (the engine's own
+    shutdown included). Only in the main thread, and only over a handler that can be chained (under
+    uvicorn, always). Returns the function that puts the handlers back once the app has shut down."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
     loop = asyncio.get_running_loop()
@@ -192,15 +210,22 @@ def _drain_on_signals(state: ServerState):
     timer = threading.Timer(state.shutdown_grace_s, _exit_now, args=(state.shutdown_grace_s,))
     timer.daemon = True
 
-    def start_drain():
+    async def hand_over(sig, frame):
+        while state.in_flight and not state.stopping.is_set():
+            await asyncio.sleep(0.05)
+        previous[sig](sig, frame)
+
+    def start_drain(sig, frame):
         if not state.draining:  # a second signal before the first was handled
             state.begin_drain()
             timer.start()
+            asyncio.ensure_future(hand_over(sig, frame))
 
     def on_signal(sig, frame):
-        if not state.draining:
-            loop.call_soon_threadsafe(start_drain)
-        previous[sig](sig, frame)
+        if state.draining:
+            log.info("signal %d while draining: the drain goes on (it ends within shutdown_grace_s)", sig)
+            return
+        loop.call_soon_threadsafe(start_drain, sig, frame)
 
     installed = [sig for sig, handler in previous.items() if callable(handler)]
     for sig in installed:
@@ -294,9 +319,21 @@ def serve(cfg: EngineConfig) -> None:
     except (StartupError, ConfigError) as exc:
         raise SystemExit(f"qv: the engine did not start: {exc}") from None
     application = build_app(cfg, engine)
-    server = uvicorn.Server(uvicorn.Config(application, host=cfg.host, port=cfg.port, log_level="info",
-                                           lifespan="on", timeout_graceful_shutdown=cfg.shutdown_grace_s))
+    server = uvicorn.Server(uvicorn_config(application, cfg, host=cfg.host, port=cfg.port, log_level="info"))
     asyncio.run(_serve(server, application))
 
 
-__all__ = ["app", "build_app", "serve"]
+def uvicorn_config(application, cfg: EngineConfig, **kw):
+    """uvicorn's Config for `application` under cfg's connection levers: h11 (whose parser refuses
+    what httptools lets through), the header-read timeout and connection cap (HardenedH11Protocol),
+    the keep-alive timeout, 503 past max_connections requests (limit_concurrency), the shutdown grace."""
+    import uvicorn
+
+    from qv.server.connections import hardened_protocol
+
+    return uvicorn.Config(application, http=hardened_protocol(cfg.header_read_timeout_s, cfg.max_connections),
+                          lifespan="on", timeout_keep_alive=cfg.keep_alive_timeout_s,
+                          limit_concurrency=cfg.max_connections, timeout_graceful_shutdown=cfg.shutdown_grace_s, **kw)
+
+
+__all__ = ["app", "build_app", "serve", "uvicorn_config"]

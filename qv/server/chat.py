@@ -18,10 +18,10 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 import jinja2
+import pydantic_core
 
 from qv.server.errors import bad_request
 from qv.server.media import check_media_part
@@ -72,8 +72,8 @@ def content_text(content, where: str, allow_media: bool = False) -> str | list[d
 def _tool_call_arguments(args, where: str) -> dict:
     if isinstance(args, dict):
         return args
-    try:
-        parsed = json.loads(args) if args.strip() else {}
+    try:  # pydantic's parser: nesting past its limit is a ValueError, never a RecursionError
+        parsed = pydantic_core.from_json(args) if args.strip() else {}
     except ValueError as exc:
         raise bad_request(f"{where} is not valid JSON: {exc}", where) from None
     if not isinstance(parsed, dict):

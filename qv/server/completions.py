@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from qv.server.errors import APIError, bad_request, internal_error, sse_error
 from qv.server.logprobs import (completion_logprobs, echo_logprobs, joined, prompt_logprobs_field,
@@ -15,7 +15,7 @@ from qv.server.logprobs import (completion_logprobs, echo_logprobs, joined, prom
 from qv.server.openai import read_request, stream_response, usage
 from qv.server.protocol import CompletionRequest
 from qv.server.state import ServerState, random_id
-from qv.server.structured import compile_constraint
+from qv.server.structured import compile_constraint, constraint_field
 from qv.server.streaming import DONE, merge, sse, until_disconnect
 
 
@@ -57,14 +57,15 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     items = _items(state, req)
     params = state.sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs, prompt_logprobs=(
         prompt_logprobs_field(state, req.prompt_logprobs, req.logprobs if req.echo else None)))
-    params.grammar = await compile_constraint(state, req)
     state.check_capacity(len(items) * req.n)  # the whole request at once, before the work
+    params.grammar = await compile_constraint(state, req, request=request)
     prompts = await state.offload(size, _prompts, state, req, items, params)
     rid, created = random_id("cmpl"), int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
     seats = state.admit(len(prompts) * req.n)
     try:
-        gens = [state.generate(f"{rid}-{k}", ids, params, prompt=text, cache_salt=req.cache_salt, admission=seats)
+        gens = [state.generate(f"{rid}-{k}", ids, params, prompt=text, cache_salt=req.cache_salt, admission=seats,
+                               grammar_field=constraint_field(req))
                 for k, (text, ids) in enumerate(prompts)]
         if req.stream:
             trailer = sse_error(state.stopped_error()) + DONE
@@ -85,10 +86,11 @@ async def create_completion(state: ServerState, request: Request) -> Response:
         seats.release()
         raise
     seats.release()
-    if params.prompt_logprobs is None:
-        return JSONResponse(completion_response(state, req, head, prompts, finals))
-    # an entry per prompt token: built and rendered off the event loop
-    return await state.offload(0, lambda: JSONResponse(completion_response(state, req, head, prompts, finals)))
+    per_token = 1 + (req.logprobs or 0)
+    entries = sum(len(o.token_ids) for f in finals for o in f.outputs) * per_token
+    if params.prompt_logprobs is not None:
+        entries += sum(len(f.prompt_token_ids) for f in finals) * (1 + params.prompt_logprobs)
+    return await state.json_response(entries, lambda: completion_response(state, req, head, prompts, finals))
 
 
 def _echo_logprobs(state: ServerState, req: CompletionRequest, out) -> dict:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from qv.server.chat import RenderedPrompt, render_chat
 from qv.server.errors import APIError, internal_error, sse_error, validation_error
@@ -18,7 +18,7 @@ from qv.server.parsers import OutputStream, Qwen3CoderToolParser, parse_output
 from qv.server.protocol import ChatCompletionRequest
 from qv.server.state import ServerState, random_id
 from qv.server.streaming import DONE, LARGE_BYTES, SSEResponse, last_output, read_json_sized, sse, until_disconnect
-from qv.server.structured import check_not_thinking, compile_constraint
+from qv.server.structured import check_not_thinking, compile_constraint, constraint_field
 
 
 def validate_body(model_cls, body: dict):
@@ -40,7 +40,8 @@ async def read_request(state: ServerState, request: Request, model_cls):
 def stream_response(state: ServerState, chunks, admission, trailer: bytes) -> SSEResponse:
     """SSE for a request in flight: cut at the end of the shutdown grace with `trailer`, its seats
     released however it ends."""
-    return SSEResponse(chunks, stop=state.stopping, trailer=trailer, on_close=admission.release)
+    return SSEResponse(chunks, stop=state.stopping, trailer=trailer, on_close=admission.release,
+                       stall_timeout_s=state.stream_stall_timeout_s)
 
 
 @dataclass
@@ -72,8 +73,8 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     prompt_lps = None if req.stream else prompt_logprobs_field(state, req.prompt_logprobs)
     params = state.sampling_params(req, max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                                    names=names, prompt_logprobs=prompt_lps)
-    params.grammar = await compile_constraint(state, req)
     state.check_capacity(req.n)  # before the work; admit() below holds the seats
+    params.grammar = await compile_constraint(state, req, request=request)
     check = None if req.truncate_prompt_tokens else (lambda text: state.check_text(text, max_tokens, "messages"))
     thinking = state.enable_thinking and req.constraint is None  # a grammar applies from the first token
     rendered = await state.offload(size, render_chat, state.tokenizer, req, thinking, check)
@@ -90,6 +91,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     seats = state.admit(req.n)
     try:
         gen = state.generate(ctx.request_id, prompt_ids, params, prompt=rendered.text, cache_salt=req.cache_salt,
+                             grammar_field=constraint_field(req),
                              multimodal=mm, admission=seats)
         if req.stream:
             return stream_response(state, chat_stream(state, ctx, gen), seats, sse_error(state.stopped_error()) + DONE)
@@ -98,9 +100,9 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
         seats.release()
         raise
     seats.release()
-    if prompt_lps is None:
-        return JSONResponse(chat_response(state, ctx, final))
-    return await state.offload(0, lambda: JSONResponse(chat_response(state, ctx, final)))  # an entry per prompt token
+    entries = sum(len(o.token_ids) for o in final.outputs) * (1 + (req.top_logprobs or 0) if req.logprobs else 1)
+    entries += len(final.prompt_token_ids) * (1 + (prompt_lps or 0)) if prompt_lps is not None else 0
+    return await state.json_response(entries, lambda: chat_response(state, ctx, final))
 
 
 def chat_response(state: ServerState, ctx: ChatContext, out) -> dict:

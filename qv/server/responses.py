@@ -16,7 +16,7 @@ from qv.server.openai import ChatContext, read_request, stream_response, validat
 from qv.server.parsers import OutputStream, Qwen3CoderToolParser, parse_output
 from qv.server.protocol import ChatCompletionRequest, ResponsesRequest
 from qv.server.state import ServerState, random_id
-from qv.server.structured import check_not_thinking, compile_constraint
+from qv.server.structured import check_not_thinking, compile_constraint, constraint_field
 from qv.server.streaming import DONE, last_output, sse_event, until_disconnect
 
 ROLES = ("user", "system", "developer", "assistant")
@@ -138,8 +138,8 @@ async def create_response(state: ServerState, request: Request) -> Response:
     req = to_chat_request(rreq)
     names = {"max_tokens": "max_output_tokens"}
     params = state.sampling_params(req, max_tokens=req.max_output_tokens, logprobs=None, names=names)
-    params.grammar = await compile_constraint(state, req, {"response_format": "text.format"})
     state.check_capacity(1)
+    params.grammar = await compile_constraint(state, req, {"response_format": "text.format"}, request)
     check = lambda text: state.check_text(text, req.max_output_tokens, "input")  # noqa: E731
     thinking = state.enable_thinking and req.constraint is None  # a grammar applies from the first token
     rendered = await state.offload(size, render_chat, state.tokenizer, req, thinking, check)
@@ -151,6 +151,7 @@ async def create_response(state: ServerState, request: Request) -> Response:
     seats = state.admit(1)
     try:
         gen = state.generate(ctx.request_id, rendered.token_ids, params, prompt=rendered.text,
+                             grammar_field=constraint_field(req, {"response_format": "text.format"}),
                              cache_salt=req.cache_salt, admission=seats)
         if rreq.stream:
             stopped = state.stopped_error()

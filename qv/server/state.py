@@ -16,8 +16,11 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
+from starlette.responses import JSONResponse
+
 from qv.config import EngineConfig
 from qv.engine.request import InvalidRequestError, SamplingParams, TextBound
+from qv.engine.structured import GRAMMAR_STOPPED
 from qv.server.errors import (BUSY_MESSAGE, SHUTDOWN_MESSAGE, STOPPED_MESSAGE, APIError, bad_request,
                               internal_error)
 from qv.server.media import ServerMedia
@@ -28,6 +31,8 @@ log = logging.getLogger("qv.server")
 
 LARGE_WORKERS = 2  # threads for bodies of LARGE_BYTES or more (tokenizers release the GIL; templating shares it)
 LARGE_QUEUE = 16  # such bodies in work at once (running and waiting for a thread); more get 503
+LARGE_RESPONSE_ENTRIES = 4096  # output tokens x (1 + top logprobs) from which a body is built off the loop
+GRAMMAR_WAITERS_PER_WORKER = 4  # grammar compiles in work or waiting per compile worker; more get 503
 
 
 def random_id(prefix: str, sep: str = "-") -> str:
@@ -64,6 +69,7 @@ class ServerState:
         self.max_prompts = cfg.max_prompts_per_request
         self.max_logprobs = cfg.max_logprobs
         self.shutdown_grace_s = cfg.shutdown_grace_s
+        self.stream_stall_timeout_s = cfg.stream_stall_timeout_s
         self.created = int(time.time())
         self.in_flight = 0  # requests of this server between submission and their last output
         self.unstarted = 0  # sequences admitted that have not produced a token yet (Admission)
@@ -80,6 +86,10 @@ class ServerState:
                      "shrink %dx, max_model_len %d)", b.max_token_bytes * b.shrink * self.max_model_len,
                      b.max_token_bytes, b.shrink, self.max_model_len)
         self._large = ThreadPoolExecutor(LARGE_WORKERS, thread_name_prefix="qv-tokenize")
+        # threads that wait on the engine's grammar compile processes, apart from those that render chats
+        self.max_grammar_waiters = GRAMMAR_WAITERS_PER_WORKER * cfg.grammar_compile_workers
+        self.grammar_pool = ThreadPoolExecutor(self.max_grammar_waiters, thread_name_prefix="qv-grammar")
+        self.grammar_waiters = 0
         self._large_jobs = 0
         self.metrics = ServerMetrics(engine, self.model_name, self.max_model_len)
         self.media = ServerMedia(cfg, getattr(engine, "multimodal", None),  # image/video parts of chat requests
@@ -102,6 +112,13 @@ class ServerState:
             return await asyncio.get_running_loop().run_in_executor(self._large, fn, *args)
         finally:
             self._large_jobs -= 1
+
+    async def json_response(self, entries: int, build) -> JSONResponse:
+        """JSONResponse(build()): built and serialized on a worker thread when the body holds many
+        entries (tokens, logprobs), so that n=64 x 1000 tokens x 20 logprobs never stalls the loop."""
+        if entries < LARGE_RESPONSE_ENTRIES:
+            return JSONResponse(build())
+        return await asyncio.to_thread(lambda: JSONResponse(build()))
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         """Tokenize (call it off the loop: the fast tokenizer releases the GIL while it works)."""
@@ -221,15 +238,17 @@ class ServerState:
 
     def close(self) -> None:
         self._large.shutdown(wait=False, cancel_futures=True)
+        self.grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- running ---------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        prompt: str | None = None, cache_salt: str | None = None, multimodal=None,
-                       admission: Admission | None = None):
+                       admission: Admission | None = None, grammar_field: str = "response_format"):
         """engine.generate with metrics; engine failures become APIErrors (500, or 400 for a
         request the engine refused). Closing this iterator closes the engine's (abort).
         multimodal: the prompt's images/videos (a MultimodalPrompt from `self.media.prompt`);
-        admission: the seats this prompt's n sequences hold, given back at its first output."""
+        admission: the seats this prompt's n sequences hold, given back at its first output;
+        grammar_field: the field named when the request's grammar is stopped (grammar_mask_budget_ms)."""
         tracker = self.metrics.tracker(params.n, params.max_tokens)
         gen = self.engine.generate(request_id, prompt_ids, params, prompt=prompt, cache_salt=cache_salt,
                                    multimodal=multimodal)
@@ -242,6 +261,8 @@ class ServerState:
                             admission.release(held)
                             held = 0
                         tracker.on_output(out)
+                        if out.error and out.error.startswith(GRAMMAR_STOPPED):  # the client's grammar, not a bug
+                            raise bad_request(out.error, grammar_field)
                         if out.error:
                             raise internal_error("the engine failed this request", request_id, detail=out.error)
                         if out.finished:

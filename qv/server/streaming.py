@@ -161,11 +161,13 @@ class SSEResponse:
 
     stop: set when the server's shutdown grace runs out; the stream is then cut (its engine request
     aborted) and ends with `trailer` (the route's final error event and `[DONE]`).
+    stall_timeout_s: a client that takes no chunk for this long is cut (stream_stall_timeout_s).
     on_close: called once the response is over, however it ended (releases the admission seats)."""
 
     def __init__(self, chunks: AsyncIterator[bytes], headers: dict | None = None, stop: asyncio.Event | None = None,
-                 trailer: bytes = b"", on_close=None):
+                 trailer: bytes = b"", on_close=None, stall_timeout_s: float | None = None):
         self.chunks = chunks
+        self.stall_timeout_s = stall_timeout_s
         self.stop, self.trailer, self.on_close = stop, trailer, on_close
         self.headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                         (b"x-accel-buffering", b"no")]
@@ -193,10 +195,13 @@ class SSEResponse:
                     tg.start_soon(watch_stop)
                 try:
                     async for chunk in self.chunks:
-                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                        # a client that reads nothing fills the socket's buffer and pauses this send (and the
+                        # next chunk); past stall_timeout_s it is cut and its engine request aborted
+                        with anyio.fail_after(self.stall_timeout_s):
+                            await send({"type": "http.response.body", "body": chunk, "more_body": True})
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
                     done = True
-                except OSError:  # the client went away mid-write
+                except (OSError, TimeoutError):  # the client went away mid-write, or stopped reading
                     gone = True
                 tg.cancel_scope.cancel()
             if cut and not (gone or done):

@@ -28,6 +28,7 @@ from qv.server.streaming import read_body, until_disconnect
 
 JSON, MULTIPART = "application/json", "multipart/form-data"
 REQUEST_PART = "request"  # the multipart part that holds the JSON body (the TypeSafe SDK's name)
+MAX_BOUNDARY = 70  # RFC 2046, section 5.1.1
 
 
 async def create_decision(state: ServerState, request: Request) -> Response:
@@ -39,7 +40,8 @@ async def create_decision(state: ServerState, request: Request) -> Response:
         state.check_model(decision.model)
     images = await load_images(state, decision.image_sources(parts))
     try:
-        record = await asyncio.to_thread(encode_decision, state.tokenizer, decision, cap, images, state.media.inputs)
+        record = await asyncio.to_thread(encode_decision, state.tokenizer, decision, cap, images, state.media.inputs,
+                                         state.text_bound)
     except ClefRequestError as exc:
         raise bad_request(str(exc), exc.param) from None
     except InvalidRequestError as exc:
@@ -83,6 +85,9 @@ def read_multipart(content_type: str, body: bytes, max_parts: int) -> dict[str, 
     boundary = params.get(b"boundary")
     if not boundary:
         raise bad_request("the multipart body's Content-Type has no boundary")
+    if len(boundary) > MAX_BOUNDARY:
+        raise bad_request(f"the multipart boundary is {len(boundary)} characters long; RFC 2046 allows at most "
+                          f"{MAX_BOUNDARY}")
     parts: dict[str, bytearray] = {}
     header: list[bytes] = [b"", b""]  # the header line being read: name, value
     seen = {"disposition": b"", "current": bytearray(), "ended": False}

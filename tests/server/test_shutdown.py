@@ -1,7 +1,8 @@
 """SIGTERM drains, under `qv serve` and plain `uvicorn qv.server:app` alike (real subprocesses, a real
 signal): requests in flight may go on until the grace is nearly over, then a stream ends with an error
 event and `[DONE]`, a non-streaming client gets a JSON 503 (not uvicorn's plain-text 500), a new
-request is refused, and the process exits within shutdown_grace_s. In process: while draining, new
+request and /health get 503, a second signal changes nothing, and the process exits within
+shutdown_grace_s. In process: while draining, new
 requests get 503 with Retry-After and /health says 503, and /metrics still answers."""
 
 from __future__ import annotations
@@ -54,8 +55,10 @@ def _running(url: str) -> float:
                if line.startswith("vllm:num_requests_running{"))
 
 
-@pytest.mark.parametrize("kind", ["qv serve", "uvicorn"])
-def test_sigterm_drains_and_exits_within_the_grace(kind, tiny_model):
+@pytest.mark.parametrize("kind, signals", [("qv serve", (signal.SIGTERM,)), ("uvicorn", (signal.SIGTERM,)),
+                                           ("qv serve", (signal.SIGTERM, signal.SIGINT))])
+def test_sigterm_drains_and_exits_within_the_grace(kind, signals, tiny_model):
+    """A second signal (SIGTERM then Ctrl+C) changes nothing: uvicorn alone would cut every stream."""
     proc, url = _launch(kind, tiny_model)
     try:
         events, answer = [], {}
@@ -81,13 +84,15 @@ def test_sigterm_drains_and_exits_within_the_grace(kind, tiny_model):
             assert time.time() < deadline, "the two requests never ran"
             time.sleep(0.05)
         t0 = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signals[0])
         time.sleep(0.05)
-        try:  # a new request: refused, by the drain (503) or by the closed listener
-            late = httpx.post(url + "/v1/completions", json={"prompt": "late", "max_tokens": 2}, timeout=10)
-            assert late.status_code == 503 and "shutting down" in late.json()["error"]["message"], late.text
-        except httpx.TransportError:
-            pass
+        # a new request: refused by the drain (503), the listener open while requests are in flight
+        late = httpx.post(url + "/v1/completions", json={"prompt": "late", "max_tokens": 2}, timeout=10)
+        assert late.status_code == 503 and "shutting down" in late.json()["error"]["message"], late.text
+        assert httpx.get(url + "/health", timeout=10).status_code == 503
+        for sig in signals[1:]:
+            time.sleep(0.3)
+            proc.send_signal(sig)
         proc.wait(timeout=GRACE_S + 10)
         exited = time.monotonic() - t0
         for t in clients:
