@@ -48,10 +48,11 @@ def test_gemm_split_k_and_odd_rows(swap):
     check(5, 48, 256, 64, torch.bfloat16, split=3, SWAP=swap)
 
 
-def test_gemm_bf16_products():
+@pytest.mark.parametrize("swap", [False, True])
+def test_gemm_bf16_products(swap):
     """f16=False: bf16 rows multiply a bf16-dequantized tile (no row scaling pass)."""
     torch.manual_seed(3)
-    check(21, 64, 128, 32, torch.bfloat16, zeros=True, f16=False)
+    check(21, 64, 128, 32, torch.bfloat16, zeros=True, f16=False, SWAP=swap)
 
 
 def test_gemm_k_ends_inside_a_group_is_refused_without_tma():

@@ -63,18 +63,24 @@ def gptq_gemm_kernel(
             b_z = (tl.load(z_ptr + g_off + o_n, mask=m_n, other=0.).to(tl.float32) + 1024.).to(tl.float16)
         else:
             b_z = tl.full([BLOCK_N], 1152., dtype=tl.float16)  # 1024 + the symmetric zero 128
-        if SWAP:
+        if SWAP:  # the weight tile [BN, BK]: scales per row
             b_w = codes_f16(tl.trans(b_q), ASM) - b_z[:, None]
-            cd = b_x.dtype
-            acc = tl.dot(b_w.to(cd) * b_s.to(cd)[:, None], tl.trans(b_x), acc)
+            b_sw = b_s[:, None]
         else:
             b_w = codes_f16(b_q, ASM) - b_z[None, :]
-            if F32_DOT:  # Triton's interpreter has no bf16 arithmetic: the products in fp32
-                acc = tl.dot(b_x.to(tl.float32), b_w.to(tl.float32) * b_s.to(tl.float32)[None, :], acc,
-                             input_precision="ieee")
+            b_sw = b_s[None, :]
+        if F32_DOT:  # Triton's interpreter has no bf16 arithmetic: the products in fp32
+            b_w = b_w.to(tl.float32) * b_sw.to(tl.float32)
+            if SWAP:
+                acc = tl.dot(b_w, tl.trans(b_x.to(tl.float32)), acc, input_precision="ieee")
             else:
-                cd = b_x.dtype
-                acc = tl.dot(b_x, b_w.to(cd) * b_s.to(cd)[None, :], acc)
+                acc = tl.dot(b_x.to(tl.float32), b_w, acc, input_precision="ieee")
+        else:
+            b_w = b_w.to(b_x.dtype) * b_sw.to(b_x.dtype)
+            if SWAP:
+                acc = tl.dot(b_w, tl.trans(b_x), acc)
+            else:
+                acc = tl.dot(b_x, b_w, acc)
     if SWAP:
         acc = tl.trans(acc)
     if ROW_SCALE:  # rows that came in scaled by a power of two (rows_to_f16)
