@@ -59,3 +59,13 @@ def find_seq(cu_ptr, x, B, BQ: tl.constexpr, VIRTUAL: tl.constexpr):
         else:
             hi = mid - 1
     return lo
+
+
+@triton.jit
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of program pid in a GEMM grid where GROUP_M row tiles sweep the columns
+    together, so the programs running at once share weight tiles in L2."""
+    n_m, n_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    first_m = pid // (GROUP_M * n_n) * GROUP_M
+    size_m = tl.minimum(n_m - first_m, GROUP_M)
+    return first_m + (pid % (GROUP_M * n_n)) % size_m, (pid % (GROUP_M * n_n)) // size_m

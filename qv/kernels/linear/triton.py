@@ -35,7 +35,7 @@ from qv.kernels.linear.cuda_sm90 import gemv_cuda
 from qv.kernels.linear.triton_gemm import gemm, rows_to_f16
 from qv.kernels.linear.triton_int4 import int4_linear
 from qv.kernels.linear.triton_gemv import codes_f16, gemv_fma, gemv_mma, k_ranges, sum_partials
-from qv.kernels.triton_utils import interpreting, next_pow2, num_sms
+from qv.kernels.triton_utils import grouped_tile, interpreting, next_pow2, num_sms
 
 
 @triton.jit
@@ -71,13 +71,7 @@ def gptq_matmul_kernel(
     HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, GATHER: tl.constexpr, F16: tl.constexpr,  # 0, 1 or 2
     TILE_SCALE: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr, ASM: tl.constexpr, ROW_SCALE: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    n_m, n_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * n_n)  # GROUP_M row tiles sweep the columns together (L2 reuse of weights)
-    first_m = group * GROUP_M
-    size_m = tl.minimum(n_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * n_n)) % size_m
-    pid_n = (pid % (GROUP_M * n_n)) // size_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     o_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     o_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     m_m, m_n = o_m < M, o_n < N

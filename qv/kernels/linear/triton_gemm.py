@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from qv.kernels.linear.triton_gemv import codes_f16, k_ranges, sum_partials
-from qv.kernels.triton_utils import interpreting, next_pow2, num_sms
+from qv.kernels.triton_utils import grouped_tile, interpreting, next_pow2, num_sms
 
 
 @triton.jit
@@ -32,13 +32,7 @@ def gptq_gemm_kernel(
 ):
     """x_ptr/q_ptr: tensor descriptors of x [M, K] and the codes [K, N] when TMA, else pointers (K a multiple
     of BLOCK_K there). A K tile lies in one scale group (BLOCK_K divides GROUP)."""
-    pid = tl.program_id(0)
-    n_m, n_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * n_n)
-    first_m = group * GROUP_M
-    size_m = tl.minimum(n_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * n_n)) % size_m
-    pid_n = (pid % (GROUP_M * n_n)) // size_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
     o_m = off_m + tl.arange(0, BLOCK_M)
     o_n = off_n + tl.arange(0, BLOCK_N)

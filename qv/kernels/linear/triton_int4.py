@@ -24,7 +24,7 @@ import triton.language as tl
 
 from qv.kernels.linear import GPTQWeight
 from qv.kernels.linear.triton_gemv import k_ranges, sum_partials
-from qv.kernels.triton_utils import interpreting, num_sms
+from qv.kernels.triton_utils import grouped_tile, interpreting, num_sms
 
 DEQUANT_MIN_M = 1024  # rows from which the dequantized workspace + cuBLAS path runs (GPU)
 MIN_BLOCK_K = 32  # two dots of BLOCK_K/2 >= 16 columns of x each
@@ -37,13 +37,7 @@ def int4_matmul_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, GATHER: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    n_m, n_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * n_n)  # GROUP_M row tiles sweep the columns together (L2 reuse of weights)
-    first_m = group * GROUP_M
-    size_m = tl.minimum(n_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * n_n)) % size_m
-    pid_n = (pid % (GROUP_M * n_n)) // size_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     o_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     o_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     m_m, m_n = o_m < M, o_n < N
