@@ -41,18 +41,22 @@ class Running:
         return total
 
 
-def start_server(model_dir, max_model_len: int = MAX_MODEL_LEN, **levers) -> tuple[Running, callable]:
+def start_server(model_dir, max_model_len: int = MAX_MODEL_LEN, qv_connections: bool = False,
+                 **levers) -> tuple[Running, callable]:
+    """qv_connections: uvicorn with `qv serve`'s connection settings (timeouts, the connection cap)."""
     import uvicorn
 
     from qv.config import EngineConfig
-    from qv.server.app import build_app
+    from qv.server.app import build_app, uvicorn_config
 
     cfg = EngineConfig(model=str(model_dir), max_model_len=max_model_len, **levers)
     app = build_app(cfg)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    config = (uvicorn_config(app, cfg, log_level="warning") if qv_connections
+              else uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name=f"uvicorn-{port}")
     thread.start()
     deadline = time.time() + 300

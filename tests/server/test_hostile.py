@@ -20,7 +20,7 @@ import httpx
 import psutil
 import pytest
 
-from conftest import Running
+from conftest import Running, start_server
 
 SLACK_S = 5.0  # beyond an attack's own budget, for a loaded 2-core machine
 HEALTH_S = 0.5  # the bound on /health while an attack runs
@@ -29,29 +29,7 @@ LEVERS = dict(grammar_compile_timeout_s=3.0, grammar_compile_workers=1, grammar_
 
 
 def _start(model_dir, **levers) -> tuple[Running, callable]:
-    import uvicorn
-
-    from qv.config import EngineConfig
-    from qv.server.app import build_app, uvicorn_config
-
-    cfg = EngineConfig(model=str(model_dir), max_model_len=2048, **levers)
-    app = build_app(cfg)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn_config(app, cfg, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.time() + 300
-    while not server.started:
-        assert thread.is_alive() and time.time() < deadline, "the test server did not start"
-        time.sleep(0.05)
-
-    def stop():
-        server.should_exit = True
-        thread.join(timeout=30)
-        sock.close()
-    return Running(f"http://127.0.0.1:{port}", app, str(model_dir)), stop
+    return start_server(model_dir, 2048, qv_connections=True, **levers)
 
 
 @pytest.fixture(scope="module")
