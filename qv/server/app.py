@@ -34,7 +34,7 @@ from starlette.routing import Route
 
 from qv.config import ConfigError, EngineConfig
 from qv.errors import StartupError
-from qv.server import completions, openapi, ops, openai, responses, systemone
+from qv.server import anthropic, completions, openapi, ops, openai, responses, systemone
 from qv.server.errors import SHUTDOWN_MESSAGE, APIError, api_error_response, error_response, internal_error
 from qv.server.state import ServerState
 from qv.server.streaming import ClientDisconnected
@@ -101,6 +101,8 @@ ROUTES = [
     ("/v1/chat/completions", openai.create_chat_completion, "POST"),
     ("/v1/completions", completions.create_completion, "POST"),
     ("/v1/responses", responses.create_response, "POST"),
+    ("/v1/messages", anthropic.create_message, "POST"),
+    ("/v1/messages/count_tokens", anthropic.count_tokens, "POST"),
     ("/v1/systemone", systemone.create_decision, "POST"),
     ("/v1/models", ops.list_models, "GET"),
     ("/v1/models/{model:path}", ops.retrieve_model, "GET"),  # `path`: served names may hold a `/`
@@ -286,6 +288,7 @@ def build_app(cfg: EngineConfig | None = None, engine=None) -> Starlette:
     routes = [Route(path, _endpoint(fn), methods=[method], name=fn.__name__) for path, fn, method in ROUTES]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error})
     app.add_middleware(Guards, cfg_ref=cfg_ref)
+    app.add_middleware(anthropic.AnthropicEdge)  # outside the guards: x-api-key, Anthropic's error shape
     return app
 
 
