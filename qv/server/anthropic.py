@@ -215,11 +215,11 @@ def _signature(thinking: str) -> str:
 
 
 def stop_reason(o, tools_called: bool) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence) of a finished output."""
-    if tools_called:
-        return "tool_use", None
+    """(stop_reason, stop_sequence) of a finished output (a call cut by max_tokens is max_tokens)."""
     if o.finish_reason == "length":
         return "max_tokens", None
+    if tools_called:
+        return "tool_use", None
     if isinstance(o.stop_reason, str):
         return "stop_sequence", o.stop_reason
     return "end_turn", None
