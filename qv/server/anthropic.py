@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import time
 
 from starlette.requests import Request
@@ -37,6 +38,8 @@ from qv.server.anthropic_protocol import (CountTokensRequest, ImageBlock, Messag
 log = logging.getLogger("qv.server")
 
 PATH = "/v1/messages"
+WHERE = "qv_where"  # an image part's mark: its block's place in the Anthropic request
+PLACE = re.compile(r"messages\[\d+\]\.content\[\d+\]")
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
                503: "overloaded_error", 529: "overloaded_error"}
@@ -58,11 +61,12 @@ def _text_part(text: str) -> dict:
     return {"type": "text", "text": text}
 
 
-def _image_part(block: ImageBlock) -> dict:
-    return {"type": "image_url", "image_url": {"url": block.url()}}
+def _image_part(block: ImageBlock, where: str) -> dict:
+    """An image_url part; `where` (the block's place in this request) is taken out by chat_messages."""
+    return {"type": "image_url", "image_url": {"url": block.url()}, WHERE: where}
 
 
-def _tool_result(block: ToolResultBlock) -> tuple[dict, list[dict]]:
+def _tool_result(block: ToolResultBlock, where: str) -> tuple[dict, list[dict]]:
     """A tool_result -> the tool message and the images it returned (which go to a user message after
     it: the chat template shows images in user turns)."""
     content = block.content
@@ -70,7 +74,7 @@ def _tool_result(block: ToolResultBlock) -> tuple[dict, list[dict]]:
         text, images = content or "", []
     else:
         text = "\n".join(b.text for b in content if isinstance(b, TextBlock))
-        images = [_image_part(b) for b in content if isinstance(b, ImageBlock)]
+        images = [_image_part(b, f"{where}.content[{k}]") for k, b in enumerate(content) if isinstance(b, ImageBlock)]
     if block.is_error:
         text = f"Error: {text}"  # the model is told the call failed, as Anthropic's is_error means
     return {"role": "tool", "tool_call_id": block.tool_use_id, "content": text}, images
@@ -84,9 +88,9 @@ def _user_turn(content: list, where: str) -> list[dict]:
         if isinstance(block, TextBlock):
             parts.append(_text_part(block.text))
         elif isinstance(block, ImageBlock):
-            parts.append(_image_part(block))
+            parts.append(_image_part(block, f"{where}.content[{j}]"))
         elif isinstance(block, ToolResultBlock):
-            tool, images = _tool_result(block)
+            tool, images = _tool_result(block, f"{where}.content[{j}]")
             out.append(tool)
             parts.extend(images)
         else:
@@ -136,13 +140,34 @@ def chat_messages(req: PromptFields) -> list[dict]:
     return messages
 
 
+def image_places(messages: list[dict]) -> dict[str, str]:
+    """{chat path of an image part: its path in the Anthropic request}, the marks taken out."""
+    places = {}
+    for i, m in enumerate(messages):
+        for j, part in enumerate(m["content"] if isinstance(m.get("content"), list) else []):
+            if WHERE in part:
+                places[f"messages[{i}].content[{j}]"] = part.pop(WHERE)
+    return places
+
+
+def in_request_terms(exc: APIError, places: dict[str, str]) -> APIError:
+    """A media error names the chat message's part: name the request's block instead."""
+    rename = lambda text: PLACE.sub(lambda m: places.get(m.group(0), m.group(0)), text) if text else text  # noqa: E731
+    return APIError(exc.status, rename(exc.message), rename(exc.param), exc.headers)
+
+
 def thinking_on(req: PromptFields, default: bool) -> bool:
     """`thinking` decides (enabled or adaptive: on); without it, the server's enable_thinking lever does."""
     return default if req.thinking is None else not isinstance(req.thinking, ThinkingDisabled)
 
 
-def to_chat_request(req: PromptFields) -> ChatCompletionRequest:
-    body: dict = {"messages": chat_messages(req)}
+def to_chat_request(req: PromptFields) -> tuple[ChatCompletionRequest, dict[str, str]]:
+    """The chat request, and image_places of its messages."""
+    messages = chat_messages(req)
+    places = image_places(messages)
+    body: dict = {"messages": messages}
+    if req.messages[-1].role == "assistant":  # Anthropic's prefill: the answer continues that text
+        body.update(add_generation_prompt=False, continue_final_message=True)
     if req.thinking is not None:
         body["chat_template_kwargs"] = {"enable_thinking": not isinstance(req.thinking, ThinkingDisabled)}
     if req.tools:
@@ -156,7 +181,7 @@ def to_chat_request(req: PromptFields) -> ChatCompletionRequest:
     if isinstance(req, MessagesRequest):
         body.update(max_tokens=req.max_tokens, stop=req.stop_sequences, temperature=req.temperature,
                     top_p=req.top_p, top_k=req.top_k, stream=req.stream)
-    return validate_body(ChatCompletionRequest, {k: v for k, v in body.items() if v is not None})
+    return validate_body(ChatCompletionRequest, {k: v for k, v in body.items() if v is not None}), places
 
 
 async def _render(state: ServerState, request: Request, model_cls):
@@ -164,12 +189,15 @@ async def _render(state: ServerState, request: Request, model_cls):
     prompt's token ids)."""
     areq, size = await read_request(state, request, model_cls)
     state.check_model(areq.model)
-    req = to_chat_request(areq)
+    req, places = to_chat_request(areq)
     max_tokens = getattr(areq, "max_tokens", None)
     check = lambda text: state.check_text(text, max_tokens, "messages")  # noqa: E731
     rendered = await state.offload(size, render_chat, state.tokenizer, req, thinking_on(areq, state.enable_thinking),
                                    check)
-    mm = await state.media.prompt(req.messages, rendered.token_ids)  # images fetched, checked and expanded
+    try:
+        mm = await state.media.prompt(req.messages, rendered.token_ids)  # images fetched, checked and expanded
+    except APIError as exc:
+        raise in_request_terms(exc, places) from None
     return areq, req, rendered, mm, mm.token_ids if mm is not None else rendered.token_ids
 
 

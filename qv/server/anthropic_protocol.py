@@ -104,7 +104,7 @@ ContentBlock = Annotated[Union[TextBlock, ImageBlock, ToolUseBlock, ToolResultBl
 
 class InputMessage(AnthropicModel):
     role: Literal["user", "assistant"]
-    content: str | list[ContentBlock]
+    content: str | Annotated[list[ContentBlock], Field(min_length=1)]
 
 
 class Tool(AnthropicModel):

@@ -91,6 +91,16 @@ def test_plain_message_equals_the_chat_path(client, server, model):
     assert m.stop_reason == reason and m.stop_sequence is None
 
 
+def test_assistant_prefill_is_continued(client, server, model):
+    turns = USER + [{"role": "assistant", "content": "The colour is"}]
+    m = client.messages.create(model=model, max_tokens=6, messages=turns, extra_body=GREEDY)
+    c = chat(server, model, turns, max_tokens=6, add_generation_prompt=False, continue_final_message=True)
+    assert m.content[0].text == c["choices"][0]["message"]["content"]
+    assert prompt_tokens(m.usage) == c["usage"]["prompt_tokens"]
+    opened = chat(server, model, turns, max_tokens=6)
+    assert opened["usage"]["prompt_tokens"] != c["usage"]["prompt_tokens"]  # not a new assistant turn
+
+
 def test_system_prompt_string_and_blocks(client, server, model):
     system = "You are terse."
     as_text = client.messages.create(model=model, max_tokens=8, system=system, messages=USER, extra_body=GREEDY)
@@ -245,6 +255,8 @@ def test_errors_have_anthropics_shape(client, server, model):
     assert "frequency_penalty" in error_of(post(dict(base, frequency_penalty=0.5)), 400, "invalid_request_error")
     assert "service_tier" in error_of(post(dict(base, service_tier="auto")), 400, "invalid_request_error")
     assert "temperature" in error_of(post(dict(base, temperature=1.5)), 400, "invalid_request_error")
+    empty = [USER[0], {"role": "assistant", "content": []}, USER[0]]
+    assert "messages[1].content" in error_of(post(dict(base, messages=empty)), 400, "invalid_request_error")
     redacted = [USER[0], {"role": "assistant", "content": [{"type": "redacted_thinking", "data": "xx"}]}, USER[0]]
     assert "redacted_thinking" in error_of(post(dict(base, messages=redacted)), 400, "invalid_request_error")
     assert "budget_tokens" in error_of(post(dict(base, thinking={"type": "enabled", "budget_tokens": 4})), 400,
@@ -259,7 +271,12 @@ def test_errors_have_anthropics_shape(client, server, model):
     assert "max_tokens" in too_long or "context" in too_long
     bad = [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                                                      "data": base64.b64encode(b"not a png").decode()}}]}]
-    assert "messages" in error_of(post(dict(base, messages=bad)), 400, "invalid_request_error")
+    assert "messages[0].content[0]" in error_of(post(dict(base, system="S", messages=bad)), 400,
+                                                "invalid_request_error")  # the request's block, not the chat's
+    in_result = [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
+        {"type": "text", "text": "x"}, bad[0]["content"][0]]}]}]
+    assert "messages[0].content[0].content[1]" in error_of(post(dict(base, messages=in_result)), 400,
+                                                           "invalid_request_error")
     inside = [{"role": "user", "content": [{"type": "image", "source": {"type": "url",
                                                                        "url": server.url + "/metrics"}}]}]
     error_of(post(dict(base, messages=inside)), 400, "invalid_request_error")  # the SSRF check: a loopback URL
