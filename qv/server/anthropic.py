@@ -318,8 +318,9 @@ class _BlockWriter:
         return out
 
     def text(self, kind: str, text: str) -> list[bytes]:
-        out = [] if self.open is not None and self.open["type"] == kind else self._start(
-            {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else {"type": "text", "text": ""})
+        empty = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else {"type": "text",
+                                                                                                  "text": ""}
+        out = [] if self.open is not None and self.open["type"] == kind else self._start(empty)
         self.open["text"] += text
         key = "thinking" if kind == "thinking" else "text"
         return out + [self._delta({"type": f"{key}_delta", key: text})]

@@ -104,8 +104,8 @@ def test_assistant_prefill_is_continued(client, server, model):
 def test_system_prompt_string_and_blocks(client, server, model):
     system = "You are terse."
     as_text = client.messages.create(model=model, max_tokens=8, system=system, messages=USER, extra_body=GREEDY)
-    as_blocks = client.messages.create(model=model, max_tokens=8, messages=USER, extra_body=GREEDY,
-                                       system=[{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}])
+    blocks = [{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}]
+    as_blocks = client.messages.create(model=model, max_tokens=8, messages=USER, extra_body=GREEDY, system=blocks)
     c = chat(server, model, [{"role": "system", "content": system}] + USER, max_tokens=8)
     assert as_text.content[0].text == as_blocks.content[0].text == c["choices"][0]["message"]["content"]
     assert prompt_tokens(as_text.usage) == prompt_tokens(as_blocks.usage) == c["usage"]["prompt_tokens"]
@@ -235,7 +235,8 @@ def test_thinking_blocks(client, server, model):
 
 def test_stop_sequences(client, model):
     full = client.messages.create(model=model, max_tokens=12, messages=USER, extra_body=GREEDY).content[0].text
-    stop = next(full[i:i + 2] for i in range(2, len(full) - 1) if full[i:i + 2].strip() and full[i:i + 2] not in full[:i])
+    stop = next(full[i:i + 2] for i in range(2, len(full) - 1)
+                if full[i:i + 2].strip() and full[i:i + 2] not in full[:i])  # first seen at i
     m = client.messages.create(model=model, max_tokens=12, messages=USER, stop_sequences=[stop], extra_body=GREEDY)
     assert m.stop_reason == "stop_sequence" and m.stop_sequence == stop
     assert m.content[0].text == full[:full.index(stop)]
@@ -269,8 +270,8 @@ def test_errors_have_anthropics_shape(client, server, model):
     error_of(httpx.get(server.url + "/v1/messages", timeout=30), 405, "invalid_request_error")
     too_long = error_of(post(dict(base, max_tokens=5000)), 400, "invalid_request_error")
     assert "max_tokens" in too_long or "context" in too_long
-    bad = [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                                                     "data": base64.b64encode(b"not a png").decode()}}]}]
+    not_png = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(b"not a png").decode()}
+    bad = [{"role": "user", "content": [{"type": "image", "source": not_png}]}]
     assert "messages[0].content[0]" in error_of(post(dict(base, system="S", messages=bad)), 400,
                                                 "invalid_request_error")  # the request's block, not the chat's
     in_result = [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
@@ -321,3 +322,8 @@ def test_the_documented_curl(server, model):
                    timeout=120)
     assert r.status_code == 200, r.text
     assert r.json()["type"] == "message" and r.json()["usage"]["output_tokens"] <= body["max_tokens"]
+
+
+def test_listed_in_the_openapi_document(server):
+    paths = httpx.get(server.url + "/openapi.json", timeout=30).json()["paths"]
+    assert "post" in paths["/v1/messages"] and "post" in paths["/v1/messages/count_tokens"]
