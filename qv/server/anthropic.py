@@ -44,6 +44,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
                503: "overloaded_error", 529: "overloaded_error"}
 NAMES = {"max_tokens": "max_tokens", "stop": "stop_sequences"}  # engine field -> this API's field
+FORMAT = {"response_format": "output_config.format"}  # the chat field of a constraint -> this API's
 TOOL_CHOICE = {"auto": "auto", "any": "required", "none": "none"}
 
 
@@ -157,8 +158,11 @@ def in_request_terms(exc: APIError, places: dict[str, str]) -> APIError:
 
 
 def thinking_on(req: PromptFields, default: bool) -> bool:
-    """`thinking` decides (enabled or adaptive: on); without it, the server's enable_thinking lever does."""
-    return default if req.thinking is None else not isinstance(req.thinking, ThinkingDisabled)
+    """`thinking` decides (enabled or adaptive: on); without it, chat_template_kwargs or the server's
+    enable_thinking lever do, which an output format turns off (its grammar holds from the first token)."""
+    if req.thinking is not None:
+        return not isinstance(req.thinking, ThinkingDisabled)
+    return default and req.output_format is None
 
 
 def to_chat_request(req: PromptFields) -> tuple[ChatCompletionRequest, dict[str, str]]:
@@ -168,8 +172,12 @@ def to_chat_request(req: PromptFields) -> tuple[ChatCompletionRequest, dict[str,
     body: dict = {"messages": messages}
     if req.messages[-1].role == "assistant":  # Anthropic's prefill: the answer continues that text
         body.update(add_generation_prompt=False, continue_final_message=True)
+    body["chat_template_kwargs"] = dict(req.chat_template_kwargs or {})
     if req.thinking is not None:
-        body["chat_template_kwargs"] = {"enable_thinking": not isinstance(req.thinking, ThinkingDisabled)}
+        body["chat_template_kwargs"]["enable_thinking"] = not isinstance(req.thinking, ThinkingDisabled)
+    if req.output_format is not None:
+        body["response_format"] = {"type": "json_schema",
+                                   "json_schema": {"name": "output", "schema": req.output_format.json_schema}}
     if req.tools:
         body["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
                                                            "parameters": t.input_schema}} for t in req.tools]
@@ -194,6 +202,9 @@ async def _render(state: ServerState, request: Request, model_cls):
     check = lambda text: state.check_text(text, max_tokens, "messages")  # noqa: E731
     rendered = await state.offload(size, render_chat, state.tokenizer, req, thinking_on(areq, state.enable_thinking),
                                    check)
+    if req.constraint is not None and rendered.thinking:
+        raise bad_request("output_config.format needs thinking off: the format's grammar holds from the first output "
+                          "token; set thinking to {\"type\": \"disabled\"}", "output_config.format")
     try:
         mm = await state.media.prompt(req.messages, rendered.token_ids)  # images fetched, checked and expanded
     except APIError as exc:
@@ -213,7 +224,7 @@ async def create_message(state: ServerState, request: Request) -> Response:
     areq, req, rendered, mm, prompt_ids = await _render(state, request, MessagesRequest)
     params = state.sampling_params(req, max_tokens=areq.max_tokens, logprobs=None, names=params_names)
     state.check_capacity(1)
-    params.grammar = await compile_constraint(state, req, request=request)
+    params.grammar = await compile_constraint(state, req, FORMAT, request)
     state.check_request(prompt_ids, params, "messages", params_names)
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
     parser = Qwen3CoderToolParser(tools) if req.tools and req.tool_choice != "none" else None
@@ -223,7 +234,7 @@ async def create_message(state: ServerState, request: Request) -> Response:
     seats = state.admit(1)
     try:
         gen = state.generate(ctx.request_id, prompt_ids, params, prompt=rendered.text, multimodal=mm,
-                             grammar_field=constraint_field(req), admission=seats)
+                             grammar_field=constraint_field(req, FORMAT), admission=seats)
         if areq.stream:
             stopped = state.stopped_error()
             return stream_response(state, message_events(ctx, gen), seats,
@@ -385,7 +396,8 @@ async def message_events(ctx: ChatContext, gen):
 class AnthropicEdge:
     """Outermost ASGI layer. `x-api-key: K` counts as `Authorization: Bearer K` when no Authorization
     header is sent (on every route, so Anthropic clients pass the same guard). Under /v1/messages,
-    a JSON error in qv's OpenAI shape, whoever answered it, is sent in Anthropic's shape."""
+    a JSON error in qv's OpenAI shape, whoever answered it, is sent in Anthropic's shape (its message
+    led by the `param` it named, which that shape has no field for)."""
 
     def __init__(self, app):
         self.app = app
@@ -423,7 +435,10 @@ class _ErrorReshaper:
         status = self.start["status"]
         try:
             err = json.loads(self.body)["error"]
-            body = json.dumps(error_body(status, err["message"] if isinstance(err, dict) else str(err))).encode()
+            message, param = (err.get("message"), err.get("param")) if isinstance(err, dict) else (str(err), None)
+            if param and param not in message:  # Anthropic's body has no `param`: the message names it
+                message = f"{param}: {message}"
+            body = json.dumps(error_body(status, message)).encode()
         except (ValueError, KeyError, TypeError):
             body = json.dumps(error_body(status, self.body.decode("utf-8", "replace") or f"HTTP {status}")).encode()
         headers = [(k, v) for k, v in self.start.get("headers", []) if k.lower() not in (b"content-length",

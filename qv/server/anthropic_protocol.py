@@ -21,8 +21,7 @@ NOT_SERVED = {
     "container": "qv runs no code-execution containers",
     "mcp_servers": "qv connects to no MCP servers",
     "context_management": "qv does not edit the context",
-    "output_config": "use tool_choice to constrain the output",
-    "output_format": "use tool_choice to constrain the output",
+    "output_format": "the beta's name: use output_config.format",
     "inference_geo": "qv serves from where it runs",
 }
 
@@ -148,6 +147,23 @@ class ThinkingDisabled(AnthropicModel):
 Thinking = Annotated[Union[ThinkingEnabled, ThinkingAdaptive, ThinkingDisabled], Field(discriminator="type")]
 
 
+class JSONOutputFormat(AnthropicModel):
+    model_config = ConfigDict(populate_by_name=True)
+    type: Literal["json_schema"]
+    json_schema: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(AnthropicModel):
+    format: JSONOutputFormat | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _effort(cls, data):
+        if isinstance(data, dict) and "effort" in data:
+            raise ValueError("output_config.effort is not supported by qv: its models think or do not; use `thinking`")
+        return data
+
+
 class Metadata(AnthropicModel):
     user_id: str | None = None
 
@@ -162,11 +178,20 @@ class PromptFields(AnthropicModel):
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
     cache_control: CacheControl | None = None
+    output_config: OutputConfig | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extension, as for chat
+
+    @property
+    def output_format(self) -> JSONOutputFormat | None:
+        return self.output_config.format if self.output_config is not None else None
 
     @model_validator(mode="after")
     def _tools(self):
         if self.tool_choice is not None and self.tool_choice.type != "none" and not self.tools:
             raise ValueError("tool_choice needs `tools`")
+        asked = (self.chat_template_kwargs or {}).get("enable_thinking")
+        if self.thinking is not None and asked is not None and asked != (self.thinking.type != "disabled"):
+            raise ValueError("chat_template_kwargs.enable_thinking contradicts `thinking`: give one of them")
         if self.tool_choice is not None and self.tool_choice.type == "tool":
             names = [t.name for t in self.tools or []]
             if self.tool_choice.name not in names:

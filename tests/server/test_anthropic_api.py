@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 
 import anthropic
 import httpx
+import jsonschema
 import numpy as np
 import pytest
 from conftest import start_server
@@ -231,6 +232,33 @@ def test_thinking_blocks(client, server, model):
     assert block["type"] == "thinking"
     deltas = [d["delta"]["type"] for n, d in events if n == "content_block_delta"]
     assert deltas[0] == "thinking_delta" and "signature_delta" in deltas
+
+
+def test_output_config_format_and_chat_template_kwargs(client, server, model):
+    schema = {"type": "object", "properties": {"colour": {"type": "string", "maxLength": 8}}, "required": ["colour"],
+              "additionalProperties": False}
+    m = client.messages.create(model=model, max_tokens=60, messages=USER, extra_body=GREEDY,
+                               output_config={"format": {"type": "json_schema", "schema": schema}})
+    assert m.stop_reason == "end_turn" and [b.type for b in m.content] == ["text"]
+    jsonschema.validate(json.loads(m.content[0].text), schema)
+    c = chat(server, model, USER, max_tokens=60, response_format={"type": "json_schema", "json_schema": {
+        "name": "output", "schema": schema}})
+    assert m.content[0].text == c["choices"][0]["message"]["content"]
+    kwargs = client.messages.create(model=model, max_tokens=6, messages=USER,
+                                    extra_body=dict(GREEDY, chat_template_kwargs={"enable_thinking": True}))
+    assert kwargs.content[0].type == "thinking"
+    post = lambda body: httpx.post(server.url + "/v1/messages", timeout=60,  # noqa: E731
+                                   json=dict({"model": model, "max_tokens": 4, "messages": USER}, **body))
+    assert "contradicts" in error_of(post({"thinking": {"type": "disabled"},
+                                           "chat_template_kwargs": {"enable_thinking": True}}), 400,
+                                     "invalid_request_error")
+    assert "effort" in error_of(post({"output_config": {"effort": "low"}}), 400, "invalid_request_error")
+    thinking_format = {"thinking": {"type": "enabled", "budget_tokens": 2},
+                       "output_config": {"format": {"type": "json_schema", "schema": schema}}}
+    assert "output_config.format" in error_of(post(thinking_format), 400, "invalid_request_error")
+    bad_schema = {"output_config": {"format": {"type": "json_schema",
+                                               "schema": {"type": "object", "minProperties": "x"}}}}
+    assert "output_config.format" in error_of(post(bad_schema), 400, "invalid_request_error")
 
 
 def test_stop_sequences(client, model):
