@@ -43,7 +43,7 @@ PLACE = re.compile(r"messages\[\d+\]\.content\[\d+\]")
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
                503: "overloaded_error", 529: "overloaded_error"}
-NAMES = {"max_tokens": "max_tokens", "stop": "stop_sequences"}  # engine field -> this API's field
+NAMES = {"stop": "stop_sequences"}  # engine field -> this API's field
 FORMAT = {"response_format": "output_config.format"}  # the chat field of a constraint -> this API's
 TOOL_CHOICE = {"auto": "auto", "any": "required", "none": "none"}
 
@@ -220,12 +220,11 @@ async def count_tokens(state: ServerState, request: Request) -> Response:
 # -- running -------------------------------------------------------------------------------------
 
 async def create_message(state: ServerState, request: Request) -> Response:
-    params_names = dict(NAMES)
     areq, req, rendered, mm, prompt_ids = await _render(state, request, MessagesRequest)
-    params = state.sampling_params(req, max_tokens=areq.max_tokens, logprobs=None, names=params_names)
+    params = state.sampling_params(req, max_tokens=areq.max_tokens, logprobs=None, names=NAMES)
     state.check_capacity(1)
     params.grammar = await compile_constraint(state, req, FORMAT, request)
-    state.check_request(prompt_ids, params, "messages", params_names)
+    state.check_request(prompt_ids, params, "messages", NAMES)
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
     parser = Qwen3CoderToolParser(tools) if req.tools and req.tool_choice != "none" else None
     ctx = ChatContext(req, rendered, parser, random_id("msg", "_"), int(time.time()), state.model_name, "")

@@ -10,6 +10,8 @@ import io
 import json
 import re
 import shlex
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -71,8 +73,10 @@ def raw_events(server, body: dict) -> list[tuple[str, dict]]:
 
 
 def without_id(message) -> dict:
+    """The message without its ids, its usage as prompt and output tokens."""
     d = message.model_dump(exclude_none=True)
     d.pop("id")
+    d["usage"] = {"prompt": prompt_tokens(message.usage), "output": message.usage.output_tokens}  # cache aside
     for block in d["content"]:
         block.pop("parsed_output", None)  # the stream helper's ParsedTextBlock field
         if block["type"] == "tool_use":
@@ -315,9 +319,33 @@ def test_errors_have_anthropics_shape(client, server, model):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
-def test_api_key_as_x_api_key_or_bearer_and_the_thinking_lever(tiny_model):
-    running, stop = start_server(tiny_model, api_key=KEY, enable_thinking=True)
+class PNGHandler(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+
+    def do_GET(self):  # noqa: N802
+        body = png()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def test_api_key_as_x_api_key_or_bearer_the_thinking_lever_and_url_images(tiny_model):
+    """One server with an API key, thinking on by default and loopback media allowed."""
+    host = ThreadingHTTPServer(("127.0.0.1", 0), PNGHandler)
+    threading.Thread(target=host.serve_forever, daemon=True).start()
+    running, stop = start_server(tiny_model, api_key=KEY, enable_thinking=True, media_allowed_networks="127.0.0.0/8")
     try:
+        keyed = anthropic.Anthropic(base_url=running.url, api_key=KEY, max_retries=0, timeout=120)
+        name = keyed.models.list().data[0].id
+        by_url = {"type": "url", "url": f"http://127.0.0.1:{host.server_port}/img.png"}
+        by_data = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(png()).decode()}
+        answers = [keyed.messages.create(model=name, max_tokens=4, extra_body=GREEDY, thinking={"type": "disabled"},
+                                         messages=[{"role": "user", "content": [{"type": "image", "source": src}]}])
+                   for src in (by_url, by_data)]
+        assert answers[0].content == answers[1].content
+        assert prompt_tokens(answers[0].usage) == prompt_tokens(answers[1].usage)  # the cache may serve the second
         name = httpx.get(running.v1 + "/models", headers={"x-api-key": KEY}).json()["data"][0]["id"]
         for c in [anthropic.Anthropic(base_url=running.url, api_key=KEY, max_retries=0),
                   anthropic.Anthropic(base_url=running.url, auth_token=KEY, max_retries=0)]:
@@ -329,7 +357,6 @@ def test_api_key_as_x_api_key_or_bearer_and_the_thinking_lever(tiny_model):
         assert exc.value.body == {"type": "error", "error": {"type": "authentication_error",
                                                              "message": exc.value.body["error"]["message"]}}
         assert httpx.post(running.v1 + "/messages", json={}).status_code == 401
-        keyed = anthropic.Anthropic(base_url=running.url, api_key=KEY, max_retries=0)
         default = keyed.messages.create(model=name, max_tokens=6, messages=USER, extra_body=GREEDY)
         assert default.content[0].type == "thinking"  # no `thinking` field: the server's lever decides
         off = keyed.messages.create(model=name, max_tokens=6, messages=USER, thinking={"type": "disabled"},
@@ -337,6 +364,8 @@ def test_api_key_as_x_api_key_or_bearer_and_the_thinking_lever(tiny_model):
         assert all(b.type != "thinking" for b in off.content)
     finally:
         stop()
+        host.shutdown()
+        host.server_close()
 
 
 def test_the_documented_curl(server, model):
