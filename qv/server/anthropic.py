@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from qv.server.chat import render_chat
-from qv.server.errors import APIError, bad_request, internal_error
+from qv.server.errors import APIError, bad_request, error_response, internal_error
 from qv.server.openai import ChatContext, read_request, stream_response, validate_body
 from qv.server.parsers import OutputStream, Qwen3CoderToolParser, parse_output
 from qv.server.protocol import ChatCompletionRequest
@@ -406,12 +406,15 @@ class AnthropicEdge:
             return await self.app(scope, receive, send)
         headers = scope["headers"]
         names = [k.lower() for k, _ in headers]
+        if scope["path"] in (PATH, PATH + "/count_tokens"):
+            send = _ErrorReshaper(send)
+        if names.count(b"x-api-key") > 1:  # as two Authorization headers: a proxy in front may read the other
+            return await error_response(400, "the request has more than one x-api-key header",
+                                        headers={"Connection": "close"})(scope, receive, send)
         if b"x-api-key" in names and b"authorization" not in names:
             key = headers[names.index(b"x-api-key")][1]
             scope = dict(scope, headers=list(headers) + [(b"authorization", b"Bearer " + key)])
-        if scope["path"] not in (PATH, PATH + "/count_tokens"):
-            return await self.app(scope, receive, send)
-        return await self.app(scope, receive, _ErrorReshaper(send))
+        return await self.app(scope, receive, send)
 
 
 class _ErrorReshaper:

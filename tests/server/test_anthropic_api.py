@@ -357,6 +357,8 @@ def test_api_key_as_x_api_key_or_bearer_the_thinking_lever_and_url_images(tiny_m
         assert exc.value.body == {"type": "error", "error": {"type": "authentication_error",
                                                              "message": exc.value.body["error"]["message"]}}
         assert httpx.post(running.v1 + "/messages", json={}).status_code == 401
+        twice = httpx.post(running.v1 + "/messages", json={}, headers=[("x-api-key", KEY), ("x-api-key", "other")])
+        assert "more than one x-api-key" in error_of(twice, 400, "invalid_request_error")
         default = keyed.messages.create(model=name, max_tokens=6, messages=USER, extra_body=GREEDY)
         assert default.content[0].type == "thinking"  # no `thinking` field: the server's lever decides
         off = keyed.messages.create(model=name, max_tokens=6, messages=USER, thinking={"type": "disabled"},
