@@ -177,7 +177,7 @@ def render_chat(tokenizer, req, default_thinking: bool, check_text=None) -> Rend
         thinking = False
     if check_text is not None:
         check_text(text)
-    ids = tokenizer.encode(text, add_special_tokens=False)
+    ids = tokenizer.encode(text, add_special_tokens=getattr(req, "add_special_tokens", False))
     if getattr(req, "truncate_prompt_tokens", None):
         ids = ids[-req.truncate_prompt_tokens:]
     return RenderedPrompt(text, ids, thinking)

@@ -16,7 +16,7 @@ from qv.server.errors import APIError, internal_error, sse_error, validation_err
 from qv.server.logprobs import chat_logprobs, prompt_logprobs_field, prompt_logprobs_json
 from qv.server.parsers import OutputStream, Qwen3CoderToolParser, parse_output
 from qv.server.protocol import ChatCompletionRequest
-from qv.server.state import ServerState, random_id
+from qv.server.state import ServerState, request_id_of
 from qv.server.streaming import DONE, LARGE_BYTES, SSEResponse, last_output, read_json_sized, sse, until_disconnect
 from qv.server.structured import check_not_thinking, compile_constraint, constraint_field
 
@@ -66,6 +66,7 @@ def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
 async def create_chat_completion(state: ServerState, request: Request) -> Response:
     req, size = await read_request(state, request, ChatCompletionRequest)
     state.check_model(req.model)
+    state.resolve_request_fields(req)
     state.check_logprobs(req.top_logprobs, "top_logprobs")
     max_tokens = req.max_output_tokens
     names = {"logprobs": "top_logprobs", "max_tokens": req.max_tokens_param}
@@ -87,7 +88,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     last = req.messages[-1]
     echo = (last.content if isinstance(last.content, str) else "") if req.echo and last.role == "assistant" else ""
     ctx = ChatContext(req, rendered, Qwen3CoderToolParser(tool_dicts) if parse_tools else None,
-                      random_id("chatcmpl"), int(time.time()), state.model_name, echo)
+                      request_id_of(request, req, "chatcmpl"), int(time.time()), state.model_name, echo)
     seats = state.admit(req.n)
     try:
         gen = state.generate(ctx.request_id, prompt_ids, params, prompt=rendered.text, cache_salt=req.cache_salt,
