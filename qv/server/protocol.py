@@ -131,7 +131,7 @@ class SamplingFields(SamplingKnobs):
     cache_salt: str | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM's: keep the last N; -1 the last max_model_len
     user: str | None = None
-    request_id: str | None = Field(None, min_length=1, max_length=256)  # vLLM's: the response id's tail, logged
+    request_id: str | None = Field(None, min_length=1)  # vLLM's: the response id's tail, logged (state.request_id_of)
     priority: int = 0  # vLLM's priority scheduling, which qv has not: only 0 is taken
     # vLLM's plug-in hooks qv has not: refused when set
     mm_processor_kwargs: dict[str, Any] | None = None

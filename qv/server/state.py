@@ -35,6 +35,9 @@ LARGE_RESPONSE_ENTRIES = 4096  # output tokens x (1 + top logprobs) from which a
 GRAMMAR_WAITERS_PER_WORKER = 4  # grammar compiles in work or waiting per compile worker; more get 503
 
 
+MAX_REQUEST_ID_CHARS = 256  # the body's request_id or an X-Request-Id header
+
+
 def random_id(prefix: str, sep: str = "-") -> str:
     """chatcmpl-/cmpl- ids as OpenAI writes them; Responses API ids use `_` (resp_, msg_, fc_)."""
     return f"{prefix}{sep}{uuid.uuid4().hex}"
@@ -44,6 +47,9 @@ def request_id_of(request, req, prefix: str) -> str:
     """The response id, vLLM's way: the X-Request-Id header, else the body's `request_id`, else a
     random one, after the API's prefix (chatcmpl-, cmpl-); the engine and the logs know the request by it."""
     given = request.headers.get("x-request-id") or getattr(req, "request_id", None)
+    if given and len(given) > MAX_REQUEST_ID_CHARS:
+        raise bad_request(f"a request id may have at most {MAX_REQUEST_ID_CHARS} characters, got {len(given)}",
+                          "request_id")
     return f"{prefix}-{given}" if given else random_id(prefix)
 
 

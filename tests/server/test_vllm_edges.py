@@ -95,6 +95,37 @@ def test_cors_levers_take_vllms_json_lists_or_commas():
             EngineConfig(allowed_origins=bad)
 
 
+def _cors_app(**levers):
+    """A bare Starlette route behind LazyCORS under `levers` (no engine: CORS needs none)."""
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+
+    from qv.server.http_edges import LazyCORS
+
+    app = Starlette(routes=[Route("/v1/x", lambda request: PlainTextResponse("ok"), methods=["GET", "POST"])])
+    app.add_middleware(LazyCORS, cfg_ref={"cfg": EngineConfig(**levers)})
+    return app
+
+
+def test_cors_levers_restrict_origins_methods_and_allow_credentials():
+    from starlette.testclient import TestClient
+
+    client = TestClient(_cors_app(allowed_origins='["https://a.example"]', allowed_methods="GET",
+                                  allowed_headers="authorization", allow_credentials=True))
+    pre = {"Access-Control-Request-Method": "GET", "Access-Control-Request-Headers": "authorization"}
+    r = client.options("/v1/x", headers=dict(pre, Origin="https://a.example"))
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://a.example"
+    assert r.headers["access-control-allow-credentials"] == "true" and "POST" not in r.headers["access-control-allow-methods"]
+    assert client.options("/v1/x", headers=dict(pre, Origin="https://evil.example")).status_code == 400
+    assert client.options("/v1/x", headers=dict(pre, Origin="https://a.example",
+                                                 **{"Access-Control-Request-Method": "POST"})).status_code == 400
+    r = client.get("/v1/x", headers={"Origin": "https://evil.example"})
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers  # the browser withholds it
+    r = TestClient(_cors_app(allowed_origins="")).get("/v1/x", headers={"Origin": "https://a.example"})
+    assert "access-control-allow-origin" not in r.headers  # no origins: no CORS at all
+
+
 # -- SageMaker --------------------------------------------------------------------------------------
 
 def test_invocations_route_by_body_shape(keyed):
@@ -207,6 +238,8 @@ def test_request_id_names_the_response_and_the_logs(keyed, caplog):
     assert r.status_code == 200 and r.json()["id"] == "cmpl-from-header"
     r = post(keyed, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "request_id": "c-7"})
     assert r.json()["id"] == "cmpl-c-7"
+    r = post(keyed, "/v1/completions", {"prompt": "hi", "max_tokens": 2}, headers={"X-Request-Id": "x" * 257})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "request_id"
     assert post(keyed, "/v1/chat/completions", chat(request_id="")).json()["error"]["param"] == "request_id"
     assert post(keyed, "/v1/chat/completions", chat(priority=0)).status_code == 200  # the one priority qv has
 
