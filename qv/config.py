@@ -159,6 +159,9 @@ class EngineConfig(BaseSettings):
                                  expect="a JSON list of strings, or comma-separated values")
     allow_credentials: bool = lever(False, "CORS: let browsers send cookies and credentials cross-origin (vLLM's "
                                     "--allow-credentials).")
+    trust_request_chat_template: bool = lever(
+        False, "Render a request's own `chat_template` (transformers' Jinja sandbox, off the event loop) instead of "
+        "refusing it with a 400 (vLLM's --trust-request-chat-template); trust the clients: a template may run long.")
     enable_thinking: bool = lever(False, "Default enable_thinking for the chat template (per-request override).")
     max_body_bytes: int = lever(32 << 20, "Largest request body; larger gets 413.", ge=1)
     max_waiting: int = lever(1024, "Most sequences waiting (prompts x n, counted at admission); a request that "

@@ -78,7 +78,8 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     params.grammar = await compile_constraint(state, req, request=request)
     check = None if req.truncate_prompt_tokens else (lambda text: state.check_text(text, max_tokens, "messages"))
     thinking = state.enable_thinking and req.constraint is None  # a grammar applies from the first token
-    rendered = await state.offload(size, render_chat, state.tokenizer, req, thinking, check)
+    rendered = await state.offload(size, render_chat, state.tokenizer, req, thinking, check,
+                                   state.trust_request_chat_template)
     check_not_thinking(rendered, req)
     mm = await state.media.prompt(req.messages, rendered.token_ids)  # images/videos fetched and expanded
     prompt_ids = mm.token_ids if mm is not None else rendered.token_ids

@@ -91,7 +91,8 @@ def _tokenize(state: ServerState, req: TokenizeRequest) -> list[int]:
         tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
         chat_template=req.chat_template, add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message,
-        kwargs=template_kwargs(req.chat_template_kwargs, state.enable_thinking, None))
+        kwargs=template_kwargs(req.chat_template_kwargs, state.enable_thinking, None),
+        trust_template=state.trust_request_chat_template)
     state.check_text(text, None, "messages")
     return state.encode(text, False)
 

@@ -79,6 +79,7 @@ class ServerState:
         self.enable_thinking = cfg.enable_thinking
         self.max_body_bytes = cfg.max_body_bytes
         self.api_key_scope, self.metrics_public = cfg.api_key_scope, cfg.metrics_public  # for /openapi.json
+        self.trust_request_chat_template = cfg.trust_request_chat_template
         self.max_waiting = cfg.max_waiting
         self.max_prompts = cfg.max_prompts_per_request
         self.max_logprobs = cfg.max_logprobs

@@ -228,6 +228,28 @@ def test_fields_qv_cannot_honour_are_refused_by_name(keyed, field):
     assert field in err["message"] or err["param"] == field, err
 
 
+def test_a_request_chat_template_renders_under_trust_request_chat_template(tiny_model):
+    """vLLM's --trust-request-chat-template: the request's template renders (in transformers'
+    Jinja sandbox); without the lever it is the 400 above."""
+    from transformers import AutoTokenizer
+
+    from qv.server.chat import render_chat
+    from qv.server.errors import APIError
+    from qv.server.protocol import ChatCompletionRequest
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    req = ChatCompletionRequest.model_validate(chat(chat_template="<<{{ messages[0]['content'] }}>>"))
+    rendered = render_chat(tok, req, False, trust_template=True)
+    assert rendered.text == "<<hi>>" and rendered.token_ids == tok.encode("<<hi>>", add_special_tokens=False)
+    with pytest.raises(APIError) as refused:
+        render_chat(tok, req, False)
+    assert refused.value.param == "chat_template" and "trust-request-chat-template" in refused.value.message
+    escape = ChatCompletionRequest.model_validate(chat(chat_template="{{ ''.__class__.__mro__[1].__subclasses__() }}"))
+    with pytest.raises(APIError) as sandboxed:
+        render_chat(tok, escape, False, trust_template=True)
+    assert sandboxed.value.status == 400 and sandboxed.value.param == "messages"
+
+
 def test_request_id_names_the_response_and_the_logs(keyed, caplog):
     caplog.set_level(logging.INFO, logger="qv.server")
     r = post(keyed, "/v1/chat/completions", chat(request_id="my-req-1"))
