@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import io
 import ipaddress
+import json
 import logging
 import os
 from collections.abc import Mapping
@@ -139,8 +140,28 @@ class EngineConfig(BaseSettings):
     host: str = lever("127.0.0.1", "Listen address of `qv serve`.")
     port: int = lever(8000, "Listen port of `qv serve` (0: any free port).", ge=0, le=65535)
     served_model_name: str = lever("", "Comma-separated model names the API answers to; empty: the folder name.")
-    api_key: str = lever("", "If set, every route but /health requires `Authorization: Bearer <key>`.")
-    metrics_public: bool = lever(False, "With api_key set, /metrics answers without the key too (for a scraper).")
+    api_key: str = lever("", "If set, the routes api_key_scope names require `Authorization: Bearer <key>` "
+                         "(vLLM's --api-key).")
+    api_key_scope: Literal["v1", "all"] = lever(
+        "v1", "What api_key guards. v1 (vLLM's scope): /v1/*, /invocations and /reset_prefix_cache; /health, /ping, "
+        "/metrics, /version, /tokenize, /detokenize, /openapi.json and /docs stay open. all: every route but /health "
+        "and /ping (and /metrics under metrics_public).")
+    metrics_public: bool = lever(False, "With api_key_scope all, /metrics answers without the key too (for a "
+                                 "scraper).")
+    allowed_origins: str = lever(
+        "*", "CORS: origins browsers may call from, comma-separated or a JSON list (vLLM's --allowed-origins); * any; "
+        "empty: no CORS headers.", expect="a JSON list of strings, or comma-separated values")
+    allowed_methods: str = lever("*", "CORS: methods a cross-origin request may use, comma-separated or a JSON list "
+                                 "(vLLM's --allowed-methods); * any.",
+                                 expect="a JSON list of strings, or comma-separated values")
+    allowed_headers: str = lever("*", "CORS: request headers a cross-origin request may send, comma-separated or a "
+                                 "JSON list (vLLM's --allowed-headers); * any.",
+                                 expect="a JSON list of strings, or comma-separated values")
+    allow_credentials: bool = lever(False, "CORS: let browsers send cookies and credentials cross-origin (vLLM's "
+                                    "--allow-credentials).")
+    trust_request_chat_template: bool = lever(
+        False, "Render a request's own `chat_template` (transformers' Jinja sandbox, off the event loop) instead of "
+        "refusing it with a 400 (vLLM's --trust-request-chat-template); trust the clients: a template may run long.")
     enable_thinking: bool = lever(False, "Default enable_thinking for the chat template (per-request override).")
     max_body_bytes: int = lever(32 << 20, "Largest request body; larger gets 413.", ge=1)
     max_waiting: int = lever(1024, "Most sequences waiting (prompts x n, counted at admission); a request that "
@@ -254,6 +275,12 @@ class EngineConfig(BaseSettings):
             raise ValueError("a boolean is not a number")
         return value
 
+    @field_validator("allowed_origins", "allowed_methods", "allowed_headers")
+    @classmethod
+    def _cors_list(cls, value: str) -> str:
+        string_list(value)  # a ValueError names the lever
+        return value
+
     @field_validator("media_allowed_networks")
     @classmethod
     def _networks(cls, value: str) -> str:
@@ -310,6 +337,16 @@ class _EnvSource(EnvSettingsSource):
 
     def _load_env_vars(self) -> Mapping[str, str | None]:  # the hook pydantic-settings' dotenv source overrides too
         return {k.lower(): v for k, v in self._environ.items() if v != ""}  # case-insensitive; empty means unset
+
+
+def string_list(value: str) -> list[str]:
+    """A list lever's items: a JSON list of strings (vLLM's flag form) or comma-separated values."""
+    if value.strip().startswith("["):
+        items = json.loads(value)
+        if not all(isinstance(x, str) for x in items):
+            raise ValueError("a JSON list of strings")
+        return items
+    return [x.strip() for x in value.split(",") if x.strip()]
 
 
 def env_name(name: str) -> str:

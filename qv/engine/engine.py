@@ -41,6 +41,9 @@ class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
+    host_cache_usage: float = 0.0  # share of the host tier's KV block rows in use (kv_offload_bytes; 0 without)
+    num_gpu_blocks: int = 0  # KV blocks on the device
+    step_tokens: dict[int, int] = field(default_factory=dict)  # tokens scheduled in a step -> steps
     num_preemptions: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
@@ -112,7 +115,8 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
         self._rng = random.Random(cfg.seed)
-        self.stats = EngineStats(cuda_graph_sizes=tuple(self.runner.graphs.sizes) if self.runner.graphs else ())
+        self.stats = EngineStats(num_gpu_blocks=self.blocks.num_blocks,
+                                 cuda_graph_sizes=tuple(self.runner.graphs.sizes) if self.runner.graphs else ())
         self._steps = 0
         # async scheduling (step): off with speculative decoding, whose next step needs this one's drafts
         self._async = cfg.async_scheduling and self.spec is None
@@ -327,6 +331,8 @@ class LLMEngine:
             for seq, n in plan.scheduled:
                 seq.num_computed_tokens += n
         self.stats.async_steps += after is not None
+        tokens = sum(n for _, n in plan.scheduled)
+        self.stats.step_tokens[tokens] = self.stats.step_tokens.get(tokens, 0) + 1
         return handle
 
     def _finish_sync(self, h: StepHandle, touched: dict[str, _Request]) -> None:
@@ -470,6 +476,9 @@ class LLMEngine:
         s.num_running = len(self.scheduler.running)
         s.num_waiting = len(self.scheduler.waiting) + (self.clef.num_pending if self.clef else 0)
         s.kv_cache_usage = self.blocks.usage
+        host = self.prefix_cache.host if self.prefix_cache else None
+        if host is not None and host.num_blocks:
+            s.host_cache_usage = 1 - len(host.blocks.free) / host.num_blocks
         s.num_preemptions = self.scheduler.num_preemptions
         if self.spec:
             sp = self.spec.stats

@@ -6,9 +6,9 @@ embedded tiny model, built into the state directory on first start). `qv serve` 
 starts, so an engine that cannot start (StartupError, ConfigError) ends the process with its message
 and exit status 1 rather than inside uvicorn's lifespan traceback.
 
-Requests pass a pure-ASGI guard first: Bearer auth on every route but /health when an API key is
-set (401; /metrics too unless metrics_public), the body-size limit (413) and the body-read timeout
-(408). SIGTERM (or Ctrl+C) drains, under `qv serve` and plain uvicorn alike (`_drain_on_signals`):
+Requests are timed and counted (http_edges.MeasureHTTP), pass CORS (vLLM's flags) and then a
+pure-ASGI guard: Bearer auth on the routes api_key_scope names when an API key is set (401;
+http_edges.needs_key), the body-size limit (413) and the body-read timeout (408). SIGTERM (or Ctrl+C) drains, under `qv serve` and plain uvicorn alike (`_drain_on_signals`):
 new requests (and /health) get 503, requests in flight may finish until the grace is nearly over,
 then streams end with an error event and `[DONE]`, other requests get a JSON 503, and the process
 exits within shutdown_grace_s; a second signal changes nothing. Connection levers (header-read and
@@ -34,7 +34,8 @@ from starlette.routing import Route
 
 from qv.config import ConfigError, EngineConfig
 from qv.errors import StartupError
-from qv.server import anthropic, completions, openapi, ops, openai, responses, systemone
+from qv.server import anthropic, completions, openapi, ops, openai, responses, sagemaker, systemone
+from qv.server.http_edges import LazyCORS, MeasureHTTP, needs_key
 from qv.server.errors import SHUTDOWN_MESSAGE, APIError, api_error_response, error_response, internal_error
 from qv.server.state import ServerState
 from qv.server.streaming import ClientDisconnected
@@ -107,6 +108,9 @@ ROUTES = [
     ("/v1/models", ops.list_models, "GET"),
     ("/v1/models/{model:path}", ops.retrieve_model, "GET"),  # `path`: served names may hold a `/`
     ("/health", ops.health, "GET"),
+    ("/ping", ops.ping, "GET"),  # SageMaker's health check, GET and POST
+    ("/ping", ops.ping, "POST"),
+    ("/invocations", sagemaker.invocations, "POST"),
     ("/version", ops.version, "GET"),
     ("/metrics", ops.metrics, "GET"),
     ("/tokenize", ops.tokenize, "POST"),
@@ -134,8 +138,7 @@ class Guards:
         ambiguous = _ambiguous_headers(scope["headers"])
         if ambiguous:
             return await error_response(400, ambiguous, headers={"Connection": "close"})(scope, receive, send)
-        open_route = path == "/health" or (path == "/metrics" and cfg.metrics_public)
-        if cfg.api_key and not open_route and scope["method"] != "OPTIONS":
+        if cfg.api_key and needs_key(path, cfg.api_key_scope, cfg.metrics_public) and scope["method"] != "OPTIONS":
             given = headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {cfg.api_key}".encode()):
                 return await error_response(401, "Unauthorized: send `Authorization: Bearer <api key>`",
@@ -289,6 +292,8 @@ def build_app(cfg: EngineConfig | None = None, engine=None) -> Starlette:
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error})
     app.add_middleware(Guards, cfg_ref=cfg_ref)
     app.add_middleware(anthropic.AnthropicEdge)  # outside the guards: x-api-key, Anthropic's error shape
+    app.add_middleware(LazyCORS, cfg_ref=cfg_ref)  # outside the guard: a 401 carries CORS headers too
+    app.add_middleware(MeasureHTTP)
     return app
 
 

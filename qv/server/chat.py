@@ -126,12 +126,14 @@ def template_kwargs(req_kwargs: dict | None, default_thinking: bool, reasoning_e
 
 def apply_template(tokenizer, conversation: list[dict], *, tools: list[dict] | None, documents=None,
                    chat_template: str | None = None, add_generation_prompt: bool = True,
-                   continue_final_message: bool = False, kwargs: dict | None = None) -> str:
-    if chat_template is not None:
-        # A template is code the server would run on the event loop; vLLM also refuses it unless
-        # started with --trust-request-chat-template.
-        raise bad_request("Refused request with untrusted chat template: qv renders chats with the checkpoint's "
-                          "own template and does not accept `chat_template` in requests", "chat_template")
+                   continue_final_message: bool = False, kwargs: dict | None = None,
+                   trust_template: bool = False) -> str:
+    """trust_template: a request's own `chat_template` is rendered (transformers' Jinja sandbox, on
+    the caller's worker thread) rather than refused: vLLM's --trust-request-chat-template."""
+    if chat_template is not None and not trust_template:
+        raise bad_request("Refused request with untrusted chat template: this server renders chats with the "
+                          "checkpoint's own template; a request's `chat_template` needs the server started with "
+                          "--trust-request-chat-template 1 (QV_TRUST_REQUEST_CHAT_TEMPLATE)", "chat_template")
     if continue_final_message and conversation[-1]["role"] != "assistant":
         raise bad_request("continue_final_message needs the last message to be an assistant message", "messages")
     try:
@@ -160,7 +162,8 @@ def forces_call(tool_choice, tools) -> bool:
     return bool(tools) and tool_choice is not None and tool_choice not in ("none", "auto")
 
 
-def render_chat(tokenizer, req, default_thinking: bool, check_text=None) -> RenderedPrompt:
+def render_chat(tokenizer, req, default_thinking: bool, check_text=None,
+                trust_template: bool = False) -> RenderedPrompt:
     """A ChatCompletionRequest (or anything with its fields) -> the prompt the engine runs. Slow for
     long conversations: call it off the event loop. check_text(text): the length pre-check, run on
     the rendered text before it is tokenized."""
@@ -169,7 +172,8 @@ def render_chat(tokenizer, req, default_thinking: bool, check_text=None) -> Rend
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     text = apply_template(tokenizer, conversation, tools=tools, documents=getattr(req, "documents", None),
                           chat_template=req.chat_template, add_generation_prompt=req.add_generation_prompt,
-                          continue_final_message=req.continue_final_message, kwargs=kwargs)
+                          continue_final_message=req.continue_final_message, kwargs=kwargs,
+                          trust_template=trust_template)
     thinking = output_starts_thinking(text, bool(kwargs.get("enable_thinking", True)))
     if thinking and forces_call(getattr(req, "tool_choice", None), req.tools):
         # `<think>\n` + `\n</think>\n\n` is the template's own empty think block (enable_thinking=false)
@@ -177,7 +181,7 @@ def render_chat(tokenizer, req, default_thinking: bool, check_text=None) -> Rend
         thinking = False
     if check_text is not None:
         check_text(text)
-    ids = tokenizer.encode(text, add_special_tokens=False)
+    ids = tokenizer.encode(text, add_special_tokens=getattr(req, "add_special_tokens", False))
     if getattr(req, "truncate_prompt_tokens", None):
         ids = ids[-req.truncate_prompt_tokens:]
     return RenderedPrompt(text, ids, thinking)

@@ -14,7 +14,7 @@ from qv.server.logprobs import (completion_logprobs, echo_logprobs, joined, prom
                                 prompt_logprobs_json)
 from qv.server.openai import read_request, stream_response, usage
 from qv.server.protocol import CompletionRequest
-from qv.server.state import ServerState, random_id
+from qv.server.state import ServerState, request_id_of
 from qv.server.structured import compile_constraint, constraint_field
 from qv.server.streaming import DONE, merge, sse, until_disconnect
 
@@ -53,6 +53,7 @@ def _prompts(state: ServerState, req: CompletionRequest, items: list, params) ->
 async def create_completion(state: ServerState, request: Request) -> Response:
     req, size = await read_request(state, request, CompletionRequest)
     state.check_model(req.model)
+    state.resolve_request_fields(req)
     state.check_logprobs(req.logprobs, "logprobs")
     items = _items(state, req)
     params = state.sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs, prompt_logprobs=(
@@ -60,7 +61,7 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     state.check_capacity(len(items) * req.n)  # the whole request at once, before the work
     params.grammar = await compile_constraint(state, req, request=request)
     prompts = await state.offload(size, _prompts, state, req, items, params)
-    rid, created = random_id("cmpl"), int(time.time())
+    rid, created = request_id_of(request, req, "cmpl"), int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
     seats = state.admit(len(prompts) * req.n)
     try:

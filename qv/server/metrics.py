@@ -6,20 +6,29 @@ from `engine.stats()` at scrape time by a collector, so they never drift from th
 latency histograms are observed by the server as each request's outputs arrive. Each app has its
 own registry, so several servers can live in one process (tests). qv's own gauges, under `qv:`, say
 whether decode steps replay CUDA graphs (`qv:cuda_graphs_enabled`) and for which batch sizes.
+
+Every `vllm:` name vLLM's Grafana dashboard queries is here with vLLM's type and labels, the legacy
+ones as aliases vLLM keeps (`vllm:gpu_cache_usage_perc` of `vllm:kv_cache_usage_perc`,
+`vllm:time_per_output_token_seconds` of `vllm:inter_token_latency_seconds`; tests/server/data holds
+the dashboard's queries). HTTP request metrics (prometheus-fastapi-instrumentator's names, as vLLM
+serves them) and the process, platform and GC collectors of prometheus-client join them.
 """
 
 from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client import (CollectorRegistry, Counter, GCCollector, Histogram,
+                               PlatformCollector, ProcessCollector, generate_latest)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily
 
 LABELS = ("model_name", "engine")
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
                80.0)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)  # vLLM's
+HTTP_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                    480.0, 960.0, 1920.0, 7680.0)
 
@@ -36,9 +45,18 @@ def buckets_1_2_5(limit: int) -> list[int]:
         exp += 1
 
 
+def step_token_histogram(name: str, doc: str, labels: list[str], step_tokens: dict[int, int]):
+    """A histogram family of the steps' token counts (tokens -> steps) over ITERATION_TOKEN_BUCKETS."""
+    counts = dict(step_tokens)  # one atomic copy: the engine thread adds to it
+    cumulative = [(str(float(le)), sum(c for n, c in counts.items() if n <= le)) for le in ITERATION_TOKEN_BUCKETS]
+    h = HistogramMetricFamily(name, doc, labels=LABELS)
+    h.add_metric(labels, cumulative + [("+Inf", sum(counts.values()))], sum(n * c for n, c in counts.items()))
+    return h
+
+
 class _EngineCollector:
-    def __init__(self, engine, labels: tuple[str, str]):
-        self.engine, self.labels = engine, labels
+    def __init__(self, engine, labels: tuple[str, str], cache_config: dict[str, str]):
+        self.engine, self.labels, self.cache_config = engine, labels, cache_config
 
     def collect(self):
         s = self.engine.stats()
@@ -57,6 +75,18 @@ class _EngineCollector:
         yield gauge("vllm:num_requests_running", "Sequences in the running batch.", s.num_running)
         yield gauge("vllm:num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting)
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache block usage (1 = full).", s.kv_cache_usage)
+        yield gauge("vllm:gpu_cache_usage_perc", "KV-cache block usage (1 = full); vLLM's legacy name of "
+                    "vllm:kv_cache_usage_perc.", s.kv_cache_usage)
+        yield gauge("vllm:cpu_cache_usage_perc", "Host-tier KV block usage (1 = full; 0 without kv_offload_bytes).",
+                    s.host_cache_usage)
+        yield gauge("vllm:num_requests_swapped", "Sequences swapped to the host: always 0 (qv preempts by "
+                    "recomputing).", 0)
+        yield step_token_histogram("vllm:iteration_tokens_total", "Tokens scheduled per engine step.", lv,
+                                   s.step_tokens)
+        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache configuration.",
+                                 labels=[*self.cache_config, "num_gpu_blocks", "engine"])
+        info.add_metric([*self.cache_config.values(), str(s.num_gpu_blocks), self.labels[1]], 1)
+        yield info
         yield counter("vllm:num_preemptions", "Preemptions (recompute).", s.num_preemptions)
         yield counter("vllm:prompt_tokens", "Prefill tokens processed.", s.prompt_tokens)
         yield counter("vllm:generation_tokens", "Generated tokens.", s.generation_tokens)
@@ -89,11 +119,16 @@ class _EngineCollector:
 
 
 class ServerMetrics:
-    def __init__(self, engine, model_name: str, max_model_len: int):
+    def __init__(self, engine, model_name: str, max_model_len: int, cache_config: dict[str, str] | None = None):
+        """cache_config: the labels of vllm:cache_config_info (block_size, cache_dtype, ...)."""
         self.registry = CollectorRegistry(auto_describe=True)
         self.labels = (model_name, "0")
-        self.registry.register(_EngineCollector(engine, self.labels))
+        self.registry.register(_EngineCollector(engine, self.labels, dict(cache_config or {})))
         r, lab = self.registry, LABELS
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
+        self.http = HTTPMetrics(r)
 
         def hist(name, doc, buckets):
             return Histogram(name, doc, lab, buckets=buckets, registry=r).labels(*self.labels)
@@ -101,6 +136,8 @@ class ServerMetrics:
         tokens = buckets_1_2_5(max_model_len)
         self.ttft = hist("vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         self.itl = hist("vllm:inter_token_latency_seconds", "Time between output tokens.", ITL_BUCKETS)
+        self.itl_legacy = hist("vllm:time_per_output_token_seconds", "Time between output tokens; vLLM's legacy "
+                               "name of vllm:inter_token_latency_seconds.", ITL_BUCKETS)
         self.tpot = hist("vllm:request_time_per_output_token_seconds", "Decode time per output token.", ITL_BUCKETS)
         self.e2e = hist("vllm:e2e_request_latency_seconds", "Arrival to last output.", LATENCY_BUCKETS)
         self.queue = hist("vllm:request_queue_time_seconds", "Time waiting before first scheduled.", LATENCY_BUCKETS)
@@ -109,6 +146,8 @@ class ServerMetrics:
         self.inference = hist("vllm:request_inference_time_seconds", "First scheduled to finished.", LATENCY_BUCKETS)
         self.prompt_tokens = hist("vllm:request_prompt_tokens", "Prompt tokens per request.", tokens)
         self.generation_tokens = hist("vllm:request_generation_tokens", "Generated tokens per request.", tokens)
+        self.max_generation_tokens = hist("vllm:request_max_num_generation_tokens", "Most tokens one of a "
+                                          "request's n sequences generated.", tokens)
         self.params_n = hist("vllm:request_params_n", "The n parameter of requests.", (1, 2, 5, 10, 20))
         self.params_max_tokens = hist("vllm:request_params_max_tokens", "The max_tokens of requests.", tokens)
         self.rejections = Counter("vllm:admission_rejections", "Requests refused with 503 (waiting queue full).", lab,
@@ -119,6 +158,22 @@ class ServerMetrics:
 
     def tracker(self, n: int, max_tokens: int | None) -> "RequestTracker":
         return RequestTracker(self, n, max_tokens)
+
+
+class HTTPMetrics:
+    """http_requests_total{handler, method, status} and http_request_duration_seconds{handler,
+    method}: handler is the route's path template ("none" for no route), status its class ("2xx"),
+    as prometheus-fastapi-instrumentator writes them (http_edges.MeasureHTTP observes them)."""
+
+    def __init__(self, registry):
+        self.requests = Counter("http_requests_total", "HTTP requests by handler, method and status class.",
+                                ("handler", "method", "status"), registry=registry)
+        self.latency = Histogram("http_request_duration_seconds", "HTTP request latency (to the response's end).",
+                                 ("handler", "method"), buckets=HTTP_LATENCY_BUCKETS, registry=registry)
+
+    def observe(self, handler: str, method: str, status: int, seconds: float) -> None:
+        self.requests.labels(handler, method, f"{status // 100}xx").inc()
+        self.latency.labels(handler, method).observe(seconds)
 
 
 class RequestTracker:
@@ -148,6 +203,7 @@ class RequestTracker:
             gap = (now - self.last) / new
             for _ in range(new):
                 self.m.itl.observe(gap)
+                self.m.itl_legacy.observe(gap)
         self.last, self.tokens = now, tokens
 
     def on_finish(self, out) -> None:
@@ -156,6 +212,7 @@ class RequestTracker:
         m.e2e.observe(now - self.start)
         m.prompt_tokens.observe(len(out.prompt_token_ids))
         m.generation_tokens.observe(self.tokens)
+        m.max_generation_tokens.observe(max((len(o.token_ids) for o in out.outputs), default=0))
         if self.first is not None and self.tokens > 1:
             m.tpot.observe((now - self.first) / (self.tokens - 1))
         em = out.metrics

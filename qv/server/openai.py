@@ -16,7 +16,7 @@ from qv.server.errors import APIError, internal_error, sse_error, validation_err
 from qv.server.logprobs import chat_logprobs, prompt_logprobs_field, prompt_logprobs_json
 from qv.server.parsers import OutputStream, Qwen3CoderToolParser, parse_output
 from qv.server.protocol import ChatCompletionRequest
-from qv.server.state import ServerState, random_id
+from qv.server.state import ServerState, request_id_of
 from qv.server.streaming import DONE, LARGE_BYTES, SSEResponse, last_output, read_json_sized, sse, until_disconnect
 from qv.server.structured import check_not_thinking, compile_constraint, constraint_field
 
@@ -66,6 +66,7 @@ def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
 async def create_chat_completion(state: ServerState, request: Request) -> Response:
     req, size = await read_request(state, request, ChatCompletionRequest)
     state.check_model(req.model)
+    state.resolve_request_fields(req)
     state.check_logprobs(req.top_logprobs, "top_logprobs")
     max_tokens = req.max_output_tokens
     names = {"logprobs": "top_logprobs", "max_tokens": req.max_tokens_param}
@@ -77,7 +78,8 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     params.grammar = await compile_constraint(state, req, request=request)
     check = None if req.truncate_prompt_tokens else (lambda text: state.check_text(text, max_tokens, "messages"))
     thinking = state.enable_thinking and req.constraint is None  # a grammar applies from the first token
-    rendered = await state.offload(size, render_chat, state.tokenizer, req, thinking, check)
+    rendered = await state.offload(size, render_chat, state.tokenizer, req, thinking, check,
+                                   state.trust_request_chat_template)
     check_not_thinking(rendered, req)
     mm = await state.media.prompt(req.messages, rendered.token_ids)  # images/videos fetched and expanded
     prompt_ids = mm.token_ids if mm is not None else rendered.token_ids
@@ -87,7 +89,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     last = req.messages[-1]
     echo = (last.content if isinstance(last.content, str) else "") if req.echo and last.role == "assistant" else ""
     ctx = ChatContext(req, rendered, Qwen3CoderToolParser(tool_dicts) if parse_tools else None,
-                      random_id("chatcmpl"), int(time.time()), state.model_name, echo)
+                      request_id_of(request, req, "chatcmpl"), int(time.time()), state.model_name, echo)
     seats = state.admit(req.n)
     try:
         gen = state.generate(ctx.request_id, prompt_ids, params, prompt=rendered.text, cache_salt=req.cache_salt,

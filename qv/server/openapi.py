@@ -5,8 +5,8 @@ Swagger UI page over it.
 
 The docs page loads Swagger UI's script and stylesheet from a CDN (jsDelivr); the document is
 inlined in the page, so the browser needs no second authenticated request. Without the CDN (an
-offline machine) the page still shows a plain list of the routes. Both routes sit behind the API
-key like every route but /health.
+offline machine) the page still shows a plain list of the routes. Each operation's `security`
+says whether the API key guards it under the server's api_key_scope (http_edges.needs_key).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from starlette.routing import Route
 
 from qv.engine.clef_api import Decision
 from qv.server import protocol
+from qv.server.http_edges import needs_key
 from qv.server.state import ServerState
 from qv.version import __version__
 
@@ -38,6 +39,9 @@ OPERATIONS = {
     "/v1/models": ("The served model names (OpenAI list, plus `models` for the SystemOne SDKs)", None, False),
     "/v1/models/{model}": ("One served model (OpenAI model object)", None, False),
     "/health": ("200 while the engine runs, 503 when it stopped (never needs the API key)", None, False),
+    "/ping": ("SageMaker's health check: /health's answer (never needs the API key)", None, False),
+    "/invocations": ("SageMaker's inference route: a chat completion body (`messages`) or a completion body "
+                     "(`prompt`), answered as that API answers it", None, True),
     "/version": ("qv's version", None, False),
     "/metrics": ("Prometheus metrics", None, False),
     "/tokenize": ("Token ids of a prompt or of a rendered chat", protocol.TokenizeRequest, False),
@@ -107,7 +111,7 @@ def _responses(path: str, streams: bool) -> dict:
         ok["content"] = {"text/plain": {"schema": {"type": "string"}}}
     elif path == "/docs":
         ok["content"] = {"text/html": {"schema": {"type": "string"}}}
-    elif path not in ("/health", "/reset_prefix_cache"):
+    elif path not in ("/health", "/ping", "/reset_prefix_cache"):
         ok["content"] = {"application/json": {"schema": {"type": "object"}}}
     if streams:
         ok.setdefault("content", {})["text/event-stream"] = {"schema": {"type": "string"}}
@@ -116,7 +120,7 @@ def _responses(path: str, streams: bool) -> dict:
     return {"200": ok, "4XX": error, "5XX": error}
 
 
-def _operation(path: str, name: str, method: str, refs: dict) -> dict:
+def _operation(path: str, name: str, method: str, refs: dict, guarded: bool) -> dict:
     summary, model, streams = OPERATIONS.get(path, (name, None, False))
     op: dict = {"operationId": f"{name}_{method.lower()}", "summary": summary,
                 "responses": _responses(path, streams)}
@@ -126,19 +130,19 @@ def _operation(path: str, name: str, method: str, refs: dict) -> dict:
     if params:
         op["parameters"] = [{"name": p, "in": "path", "required": True, "schema": {"type": "string"}}
                             for p in params]
-    if path != "/health":
+    if guarded:
         op["security"] = [{"bearer": []}]
     return op
 
 
 @functools.lru_cache(maxsize=4)
-def _document(routes: tuple[tuple[str, str, tuple[str, ...]], ...]) -> str:
+def _document(routes: tuple[tuple[str, str, tuple[str, ...]], ...], scope: str, metrics_public: bool) -> str:
     refs, schemas = _schemas()
     paths: dict = {}
     for path, name, methods in routes:
         for method in methods:
-            paths.setdefault(openapi_path(path), {})[method.lower()] = _operation(openapi_path(path), name, method,
-                                                                                  refs)
+            paths.setdefault(openapi_path(path), {})[method.lower()] = _operation(
+                openapi_path(path), name, method, refs, needs_key(path, scope, metrics_public))
     doc = {
         "openapi": "3.1.0",
         "info": {"title": "qv", "version": __version__,
@@ -151,15 +155,16 @@ def _document(routes: tuple[tuple[str, str, tuple[str, ...]], ...]) -> str:
     return json.dumps(doc)
 
 
-def document(routes) -> dict:
-    """The OpenAPI document of Starlette routes (HEAD, which Starlette adds to GET, left out)."""
+def document(routes, scope: str = "v1", metrics_public: bool = False) -> dict:
+    """The OpenAPI document of Starlette routes (HEAD, which Starlette adds to GET, left out), its
+    `security` marks under api_key_scope `scope`."""
     key = tuple((r.path, r.name, tuple(sorted(m for m in (r.methods or ()) if m != "HEAD")))
                 for r in routes if isinstance(r, Route))
-    return json.loads(_document(key))
+    return json.loads(_document(key, scope, metrics_public))
 
 
 async def schema(state: ServerState, request: Request) -> Response:
-    return JSONResponse(document(request.app.routes))
+    return JSONResponse(document(request.app.routes, state.api_key_scope, state.metrics_public))
 
 
 def docs_html(doc: dict) -> str:
@@ -178,4 +183,4 @@ def docs_html(doc: dict) -> str:
 
 
 async def docs(state: ServerState, request: Request) -> Response:
-    return HTMLResponse(docs_html(document(request.app.routes)))
+    return HTMLResponse(docs_html(document(request.app.routes, state.api_key_scope, state.metrics_public)))

@@ -1,4 +1,4 @@
-"""Operations endpoints: /health, /version, /metrics, /v1/models, /v1/models/{model}, /tokenize,
+"""Operations endpoints: /health and /ping (SageMaker's name for it), /version, /metrics, /v1/models, /v1/models/{model}, /tokenize,
 /detokenize, /reset_prefix_cache."""
 
 from __future__ import annotations
@@ -23,6 +23,11 @@ async def health(state: ServerState, request: Request) -> Response:
     if not state.engine.healthy:
         return error_response(503, "The engine is not running (it stopped; the server log says why).")
     return Response(status_code=200)
+
+
+async def ping(state: ServerState, request: Request) -> Response:
+    """SageMaker's health check (GET or POST), /health's answer."""
+    return await health(state, request)
 
 
 async def version(state: ServerState, request: Request) -> Response:
@@ -86,7 +91,8 @@ def _tokenize(state: ServerState, req: TokenizeRequest) -> list[int]:
         tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
         chat_template=req.chat_template, add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message,
-        kwargs=template_kwargs(req.chat_template_kwargs, state.enable_thinking, None))
+        kwargs=template_kwargs(req.chat_template_kwargs, state.enable_thinking, None),
+        trust_template=state.trust_request_chat_template)
     state.check_text(text, None, "messages")
     return state.encode(text, False)
 

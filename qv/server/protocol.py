@@ -129,9 +129,14 @@ class SamplingFields(SamplingKnobs):
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
     cache_salt: str | None = None
-    truncate_prompt_tokens: int | None = Field(None, ge=1)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM's: keep the last N; -1 the last max_model_len
     user: str | None = None
-    priority: int = 0
+    request_id: str | None = Field(None, min_length=1)  # vLLM's: the response id's tail, logged (state.request_id_of)
+    priority: int = 0  # vLLM's priority scheduling, which qv has not: only 0 is taken
+    # vLLM's plug-in hooks qv has not: refused when set
+    mm_processor_kwargs: dict[str, Any] | None = None
+    logits_processors: list[Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
     # structured outputs (vLLM's fields; response_format in the subclasses)
     structured_outputs: dict[str, Any] | None = None
     guided_json: Any = None
@@ -162,11 +167,22 @@ class SamplingFields(SamplingKnobs):
             raise ValueError(f"`prompt_logprobs` must be a positive value or -1, got {v}.")
         return v
 
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate(cls, v: int | None) -> int | None:
+        if v == 0:
+            raise ValueError("truncate_prompt_tokens must be -1 (keep the last max_model_len tokens) or at least 1")
+        return v
+
     @model_validator(mode="after")
     def _common(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("Stream options can only be defined when `stream=True`.")
-        unsupported = {"use_beam_search": self.use_beam_search}
+        if self.priority != 0:
+            raise ValueError("priority: qv has no priority scheduling (vLLM's --scheduling-policy priority); only "
+                             "priority 0 is taken")
+        unsupported = {"use_beam_search": self.use_beam_search, "mm_processor_kwargs": self.mm_processor_kwargs,
+                       "logits_processors": self.logits_processors, "vllm_xargs": self.vllm_xargs}
         refused = [k for k, on in unsupported.items() if on]
         if refused:
             raise ValueError(f"{', '.join(refused)} {'is' if len(refused) == 1 else 'are'} not supported by qv yet")
@@ -180,7 +196,7 @@ class SamplingFields(SamplingKnobs):
         return self
 
 
-STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 STRUCTURED_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "disable_fallback",
                       "whitespace_pattern")  # vLLM's tuning knobs: accepted, qv's JSON is always compact
 
@@ -199,6 +215,8 @@ def _one_constraint(kind: str, value, where: str) -> tuple[str, str, str]:
         return kind, json.dumps(value), where
     if kind == "json_object":
         return kind, "", where
+    if kind == "structural_tag":
+        return kind, structural_tag_spec(value, where), where
     if not (isinstance(value, str) and value):
         raise ValueError(f"{where}: {kind} must be a non-empty string")
     return kind, value, where
@@ -217,9 +235,11 @@ def structured_constraints(response_format, structured_outputs, guided: dict) ->
             if not isinstance(js, dict) or "schema" not in js:
                 raise ValueError("response_format.json_schema must be an object with `name` and `schema`")
             found.append(_one_constraint("json", js["schema"], "response_format"))
+        elif rtype == "structural_tag":
+            found.append(_one_constraint("structural_tag", response_format, "response_format"))
         elif rtype != "text":
-            raise ValueError(f"response_format type {rtype!r} is not supported; expected text, json_object or "
-                             "json_schema")
+            raise ValueError(f"response_format type {rtype!r} is not supported; expected text, json_object, "
+                             "json_schema or structural_tag")
     if structured_outputs is not None:
         unknown = sorted(set(structured_outputs) - set(STRUCTURED_KEYS) - set(STRUCTURED_OPTIONS))
         if unknown:
@@ -234,6 +254,31 @@ def structured_constraints(response_format, structured_outputs, guided: dict) ->
         if value is not None:
             found.append(_one_constraint(kind, value, f"guided_{kind}"))
     return found
+
+
+def structural_tag_spec(value, where: str) -> str:
+    """vLLM's structural tag (an object, or its JSON text) as the JSON of xgrammar's structural tag:
+    the `format` form as given, the older `structures` + `triggers` form as the triggered tags it
+    stands for (each structure's `schema` the JSON content between its `begin` and `end`)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise ValueError(f"{where}: a structural tag must be a JSON object ({exc})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: a structural tag must be an object with `format`, or `structures` and `triggers`")
+    if "format" in value:
+        return json.dumps({"type": "structural_tag", "format": value["format"]})
+    structures, triggers = value.get("structures"), value.get("triggers")
+    if not (isinstance(structures, list) and structures and isinstance(triggers, list) and triggers and
+            all(isinstance(t, str) and t for t in triggers) and
+            all(isinstance(x, dict) and {"begin", "end"} <= set(x) for x in structures)):
+        raise ValueError(f"{where}: a structural tag needs `format`, or a non-empty `structures` list (each with "
+                         "`begin`, `schema` and `end`) and a non-empty `triggers` list of strings")
+    tags = [{"type": "tag", "begin": x["begin"], "end": x["end"],
+             "content": {"type": "json_schema", "json_schema": x.get("schema", True)}} for x in structures]
+    return json.dumps({"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": triggers,
+                                                             "tags": tags}})
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -254,6 +299,7 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     echo: bool = False
     documents: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = False  # vLLM's: the tokenizer's special tokens (BOS) around the rendered chat
 
     @model_validator(mode="after")
     def _chat(self):

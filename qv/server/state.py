@@ -35,9 +35,22 @@ LARGE_RESPONSE_ENTRIES = 4096  # output tokens x (1 + top logprobs) from which a
 GRAMMAR_WAITERS_PER_WORKER = 4  # grammar compiles in work or waiting per compile worker; more get 503
 
 
+MAX_REQUEST_ID_CHARS = 256  # the body's request_id or an X-Request-Id header
+
+
 def random_id(prefix: str, sep: str = "-") -> str:
     """chatcmpl-/cmpl- ids as OpenAI writes them; Responses API ids use `_` (resp_, msg_, fc_)."""
     return f"{prefix}{sep}{uuid.uuid4().hex}"
+
+
+def request_id_of(request, req, prefix: str) -> str:
+    """The response id, vLLM's way: the X-Request-Id header, else the body's `request_id`, else a
+    random one, after the API's prefix (chatcmpl-, cmpl-); the engine and the logs know the request by it."""
+    given = request.headers.get("x-request-id") or getattr(req, "request_id", None)
+    if given and len(given) > MAX_REQUEST_ID_CHARS:
+        raise bad_request(f"a request id may have at most {MAX_REQUEST_ID_CHARS} characters, got {len(given)}",
+                          "request_id")
+    return f"{prefix}-{given}" if given else random_id(prefix)
 
 
 class Admission:
@@ -65,6 +78,8 @@ class ServerState:
         self.model_root = str(getattr(engine, "model_dir", None) or cfg.model or engine.model_name)
         self.enable_thinking = cfg.enable_thinking
         self.max_body_bytes = cfg.max_body_bytes
+        self.api_key_scope, self.metrics_public = cfg.api_key_scope, cfg.metrics_public  # for /openapi.json
+        self.trust_request_chat_template = cfg.trust_request_chat_template
         self.max_waiting = cfg.max_waiting
         self.max_prompts = cfg.max_prompts_per_request
         self.max_logprobs = cfg.max_logprobs
@@ -91,7 +106,9 @@ class ServerState:
         self.grammar_pool = ThreadPoolExecutor(self.max_grammar_waiters, thread_name_prefix="qv-grammar")
         self.grammar_waiters = 0
         self._large_jobs = 0
-        self.metrics = ServerMetrics(engine, self.model_name, self.max_model_len)
+        self.metrics = ServerMetrics(engine, self.model_name, self.max_model_len, cache_config={
+            "block_size": str(cfg.block_size), "cache_dtype": cfg.kv_dtype,
+            "enable_prefix_caching": str(cfg.prefix_caching), "gpu_memory_utilization": str(cfg.gpu_memory_utilization)})
         self.media = ServerMedia(cfg, getattr(engine, "multimodal", None),  # image/video parts of chat requests
                                  getattr(engine, "media_off", None))
         decoder = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
@@ -132,6 +149,11 @@ class ServerState:
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     # -- checks before a request is queued -----------------------------------------------------
+    def resolve_request_fields(self, req) -> None:
+        """vLLM's shorthands made concrete: truncate_prompt_tokens=-1 keeps the last max_model_len tokens."""
+        if req.truncate_prompt_tokens == -1:
+            req.truncate_prompt_tokens = self.max_model_len
+
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.served_names:
             raise APIError(404, f"The model `{name}` does not exist.", "model")
@@ -250,6 +272,8 @@ class ServerState:
         admission: the seats this prompt's n sequences hold, given back at its first output;
         grammar_field: the field named when the request's grammar is stopped (grammar_mask_budget_ms)."""
         tracker = self.metrics.tracker(params.n, params.max_tokens)
+        log.info("request %s: %d prompt tokens, n=%d, max_tokens=%s", request_id, len(prompt_ids), params.n,
+                 params.max_tokens)
         gen = self.engine.generate(request_id, prompt_ids, params, prompt=prompt, cache_salt=cache_salt,
                                    multimodal=multimodal)
         held = params.n if admission is not None else 0  # this prompt's share of the request's seats

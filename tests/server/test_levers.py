@@ -1,5 +1,5 @@
-"""Server levers on a second server: API key (401 on every route but /health; /metrics opened by
-metrics_public), body limit (413), waiting-queue bound (503 + Retry-After), served-name aliases, the
+"""Server levers on a second server: API key under api_key_scope all (401 on every route but /health
+and /ping; /metrics opened by metrics_public; vLLM's default scope: test_vllm_edges.py), body limit (413), waiting-queue bound (503 + Retry-After), served-name aliases, the
 enable_thinking default, and /health once the engine is gone."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def chat(**kw):
 
 @pytest.fixture(scope="module")
 def guarded(tiny_model):
-    running, stop = start_server(tiny_model, api_key="sekret", metrics_public=True, max_body_bytes=4096, max_waiting=1,
+    running, stop = start_server(tiny_model, api_key="sekret", api_key_scope="all", metrics_public=True, max_body_bytes=4096, max_waiting=1,
                                  max_num_seqs=1, enable_thinking=True, served_model_name="qwen-a, qwen-b")
     yield running
     stop()
@@ -38,12 +38,14 @@ def test_api_key(guarded):
     for method, path, body in (("GET", "/v1/models", None), ("GET", "/version", None),
                                ("POST", "/tokenize", {"prompt": "hi"}), ("POST", "/detokenize", {"tokens": [1]}),
                                ("POST", "/reset_prefix_cache", None), ("POST", "/v1/completions", {"prompt": "x"}),
-                               ("POST", "/v1/responses", {"input": "x"}), ("GET", "/v1/nowhere", None)):
+                               ("POST", "/v1/responses", {"input": "x"}), ("GET", "/v1/nowhere", None),
+                               ("POST", "/invocations", chat()), ("GET", "/openapi.json", None)):
         r = httpx.request(method, guarded.url + path, json=body)
         assert r.status_code == 401 and r.json()["error"]["code"] == 401, (path, r.text)
         r = httpx.request(method, guarded.url + path, json=body, headers=good)
         assert r.status_code in (200, 404), (path, r.text)  # the unknown route is a 404 once the key is right
-    assert httpx.get(guarded.url + "/health").status_code == 200  # the only route without the key
+    assert httpx.get(guarded.url + "/health").status_code == 200  # the health probes need no key
+    assert httpx.get(guarded.url + "/ping").status_code == 200 and httpx.post(guarded.url + "/ping").status_code == 200
     assert httpx.get(guarded.url + "/metrics").status_code == 200  # metrics_public opens it for a scraper
 
 
