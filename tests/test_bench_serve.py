@@ -17,7 +17,7 @@ ROWS = ("chat TTFT", "chat ITL", "chat end-to-end", "record end-to-end", "output
 
 def test_bench_serve_reports_a_complete_table_and_json(tmp_path, capsys):
     out = tmp_path / "serve.json"
-    with started_server(None, None, ["--device", "cpu"], startup_timeout_s=300) as url:
+    with started_server(None, None, ["--device", "cpu", "--max-step-ms", "30"], startup_timeout_s=300) as url:
         rc = main(["bench", "serve", "--url", url, "--duration", "3", "--chats", "2", "--records", "1",
                    "--stream-fraction", "0.75", "--hangup-fraction", "0.3", "--prompt-len", "12", "--output-len", "6",
                    "--record-lengths", "16,48", "--seed", "7", "--json", str(out)])
