@@ -237,6 +237,8 @@ def target_lines(rows: list[tuple]) -> list[str]:
 def bench_model(model_dir: Path, preset: str, args) -> list[tuple]:
     levers = dict(max_model_len=max(args.lengths) + 64, max_num_batched_tokens=args.chunk, clef_slots=args.slots,
                   clef_nmax=max(args.lengths), long_prefill_token_threshold=args.long_prefill_token_threshold)
+    if args.max_step_ms is not None:
+        levers.update(max_step_ms=args.max_step_ms)
     if args.smoke:
         levers.update(device="cpu", kv_cache_bytes=256 << 20)
     if args.load_format == "random":
@@ -285,6 +287,8 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens")
     ap.add_argument("--slots", type=int, default=4, help="clef_slots")
     ap.add_argument("--long-prefill-token-threshold", type=int, default=0, help="the lever (0: its default)")
+    ap.add_argument("--max-step-ms", type=float, default=None,
+                    help="the latency target lever (default: its default; 0: off, the long-prefill share decides)")
     ap.add_argument("--profile-mixed", action="store_true", help="profile steps with a long prefill beside chats")
     ap.add_argument("--load-format", default="auto", choices=("auto", "random"),
                     help="random: GPTQ-Int8 weights made on the device (no weights written to disk)")
