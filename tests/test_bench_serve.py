@@ -53,3 +53,11 @@ def test_bad_mixes_are_refused_with_the_cause(kw, says):
 def test_url_with_a_model_is_refused(capsys):
     assert main(["bench", "serve", "--url", "http://127.0.0.1:9", "--model", "x"]) == 2
     assert "--url targets a running server" in capsys.readouterr().err
+
+
+def test_records_against_a_server_without_a_clef_head_stop_with_the_cause(tiny_dirs, capsys):
+    """The tiny fixture folder has no Clef head: the run stops before it starts, naming why."""
+    with started_server(str(tiny_dirs("tiny")), None, ["--device", "cpu"], startup_timeout_s=300) as url:
+        assert main(["bench", "serve", "--url", url, "--duration", "1", "--chats", "1", "--records", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "the server answers no records" in err and "does not serve Clef decisions" in err, err

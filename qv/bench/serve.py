@@ -214,6 +214,11 @@ async def drive(url: str, spec: ServeSpec, api_key: str | None = None) -> dict:
     async with httpx.AsyncClient(base_url=root, headers=headers, timeout=httpx.Timeout(DRAIN_S + spec.duration_s),
                                  limits=limits) as client:
         model = spec.model_name or (await client.get("/v1/models")).json()["data"][0]["id"]
+        if spec.records:  # a server without a Clef head would turn every record into an error: say so at once
+            probe = await client.post("/v1/systemone", json={"model": "clef", "state": "probe", "questions": QUESTIONS})
+            if probe.status_code in (400, 404):
+                raise StartupError(f"the server answers no records (HTTP {probe.status_code}: {probe.text}); run with "
+                                   f"--records 0, or serve a model with a Clef head")
         before = await _server_metrics(client)
         driver = _Driver(client, spec, model)
         t0 = time.perf_counter()
@@ -315,10 +320,14 @@ def started_server(model: str | None, preset: str | None, serve_args: list[str],
         raise ValueError("qv bench serve: give a model folder or --preset, not both")
     with tempfile.TemporaryDirectory(prefix="qv-bench-serve-") as tmp:
         args = list(serve_args)
-        if preset is not None:
+        if preset is not None:  # its shapes with random weights, and a random Clef folder where the preset has one
+            from qv.bench.clef_folder import HEADS, add_clef
             from qv.bench.presets import write_preset
 
-            model, args = str(write_preset(preset, Path(tmp) / preset)), ["--load-format", "random", *args]
+            folder = write_preset(preset, Path(tmp) / preset)
+            if preset in HEADS:
+                add_clef(folder, preset)
+            model, args = str(folder), ["--load-format", "random", *args]
         port = free_port()
         log_path = Path(tmp) / "server.log"
         cmd = [sys.executable, "-m", "qv.cli", "serve", *([model] if model else []), "--host", "127.0.0.1",
