@@ -31,6 +31,7 @@ TYPICAL_ROWS = (1.0, 8.0, 256.0, 256.0)  # the scale of each feature (fixed, dec
 WARM_STEPS = 16  # before this many steps an observation is taken as it is
 OUTLIER_FACTOR = 4.0  # afterwards, a step is counted as at most this times its prediction (a compile, a GC pause)
 REFERENCE_MS = 10.0  # a step of this time weighs 1 in the fit; others by (REFERENCE_MS / ms)^2 (relative errors)
+MIN_WEIGHED_MS = 0.5  # shorter steps weigh as one of this time: a clock tick must not outweigh every real step
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ class StepCostModel:
             ms = min(ms, OUTLIER_FACTOR * self.cost.predict(decode_rows, prompt_rows, clef_rows))
         x = np.array([1.0, decode_rows, prompt_rows, clef_rows])
         # relative errors: a long prefill step's noise must not swamp the fixed cost of a decode step
-        weight = (REFERENCE_MS / max(ms, 1e-3)) ** 2
+        weight = (REFERENCE_MS / max(ms, MIN_WEIGHED_MS)) ** 2
         self.gram = self.decay * self.gram + weight * np.outer(x, x)
         self.moment = self.decay * self.moment + weight * ms * x
         self.num_steps += 1
