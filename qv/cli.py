@@ -1,4 +1,4 @@
-"""`qv serve | generate | bench | make-tiny | quantize | kernels | doctor` - thin argument parsing over the
+"""`qv serve | generate | bench [serve] | make-tiny | quantize | kernels | doctor` - thin argument parsing over the
 package.
 
 Errors a user can act on (ConfigError, CheckpointError, StartupError, ...) print as one line with exit
@@ -145,6 +145,66 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import json
+
+    from qv.bench.serve import ServeSpec, drive, serve_markdown, started_server
+
+    try:
+        spec = ServeSpec(chats=args.chats, records=args.records, stream_fraction=args.stream_fraction,
+                         hangup_fraction=args.hangup_fraction, prompt_len=args.prompt_len, output_len=args.output_len,
+                         record_lengths=_int_list(args.record_lengths), request_rate=args.request_rate,
+                         concurrency=args.concurrency, duration_s=args.duration, seed=args.seed,
+                         model_name=args.served_model or "")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if args.url:
+        if args.model or args.preset:
+            raise ConfigError("qv bench serve: --url targets a running server; --model and --preset start one")
+        report = asyncio.run(drive(args.url, spec, args.api_key))
+    else:
+        with started_server(args.model, args.preset, args.serve_arg, args.startup_timeout) as url:
+            report = asyncio.run(drive(url, spec, args.api_key))
+    print(serve_markdown(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+def build_bench_serve_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="qv bench serve", formatter_class=_Formatter, description=(
+        "Drive a qv server over HTTP with chats and Clef records together (like `vllm bench serve`): it starts "
+        "`qv serve` on a free loopback port (--model, --preset, or the tiny model) or targets --url, and prints "
+        "TTFT, ITL and end-to-end percentiles, throughputs, errors and the server's /metrics deltas."))
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error, not just its message")
+    p.add_argument("--url", default=None, help="a running server (http://HOST:PORT); default: start one")
+    p.add_argument("--model", default=None, help="checkpoint folder of the server to start (default: tiny model)")
+    p.add_argument("--preset", default=None, help="start the server on this preset's shapes with random weights")
+    p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
+                   help="pass ARG to the qv serve it starts (repeatable, e.g. --serve-arg=--max-step-ms=50)")
+    p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds the server may take to start")
+    p.add_argument("--api-key", default=None, help="Bearer key of the server")
+    p.add_argument("--served-model", default=None, help="model name the chats ask for (default: the first served)")
+    p.add_argument("--chats", type=int, default=4, help="chat clients (with --request-rate: the chat share)")
+    p.add_argument("--records", type=int, default=2, help="record clients (with --request-rate: the record share)")
+    p.add_argument("--stream-fraction", type=float, default=0.5, help="share of chats that stream")
+    p.add_argument("--hangup-fraction", type=float, default=0.0,
+                   help="share of streamed chats whose client hangs up mid-stream")
+    p.add_argument("--prompt-len", type=int, default=64, help="words of each chat prompt")
+    p.add_argument("--output-len", type=int, default=32, help="tokens each chat generates (ignore_eos)")
+    p.add_argument("--record-lengths", default="256", help="words of a record's state, one drawn per record")
+    p.add_argument("--request-rate", type=float, default=0.0, help="Poisson arrivals per second; 0: closed loop")
+    p.add_argument("--concurrency", type=int, default=0,
+                   help="most requests in flight with --request-rate (0: chats + records)")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds new requests are sent")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and the mix")
+    p.add_argument("--json", default=None, metavar="OUT", help="also write the report as JSON")
+    p.set_defaults(fn=cmd_bench_serve, command="bench serve")
+    return p
+
+
 def cmd_make_tiny(args: argparse.Namespace) -> int:
     from qv.model.tiny import make_tiny
 
@@ -224,7 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_lever_flags(g)
     g.set_defaults(fn=cmd_generate)
 
-    b = command("bench", "whole-model benchmark: decode ms/step and prefill s, each beside its floor")
+    b = command("bench", "whole-model benchmark: decode ms/step and prefill s, each beside its floor "
+                "(`qv bench serve --help`: chats and records against a server over HTTP)")
     b.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: $QV_MODEL or the tiny model)")
     b.add_argument("--preset", default=None, help="a config.json of this shape with random weights (27b, 0.5b, tiny, ...)")
     b.add_argument("--batch-sizes", default="1,8,16,32,64", help="decode rows at these batch sizes")
@@ -277,7 +338,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["bench", "serve"]:  # a sub-mode: `qv bench` itself takes an optional model folder
+        args = build_bench_serve_parser().parse_args(argv[2:])
+    else:
+        args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
     except Exception as e:

@@ -115,6 +115,18 @@ class EngineConfig(BaseSettings):
         "budget (vLLM's name). 0: max_num_batched_tokens // 4.", ge=0)
     max_long_partial_prefills: int = lever(
         1, "Most long prefills that share one step with decoding sequences (vLLM's name).", ge=1)
+    max_step_ms: float = lever(
+        30.0,
+        "Latency target of a step while sequences decode, in ms (the inter-token latency chats see beside prompts "
+        "and Clef records; vLLM sizes the prefill chunk of a step by a fixed token count, this sizes it by time): "
+        "each step's prompt tokens are chosen so that its predicted time stays under the target, the prediction "
+        "from a cost model the engine fits to its own steps (a fixed part for the weight read plus rows times a cost "
+        "per row by kind: decode, prompt, Clef). Every waiting prompt gets an equal share of a step, at least 16 "
+        "tokens, so records and long prompts never starve; with nothing decoding, prompts take the whole "
+        "max_num_batched_tokens as before. While it is on, it replaces long_prefill_token_threshold and "
+        "max_long_partial_prefills in steps with decodes. The default (about 2x a decode-only step of the 27B model "
+        "on an H100) is a first choice that a GPU measurement (qv bench serve beside records) must confirm. "
+        "0: off.", ge=0)
     # -- prefix caching ------------------------------------------------------------------------
     prefix_caching: bool = lever(True, "Reuse KV blocks and GDN state snapshots of earlier prompts.")
     gdn_snapshot_interval: int = lever(

@@ -31,6 +31,7 @@ from qv.engine.sequence import PENDING, SeqStatus, Sequence
 from qv.engine.structured import Grammar, GrammarCompiler, GrammarLimits
 from qv.spec.speculator import Speculator
 from qv.engine.state_pool import GDNStatePool
+from qv.engine.step_cost import StepCostModel, StepTimer
 
 log = logging.getLogger("qv")
 SPEC_LOG_EVERY = 500  # steps between speculation summaries in the log
@@ -88,12 +89,14 @@ class LLMEngine:
             # the model's own view: under tensor parallelism the per-position states hold the rank's GDN heads
             self.spec = Speculator.for_engine(cfg, parts.mtp_head, parts.model.cfg, parts.cache, parts.model.device)
         scratch_slot = parts.cache.num_slots - 1  # never handed out (qv/engine/build.py)
+        self.step_timer = StepTimer(StepCostModel())  # the step cost max_step_ms plans with, fitted to these steps
         self.scheduler = Scheduler(self.blocks, GDNStatePool(scratch_slot), cfg.max_num_seqs,
                                    cfg.max_num_batched_tokens, lookahead=cfg.spec_k if self.spec else 0,
                                    prefix_cache=self.prefix_cache,
                                    long_prefill_token_threshold=cfg.long_prefill_token_threshold,
                                    max_long_partial_prefills=cfg.max_long_partial_prefills,
-                                   max_spec_seqs=self.spec.max_seqs if self.spec else 0)
+                                   max_spec_seqs=self.spec.max_seqs if self.spec else 0,
+                                   max_step_ms=cfg.max_step_ms, step_cost=self.step_timer.model)
         self.multimodal = self.media = None  # images/videos: prompt building and in-step encoding
         self.media_off = parts.media_off  # why they are off, for the 400 a request with media gets
         if parts.vision is not None:
@@ -295,7 +298,9 @@ class LLMEngine:
                 return self._outputs(touched)
             self._after_forward(cur.plan, touched)
         nxt = self._launch(touched, after=cur) if self._can_overlap(cur) else None
-        self._apply_results(self.runner.collect(cur), touched)
+        results = self.runner.collect(cur)
+        self.step_timer.collected(cur.plan)
+        self._apply_results(results, touched)
         if nxt is not None:  # its KV rows hold step N's tokens: registered now that they are known
             self._after_forward(nxt.plan, touched)
             self._inflight = nxt
@@ -326,6 +331,7 @@ class LLMEngine:
             req = self.requests[seq.request_id]
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
+        self.step_timer.launched(plan)
         handle = self.runner.execute(plan)
         if self._async:  # nothing verifies drafts: every row is computed once launched
             for seq, n in plan.scheduled:
@@ -337,6 +343,7 @@ class LLMEngine:
 
     def _finish_sync(self, h: StepHandle, touched: dict[str, _Request]) -> None:
         results = self.runner.collect(h)
+        self.step_timer.collected(h.plan)
         for seq, n in h.plan.scheduled:
             res = results.get(seq)
             # a verified sequence keeps only the rows up to its last accepted draft

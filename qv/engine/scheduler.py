@@ -8,6 +8,11 @@ decodes or a short request waits, a prefill with more than `long_prefill_token_t
 many tokens of the step, and at most `max_long_partial_prefills` of them run in it. Without
 decodes they take the whole budget, so a record alone prefills at full speed.
 
+With a latency target (`max_step_ms`) and a step cost model (qv/engine/step_cost.py), a step in
+which anything decodes sizes its prompt tokens to the target in place of that share: every
+prompt (running or waiting, chat or record) gets the same number of tokens, as many as keep the
+predicted step time under the target, and at least a small floor each, so none starves.
+
 When the KV pool runs out, the newest running sequence is preempted by recompute (its blocks and
 slot are freed, it goes back to the front of the queue). A preempted sequence is readmitted only
 when its whole current length plus one growth block per running sequence fits, so it is not
@@ -26,6 +31,7 @@ from qv.engine.kv_cache import KVBlockPool
 from qv.engine.prefix_cache import PrefixCache, is_isolated
 from qv.engine.sequence import Sequence, SeqStatus
 from qv.engine.state_pool import GDNStatePool
+from qv.engine.step_cost import StepCostModel, plan_prompt_tokens
 
 
 @dataclass
@@ -47,7 +53,8 @@ class StepPlan:
 class Scheduler:
     def __init__(self, blocks: KVBlockPool, slots: GDNStatePool, max_num_seqs: int, max_num_batched_tokens: int,
                  lookahead: int = 0, prefix_cache: PrefixCache | None = None, long_prefill_token_threshold: int = 0,
-                 max_long_partial_prefills: int = 1, max_spec_seqs: int = 0):
+                 max_long_partial_prefills: int = 1, max_spec_seqs: int = 0, max_step_ms: float = 0.0,
+                 step_cost: StepCostModel | None = None):
         self.blocks, self.slots = blocks, slots
         self.prefix_cache = prefix_cache  # None: prefix caching off
         self.lookahead = lookahead  # extra KV positions a step may write past its tokens (the MTP head's drafts)
@@ -56,6 +63,8 @@ class Scheduler:
         self.long_prefill_token_threshold = long_prefill_token_threshold or max(1, max_num_batched_tokens // 4)
         self.max_long_partial_prefills = max_long_partial_prefills
         self.max_spec_seqs = max_spec_seqs  # the speculator's per-position GDN state buffers hold this many
+        self.max_step_ms = max_step_ms  # 0: no latency target, the long-prefill share decides
+        self.step_cost = step_cost
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -92,7 +101,10 @@ class Scheduler:
     # -- the step plan -------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         plan = StepPlan()
-        shares = _LongPrefillShare(self, self.running, self.waiting)
+        if self.max_step_ms > 0 and self.step_cost is not None and any(_decoding(s) for s in self.running):
+            shares = _StepTimeShare(self)
+        else:
+            shares = _LongPrefillShare(self, self.running, self.waiting)
         budget = self._schedule_running(plan, self.max_num_batched_tokens, shares)
         self._admit_waiting(plan, budget, shares)
         return plan
@@ -247,3 +259,27 @@ class _LongPrefillShare:
     def took(self, seq: Sequence) -> None:
         if self.left is not None and self.is_long(seq):
             self.left -= 1
+
+
+class _StepTimeShare:
+    """One step's prompt tokens under the latency target, planned once from the queue (plan_prompt_tokens):
+    the running prompts and the waiting ones that seats and slots could admit this step."""
+
+    def __init__(self, sched: Scheduler):
+        self.threshold = sched.long_prefill_token_threshold
+        decode_rows = sum(1 + len(s.draft_token_ids) for s in sched.running if _decoding(s))
+        seats = min(sched.max_num_seqs - len(sched.running), sched.slots.num_free)
+        prompts = [s for s in sched.running if not _decoding(s)] + list(sched.waiting)[:max(0, seats)]
+        tokens = plan_prompt_tokens(sched.step_cost.cost, sched.max_step_ms, decode_rows,
+                                    [(s.num_tokens - s.num_computed_tokens, is_isolated(s)) for s in prompts],
+                                    max(0, sched.max_num_batched_tokens - decode_rows))
+        self.allowed = {id(s): n for s, n in zip(prompts, tokens)}
+
+    def is_long(self, seq: Sequence) -> bool:
+        return seq.num_tokens - seq.num_computed_tokens > self.threshold
+
+    def clip(self, seq: Sequence, n: int) -> int:
+        return n if _decoding(seq) else min(n, self.allowed.get(id(seq), 0))
+
+    def took(self, seq: Sequence) -> None:
+        pass

@@ -31,7 +31,7 @@ def _recording(llm: LLM) -> tuple[list, list]:
 
 def _llm(tiny_dirs, **levers) -> LLM:
     return LLM(model=str(tiny_dirs("tiny")), max_num_batched_tokens=BUDGET, long_prefill_token_threshold=THRESHOLD,
-               async_scheduling=False, prefix_caching=False, **levers)
+               async_scheduling=False, prefix_caching=False, max_step_ms=0, **levers)
 
 
 def test_long_prefills_take_a_bounded_share_while_chats_decode(tiny_dirs):

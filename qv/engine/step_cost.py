@@ -1,0 +1,141 @@
+"""What a step costs, learned from the engine's own steps, and the prompt tokens a step may hold under a
+latency target (`max_step_ms`).
+
+A step's time is modelled as a fixed part (reading the weights once, launches) plus rows times a
+per-row cost by kind: decode rows (one token, or a verification's k+1), chat prompt rows and Clef
+record rows (which also run the low-rank deltas). `StepCostModel` fits the four numbers by
+exponentially-weighted least squares over recent steps (in relative error), pulled towards a prior where the steps seen
+say nothing (a direction no recent step varied). `StepTimer` feeds it: a step's time is from its
+launch, or from the previous step's results if later (the device runs steps one after another), to
+its results on the host.
+
+`plan_prompt_tokens` is the pure planning rule the scheduler calls while sequences decode: every
+waiting prompt gets the same number of tokens (shorter prompts take what they need and leave the
+rest to the others), as many as keep the predicted step under the target, and never fewer than
+`MIN_PROMPT_SHARE` each, so records and long prompts progress however slow the decodes are.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from qv.engine.prefix_cache import is_isolated
+
+MIN_PROMPT_SHARE = 16  # tokens every waiting prompt gets each step, even when decodes alone pass the target
+HALF_LIFE_STEPS = 64  # a step's weight in the fit halves after this many newer steps
+PRIOR_STEPS = 2.0  # the prior counts as this many steps of a typical shape
+TYPICAL_ROWS = (1.0, 8.0, 256.0, 256.0)  # the scale of each feature (fixed, decode, prompt, Clef) in the prior
+WARM_STEPS = 16  # before this many steps an observation is taken as it is
+OUTLIER_FACTOR = 4.0  # afterwards, a step is counted as at most this times its prediction (a compile, a GC pause)
+REFERENCE_MS = 10.0  # a step of this time weighs 1 in the fit; others by (REFERENCE_MS / ms)^2 (relative errors)
+MIN_WEIGHED_MS = 0.5  # shorter steps weigh as one of this time: a clock tick must not outweigh every real step
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Milliseconds of a step: fixed + rows of each kind times their per-row cost."""
+
+    fixed_ms: float
+    decode_row_ms: float
+    prompt_row_ms: float
+    clef_row_ms: float
+
+    def predict(self, decode_rows: int, prompt_rows: int = 0, clef_rows: int = 0) -> float:
+        return (self.fixed_ms + decode_rows * self.decode_row_ms + prompt_rows * self.prompt_row_ms
+                + clef_rows * self.clef_row_ms)
+
+    def as_array(self) -> np.ndarray:
+        return np.array([self.fixed_ms, self.decode_row_ms, self.prompt_row_ms, self.clef_row_ms])
+
+
+# the 27B GPTQ-Int8 model on one H100 (the whole-model bench): a start until the engine's own steps say better
+DEFAULT_PRIOR = StepCost(fixed_ms=12.0, decode_row_ms=0.3, prompt_row_ms=0.1, clef_row_ms=0.15)
+
+
+class StepCostModel:
+    """The step cost fitted to recent steps (exponentially-weighted least squares with a prior)."""
+
+    def __init__(self, prior: StepCost = DEFAULT_PRIOR, half_life_steps: float = HALF_LIFE_STEPS):
+        self.prior = prior
+        self.decay = 0.5 ** (1.0 / half_life_steps)
+        # each coefficient's prior weighs as much as PRIOR_STEPS steps of that feature's typical rows would
+        typical = np.diag(TYPICAL_ROWS)
+        typical[1:, 0] = 1.0
+        weights = (REFERENCE_MS / np.maximum(typical @ prior.as_array(), 1e-3)) ** 2
+        self.ridge = PRIOR_STEPS * np.diag(weights * np.square(TYPICAL_ROWS))
+        self.gram = np.zeros((4, 4))  # sum of decayed x x^T
+        self.moment = np.zeros(4)  # sum of decayed x * ms
+        self.num_steps = 0
+        self.cost = prior
+
+    def observe(self, decode_rows: int, prompt_rows: int, clef_rows: int, ms: float) -> None:
+        if decode_rows + prompt_rows + clef_rows == 0 or not np.isfinite(ms) or ms < 0:
+            return
+        if self.num_steps >= WARM_STEPS:
+            ms = min(ms, OUTLIER_FACTOR * self.cost.predict(decode_rows, prompt_rows, clef_rows))
+        x = np.array([1.0, decode_rows, prompt_rows, clef_rows])
+        # relative errors: a long prefill step's noise must not swamp the fixed cost of a decode step
+        weight = (REFERENCE_MS / max(ms, MIN_WEIGHED_MS)) ** 2
+        self.gram = self.decay * self.gram + weight * np.outer(x, x)
+        self.moment = self.decay * self.moment + weight * ms * x
+        self.num_steps += 1
+        theta = np.linalg.solve(self.gram + self.ridge, self.moment + self.ridge @ self.prior.as_array())
+        # a negative cost is the fit's noise, not a step that gets faster with more rows
+        self.cost = StepCost(*(float(v) for v in np.maximum(theta, 0.0)))
+
+
+def plan_prompt_tokens(cost: StepCost, target_ms: float, decode_rows: int, prompts: list[tuple[int, bool]],
+                       budget: int, min_share: int = MIN_PROMPT_SHARE) -> list[int]:
+    """Tokens for each waiting prompt, given as (tokens left, is a Clef record), in a step that also holds
+    `decode_rows` decode rows: the same count t for each (or all it has left, if fewer), t the largest that
+    keeps the predicted step within `target_ms` and the total within `budget` tokens, and at least
+    min(left, min_share) each while the budget allows."""
+    if not prompts:
+        return []
+    floor_share = max(1, min(min_share, budget // len(prompts)))
+    row_ms = [cost.clef_row_ms if clef else cost.prompt_row_ms for _, clef in prompts]
+    spare_ms = target_ms - cost.predict(decode_rows)
+
+    def fits(t: int) -> bool:
+        taken = [min(left, t) for left, _ in prompts]
+        return sum(taken) <= budget and sum(n * ms for n, ms in zip(taken, row_ms)) <= spare_ms
+
+    lo, hi = 0, max(left for left, _ in prompts)
+    while lo < hi:  # the largest t that fits: fits() only turns false as t grows
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    share = max(lo, floor_share)
+    tokens, left_in_budget = [], budget
+    for left, _ in prompts:  # the floor may pass the budget only where prompts outnumber it
+        n = min(left, share, left_in_budget)
+        tokens.append(n)
+        left_in_budget -= n
+    return tokens
+
+
+class StepTimer:
+    """Times each launched step until its results are on the host and feeds the rows and the time to `model`."""
+
+    def __init__(self, model: StepCostModel):
+        self.model = model
+        self.launched_at: dict[int, tuple[float, tuple[int, int, int]]] = {}
+        self.last_collected = 0.0
+
+    def launched(self, plan) -> None:
+        """Call before the runner launches `plan`, while its sequences' computed tokens are not yet advanced."""
+        rows = [0, 0, 0]
+        for seq, n in plan.scheduled:
+            rows[2 if is_isolated(seq) else 0 if seq.num_tokens - seq.num_computed_tokens <= 1 else 1] += n
+        self.launched_at[id(plan)] = (time.perf_counter(), tuple(rows))
+
+    def collected(self, plan) -> None:
+        """Call once the step's results are on the host."""
+        entry = self.launched_at.pop(id(plan), None)
+        now = time.perf_counter()
+        if entry is not None:
+            start, rows = entry
+            self.model.observe(*rows, 1e3 * (now - max(start, self.last_collected)))
+        self.last_collected = now

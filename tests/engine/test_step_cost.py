@@ -1,0 +1,164 @@
+"""Steps sized to a latency target (max_step_ms): the step cost model's fit, and the scheduler's step
+plans checked against the model it plans with. No timing assertions: the plans are checked against the
+model's predictions, not against a clock."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from qv import LLM, SamplingParams
+from qv.engine.kv_cache import KVBlockPool
+from qv.engine.scheduler import Scheduler
+from qv.engine.sequence import Sequence
+from qv.engine.state_pool import GDNStatePool
+from qv.engine.step_cost import MIN_PROMPT_SHARE, StepCost, StepCostModel, plan_prompt_tokens
+
+COST = StepCost(fixed_ms=10.0, decode_row_ms=0.5, prompt_row_ms=0.05, clef_row_ms=0.1)
+BUDGET = 2048
+
+
+def _seq(i: int, n: int, clef: bool = False) -> Sequence:
+    return Sequence(i, f"r{i}", 0, [3 + i % 50] * n, SamplingParams(), 10_000, 0, None, i,
+                    cache_salt=f"clef:{i}" if clef else None)
+
+
+def _scheduler(target_ms: float) -> Scheduler:
+    return Scheduler(KVBlockPool(4096, 16), GDNStatePool(64), max_num_seqs=32, max_num_batched_tokens=BUDGET,
+                     max_step_ms=target_ms, step_cost=StepCostModel(prior=COST))
+
+
+def _run(sched: Scheduler):
+    """Plan one step and apply it as the engine would: computed tokens advance, caught-up sequences sample
+    a token, caught-up records finish. Returns [(seq, tokens, decoding?, prompt tokens left)]."""
+    before = {s: s.num_tokens - s.num_computed_tokens for s in [*sched.running, *sched.waiting]}
+    plan = sched.schedule()
+    rows = [(s, n, before[s] <= 1, before[s]) for s, n in plan.scheduled]
+    for s, n in plan.scheduled:
+        s.num_computed_tokens += n
+        if s.num_computed_tokens >= s.num_tokens:
+            if s.cache_salt:
+                sched.finish(s, "stop")
+            else:
+                s.output_token_ids.append(7)
+    return rows
+
+
+def _predicted(rows) -> float:
+    dec = sum(n for _, n, d, _ in rows if d)
+    clef = sum(n for s, n, d, _ in rows if not d and s.cache_salt)
+    return COST.predict(dec, sum(n for _, n, d, _ in rows if not d) - clef, clef)
+
+
+def _start_chats(sched: Scheduler, count: int) -> None:
+    for i in range(count):
+        sched.add(_seq(i, 8))
+    first = _run(sched)  # nothing decodes yet: every chat prompt whole in one step
+    assert sorted(n for _, n, _, _ in first) == [8] * count
+
+
+@pytest.mark.parametrize("target_ms", [30.0, 60.0])
+def test_steps_with_decodes_stay_under_the_target_and_every_prompt_progresses(target_ms):
+    rng = random.Random(5)
+    sched = _scheduler(target_ms)
+    _start_chats(sched, 6)
+    prompts = [_seq(100 + i, rng.randrange(2000, 4000), clef=True) for i in range(3)]
+    prompts += [_seq(200 + i, rng.randrange(10, 5000)) for i in range(3)]
+    for s in prompts:
+        sched.add(s)
+    steps = 0
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in prompts):
+        steps += 1
+        assert steps < 2000, "the prompts stopped progressing"
+        waiting_prompts = {s for s in prompts if s.num_computed_tokens < s.num_prompt_tokens}
+        rows = _run(sched)
+        got = {s: n for s, n, dec, _ in rows if not dec}  # a prompt with one token left is a decode row
+        assert sum(s not in prompts for s, _, _, _ in rows) == 6, "a decoding chat was left out of a step"
+        assert {s for s, n, _, _ in rows if n > 0} >= waiting_prompts, "a waiting prompt got no tokens this step"
+        assert _predicted(rows) <= target_ms + 1e-9, (steps, _predicted(rows), got)
+        # the same count for each, or all a prompt had left; and no more would have fit
+        left = {s: l for s, _, dec, l in rows if not dec}
+        share = max(got.values())
+        assert all(n == share or n == left[s] for s, n in got.items()), got
+        grown = [(s, n + 1, False, 0) for s, n in got.items() if n < left[s]]
+        more = [r for r in rows if r[2]] + grown + [(s, n, False, 0) for s, n in got.items() if n >= left[s]]
+        assert not grown or _predicted(more) > target_ms or sum(n for _, n, _, _ in more) > BUDGET
+    assert steps > 1, "the prompts were not split under the target"
+
+
+def test_decodes_over_the_target_still_leave_every_prompt_a_floor_share():
+    sched = _scheduler(5.0)  # below the fixed cost alone
+    _start_chats(sched, 4)
+    record, chat = _seq(100, 1000, clef=True), _seq(101, 700)
+    sched.add(record)
+    sched.add(chat)
+    for _ in range(3):
+        got = {s: n for s, n, dec, _ in _run(sched) if not dec}
+        assert got == {record: MIN_PROMPT_SHARE, chat: MIN_PROMPT_SHARE}
+
+
+def test_nothing_decoding_takes_the_whole_budget():
+    sched = _scheduler(30.0)
+    sched.add(_seq(1, 5000, clef=True))
+    sched.add(_seq(2, 5000))
+    rows = _run(sched)
+    assert sum(n for _, n, _, _ in rows) == BUDGET
+
+
+def test_plan_prompt_tokens_shares_and_bounds():
+    cost = StepCost(fixed_ms=0.0, decode_row_ms=1.0, prompt_row_ms=1.0, clef_row_ms=2.0)
+    # 100 ms spare after 4 decode rows: t + 2t + min(5, t) = 100 -> t = 31 (31 + 62 + 5 = 98)
+    assert plan_prompt_tokens(cost, 104.0, 4, [(500, False), (500, True), (5, False)], 4096) == [31, 31, 5]
+    assert plan_prompt_tokens(cost, 1e6, 0, [(500, False), (900, False)], 600) == [300, 300]  # the token budget
+    assert plan_prompt_tokens(cost, 0.0, 4, [(500, False), (3, True)], 4096) == [MIN_PROMPT_SHARE, 3]
+    assert plan_prompt_tokens(cost, 0.0, 4, [(500, False)] * 3, 2) == [1, 1, 0]  # more prompts than tokens
+    assert plan_prompt_tokens(cost, 10.0, 1, [], 4096) == []
+
+
+def test_the_cost_model_learns_the_step_times_it_sees():
+    rng = random.Random(11)
+    truth = StepCost(fixed_ms=3.0, decode_row_ms=0.2, prompt_row_ms=0.02, clef_row_ms=0.04)
+    model = StepCostModel()  # the 27B/H100 prior, far from this "device"
+    for _ in range(400):
+        rows = (rng.randrange(0, 32), rng.choice([0, rng.randrange(1, 2048)]), rng.choice([0, rng.randrange(1, 2048)]))
+        model.observe(*rows, truth.predict(*rows) * rng.uniform(0.98, 1.02))
+    for rows in [(6, 0, 0), (6, 300, 0), (6, 0, 300), (1, 2048, 0), (32, 0, 2048)]:
+        assert model.cost.predict(*rows) == pytest.approx(truth.predict(*rows), rel=0.05), rows
+    model.observe(6, 300, 0, 1e6)  # a stall (compile, GC) counts as at most a few predictions
+    assert model.cost.predict(6, 300, 0) < 2 * truth.predict(6, 300, 0)
+
+
+def test_the_engine_plans_with_the_target_and_feeds_its_step_times(tiny_dirs):
+    """With a target below any step, prompts beside decodes go MIN_PROMPT_SHARE tokens at a time; the
+    greedy tokens are those of the engine without a target."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = {"chat": [5, 6, 7, 8], "long": [9, 10, 11] * 40}
+    outs = {}
+    for target in (0.0, 1e-3):
+        llm = LLM(model=str(tiny_dirs("tiny")), max_step_ms=target, prefix_caching=False)
+        eng, sched, plans = llm.engine, llm.engine.scheduler, []
+        schedule = sched.schedule
+
+        def spy():
+            decoding = {s for s in sched.running if s.num_tokens - s.num_computed_tokens <= 1}
+            plan = schedule()
+            plans.append([(n, s in decoding) for s, n in plan.scheduled])
+            return plan
+
+        sched.schedule = spy
+        eng.add_request("chat", prompts["chat"], params)
+        eng.step()
+        eng.step()
+        eng.add_request("long", prompts["long"], params)
+        done = {}
+        for _ in range(500):
+            done |= {o.request_id: o.outputs[0].token_ids for o in eng.step() if o.finished}
+            if len(done) == 2:
+                break
+        outs[target] = done
+        mixed = [p for p in plans if any(d for _, d in p) and any(not d for _, d in p)]
+        assert eng.step_timer.model.num_steps >= len(plans) - 2
+        if target:
+            assert mixed and all(n <= MIN_PROMPT_SHARE for p in mixed for n, d in p if not d), mixed
+    assert outs[0.0] == outs[1e-3] and len(outs[0.0]) == 2

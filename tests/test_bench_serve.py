@@ -1,0 +1,63 @@
+"""`qv bench serve` against the embedded tiny model (a `qv serve` subprocess on a loopback port): the
+table and the JSON record are complete. No timing assertions: the numbers are whatever this machine gives."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from qv.bench.serve import ServeSpec, started_server
+from qv.cli import main
+
+LATENCIES = ("ttft_ms", "itl_ms", "chat_e2e_ms", "record_e2e_ms")
+ROWS = ("chat TTFT", "chat ITL", "chat end-to-end", "record end-to-end", "output tok/s", "prompt tok/s", "records/s",
+        "errors", "server: preemptions", "server: mean queue time", "server: requests finished")
+
+
+def test_bench_serve_reports_a_complete_table_and_json(tmp_path, capsys):
+    out = tmp_path / "serve.json"
+    with started_server(None, None, ["--device", "cpu", "--max-step-ms", "30"], startup_timeout_s=300) as url:
+        rc = main(["bench", "serve", "--url", url, "--duration", "3", "--chats", "2", "--records", "1",
+                   "--stream-fraction", "0.75", "--hangup-fraction", "0.3", "--prompt-len", "12", "--output-len", "6",
+                   "--record-lengths", "16,48", "--seed", "7", "--json", str(out)])
+    assert rc == 0
+    table = capsys.readouterr().out
+    for row in ROWS:
+        assert f"| {row}" in table, f"the table has no {row!r} row:\n{table}"
+    report = json.loads(out.read_text())
+    assert report["errors"] == 0, report["error_samples"]
+    for key in LATENCIES:
+        stats = report[key]
+        assert stats["n"] > 0 and all(stats[k] is not None for k in ("mean", "p50", "p95", "p99")), (key, stats)
+        assert stats["p50"] <= stats["p95"] <= stats["p99"], (key, stats)
+    counts = report["requests"]
+    assert counts["chats"] > 0 and counts["streamed"] > 0 and counts["records"] > 0, counts
+    assert report["output_tok_s"] > 0 and report["prompt_tok_s"] > 0 and report["records_s"] > 0
+    server = report["server"]
+    assert set(server) == {"preemptions", "queue_time_mean_ms", "requests_finished", "prompt_tokens",
+                           "generation_tokens", "admission_rejections"}
+    # the server saw at least what the client counted as finished, and the queue-time histogram moved
+    assert server["requests_finished"] >= counts["chats"] + counts["records"]
+    assert server["queue_time_mean_ms"] is not None and server["prompt_tokens"] > 0
+
+
+@pytest.mark.parametrize("kw, says", [({"chats": 0, "records": 0}, "at least one"),
+                                      ({"hangup_fraction": 1.5}, "hangup_fraction"),
+                                      ({"record_lengths": ()}, "record length")])
+def test_bad_mixes_are_refused_with_the_cause(kw, says):
+    with pytest.raises(ValueError, match=says):
+        ServeSpec(**kw)
+
+
+def test_url_with_a_model_is_refused(capsys):
+    assert main(["bench", "serve", "--url", "http://127.0.0.1:9", "--model", "x"]) == 2
+    assert "--url targets a running server" in capsys.readouterr().err
+
+
+def test_records_against_a_server_without_a_clef_head_stop_with_the_cause(tiny_dirs, capsys):
+    """The tiny fixture folder has no Clef head: the run stops before it starts, naming why."""
+    with started_server(str(tiny_dirs("tiny")), None, ["--device", "cpu"], startup_timeout_s=300) as url:
+        assert main(["bench", "serve", "--url", url, "--duration", "1", "--chats", "1", "--records", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "the server answers no records" in err and "does not serve Clef decisions" in err, err
