@@ -116,7 +116,7 @@ class EngineConfig(BaseSettings):
     max_long_partial_prefills: int = lever(
         1, "Most long prefills that share one step with decoding sequences (vLLM's name).", ge=1)
     max_step_ms: float = lever(
-        30.0,
+        0.0,
         "Latency target of a step while sequences decode, in ms (the inter-token latency chats see beside prompts "
         "and Clef records; vLLM sizes the prefill chunk of a step by a fixed token count, this sizes it by time): "
         "each step's prompt tokens are chosen so that its predicted time stays under the target, the prediction "
@@ -124,9 +124,9 @@ class EngineConfig(BaseSettings):
         "per row by kind: decode, prompt, Clef). Every waiting prompt gets an equal share of a step, at least 16 "
         "tokens, so records and long prompts never starve; with nothing decoding, prompts take the whole "
         "max_num_batched_tokens as before. While it is on, it replaces long_prefill_token_threshold and "
-        "max_long_partial_prefills in steps with decodes. The default (about 2x a decode-only step of the 27B model "
-        "on an H100) is a first choice that a GPU measurement (qv bench serve beside records) must confirm. "
-        "0: off.", ge=0)
+        "max_long_partial_prefills in steps with decodes. 0 (the default): off, until a GPU measurement (qv bench "
+        "serve beside records at the 27B shapes) picks the default; 30 is about 2x a decode-only step of the 27B "
+        "model on an H100.", ge=0)
     # -- prefix caching ------------------------------------------------------------------------
     prefix_caching: bool = lever(True, "Reuse KV blocks and GDN state snapshots of earlier prompts.")
     gdn_snapshot_interval: int = lever(

@@ -1,7 +1,6 @@
 """Shared fixtures. On machines without CUDA, Triton kernels run through the interpreter, so the
 CPU suite exercises the real kernel source at tiny shapes (TRITON_INTERPRET must be set before
-triton is imported, hence here; triton_interpreter.py then makes its bf16 behave as on the GPU).
-QV_MAX_STEP_MS is 0 unless a test sets it (see below)."""
+triton is imported, hence here; triton_interpreter.py then makes its bf16 behave as on the GPU)."""
 
 from __future__ import annotations
 
@@ -19,9 +18,6 @@ except ImportError:  # pragma: no cover
     _HAS_CUDA = False
 if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
-# plans sized to max_step_ms follow the host's clock, so batches differ run to run; tests that compare runs
-# batch for batch need fixed plans, and the tests of the latency target set it themselves
-os.environ.setdefault("QV_MAX_STEP_MS", "0")
 
 sys.path.insert(0, str(Path(__file__).parent))
 
