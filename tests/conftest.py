@@ -5,7 +5,9 @@ triton is imported, hence here; triton_interpreter.py then makes its bf16 behave
 from __future__ import annotations
 
 import os
+import random
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -51,6 +53,41 @@ def tiny_dirs(tmp_path_factory):
         return cache[key]
 
     return get
+
+
+_TINY_PRESET = object()  # tiny_engine's default model: the tiny preset's folder
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_dirs):
+    """Every engine a test builds for its behaviour: `tiny_engine(**levers)` is the offline LLM (its
+    LLMEngine is `.engine`) over the tiny preset's checkpoint. preset/seed/mtp pick another tiny
+    folder; model=PATH a folder the test made, model=None the embedded tiny model."""
+    from qv import LLM
+
+    def make(*, model=_TINY_PRESET, preset: str = "tiny", seed: int = 0, mtp: bool = False, **levers) -> LLM:
+        if model is _TINY_PRESET:
+            model = tiny_dirs(preset, seed, mtp)
+        return LLM(model=None if model is None else str(model), **levers)
+
+    return make
+
+
+@pytest.fixture(autouse=True)
+def _seeded(request):
+    """Every test starts from its own fixed seed (the CRC of its id) for `random`, NumPy and torch, so
+    a randomized test draws the same cases in every run and a failure reproduces."""
+    seed = zlib.crc32(request.node.nodeid.encode())
+    random.seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed)
+    except ImportError:  # pragma: no cover
+        pass
+    if "torch" in sys.modules:
+        sys.modules["torch"].manual_seed(seed)
+    yield
 
 
 @pytest.fixture(autouse=True)

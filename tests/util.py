@@ -1,5 +1,5 @@
-"""Test helpers: one relative-error metric for every oracle comparison, NaN poisoning, and stopping
-a server subprocess."""
+"""Test helpers: one relative-error metric for every oracle comparison, NaN poisoning, the bounds of
+statistical tests, and stopping a server subprocess."""
 
 from __future__ import annotations
 
@@ -27,6 +27,27 @@ def poisoned(shape, dtype=torch.float32, device="cpu") -> torch.Tensor:
     if dtype.is_floating_point:
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
     return torch.full(shape, torch.iinfo(dtype).min, dtype=dtype, device=device)
+
+
+# The chance that a correct implementation fails a statistical test somewhere in one CI run. Each such
+# test is seeded (tests/conftest.py) and splits this budget evenly among the checks of its file.
+FALSE_ALARM_PER_RUN = 1e-6
+
+
+def chi2_bound(df: int, checks: int) -> float:
+    """The chi-square statistic with `df` degrees of freedom that a correct sampler exceeds with
+    probability FALSE_ALARM_PER_RUN / checks (`checks`: the chi-square checks in its file, per run)."""
+    from scipy.stats import chi2
+
+    return float(chi2.isf(FALSE_ALARM_PER_RUN / checks, df))
+
+
+def normal_bound(checks: int, two_sided: bool = True) -> float:
+    """How many standard deviations a correct count stays within, but with probability
+    FALSE_ALARM_PER_RUN / checks."""
+    from scipy.stats import norm
+
+    return float(norm.isf(FALSE_ALARM_PER_RUN / checks / (2 if two_sided else 1)))
 
 
 def stop(proc: subprocess.Popen, timeout: float = 30) -> None:

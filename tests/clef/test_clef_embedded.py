@@ -44,13 +44,11 @@ def test_embedded_head_is_qvs_own_and_deterministic(embedded, tmp_path):
         assert (again / name).read_bytes() == (embedded / name).read_bytes(), name
 
 
-def test_embedded_answers_equal_clef_systemone(jsm, reference_model, embedded):
+def test_embedded_answers_equal_clef_systemone(tiny_engine, jsm, reference_model, embedded):
     """Their ClefModel (transformers' Qwen3_5ForConditionalGeneration + their JointSchemaHead with
     the file loaded strictly) against qv's engine (LLM.decide) on the embedded folder."""
-    from qv import LLM
-
     ref_model, processor = reference_model(embedded)
-    llm = LLM(str(embedded), max_model_len=4096, max_num_batched_tokens=512)
+    llm = tiny_engine(model=embedded, max_model_len=4096, max_num_batched_tokens=512)
     records = answer_cases(3, 8)[:6]
     worst, spread = 0.0, []
     for i, record in enumerate(records):

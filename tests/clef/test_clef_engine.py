@@ -28,9 +28,9 @@ BOUND = 1e-5  # max |dp| vs the record alone: batch composition only reorders fp
 CHAT = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
-def make_engine(folder, **levers) -> LLMEngine:
+def make_engine(tiny_engine, folder, **levers) -> LLMEngine:
     levers.setdefault("max_model_len", 8192)
-    return LLMEngine(EngineConfig(model=str(folder), device="cpu", **levers))
+    return tiny_engine(model=folder, device="cpu", **levers).engine
 
 
 def run(eng: LLMEngine, records: dict, chats: dict | None = None, chat_params: SamplingParams = CHAT) -> dict:
@@ -56,9 +56,9 @@ def spy_steps(eng: LLMEngine) -> list:
 
 
 @pytest.fixture(scope="module")
-def alone(clef_dirs):
+def alone(tiny_engine, clef_dirs):
     """One engine on layout (b) that runs things one at a time (the 'alone' side)."""
-    return make_engine(clef_dirs["adapters"], max_num_batched_tokens=256)
+    return make_engine(tiny_engine, clef_dirs["adapters"], max_num_batched_tokens=256)
 
 
 @pytest.fixture(scope="module")
@@ -67,14 +67,15 @@ def records(tokenizers):
     return {f"r{i}": encode_request(tok, make_record(700 + i, small=True), NMAX) for i in range(4)}
 
 
-def test_mixed_batches_through_the_engine(clef_dirs, alone, records):
+def test_mixed_batches_through_the_engine(tiny_engine, clef_dirs, alone, records):
     rng = random.Random(3)
     vocab = alone.model_config.vocab_size
     chats = {f"c{j}": [rng.randrange(3, min(vocab, 250)) for _ in range(rng.randint(5, 60))] for j in range(4)}
     # a budget that takes every chat and record in the first step but the last record's second half
     budget = sum(map(len, chats.values())) + sum(r.num_tokens for r in records.values()) - records["r3"].num_tokens // 2
     # the long-prefill share off (every record may take the budget beside the chats): one batch mixes them all
-    eng = make_engine(clef_dirs["adapters"], max_num_batched_tokens=budget, long_prefill_token_threshold=budget,
+    eng = make_engine(tiny_engine, clef_dirs["adapters"], max_num_batched_tokens=budget,
+                      long_prefill_token_threshold=budget,
                       max_long_partial_prefills=4)
     steps = spy_steps(eng)
     mixed = run(eng, records, chats)
@@ -101,14 +102,14 @@ def test_mixed_batches_through_the_engine(clef_dirs, alone, records):
     assert st.prompt_tokens == sum(map(len, chats.values())) + sum(r.num_tokens for r in records.values())
 
 
-def test_long_record_chunked_equals_one_chunk(clef_dirs, tokenizers):
+def test_long_record_chunked_equals_one_chunk(tiny_engine, clef_dirs, tokenizers):
     record = make_record(77, n_questions=4, small=True)
     record["state"] = " ".join(["the checkout returns errors after the payment step and orders stay blocked"] * 58)
     rec = encode_request(tokenizers["release"], record, NMAX)
     assert rec.num_tokens >= 4096, rec.num_tokens
     results, chunks = {}, {}
     for budget in (512, 8192):
-        eng = make_engine(clef_dirs["release"], max_num_batched_tokens=budget)
+        eng = make_engine(tiny_engine, clef_dirs["release"], max_num_batched_tokens=budget)
         steps = spy_steps(eng)
         results[budget] = run(eng, {"long": rec})["long"].clef
         chunks[budget] = [s["clef_rows"]["long"] for s in steps]
@@ -119,7 +120,7 @@ def test_long_record_chunked_equals_one_chunk(clef_dirs, tokenizers):
     assert results[512].answers.keys() == results[8192].answers.keys()
 
 
-def test_preempted_record_restarts_cleanly(clef_dirs, alone, tokenizers):
+def test_preempted_record_restarts_cleanly(tiny_engine, clef_dirs, alone, tokenizers):
     rec = encode_request(tokenizers["adapters"], make_record(903, n_questions=1, state_size=80), NMAX)
     budget = 12  # the record gets 11 rows a step beside the chat's decode row: ~50 steps of prefill
     steps = -(-rec.num_tokens // (budget - 1))
@@ -128,7 +129,7 @@ def test_preempted_record_restarts_cleanly(clef_dirs, alone, tokenizers):
     # chat, admitted first, keeps decoding; by the record's last chunks the two no longer fit, so the
     # newest (the record) is preempted, and readmitted once the chat is done.
     blocks = -(-rec.num_tokens // 16) + 3
-    eng = make_engine(clef_dirs["adapters"], max_num_batched_tokens=budget, prefix_caching=False,
+    eng = make_engine(tiny_engine, clef_dirs["adapters"], max_num_batched_tokens=budget, prefix_caching=False,
                       long_prefill_token_threshold=budget, kv_cache_bytes=blocks * kv_bytes_per_block(alone.model_config, 16, alone.runner.model.dtype))
     chat = SamplingParams(temperature=0.0, max_tokens=steps + 20, ignore_eos=True)
     out = run(eng, {"rec": rec}, {"c": list(range(3, 19))}, chat)
@@ -141,8 +142,8 @@ def test_preempted_record_restarts_cleanly(clef_dirs, alone, tokenizers):
     assert len(out["c"].outputs[0].token_ids) == chat.max_tokens
 
 
-def test_clef_slots_bound_records_in_flight(clef_dirs, records):
-    eng = make_engine(clef_dirs["adapters"], max_num_batched_tokens=256, clef_slots=2)
+def test_clef_slots_bound_records_in_flight(tiny_engine, clef_dirs, records):
+    eng = make_engine(tiny_engine, clef_dirs["adapters"], max_num_batched_tokens=256, clef_slots=2)
     seen = []
     step = eng.step
 
@@ -182,8 +183,8 @@ def run_one(eng, rid, rec, checksum=None):
     return run(eng, {})[rid]
 
 
-def test_abort_frees_running_and_queued_records(clef_dirs, records):
-    eng = make_engine(clef_dirs["adapters"], max_num_batched_tokens=64, clef_slots=1)
+def test_abort_frees_running_and_queued_records(tiny_engine, clef_dirs, records):
+    eng = make_engine(tiny_engine, clef_dirs["adapters"], max_num_batched_tokens=64, clef_slots=1)
     free = eng.blocks.num_free
     for rid in ("r0", "r1"):
         eng.add_clef(rid, records[rid], records[rid].num_tokens, records[rid].checksum)
@@ -194,11 +195,11 @@ def test_abort_frees_running_and_queued_records(clef_dirs, records):
     assert not eng.has_unfinished_requests() and eng.blocks.num_free == free
     assert not eng.clef.jobs and not eng.clef.pending and eng.stats.num_waiting == 0
     with pytest.raises(InvalidRequestError, match="no Clef decisions"):
-        make_engine(clef_dirs["adapters"], clef=False).add_clef("x", records["r0"], 1, "")
+        make_engine(tiny_engine, clef_dirs["adapters"], clef=False).add_clef("x", records["r0"], 1, "")
 
 
-def test_head_state_failure_fails_that_record_before_it_runs(clef_dirs, records, monkeypatch):
-    eng = make_engine(clef_dirs["adapters"], max_num_batched_tokens=64)
+def test_head_state_failure_fails_that_record_before_it_runs(tiny_engine, clef_dirs, records, monkeypatch):
+    eng = make_engine(tiny_engine, clef_dirs["adapters"], max_num_batched_tokens=64)
     free, real_state = eng.blocks.num_free, eng.clef.head.state
 
     def state(record, embedding):
@@ -216,10 +217,10 @@ def test_head_state_failure_fails_that_record_before_it_runs(clef_dirs, records,
     assert eng.blocks.num_free == free
 
 
-def test_offline_decide_refusal_leaves_nothing_queued(clef_dirs):
+def test_offline_decide_refusal_leaves_nothing_queued(tiny_engine, clef_dirs):
     from qv.llm import LLM
 
-    llm = LLM(model=str(clef_dirs["release"]), device="cpu", max_model_len=4096, kv_cache_bytes=1 << 20)
+    llm = tiny_engine(model=clef_dirs["release"], device="cpu", max_model_len=4096, kv_cache_bytes=1 << 20)
     room = llm.engine.blocks.capacity(True) * llm.engine.blocks.block_size
     small, big = make_record(50, small=True), make_record(51, small=True)
     big["state"] = "word " * (2 * room)
@@ -229,11 +230,11 @@ def test_offline_decide_refusal_leaves_nothing_queued(clef_dirs):
     assert llm.decide(small)["usage"]["input_tokens"] > 0
 
 
-def test_offline_llm_decide(clef_dirs):
+def test_offline_llm_decide(tiny_engine, clef_dirs):
     from qv.clef.offline import run_record
     from qv.llm import LLM
 
-    llm = LLM(model=str(clef_dirs["release"]), device="cpu", max_model_len=4096)
+    llm = tiny_engine(model=clef_dirs["release"], device="cpu", max_model_len=4096)
     bodies = [make_record(40 + i, small=True) for i in range(2)]
     outs = llm.decide(bodies)
     assert len(outs) == 2 and llm.decide(bodies[0]) == outs[0]

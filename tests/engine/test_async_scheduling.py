@@ -21,9 +21,9 @@ LOGPROB_ROUNDING = 1e-4  # fp32 sums over other batch shapes, carried along the 
 
 
 @pytest.fixture(scope="module")
-def pair():
+def pair(tiny_engine):
     """One synchronous and one async engine on the embedded tiny model (shared by the plain workloads)."""
-    return {mode: LLM(model=None, async_scheduling=mode, max_num_seqs=6, max_num_batched_tokens=96)
+    return {mode: tiny_engine(model=None, async_scheduling=mode, max_num_seqs=6, max_num_batched_tokens=96)
             for mode in (False, True)}
 
 
@@ -197,9 +197,10 @@ def test_penalties_fall_back_and_match(pair):
     _same(pair, script)
 
 
-def test_prefix_cache_hits():
+def test_prefix_cache_hits(tiny_engine):
     """Turn two resumes from turn one's blocks and snapshot: the same hits, counts and tokens."""
-    llms = {m: LLM(model=None, async_scheduling=m, block_size=16, gdn_snapshot_interval=32) for m in (False, True)}
+    llms = {m: tiny_engine(model=None, async_scheduling=m, block_size=16, gdn_snapshot_interval=32) for m in (False,
+                                                                                                              True)}
     rng = random.Random(7)
     turn1 = _prompt(rng, 70)
     params = SamplingParams(temperature=0, max_tokens=26, ignore_eos=True)
@@ -209,10 +210,11 @@ def test_prefix_cache_hits():
     assert a["c2"][1] == 64 and a["c3"][1] == 64
 
 
-def test_preemption_under_a_small_cache():
+def test_preemption_under_a_small_cache(tiny_engine):
     block = 16
     budget = 12 * kv_bytes_per_block(ModelConfig.from_dir(default_model_dir()), block, torch.float32)
-    llms = {m: LLM(model=None, async_scheduling=m, block_size=block, kv_cache_bytes=budget, max_num_batched_tokens=64,
+    llms = {m: tiny_engine(model=None, async_scheduling=m, block_size=block, kv_cache_bytes=budget,
+                           max_num_batched_tokens=64,
                    prefix_caching=False) for m in (False, True)}
     rng = random.Random(8)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
@@ -225,8 +227,8 @@ def test_preemption_under_a_small_cache():
     assert llms[True].engine.stats.async_steps > 0
 
 
-def test_max_model_len():
-    llms = {m: LLM(model=None, async_scheduling=m, max_model_len=48) for m in (False, True)}
+def test_max_model_len(tiny_engine):
+    llms = {m: tiny_engine(model=None, async_scheduling=m, max_model_len=48) for m in (False, True)}
     rng = random.Random(9)
     script = {0: [("add", "m0", _prompt(rng, 30), SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)),
                   ("add", "m1", _prompt(rng, 40), SamplingParams(temperature=0.8, seed=1, max_tokens=None,
@@ -262,20 +264,20 @@ def test_the_next_step_launches_before_the_last_is_applied(pair):
             assert kinds == ["launch", "collect"] * 8
 
 
-def test_the_lever_and_speculation_turn_it_off():
+def test_the_lever_and_speculation_turn_it_off(tiny_engine):
     assert EngineConfig.from_env({}).async_scheduling is True
     assert EngineConfig.from_env({"QV_ASYNC_SCHEDULING": "0"}).async_scheduling is False
-    llm = LLM(model=None, spec="ngram")  # each step needs the last one's drafts: always synchronous
+    llm = tiny_engine(model=None, spec="ngram")  # each step needs the last one's drafts: always synchronous
     out = llm.generate({"prompt_token_ids": [5, 6, 7, 5, 6, 7, 5, 6]}, SamplingParams(temperature=0, max_tokens=12))
     assert len(out[0].outputs[0].token_ids) == 12 and llm.engine.stats.async_steps == 0
 
 
 @pytest.mark.gpu
-def test_gpu_graphs_async_equals_sync():
+def test_gpu_graphs_async_equals_sync(tiny_engine):
     """On the GPU, with decode CUDA graphs: the pending ids reach the graphs' static inputs in stream
     order (filled after the upload, before the replay's copy). Length ends only, so both engines run
     the same batches (bf16 sums over other batch shapes could flip a near-tie)."""
-    llms = {m: LLM(model=None, device="cuda", async_scheduling=m, max_num_seqs=8, kv_cache_bytes=256 << 20)
+    llms = {m: tiny_engine(model=None, device="cuda", async_scheduling=m, max_num_seqs=8, kv_cache_bytes=256 << 20)
             for m in (False, True)}
     assert llms[True].engine.runner.graphs is not None
     rng = random.Random(12)

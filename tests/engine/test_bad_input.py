@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from qv import LLM, SamplingParams
+from qv import SamplingParams
 from qv.config import ConfigError, EngineConfig
 from qv.engine.async_engine import AsyncLLMEngine
 from qv.engine.request import InvalidRequestError
@@ -48,8 +48,8 @@ def test_bad_levers():
         EngineConfig.from_env(environ={}, max_seqs=3)
 
 
-def test_prompt_errors_and_engine_keeps_serving(tiny_dirs):
-    llm = LLM(model=str(tiny_dirs("tiny")), max_model_len=64)
+def test_prompt_errors_and_engine_keeps_serving(tiny_engine):
+    llm = tiny_engine(max_model_len=64)
     ok = SamplingParams(temperature=0, max_tokens=4)
     with pytest.raises(InvalidRequestError, match="maximum context length is 64 tokens.*70 input tokens"):
         llm.generate({"prompt_token_ids": [1] * 70}, ok)

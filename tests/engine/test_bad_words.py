@@ -12,7 +12,7 @@ import httpx
 import pytest
 import torch
 
-from qv import LLM, SamplingParams
+from qv import SamplingParams
 from qv.engine.bad_words import banned_next, batch_bans, token_sequences
 from qv.engine.request import InvalidFieldError
 from qv.engine.sampler import SamplingBatch, sample
@@ -80,8 +80,8 @@ def test_sampler_bans_on_their_rows_only(rows, vocab):
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_dirs):
-    return LLM(model=str(tiny_dirs("tiny")))
+def llm(tiny_engine):
+    return tiny_engine()
 
 
 def _greedy(max_tokens=24, **kw) -> SamplingParams:
@@ -131,10 +131,10 @@ def test_banned_words_never_appear_where_they_otherwise_would(llm):
         assert banned[p] == free[p]
 
 
-def test_same_bans_with_speculative_decoding(tiny_dirs):
+def test_same_bans_with_speculative_decoding(tiny_engine, tiny_dirs):
     """n-gram drafts are verified under the bans (rows with drafts count them as generated)."""
     model = str(tiny_dirs("spec"))
-    plain = LLM(model=model)
+    plain = tiny_engine(model=model)
     tok = plain.engine.tokenizer
     words = []
     while not words:  # words of one and two tokens from the free outputs (bytes past ASCII do not round-trip)
@@ -146,7 +146,7 @@ def test_same_bans_with_speculative_decoding(tiny_dirs):
                 words += found[:1]
     params = _greedy(40, bad_words=words)
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
-    spec = LLM(model=model, spec="ngram", spec_k=3)
+    spec = tiny_engine(model=model, spec="ngram", spec_k=3)
     got = [o.outputs[0].token_ids for o in spec.generate(prompts, params)]
     assert got == want
     assert spec.engine.spec.stats.num_drafts > 0

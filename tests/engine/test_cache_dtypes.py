@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cache_dtype_probe import chunked_logits
-from qv import LLM, SamplingParams
+from qv import SamplingParams
 from util import rel_err
 
 # (kv dtype, state dtype) -> bound on the relative logit error; measured 2026-11-30 on the three
@@ -55,12 +55,12 @@ def test_int16_state_beats_fp16(tiny_dirs):
     assert ei16 < e16, (ei16, e16)
 
 
-def test_engine_runs_with_quantized_caches(tiny_dirs):
+def test_engine_runs_with_quantized_caches(tiny_engine, tiny_dirs):
     model_dir = str(tiny_dirs("tiny"))
     prompts = [{"prompt_token_ids": [random.randrange(300) for _ in range(n)]} for n in (5, 40, 90)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    ref = LLM(model=model_dir).generate(prompts, params)
-    out = LLM(model=model_dir, kv_dtype="int8", gdn_state_dtype="int16").generate(prompts, params)
+    ref = tiny_engine(model=model_dir).generate(prompts, params)
+    out = tiny_engine(model=model_dir, kv_dtype="int8", gdn_state_dtype="int16").generate(prompts, params)
     same_first = sum(a.outputs[0].token_ids[:4] == b.outputs[0].token_ids[:4] for a, b in zip(out, ref))
     assert all(len(o.outputs[0].token_ids) == 24 for o in out)
     assert same_first >= 2, "int8 KV + int16 state diverged from fp32 within 4 tokens on most prompts"

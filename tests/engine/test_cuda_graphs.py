@@ -133,24 +133,21 @@ def _as_on_a_gpu(monkeypatch, graphs_rule):
     monkeypatch.setattr(DecodeGraphs, "_capture_one", _fake_capture(graphs_rule))
 
 
-def test_the_engine_does_not_start_on_a_disagreeing_graph(monkeypatch, no_cuda_sync, tiny_dirs):
-    from qv.engine.engine import LLMEngine
-
+def test_the_engine_does_not_start_on_a_disagreeing_graph(monkeypatch, no_cuda_sync, tiny_engine):
     _as_on_a_gpu(monkeypatch, lambda now, captured: now + 1.0)
     with pytest.raises(StartupError, match=r"batch-1 decode CUDA graph disagrees"):
-        LLMEngine(EngineConfig(model=str(tiny_dirs("tiny")), **TINY_LEVERS))
+        tiny_engine(**TINY_LEVERS)
 
 
-def test_faithful_graphs_decode_as_the_eager_engine(monkeypatch, no_cuda_sync, tiny_dirs):
+def test_faithful_graphs_decode_as_the_eager_engine(tiny_engine, monkeypatch, no_cuda_sync):
     """The check's inputs are ones the real model takes, and decode steps go through DecodeGraphs.run."""
-    from qv import LLM, SamplingParams
+    from qv import SamplingParams
 
-    model_dir = str(tiny_dirs("tiny"))
     prompts = [{"prompt_token_ids": list(range(5 + 9 * i, 20 + 9 * i))} for i in range(3)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    eager = [o.outputs[0].token_ids for o in LLM(model=model_dir, **TINY_LEVERS).generate(prompts, params)]
+    eager = [o.outputs[0].token_ids for o in tiny_engine(**TINY_LEVERS).generate(prompts, params)]
     _as_on_a_gpu(monkeypatch, lambda now, captured: now)
-    llm = LLM(model=model_dir, **TINY_LEVERS)
+    llm = tiny_engine(**TINY_LEVERS)
     assert llm.engine.stats.cuda_graph_sizes == (1, 2, 4)
     replays, run = [], DecodeGraphs.run
     monkeypatch.setattr(DecodeGraphs, "run", lambda self, *a: replays.append(len(a[1])) or run(self, *a))
@@ -173,15 +170,15 @@ def test_qv_serve_exits_with_the_message(monkeypatch):
     assert "relative error 1.00e-01" in info.value.code and "QV_CUDA_GRAPHS=0" in info.value.code
 
 
-def test_metrics_say_whether_decode_replays_graphs(tiny_dirs, caplog):
-    from qv.engine.engine import EngineStats, LLMEngine
+def test_metrics_say_whether_decode_replays_graphs(tiny_engine, caplog):
+    from qv.engine.engine import EngineStats
 
     def exported(stats) -> dict[str, str]:
         text = ServerMetrics(types.SimpleNamespace(stats=lambda: stats), "m", 256).render().decode()
         return {line.split("{")[0]: line for line in text.splitlines() if line.startswith("qv:")}
 
     with caplog.at_level(logging.INFO, logger="qv"):
-        engine = LLMEngine(EngineConfig(model=str(tiny_dirs("tiny")), max_model_len=256))
+        engine = tiny_engine(max_model_len=256).engine
     assert "decode runs eagerly: the model runs on the CPU" in caplog.text
     on_cpu = exported(engine.stats)
     assert on_cpu["qv:cuda_graphs_enabled"].endswith(" 0.0")

@@ -17,7 +17,7 @@ import pytest
 import torch
 from shapes_27b import write_27b_config
 
-from qv import LLM, SamplingParams
+from qv import SamplingParams
 from qv.engine.cuda_graphs import REPLAY_BOUND, DecodeGraphs, replay_error
 from qv.errors import StartupError
 from qv.kernels import cuda_build
@@ -41,8 +41,8 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def llm(model_dir):
-    engine = LLM(model=model_dir, cuda_graphs=True, **LEVERS)
+def llm(tiny_engine, model_dir):
+    engine = tiny_engine(model=model_dir, cuda_graphs=True, **LEVERS)
     yield engine
     del engine
     torch.cuda.empty_cache()
@@ -85,7 +85,7 @@ def _assert_same_greedy(name: str, graphs, eager) -> None:
     assert len(graphs.token_ids) == len(eager.token_ids)
 
 
-def test_greedy_decode_through_graphs_equals_eager(llm, model_dir, monkeypatch):
+def test_greedy_decode_through_graphs_equals_eager(tiny_engine, llm, model_dir, monkeypatch):
     """Six rows (the batch-8 graph: two inert padding rows), prompts of different lengths. Both engines
     under same_kernels_as_capture: eagerly, small calls would take the Triton twins, whose rounding moves
     random-weight logits across near ties far more often."""
@@ -97,7 +97,7 @@ def test_greedy_decode_through_graphs_equals_eager(llm, model_dir, monkeypatch):
     monkeypatch.setattr(DecodeGraphs, "run", lambda self, *a: replays.append(len(a[1])) or run(self, *a))
     with same_kernels_as_capture():
         through_graphs = [o.outputs[0] for o in llm.generate(prompts, params)]
-        eager_llm = LLM(model=model_dir, cuda_graphs=False, **LEVERS)
+        eager_llm = tiny_engine(model=model_dir, cuda_graphs=False, **LEVERS)
         assert eager_llm.engine.runner.graphs is None and eager_llm.engine.stats.cuda_graph_sizes == ()
         eager = [o.outputs[0] for o in eager_llm.generate(prompts, params)]
     assert replays == [6] * 7  # every step after the prefill replayed a graph

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from engine_oracle import assert_logprob_close, assert_same_greedy, hf_greedy
-from qv import LLM, SamplingParams
+from qv import SamplingParams
 
 LENGTHS = [1, 2, 17, 64, 65, 130, 211, 300]
 MAX_TOKENS = 64
@@ -24,8 +24,8 @@ def case(tiny_dirs):
     return model_dir, prompts, refs, seed
 
 
-def _run(model_dir, prompts, **levers):
-    llm = LLM(model=model_dir, **levers)
+def _run(tiny_engine, model_dir, prompts, **levers):
+    llm = tiny_engine(model=model_dir, **levers)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
     return llm.generate([{"prompt_token_ids": p} for p in prompts], params)
 
@@ -36,9 +36,9 @@ def _run(model_dir, prompts, **levers):
     dict(max_num_batched_tokens=64, max_num_seqs=3),
     dict(max_num_batched_tokens=512, max_num_seqs=8, block_size=8),
 ], ids=["chunk64", "chunk7", "seqs3", "chunk512-bs8"])
-def test_batched_greedy_equals_transformers(case, levers):
+def test_batched_greedy_equals_transformers(tiny_engine, case, levers):
     model_dir, prompts, refs, seed = case
-    outs = _run(model_dir, prompts, **levers)
+    outs = _run(tiny_engine, model_dir, prompts, **levers)
     for i, (out, (ref_tokens, ref_lp, margins)) in enumerate(zip(outs, refs)):
         comp = out.outputs[0]
         assert_same_greedy(f"prompt {i} (len {len(prompts[i])}, seed {seed})", comp.token_ids, ref_tokens, margins)
@@ -51,14 +51,14 @@ def test_batched_greedy_equals_transformers(case, levers):
                                  comp.logprobs[j][tok].logprob, lp_ref, model_dir)
 
 
-def test_chunk1_and_alone(case):
+def test_chunk1_and_alone(tiny_engine, case):
     """Token budget 1 (every prefill token its own step) on a subset, and each prompt run alone."""
     model_dir, prompts, refs, seed = case
     subset = [0, 3, 4]
-    outs = _run(model_dir, [prompts[i] for i in subset], max_num_batched_tokens=1, max_num_seqs=8)
+    outs = _run(tiny_engine, model_dir, [prompts[i] for i in subset], max_num_batched_tokens=1, max_num_seqs=8)
     for i, out in zip(subset, outs):
         assert_same_greedy(f"chunk1 prompt {i} seed {seed}", out.outputs[0].token_ids, refs[i][0], refs[i][2])
-    llm = LLM(model=model_dir)
+    llm = tiny_engine(model=model_dir)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     for i in (1, 5, 7):
         alone = llm.generate({"prompt_token_ids": prompts[i]}, params)[0]

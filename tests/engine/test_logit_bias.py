@@ -11,7 +11,7 @@ import openai
 import pytest
 import torch
 
-from qv import LLM, SamplingParams
+from qv import SamplingParams
 from qv.engine.request import InvalidFieldError
 from qv.engine.sampler import SamplingBatch, sample, token_bias
 
@@ -69,8 +69,8 @@ def test_minus_100_bans_the_greedy_token():
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_dirs):
-    return LLM(model=str(tiny_dirs("tiny")))
+def llm(tiny_engine):
+    return tiny_engine()
 
 
 def test_engine_batch_with_and_without_bias(llm):

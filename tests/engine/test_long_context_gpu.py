@@ -28,7 +28,7 @@ import pytest
 import torch
 from shapes_27b import write_27b_config
 
-from qv import LLM, SamplingParams
+from qv import SamplingParams
 
 pytestmark = pytest.mark.gpu
 
@@ -60,11 +60,11 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def _run(model_dir: str, prompt: list[int], **levers) -> dict:
+def _run(tiny_engine, model_dir: str, prompt: list[int], **levers) -> dict:
     """Build an engine, run the prompt, return plain numbers (no reference to the engine survives)."""
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    llm = LLM(model=model_dir, **LEVERS, **levers)
+    llm = tiny_engine(model=model_dir, **LEVERS, **levers)
     built = time.perf_counter()
     e = llm.engine
     assert e.model_config.vocab_size == 248320 and len(e.runner.model.layers) == 4
@@ -96,14 +96,14 @@ def _free() -> float:
 
 
 @pytest.fixture(scope="module")
-def runs(model_dir):
+def runs(tiny_engine, model_dir):
     prompt = torch.randint(0, 248320, (PROMPT,), generator=torch.Generator().manual_seed(0)).tolist()
     _free()
-    chunked_16k = _run(model_dir, prompt, max_num_batched_tokens=16384)
+    chunked_16k = _run(tiny_engine, model_dir, prompt, max_num_batched_tokens=16384)
     left = _free()
     weights_gib = chunked_16k["plan"].weight_bytes / (1 << 30)
     assert left < weights_gib / 4, f"{left:.2f} GiB still allocated after the first engine was freed"
-    chunked_8k = _run(model_dir, prompt, max_num_batched_tokens=8192, prefix_caching=False)
+    chunked_8k = _run(tiny_engine, model_dir, prompt, max_num_batched_tokens=8192, prefix_caching=False)
     _free()
     for name, r in (("16K chunks, prefix caching", chunked_16k), ("8K chunks, no prefix caching", chunked_8k)):
         prefill = r["chunks"][:-(NEW - 1)]

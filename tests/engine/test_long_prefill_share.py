@@ -29,14 +29,14 @@ def _recording(llm: LLM) -> tuple[list, list]:
     return plans, waiting_decodes
 
 
-def _llm(tiny_dirs, **levers) -> LLM:
-    return LLM(model=str(tiny_dirs("tiny")), max_num_batched_tokens=BUDGET, long_prefill_token_threshold=THRESHOLD,
-               async_scheduling=False, prefix_caching=False, max_step_ms=0, **levers)
+def _llm(tiny_engine, **levers) -> LLM:
+    return tiny_engine(max_num_batched_tokens=BUDGET, long_prefill_token_threshold=THRESHOLD,
+                       async_scheduling=False, prefix_caching=False, max_step_ms=0, **levers)
 
 
-def test_long_prefills_take_a_bounded_share_while_chats_decode(tiny_dirs):
-    rng = random.Random()
-    llm = _llm(tiny_dirs)
+def test_long_prefills_take_a_bounded_share_while_chats_decode(tiny_engine):
+    rng = random.Random(0)
+    llm = _llm(tiny_engine)
     plans, unplanned_decodes = _recording(llm)
     eng = llm.engine
     chat = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -64,8 +64,8 @@ def test_long_prefills_take_a_bounded_share_while_chats_decode(tiny_dirs):
         assert not decodes or not prefills or max(decodes) < min(prefills), "a prefill was planned before a decode"
 
 
-def test_chats_keep_decoding_every_step_beside_long_prefills(tiny_dirs):
-    llm = _llm(tiny_dirs)
+def test_chats_keep_decoding_every_step_beside_long_prefills(tiny_engine):
+    llm = _llm(tiny_engine)
     eng = llm.engine
     for i in range(2):  # the long prefills are ahead of the chat in the queue
         eng.add_request(f"long-{i}", [9 + i] * 900, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
@@ -85,20 +85,20 @@ def test_chats_keep_decoding_every_step_beside_long_prefills(tiny_dirs):
     assert eng.scheduler.num_preemptions == 0
 
 
-def test_a_long_prefill_alone_takes_the_whole_budget(tiny_dirs):
-    llm = _llm(tiny_dirs)
+def test_a_long_prefill_alone_takes_the_whole_budget(tiny_engine):
+    llm = _llm(tiny_engine)
     plans, _ = _recording(llm)
     llm.generate({"prompt_token_ids": [7] * 700}, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     assert plans[0][0][1] == BUDGET and plans[1][0][1] == BUDGET
 
 
-def test_outputs_equal_without_the_share(tiny_dirs):
-    rng = random.Random()
+def test_outputs_equal_without_the_share(tiny_engine):
+    rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(3, 300) for _ in range(n)]} for n in (8, 12, 500, 650, 30)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    shared = _llm(tiny_dirs).generate(prompts, params)
-    whole = _llm(tiny_dirs, max_long_partial_prefills=8).generate(prompts, params)
-    wide = LLM(model=str(tiny_dirs("tiny")), max_num_batched_tokens=BUDGET, long_prefill_token_threshold=100000,
-               async_scheduling=False, prefix_caching=False).generate(prompts, params)
+    shared = _llm(tiny_engine).generate(prompts, params)
+    whole = _llm(tiny_engine, max_long_partial_prefills=8).generate(prompts, params)
+    wide = tiny_engine(max_num_batched_tokens=BUDGET, long_prefill_token_threshold=100000,
+                       async_scheduling=False, prefix_caching=False).generate(prompts, params)
     for a, b, c in zip(shared, whole, wide):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids

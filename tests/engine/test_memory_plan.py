@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from qv import LLM, SamplingParams
+from qv import SamplingParams
 from qv.engine.build import CPU_KV_BYTES
 from qv.kernels.linear import GPTQWeight
 from qv.model import tiny
@@ -48,9 +48,9 @@ def random_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
-def llm(request, random_dir):
+def llm(tiny_engine, request, random_dir):
     levers = dict(CASES[request.param])
-    return LLM(model=random_dir if request.param.startswith("random") else None, **levers)
+    return tiny_engine(model=random_dir if request.param.startswith("random") else None, **levers)
 
 
 # -- walking the model ourselves ---------------------------------------------------------------
@@ -155,13 +155,13 @@ SEQS = 4
 
 
 @pytest.fixture(scope="module")
-def small():
+def small(tiny_engine):
     from qv.config import ModelConfig
     from qv.engine.build import default_model_dir
 
     per_block = kv_bytes_per_block(ModelConfig.from_dir(default_model_dir()), 16, torch.float32)
-    return LLM(model=None, max_model_len=4096, max_num_seqs=SEQS, prefix_caching=False, block_size=16,
-               kv_cache_bytes=BLOCKS * per_block + per_block // 2)  # half a block more: rounded away
+    return tiny_engine(model=None, max_model_len=4096, max_num_seqs=SEQS, prefix_caching=False, block_size=16,
+                       kv_cache_bytes=BLOCKS * per_block + per_block // 2)  # half a block more: rounded away
 
 
 def _prompt(n: int, seed: int) -> dict:

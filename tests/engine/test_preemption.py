@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from qv import LLM, SamplingParams
+from qv import SamplingParams
 from qv.config import ModelConfig
 from qv.model.cache import kv_bytes_per_block
 
@@ -17,14 +17,15 @@ def _budget(model_dir: str, blocks: int) -> int:
     return blocks * kv_bytes_per_block(ModelConfig.from_dir(model_dir), BLOCK, torch.float32)
 
 
-def test_eight_requests_two_at_a_time(tiny_dirs):
+def test_eight_requests_two_at_a_time(tiny_engine, tiny_dirs):
     model_dir = str(tiny_dirs("tiny"))
-    rng = random.Random()
+    rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(300) for _ in range(rng.randrange(20, 50))]} for _ in range(8)]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    free = LLM(model=model_dir, block_size=BLOCK).generate(prompts, params)
+    free = tiny_engine(model=model_dir, block_size=BLOCK).generate(prompts, params)
     # each request needs <= 82 tokens = 6 blocks; 12 blocks hold two at a time
-    tight = LLM(model=model_dir, block_size=BLOCK, kv_cache_bytes=_budget(model_dir, 12), max_num_batched_tokens=64)
+    tight = tiny_engine(model=model_dir, block_size=BLOCK, kv_cache_bytes=_budget(model_dir, 12),
+                        max_num_batched_tokens=64)
     out = tight.generate(prompts, params)
     assert tight.engine.scheduler.num_preemptions > 0, "the budget was meant to force preemption"
     for a, b in zip(out, free):
@@ -33,9 +34,9 @@ def test_eight_requests_two_at_a_time(tiny_dirs):
     assert tight.engine.blocks.num_free == tight.engine.blocks.num_blocks  # nothing leaked
 
 
-def test_request_that_cannot_fit_alone_fails_others_complete(tiny_dirs):
+def test_request_that_cannot_fit_alone_fails_others_complete(tiny_engine, tiny_dirs):
     model_dir = str(tiny_dirs("tiny"))
-    llm = LLM(model=model_dir, block_size=BLOCK, kv_cache_bytes=_budget(model_dir, 8))  # 128 tokens
+    llm = tiny_engine(model=model_dir, block_size=BLOCK, kv_cache_bytes=_budget(model_dir, 8))  # 128 tokens
     small = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     huge = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     prompts = [{"prompt_token_ids": list(range(1, 30))}, {"prompt_token_ids": list(range(2, 40))},

@@ -24,9 +24,9 @@ def _budget(model_dir: str, blocks: int, state_dtype=torch.float32) -> int:
     return blocks // per * (per * block + snap) + blocks % per * block
 
 
-def _llm(model_dir: str, **levers) -> LLM:
+def _llm(tiny_engine, model_dir: str, **levers) -> LLM:
     levers.setdefault("gdn_snapshot_interval", IV)
-    return LLM(model=model_dir, block_size=BS, **levers)
+    return tiny_engine(model=model_dir, block_size=BS, **levers)
 
 
 def _count_forward(llm: LLM) -> list[list[tuple[str, int]]]:
@@ -67,12 +67,12 @@ def _assert_nothing_held(llm: LLM) -> None:
     assert blocks.num_free == blocks.num_blocks and not any(blocks.ref_counts)
 
 
-def test_multi_turn_chat_computes_only_tokens_beyond_the_last_snapshot(tiny_dirs):
+def test_multi_turn_chat_computes_only_tokens_beyond_the_last_snapshot(tiny_engine, tiny_dirs):
     model_dir = str(tiny_dirs("tiny"))
     rng = random.Random(7)
     turn1 = [rng.randrange(300) for _ in range(70)]
     params = SamplingParams(temperature=0, max_tokens=26, ignore_eos=True)
-    llm = _llm(model_dir)
+    llm = _llm(tiny_engine, model_dir)
     out1 = _run(llm, [{"ids": turn1, "params": params}])[0]
     turn2 = turn1 + out1.outputs[0].token_ids + [rng.randrange(300) for _ in range(15)]
     stats = llm.engine.stats
@@ -87,27 +87,27 @@ def test_multi_turn_chat_computes_only_tokens_beyond_the_last_snapshot(tiny_dirs
     assert stats.prefix_cache_queries == len(turn1) + len(turn2)
     prefill = sum(n for step in steps for _, n in step) - (params.max_tokens - 1)  # minus the decode steps
     assert prefill == len(turn2) - reusable
-    cold = _run(_llm(model_dir, prefix_caching=False), [{"ids": turn2, "params": params}])[0]
+    cold = _run(_llm(tiny_engine, model_dir, prefix_caching=False), [{"ids": turn2, "params": params}])[0]
     assert out2.outputs[0].token_ids == cold.outputs[0].token_ids
     _assert_nothing_held(llm)
 
 
-def test_int16_state_snapshots_resume_exactly(tiny_dirs):
+def test_int16_state_snapshots_resume_exactly(tiny_engine, tiny_dirs):
     model_dir = str(tiny_dirs("gqa3"))
     rng = random.Random(3)
     prefix = [rng.randrange(300) for _ in range(100)]
     asks = [prefix + [rng.randrange(300) for _ in range(9)] for _ in range(2)]
-    llm = _llm(model_dir, gdn_state_dtype="int16")
+    llm = _llm(tiny_engine, model_dir, gdn_state_dtype="int16")
     warm = _run(llm, [{"ids": asks[0]}])[0]
     hot = _run(llm, [{"ids": asks[1]}])[0]
     assert (warm.num_cached_tokens, hot.num_cached_tokens) == (0, 96)
-    cold = _run(_llm(model_dir, gdn_state_dtype="int16", prefix_caching=False), [{"ids": asks[1]}])[0]
+    cold = _run(_llm(tiny_engine, model_dir, gdn_state_dtype="int16", prefix_caching=False), [{"ids": asks[1]}])[0]
     assert hot.outputs[0].token_ids == cold.outputs[0].token_ids
 
 
-def test_prefill_chunks_end_on_snapshot_boundaries(tiny_dirs):
+def test_prefill_chunks_end_on_snapshot_boundaries(tiny_engine, tiny_dirs):
     model_dir = str(tiny_dirs("tiny"))
-    llm = _llm(model_dir, max_num_batched_tokens=48)
+    llm = _llm(tiny_engine, model_dir, max_num_batched_tokens=48)
     steps = _count_forward(llm)
     prompt = list(range(3, 103))
     _run(llm, [{"ids": prompt, "params": SamplingParams(temperature=0, max_tokens=1)}])
@@ -117,10 +117,10 @@ def test_prefill_chunks_end_on_snapshot_boundaries(tiny_dirs):
     assert again.num_cached_tokens == 96
 
 
-def test_salts_and_media_isolate(tiny_dirs):
+def test_salts_and_media_isolate(tiny_engine, tiny_dirs):
     model_dir = str(tiny_dirs("tiny"))
     prompt = list(range(10, 80))  # 70 tokens: 64 reusable
-    llm = _llm(model_dir)
+    llm = _llm(tiny_engine, model_dir)
     pc = llm.engine.prefix_cache
     outs = _run(llm, [{"ids": prompt, "salt": "a"}])
     outs += _run(llm, [{"ids": prompt, "salt": "b"}])
@@ -141,8 +141,8 @@ def test_salts_and_media_isolate(tiny_dirs):
     _assert_nothing_held(llm)
 
 
-def _clef_burst_then_chat(model_dir: str, reserve: float) -> tuple[int, list]:
-    llm = _llm(model_dir, kv_cache_bytes=_budget(model_dir, 24), prefix_cache_chat_reserve=reserve)
+def _clef_burst_then_chat(tiny_engine, model_dir: str, reserve: float) -> tuple[int, list]:
+    llm = _llm(tiny_engine, model_dir, kv_cache_bytes=_budget(model_dir, 24), prefix_cache_chat_reserve=reserve)
     assert llm.engine.blocks.num_blocks == 24
     chat = list(range(20, 120))  # 6 full blocks, snapshots at 32, 64, 96
     _run(llm, [{"ids": chat, "params": SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)}])
@@ -155,16 +155,16 @@ def _clef_burst_then_chat(model_dir: str, reserve: float) -> tuple[int, list]:
     return hit, _tokens(clef)
 
 
-def test_clef_burst_cannot_flush_the_chat_reserve(tiny_dirs):
+def test_clef_burst_cannot_flush_the_chat_reserve(tiny_engine, tiny_dirs):
     model_dir = str(tiny_dirs("tiny"))
-    kept, with_reserve = _clef_burst_then_chat(model_dir, 0.5)
-    flushed, without = _clef_burst_then_chat(model_dir, 0.0)
+    kept, with_reserve = _clef_burst_then_chat(tiny_engine, model_dir, 0.5)
+    flushed, without = _clef_burst_then_chat(tiny_engine, model_dir, 0.0)
     assert kept == 96
     assert flushed < 96, "the control: without the reserve the burst evicts chat's cached blocks"
     assert with_reserve == without
 
 
-def test_random_overlapping_workload_matches_caching_off(tiny_dirs):
+def test_random_overlapping_workload_matches_caching_off(tiny_engine, tiny_dirs):
     model_dir = str(tiny_dirs("tiny"))
     rng = random.Random(2024)
     bases = [[rng.randrange(300) for _ in range(rng.randrange(50, 90))] for _ in range(3)]
@@ -176,9 +176,9 @@ def test_random_overlapping_workload_matches_caching_off(tiny_dirs):
         params = SamplingParams(temperature=0.8 if sampled else 0, seed=i, max_tokens=rng.randrange(10, 30),
                                 ignore_eos=True)
         requests.append({"ids": ids, "params": params, "salt": "s" if i % 7 == 3 else None})
-    ref = _tokens(_run(_llm(model_dir, prefix_caching=False), requests))
+    ref = _tokens(_run(_llm(tiny_engine, model_dir, prefix_caching=False), requests))
     # 12 blocks: a request needs up to 9, so growth during decode preempts
-    llm = _llm(model_dir, kv_cache_bytes=_budget(model_dir, 12), max_num_batched_tokens=48, max_num_seqs=6)
+    llm = _llm(tiny_engine, model_dir, kv_cache_bytes=_budget(model_dir, 12), max_num_batched_tokens=48, max_num_seqs=6)
     got = _tokens(_run(llm, requests[:8]) + _run(llm, requests[8:]))
     stats = llm.engine.stats
     assert stats.num_preemptions > 0, "the budget was meant to force preemption"
@@ -188,9 +188,9 @@ def test_random_overlapping_workload_matches_caching_off(tiny_dirs):
     _assert_nothing_held(llm)
 
 
-def test_host_tier_restores_evicted_prefix(tiny_dirs):
+def test_host_tier_restores_evicted_prefix(tiny_engine, tiny_dirs):
     model_dir = str(tiny_dirs("tiny"))
-    llm = _llm(model_dir, kv_cache_bytes=_budget(model_dir, 16), kv_offload_bytes=_budget(model_dir, 32))
+    llm = _llm(tiny_engine, model_dir, kv_cache_bytes=_budget(model_dir, 16), kv_offload_bytes=_budget(model_dir, 32))
     pc = llm.engine.prefix_cache
     rng = random.Random(5)
     doc = [rng.randrange(300) for _ in range(100)]
@@ -205,21 +205,21 @@ def test_host_tier_restores_evicted_prefix(tiny_dirs):
     assert out.num_cached_tokens == 96 and stats.prefix_cache_host_hits == 96  # all six blocks from host
     assert pc.host.blocks_restored == 6 and pc.stats.host_snapshot_hits == 1
     assert sum(n for step in steps for _, n in step) == len(ask) - 96 + GREEDY.max_tokens - 1
-    cold = _run(_llm(model_dir, prefix_caching=False), [{"ids": ask}])[0]
+    cold = _run(_llm(tiny_engine, model_dir, prefix_caching=False), [{"ids": ask}])[0]
     assert out.outputs[0].token_ids == cold.outputs[0].token_ids
     _assert_nothing_held(llm)
 
 
-def test_reset_prefix_cache(tiny_dirs):
+def test_reset_prefix_cache(tiny_engine, tiny_dirs):
     model_dir = str(tiny_dirs("tiny"))
-    llm = _llm(model_dir)
+    llm = _llm(tiny_engine, model_dir)
     prompt = list(range(50, 130))
     _run(llm, [{"ids": prompt}])
     assert _run(llm, [{"ids": prompt}])[0].num_cached_tokens == 64
     assert llm.engine.reset_prefix_cache() is True
     assert llm.engine.blocks.num_cached == 0 and len(llm.engine.prefix_cache.snaps) == 0
     assert _run(llm, [{"ids": prompt}])[0].num_cached_tokens == 0
-    assert _llm(model_dir, prefix_caching=False).engine.reset_prefix_cache() is False
+    assert _llm(tiny_engine, model_dir, prefix_caching=False).engine.reset_prefix_cache() is False
 
 
 def test_async_engine_resets_between_steps(tiny_dirs):
@@ -245,13 +245,13 @@ def test_async_engine_resets_between_steps(tiny_dirs):
         eng.shutdown()
 
 
-def test_block_digests_chain_by_key_digest(tiny_dirs):
+def test_block_digests_chain_by_key_digest(tiny_engine, tiny_dirs):
     """The text-only fast path of the digest chain gives what key_digest gives for each block's key,
     and media hashes change the digests from their block on."""
     from qv.engine.prefix_cache import key_digest
     from qv.engine.sequence import Sequence
 
-    llm = _llm(str(tiny_dirs("tiny")))
+    llm = _llm(tiny_engine, str(tiny_dirs("tiny")))
     cache = llm.engine.prefix_cache
     rng = random.Random(5)
     ids = [rng.randrange(3, 300) for _ in range(cache.bs * 7 + 5)]

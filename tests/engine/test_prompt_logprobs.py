@@ -65,12 +65,12 @@ def _run(llm: LLM, prompts: list[list[int]], params) -> list:
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
-def test_chunked_prompt_equals_transformers(tiny_dirs, small_slices, async_scheduling):
+def test_chunked_prompt_equals_transformers(tiny_engine, tiny_dirs, small_slices, async_scheduling):
     model_dir = str(tiny_dirs("tiny"))
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
     prompts = [[rng.randrange(300) for _ in range(n)] for n in (71, 2, 1, 33)]
-    llm = LLM(model=model_dir, max_num_batched_tokens=16, async_scheduling=async_scheduling)
+    llm = tiny_engine(model=model_dir, max_num_batched_tokens=16, async_scheduling=async_scheduling)
     assert plp.slice_rows(llm.engine.model_config.vocab_size) == 5
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=TOP, logprobs=1)
     outs = _run(llm, prompts, params)
@@ -87,13 +87,13 @@ def test_chunked_prompt_equals_transformers(tiny_dirs, small_slices, async_sched
     assert all(o.prompt_logprobs is None for o in plain)
 
 
-def test_prefix_cache_hit_is_not_taken(tiny_dirs, small_slices):
+def test_prefix_cache_hit_is_not_taken(tiny_engine, tiny_dirs, small_slices):
     """A cached prefix (snapshots every 32 tokens) would skip rows whose logprobs are asked: the
     request computes its whole prompt, and a plain request after it still gets the hit."""
     model_dir = str(tiny_dirs("tiny"))
     rng = random.Random(11)
     prompt = [rng.randrange(300) for _ in range(90)]
-    llm = LLM(model=model_dir, max_num_batched_tokens=24, block_size=16, gdn_snapshot_interval=32)
+    llm = tiny_engine(model=model_dir, max_num_batched_tokens=24, block_size=16, gdn_snapshot_interval=32)
     greedy = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     warm = _run(llm, [prompt], greedy)[0]
     assert warm.num_cached_tokens == 0
@@ -110,7 +110,7 @@ def test_prefix_cache_hit_is_not_taken(tiny_dirs, small_slices):
     assert again.outputs[0].token_ids == asked.outputs[0].token_ids == warm.outputs[0].token_ids
 
 
-def test_preemption_mid_prefill(tiny_dirs):
+def test_preemption_mid_prefill(tiny_engine, tiny_dirs):
     """A long prompt prefilling 3 tokens a step beside a growing decode is preempted mid-prompt and
     resumes from a prefix hit short of the rows already asked for: its entries equal transformers'."""
     from qv.config import ModelConfig
@@ -122,8 +122,8 @@ def test_preemption_mid_prefill(tiny_dirs):
     cfg = ModelConfig.from_dir(model_dir)
     block, snap = kv_bytes_per_block(cfg, 16, torch.float32), gdn_bytes_per_slot(cfg, torch.float32, torch.float32)
     # 12 blocks, one GDN snapshot per 2: room for the long prompt, not for it and the short one's growth
-    llm = LLM(model=model_dir, block_size=16, kv_cache_bytes=6 * (2 * block + snap), max_num_batched_tokens=4,
-              gdn_snapshot_interval=32)
+    llm = tiny_engine(model=model_dir, block_size=16, kv_cache_bytes=6 * (2 * block + snap), max_num_batched_tokens=4,
+                      gdn_snapshot_interval=32)
     preempted = []
     preempt = llm.engine.scheduler._preempt
 
@@ -142,9 +142,9 @@ def test_preemption_mid_prefill(tiny_dirs):
                          hf_prompt_logprobs(model_dir, long), llm.tokenizer, top_n=2)
 
 
-def test_n_samples_share_one_prompt(tiny_dirs):
+def test_n_samples_share_one_prompt(tiny_engine, tiny_dirs):
     model_dir = str(tiny_dirs("tiny"))
-    llm = LLM(model=model_dir)
+    llm = tiny_engine(model=model_dir)
     prompt = list(range(5, 45))
     out = _run(llm, [prompt], SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=3, prompt_logprobs=0))[0]
     assert len(out.outputs) == 3 and len(out.prompt_logprobs) == len(prompt)
@@ -153,12 +153,12 @@ def test_n_samples_share_one_prompt(tiny_dirs):
     assert_entries_match("n=3", model_dir, prompt, out.prompt_logprobs, ref, llm.tokenizer, top_n=0)
 
 
-def test_image_prompt_equals_transformers(tiny_dirs, small_slices):
+def test_image_prompt_equals_transformers(tiny_engine, tiny_dirs, small_slices):
     """A prompt holding an image: the vision rows and mRoPE positions reach the logits rows too."""
     from qv.model.vision_processor import VisionProcessor
 
     model_dir = str(tiny_dirs("tiny"))
-    llm = LLM(model=model_dir, max_num_batched_tokens=16)
+    llm = tiny_engine(model=model_dir, max_num_batched_tokens=16)
     tok = llm.tokenizer
     rng = np.random.default_rng(3)
     image = rng.integers(0, 256, (40, 56, 3), dtype=np.uint8)
@@ -176,13 +176,13 @@ def test_image_prompt_equals_transformers(tiny_dirs, small_slices):
     assert_entries_match("image prompt", model_dir, prompt, out.prompt_logprobs, ref, tok, contexts=False)
 
 
-def test_bad_values_name_the_field(tiny_dirs):
+def test_bad_values_name_the_field(tiny_engine):
     with pytest.raises(InvalidFieldError, match="prompt_logprobs must be non-negative") as e:
         SamplingParams(prompt_logprobs=-1)
     assert e.value.param == "prompt_logprobs"
     with pytest.raises(InvalidFieldError):
         SamplingParams(prompt_logprobs=True)
-    llm = LLM(model=str(tiny_dirs("tiny")), max_logprobs=4)
+    llm = tiny_engine(max_logprobs=4)
     engine: LLMEngine = llm.engine
     with pytest.raises(InvalidFieldError, match="greater than max allowed: 4") as e:
         engine.add_request("r", [1, 2, 3], SamplingParams(prompt_logprobs=5))
@@ -190,14 +190,14 @@ def test_bad_values_name_the_field(tiny_dirs):
 
 
 @pytest.mark.gpu
-def test_gpu_triton_graphs_async_equals_transformers(tiny_dirs, small_slices):
+def test_gpu_triton_graphs_async_equals_transformers(tiny_engine, tiny_dirs, small_slices):
     """On the GPU: Triton kernels, decode graphs, async steps and the pinned-memory copy of each
     step's rows (its own CUDA event) give transformers' values."""
     model_dir = str(tiny_dirs("tiny"))
     rng = random.Random(9)
     prompts = [[rng.randrange(300) for _ in range(n)] for n in (97, 40, 3)]
-    llm = LLM(model=model_dir, device="cuda", kernels="triton", dtype="float32", kv_cache_bytes=256 << 20,
-              max_num_batched_tokens=16, async_scheduling=True)
+    llm = tiny_engine(model=model_dir, device="cuda", kernels="triton", dtype="float32", kv_cache_bytes=256 << 20,
+                      max_num_batched_tokens=16, async_scheduling=True)
     assert llm.engine.runner.graphs is not None
     outs = _run(llm, prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=TOP))
     for i, (prompt, out) in enumerate(zip(prompts, outs)):

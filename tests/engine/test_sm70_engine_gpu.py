@@ -13,7 +13,7 @@ import pytest
 import torch
 from shapes_27b import write_27b_config
 
-from qv import LLM, SamplingParams
+from qv import SamplingParams
 from qv.errors import StartupError
 from qv.model.quantize import quantize_checkpoint
 
@@ -46,9 +46,9 @@ def _worst_logprob_error(outs, oracle) -> float:
     return worst
 
 
-def _generate(model_dir, prompts, params, **levers):
+def _generate(tiny_engine, model_dir, prompts, params, **levers):
     levers.setdefault("kv_cache_bytes", 256 << 20)
-    llm = LLM(model=model_dir, device="cuda", dtype="float16", **levers)
+    llm = tiny_engine(model=model_dir, device="cuda", dtype="float16", **levers)
     outs = [o.outputs[0] for o in llm.generate(prompts, params)]
     del llm
     torch.cuda.empty_cache()
@@ -56,25 +56,27 @@ def _generate(model_dir, prompts, params, **levers):
 
 
 @pytest.mark.parametrize("preset", ["tiny", "gqa1", "gqa3"])
-def test_sm70_greedy_equals_reference_on_tiny_gptq(tiny_dirs, tmp_path, preset):
+def test_sm70_greedy_equals_reference_on_tiny_gptq(tiny_engine, tiny_dirs, tmp_path, preset):
     folder = str(quantize_checkpoint(tiny_dirs(preset), tmp_path / "gptq", group_size=16))
-    rng = random.Random()
+    rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(300) for _ in range(n)]} for n in (5, 37, 130, 300)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
-    ref = _generate(folder, prompts, params, kernels="reference", cuda_graphs=False)
-    bound = max(LOGPROB_BOUND, 2 * _worst_logprob_error(_generate(folder, prompts, params, kernels="triton"), ref))
+    ref = _generate(tiny_engine, folder, prompts, params, kernels="reference", cuda_graphs=False)
+    bound = max(LOGPROB_BOUND, 2 * _worst_logprob_error(_generate(tiny_engine, folder, prompts, params,
+                                                                  kernels="triton"), ref))
     # gqa3's head dim 16 is below what the m8n8k4 attention takes (32-256): its fp32 fallback runs eagerly
     graphs = preset != "gqa3"
-    ours = _generate(folder, prompts, params, kernels="sm70", max_num_batched_tokens=128, cuda_graphs=graphs)
+    ours = _generate(tiny_engine, folder, prompts, params, kernels="sm70", max_num_batched_tokens=128,
+                     cuda_graphs=graphs)
     for i, (a, b) in enumerate(zip(ours, ref)):
         _assert_agree(f"{preset} prompt {i}", a, b, bound)
     if not graphs:
         with pytest.raises(StartupError, match=r"head dim 16.*cannot run inside a CUDA graph capture"):
-            _generate(folder, prompts, params, kernels="sm70")
+            _generate(tiny_engine, folder, prompts, params, kernels="sm70")
 
 
 @pytest.mark.parametrize("quantization", ["gptq-int8", "gptq-int4", "awq"])
-def test_sm70_matches_default_chain_on_27b_shapes(tmp_path, quantization):
+def test_sm70_matches_default_chain_on_27b_shapes(tiny_engine, tmp_path, quantization):
     """4 layers of the 27B (3 GDN + 1 attention), random GPTQ-Int8 / GPTQ-Int4 / AWQ weights, int8 KV: sm70
     against the default chain at fp16, prompts past one prefill chunk, decode through each chain's CUDA graphs."""
     model_dir = write_27b_config(tmp_path, 4, 4096)
@@ -83,7 +85,7 @@ def test_sm70_matches_default_chain_on_27b_shapes(tmp_path, quantization):
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(248000) for _ in range(n)]} for n in (17, 300, 1500)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
-    default = _generate(model_dir, prompts, params, kernels="triton", **levers)
-    ours = _generate(model_dir, prompts, params, kernels="sm70", **levers)
+    default = _generate(tiny_engine, model_dir, prompts, params, kernels="triton", **levers)
+    ours = _generate(tiny_engine, model_dir, prompts, params, kernels="sm70", **levers)
     for i, (a, b) in enumerate(zip(ours, default)):
         _assert_agree(f"27B shapes prompt {i}", a, b)

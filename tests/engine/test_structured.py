@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 import torch
 
-from qv import LLM, SamplingParams
+from qv import SamplingParams
 from qv.engine.request import InvalidFieldError
 from qv.engine.structured import grammar_bitmask
 
@@ -23,8 +23,8 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["id", "t
 
 
 @pytest.fixture(scope="module")
-def llms():
-    return {m: LLM(model=None, async_scheduling=m, max_num_seqs=8) for m in (False, True)}
+def llms(tiny_engine):
+    return {m: tiny_engine(model=None, async_scheduling=m, max_num_seqs=8) for m in (False, True)}
 
 
 def test_compile_cached_and_bad_specs(llms):
@@ -91,7 +91,7 @@ def test_json_object_and_min_tokens(llms):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_drafts_of_constrained_rows_are_checked_by_the_grammar(temperature):
+def test_drafts_of_constrained_rows_are_checked_by_the_grammar(tiny_engine, temperature):
     """Constrained rows verify drafts, each verification row masked as the grammar stands after the drafts
     before it: with n-gram drafts of the repeated `ab` (which would break the grammar past six) and with
     spare drafts that are always wrong, greedy outputs equal decoding without speculation token for token,
@@ -101,7 +101,7 @@ def test_drafts_of_constrained_rows_are_checked_by_the_grammar(temperature):
     regex = r"(ab){3,6}c"
 
     def run(**levers):
-        llm = LLM(model=None, max_num_seqs=4, **levers)
+        llm = tiny_engine(model=None, max_num_seqs=4, **levers)
         g = llm.engine.compile_grammar("regex", regex)
         params = [SamplingParams(temperature=temperature, max_tokens=30, grammar=g, seed=7 + i) for i in range(2)]
         return [o.outputs[0] for o in llm.generate(prompts, params)], llm

@@ -43,8 +43,8 @@ def case(tiny_dirs):
     return str(tiny_dirs("gqa1")), prompts, params, seed  # gqa1: 2 query / 2 KV heads, 2 GDN heads
 
 
-def generate(model_dir, prompts, params, **levers):
-    llm = LLM(model=model_dir, **LEVERS, **levers)
+def generate(tiny_engine, model_dir, prompts, params, **levers):
+    llm = tiny_engine(model=model_dir, **LEVERS, **levers)
     try:
         return llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     finally:
@@ -74,12 +74,12 @@ def close_logprob(name: str, context: list[int], tok: int, tp2: float, tp1: floa
 
 
 @pytest.mark.timeout(300)  # a collective the ranks do not share would wait out the process group timeout
-def test_tp2_equals_tp1(case):
+def test_tp2_equals_tp1(tiny_engine, case):
     model_dir, prompts, params, seed = case
     print(f"seed {seed}")
     assert max(LENGTHS) > LEVERS["max_num_batched_tokens"] and len(prompts) > LEVERS["max_num_seqs"]
-    ref = generate(model_dir, prompts, params)
-    got = generate(model_dir, prompts, params, tensor_parallel_size=2)
+    ref = generate(tiny_engine, model_dir, prompts, params)
+    got = generate(tiny_engine, model_dir, prompts, params, tensor_parallel_size=2)
     errs = []
     for i, (g, r) in enumerate(zip(got, ref)):
         name, out = f"prompt {i} (len {len(prompts[i])}, seed {seed})", g.outputs[0].token_ids
@@ -101,9 +101,9 @@ def test_tp2_equals_tp1(case):
 
 
 @pytest.mark.timeout(120)
-def test_killed_worker_stops_the_engine(case):
+def test_killed_worker_stops_the_engine(tiny_engine, case):
     model_dir, prompts, _, _ = case
-    llm = LLM(model=model_dir, tensor_parallel_size=2, **LEVERS)
+    llm = tiny_engine(model=model_dir, tensor_parallel_size=2, **LEVERS)
     engine = llm.engine
     try:
         engine.add_request("a", prompts[0], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
@@ -121,9 +121,9 @@ def test_killed_worker_stops_the_engine(case):
 
 
 @pytest.mark.timeout(120)
-def test_shutdown_stops_the_worker(case):
+def test_shutdown_stops_the_worker(tiny_engine, case):
     model_dir, prompts, _, _ = case
-    llm = LLM(model=model_dir, tensor_parallel_size=2, **LEVERS)
+    llm = tiny_engine(model=model_dir, tensor_parallel_size=2, **LEVERS)
     workers = list(llm.engine.tp.workers)
     assert all(w.is_alive() for w in workers)
     llm.engine.shutdown()
@@ -132,10 +132,10 @@ def test_shutdown_stops_the_worker(case):
     llm.engine.shutdown()  # twice is harmless
 
 
-def test_media_is_refused_before_workers_start(tiny_dirs):
+def test_media_is_refused_before_workers_start(tiny_engine):
     """A checkpoint with a vision tower (mixed: its heads split over 2 ranks) and media left on."""
     with pytest.raises(ConfigError, match="tensor_parallel_size 2 .*images and videos yet: use media_max_images=0"):
-        LLM(model=str(tiny_dirs("mixed")), tensor_parallel_size=2, **LEVERS)
+        tiny_engine(preset="mixed", tensor_parallel_size=2, **LEVERS)
     assert not multiprocessing.active_children() and not dist.is_initialized()
 
 
@@ -159,7 +159,7 @@ def test_interpreter_exit_stops_the_worker(case):
     """An engine never shut down: the worker is gone once the interpreter exits (the engine's finalizer
     sends it the stop message; multiprocessing would terminate a daemonic worker after)."""
     script = ("import sys\nfrom qv import LLM\nif __name__ == '__main__':\n"
-              f"    llm = LLM(model={case[0]!r}, tensor_parallel_size=2, **{LEVERS!r})\n"
+              f"    llm = tiny_engine(model={case[0]!r}, tensor_parallel_size=2, **{LEVERS!r})\n"
               "    print(llm.engine.tp.workers[0].pid, flush=True)\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=100,
                           cwd=os.getcwd())

@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 
-from qv import LLM, SamplingParams
+from qv import SamplingParams
 from qv.config import ModelConfig
 from qv.model.cache import gdn_bytes_per_slot, kv_bytes_per_block
 from qv.model.parallel import rank_config
@@ -52,13 +52,13 @@ def case(tiny_dirs):
     return str(tiny_dirs("gqa1")), waves, toks(6), seed  # gqa1: 2 KV heads, 2 GDN heads: one of each a rank
 
 
-def run(model_dir, waves, turn_tail, world=1, prefix=True, host=False):
+def run(tiny_engine, model_dir, waves, turn_tail, world=1, prefix=True, host=False):
     """(prompts, outputs, engine stats, prefix-cache counters) over the waves, each wave run to the end."""
     levers = dict(LEVERS, prefix_caching=prefix, tensor_parallel_size=world)
     if prefix:
         levers["kv_cache_bytes"] = budget(model_dir, world, BLOCKS)
         levers["kv_offload_bytes"] = budget(model_dir, world, HOST_BLOCKS) if host else 0
-    llm = LLM(model=model_dir, **levers)
+    llm = tiny_engine(model=model_dir, **levers)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP)
     try:
         prompts, outs = [], []
@@ -79,9 +79,9 @@ def run(model_dir, waves, turn_tail, world=1, prefix=True, host=False):
 
 
 @pytest.fixture(scope="module")
-def caching_off(case):
+def caching_off(tiny_engine, case):
     model_dir, waves, tail, _ = case
-    return run(model_dir, waves, tail, prefix=False)
+    return run(tiny_engine, model_dir, waves, tail, prefix=False)
 
 
 def compare(label, got, ref, model_dir, seed) -> None:
@@ -102,10 +102,10 @@ def compare(label, got, ref, model_dir, seed) -> None:
 
 @pytest.mark.timeout(300)  # a collective the ranks do not share would wait out the process group timeout
 @pytest.mark.parametrize("host", [False, True], ids=["device", "host-tier"])
-def test_tp2_prefix_caching_equals_tp1(case, caching_off, host):
+def test_tp2_prefix_caching_equals_tp1(tiny_engine, case, caching_off, host):
     model_dir, waves, tail, seed = case
-    tp1 = run(model_dir, waves, tail, host=host)
-    tp2 = run(model_dir, waves, tail, world=2, host=host)
+    tp1 = run(tiny_engine, model_dir, waves, tail, host=host)
+    tp2 = run(tiny_engine, model_dir, waves, tail, world=2, host=host)
     compare("TP 2 vs TP 1, both caching", tp2, tp1, model_dir, seed)
     compare("TP 2 caching vs TP 1 not", tp2, caching_off, model_dir, seed)
     assert tp2[3] == tp1[3] and tp2[2]["num_preemptions"] == tp1[2]["num_preemptions"], \

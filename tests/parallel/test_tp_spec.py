@@ -17,7 +17,7 @@ import random
 
 import pytest
 
-from qv import LLM, SamplingParams
+from qv import SamplingParams
 from qv.model import tiny
 from qv.spec.fit import fit_mtp_head
 from parallel.test_tp_engine import LOGPROB_BOUND, TOP_BOUND, close_logprob, top_logprobs
@@ -38,7 +38,7 @@ def spec_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def case(spec_dir):
+def case(tiny_engine, spec_dir):
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
     prompts = [[rng.randrange(300) for _ in range(n)] for n in LENGTHS]
@@ -49,12 +49,12 @@ def case(spec_dir):
     # 4th and 5th ids and a broken one (2 accepted, then rejected)
     prompts.append(lists[1][:5] + [rng.randrange(300) for _ in range(3)] + lists[1][:2])
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP)
-    off, _ = generate(spec_dir, prompts, params)
+    off, _ = generate(tiny_engine, spec_dir, prompts, params)
     return spec_dir, prompts, params, seed, off
 
 
-def generate(model_dir, prompts, params, **levers):
-    llm = LLM(model=model_dir, **LEVERS, **levers)
+def generate(tiny_engine, model_dir, prompts, params, **levers):
+    llm = tiny_engine(model=model_dir, **LEVERS, **levers)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         return outs, llm.engine.spec.stats if llm.engine.spec else None
@@ -64,11 +64,11 @@ def generate(model_dir, prompts, params, **levers):
 
 @pytest.mark.timeout(300)  # a collective the ranks do not share would wait out the process group timeout
 @pytest.mark.parametrize("mode", ["ngram", "mtp", "auto"])
-def test_tp2_speculation_equals_tp1(case, mode):
+def test_tp2_speculation_equals_tp1(tiny_engine, case, mode):
     model_dir, prompts, params, seed, off = case
     print(f"seed {seed}")
-    ref, ref_stats = generate(model_dir, prompts, params, spec=mode, spec_k=K)
-    got, stats = generate(model_dir, prompts, params, spec=mode, spec_k=K, tensor_parallel_size=2)
+    ref, ref_stats = generate(tiny_engine, model_dir, prompts, params, spec=mode, spec_k=K)
+    got, stats = generate(tiny_engine, model_dir, prompts, params, spec=mode, spec_k=K, tensor_parallel_size=2)
     errs = []
     for i, (g, r, o) in enumerate(zip(got, ref, off)):
         name, out = f"spec={mode} prompt {i} (len {len(prompts[i])}, seed {seed})", g.outputs[0].token_ids

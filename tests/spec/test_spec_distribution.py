@@ -8,23 +8,21 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from qv import LLM, SamplingParams
+from qv import SamplingParams
 from tests.spec.test_spec_engine import model_list
+from util import chi2_bound
 
 SAMPLES = 320
 POSITIONS = (1, 2, 3)  # output positions verification decides (position 0 is sampled after the prefill)
 BINS = 12  # the most frequent tokens, the rest pooled
-Z = 3.719  # the normal quantile of 1 - 1e-4: fixed seeds make the test deterministic; this is how unlikely a
-# false alarm was when the seeds were chosen
+# chi-square checks per run: POSITIONS x 2 modes x (CPU, GPU); each gets 1/12 of FALSE_ALARM_PER_RUN (1e-6).
+# The seeds are fixed, so the test is deterministic: this is how unlikely a false alarm was when they were chosen.
+CHI2_CHECKS = len(POSITIONS) * 2 * 2
 
 
-def chi2_quantile(dof: int) -> float:
-    """The chi-square distribution's 1 - 1e-4 quantile (Wilson-Hilferty: 1-3% above it for 4-12 degrees of freedom)."""
-    return dof * (1 - 2 / (9 * dof) + Z * (2 / (9 * dof)) ** 0.5) ** 3
-
-
-def _tokens(model_dir, device: str, **levers) -> np.ndarray:
-    llm = LLM(model=model_dir, device=device, dtype="float32", max_num_seqs=32, spec_max_seqs=32, kv_cache_bytes=256 << 20,
+def _tokens(tiny_engine, model_dir, device: str, **levers) -> np.ndarray:
+    llm = tiny_engine(model=model_dir, device=device, dtype="float32", max_num_seqs=32, spec_max_seqs=32,
+                      kv_cache_bytes=256 << 20,
               **levers)
     prompt = {"prompt_token_ids": model_list(6, 3) * 2}
     params = SamplingParams(n=SAMPLES, temperature=1.0, max_tokens=max(POSITIONS) + 1, ignore_eos=True, seed=1234)
@@ -46,12 +44,13 @@ def _chi_square(a: np.ndarray, b: np.ndarray) -> tuple[float, int]:
     return float(stat), int(keep.sum() - 1)
 
 
-def _check(model_dir, device: str, mode: str):
-    base, _ = _tokens(model_dir, device)
-    spec, llm = _tokens(model_dir, device, spec=mode, spec_k=3, spec_policy="always")
+def _check(tiny_engine, model_dir, device: str, mode: str):
+    base, _ = _tokens(tiny_engine, model_dir, device)
+    spec, llm = _tokens(tiny_engine, model_dir, device, spec=mode, spec_k=3, spec_policy="always")
     for pos in POSITIONS:
         stat, dof = _chi_square(base[:, pos], spec[:, pos])
-        assert stat < chi2_quantile(dof), f"{mode} on {device}: output position {pos}: chi2 {stat:.1f}, {dof} dof"
+        assert stat < chi2_bound(dof,
+                                 CHI2_CHECKS), f"{mode} on {device}: output position {pos}: chi2 {stat:.1f}, {dof} dof"
     s = llm.engine.spec.stats
     assert s.num_drafts > 0 and s.num_draft_tokens == 3 * s.num_drafts
     assert 0 < s.num_accepted_tokens <= s.num_draft_tokens
@@ -62,11 +61,11 @@ def _check(model_dir, device: str, mode: str):
 
 
 @pytest.mark.parametrize("mode", ["mtp", "ngram"])
-def test_sampled_tokens_follow_the_target_distribution_cpu(fitted_dir, mode):
-    _check(fitted_dir, "cpu", mode)
+def test_sampled_tokens_follow_the_target_distribution_cpu(tiny_engine, fitted_dir, mode):
+    _check(tiny_engine, fitted_dir, "cpu", mode)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["mtp", "ngram"])
-def test_sampled_tokens_follow_the_target_distribution_gpu(fitted_dir, mode):
-    _check(fitted_dir, "cuda", mode)
+def test_sampled_tokens_follow_the_target_distribution_gpu(tiny_engine, fitted_dir, mode):
+    _check(tiny_engine, fitted_dir, "cuda", mode)

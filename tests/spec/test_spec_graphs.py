@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 
-from qv import LLM, SamplingParams
+from qv import SamplingParams
 from qv.engine import engine as engine_module
 from qv.engine.cuda_graphs import DecodeGraphs
 from tests.spec.test_spec_engine import CYCLE, model_list
@@ -63,13 +63,13 @@ def stand_in_graphs(monkeypatch):
 
 
 @pytest.mark.parametrize("mode,policy", [("mtp", "backoff"), ("mtp", "always"), ("ngram", "backoff")])
-def test_graphs_replay_speculation_greedy_identical(fitted_dir, stand_in_graphs, mode, policy):
-    rng = random.Random()
+def test_graphs_replay_speculation_greedy_identical(tiny_engine, fitted_dir, stand_in_graphs, mode, policy):
+    rng = random.Random(0)
     prompts = [{"prompt_token_ids": model_list(rng.randrange(4, 15), rng.randrange(CYCLE)) * 2} for _ in range(3)]
     prompts += [{"prompt_token_ids": [rng.randrange(300) for _ in range(n)]} for n in (5, 11)]
     params = [SamplingParams(temperature=0, max_tokens=20 + 5 * i, ignore_eos=True) for i in range(len(prompts))]
-    base = [o.outputs[0].token_ids for o in LLM(model=fitted_dir, cuda_graphs=False).generate(prompts, params)]
-    llm = LLM(model=fitted_dir, spec=mode, spec_k=3, spec_policy=policy, max_num_seqs=8, spec_max_seqs=8)
+    base = [o.outputs[0].token_ids for o in tiny_engine(model=fitted_dir, cuda_graphs=False).generate(prompts, params)]
+    llm = tiny_engine(model=fitted_dir, spec=mode, spec_k=3, spec_policy=policy, max_num_seqs=8, spec_max_seqs=8)
     assert llm.engine.runner.verify_graphs is not None
     outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert outs == base
@@ -80,14 +80,14 @@ def test_graphs_replay_speculation_greedy_identical(fitted_dir, stand_in_graphs,
         assert llm.engine.spec.stats.num_accepted_tokens > 0
 
 
-def test_backed_off_sequences_catch_up_only(fitted_dir, stand_in_graphs):
+def test_backed_off_sequences_catch_up_only(tiny_engine, fitted_dir, stand_in_graphs):
     """Random prompts the fitted head mostly misses: once every sequence has backed off, steps replay
     the plain decode graph with the head's catch-up alone (no walk); drafts come back on the probes."""
-    rng = random.Random()
+    rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(300) for _ in range(7)]} for _ in range(2)]
     params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
-    base = [o.outputs[0].token_ids for o in LLM(model=fitted_dir, cuda_graphs=False).generate(prompts, params)]
-    llm = LLM(model=fitted_dir, spec="mtp", spec_k=3, max_num_seqs=4, spec_max_seqs=4)
+    base = [o.outputs[0].token_ids for o in tiny_engine(model=fitted_dir, cuda_graphs=False).generate(prompts, params)]
+    llm = tiny_engine(model=fitted_dir, spec="mtp", spec_k=3, max_num_seqs=4, spec_max_seqs=4)
     wrong = llm.engine.model_config.vocab_size - 1  # a padding id: never the greedy token
     llm.engine.spec.head.draft_ids = lambda out: torch.full(out.shape[:1], wrong, dtype=torch.int64)
     outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]

@@ -95,10 +95,10 @@ def max_dp(a: list[list[float]], b: list[list[float]]) -> float:
     return max(abs(x - y) for qa, qb in zip(a, b, strict=True) for x, y in zip(qa, qb, strict=True))
 
 
-def test_clef_records_with_images_equal_clef_systemone(release, oracle):
+def test_clef_records_with_images_equal_clef_systemone(tiny_engine, release, oracle):
     bodies = records()
     # 48-token chunks and a vision budget of 16 patches: chunks stop inside and between images
-    llm = LLM(str(release), max_num_batched_tokens=48, vision_max_patches_per_step=16, clef_slots=3)
+    llm = tiny_engine(model=release, max_num_batched_tokens=48, vision_max_patches_per_step=16, clef_slots=3)
     ours = run_all(llm, bodies)
     worst = 0.0
     for i, ((got, raw), (ref, raw_ref)) in enumerate(zip(ours, oracle, strict=True)):
@@ -119,11 +119,12 @@ def test_clef_records_with_images_equal_clef_systemone(release, oracle):
     assert max(spread) > 0.8 and min(spread) < 0.1, (min(spread), max(spread))  # the head decides something
 
 
-def test_images_matter_and_chunking_does_not(release):
+def test_images_matter_and_chunking_does_not(tiny_engine, release):
     body = records()[-1]
-    whole = LLM(str(release), max_num_batched_tokens=4096)
+    whole = tiny_engine(model=release, max_num_batched_tokens=4096)
     (_, one_chunk), = run_all(whole, [body])
-    (_, chunked), = run_all(LLM(str(release), max_num_batched_tokens=48, vision_max_patches_per_step=16), [body])
+    (_, chunked), = run_all(tiny_engine(model=release, max_num_batched_tokens=48, vision_max_patches_per_step=16),
+                            [body])
     assert max_dp(one_chunk, chunked) <= 1e-5
     # another picture of the same size (same tokens): only the pixels differ, so without the
     # tower's rows in place the answers would be bit-identical
@@ -133,8 +134,8 @@ def test_images_matter_and_chunking_does_not(release):
     assert max_dp(before, after) > 1e-5
 
 
-def test_images_over_max_length_are_refused(release):
-    llm = LLM(str(release))
+def test_images_over_max_length_are_refused(tiny_engine, release):
+    llm = tiny_engine(model=release)
     body = dict(records()[4], max_length=200)  # 16 images take more than 200 tokens
     with pytest.raises(ClefRequestError, match=r"the template, images and questions take \d+ tokens before any state "
                                                r"\(\d+ of them the schema, \d+ the images\), more than the 200-token"):

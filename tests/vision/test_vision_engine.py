@@ -67,8 +67,8 @@ def check(name: str, out, ref) -> float:
     return worst
 
 
-def run(vision_dir, names: list[str], **levers):
-    llm = LLM(model=str(vision_dir), **levers)
+def run(tiny_engine, vision_dir, names: list[str], **levers):
+    llm = tiny_engine(model=vision_dir, **levers)
     prompts = [engine_prompt(MM_CASES[n]) if n in MM_CASES else {"prompt": TEXTS[n]} for n in names]
     return llm, llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW, logprobs=0))
 
@@ -81,11 +81,11 @@ MIXED = ["text-short", "gen-1", "gen-3", "text-long", "gen-20", "gen-video", "ge
     dict(max_num_batched_tokens=16, max_num_seqs=8),  # chunks cut through images and video frames
     dict(max_num_batched_tokens=96, vision_max_patches_per_step=40),  # encoding spread over many steps
 ], ids=["whole", "chunk16", "budget40"])
-def test_engine_equals_hf(levers, vision_dir, refs, hf_processed):
+def test_engine_equals_hf(tiny_engine, levers, vision_dir, refs, hf_processed):
     """Text-only and multimodal prompts batched together: every prompt's tokens and logprobs equal
     transformers', the expanded prompt equals HF's processor, each item is encoded exactly once and
     no step encodes past the budget (unless one item alone is larger)."""
-    llm, outs = run(vision_dir, MIXED, **levers)
+    llm, outs = run(tiny_engine, vision_dir, MIXED, **levers)
     worst = 0.0
     for name, out in zip(MIXED, outs):
         if name in MM_CASES:
@@ -101,7 +101,7 @@ def test_engine_equals_hf(levers, vision_dir, refs, hf_processed):
     print(f"{levers}: max logprob error {worst:.2e}; {st}")
 
 
-def test_preemption_reencodes(vision_dir, refs):
+def test_preemption_reencodes(tiny_engine, vision_dir, refs):
     """A KV cache of 12 blocks of 16 for prompts of 76, 93 and 46 tokens (+8 each): two are admitted,
     their decode growth preempts one (recompute), its freed encodings are encoded again on
     readmission, and every output still equals transformers'."""
@@ -110,7 +110,7 @@ def test_preemption_reencodes(vision_dir, refs):
 
     names = ["gen-3", "gen-mixed", "gen-1"]
     budget = 12 * kv_bytes_per_block(ModelConfig.from_dir(vision_dir), 16, torch.float32)
-    llm, outs = run(vision_dir, names, block_size=16, kv_cache_bytes=budget, prefix_caching=False,
+    llm, outs = run(tiny_engine, vision_dir, names, block_size=16, kv_cache_bytes=budget, prefix_caching=False,
                     max_num_batched_tokens=64)
     for name, out in zip(names, outs):
         check(f"{name} preempted", out, refs[name])
@@ -124,11 +124,11 @@ def _items(llm, name):
                                            MM_CASES[name].get("images", []), MM_CASES[name].get("videos", [])).items
 
 
-def test_wrong_media_is_caught(vision_dir, refs):
+def test_wrong_media_is_caught(tiny_engine, vision_dir, refs):
     """Control: the same prompts with their images reversed (same placeholders, other pixels)
     miss transformers' logprobs by far more than the tolerance, so the checks above can fail."""
     case = dict(MM_CASES["gen-3"], images=MM_CASES["gen-3"]["images"][::-1])
-    llm = LLM(model=str(vision_dir))
+    llm = tiny_engine(model=vision_dir)
     out = llm.generate(engine_prompt(case), SamplingParams(temperature=0, max_tokens=NEW, logprobs=0))[0]
     tokens, lps, _ = refs["gen-3"]
     comp = out.outputs[0]
@@ -138,7 +138,7 @@ def test_wrong_media_is_caught(vision_dir, refs):
     print(f"images reversed: tokens equal for {n} of {len(tokens)}, max logprob error {max(errs, default=0):.2e}")
 
 
-def test_mtp_speculation_equals_hf(tiny_dirs, vision_dir, refs):
+def test_mtp_speculation_equals_hf(tiny_engine, tiny_dirs, vision_dir, refs):
     """MTP speculation over multimodal and text rows (drafts verified on mRoPE positions): the same
     tokens and logprobs as transformers. The MTP folder shares every base tensor with the tiny one."""
     from safetensors.torch import load_file
@@ -147,7 +147,7 @@ def test_mtp_speculation_equals_hf(tiny_dirs, vision_dir, refs):
     base, with_mtp = load_file(str(vision_dir / "model.safetensors")), load_file(str(mtp_dir / "model.safetensors"))
     assert all(torch.equal(v, with_mtp[k]) for k, v in base.items())
     names = ["gen-3", "text-short", "gen-video", "gen-mixed"]
-    llm, outs = run(mtp_dir, names, spec="mtp", spec_k=2, max_num_batched_tokens=32)
+    llm, outs = run(tiny_engine, mtp_dir, names, spec="mtp", spec_k=2, max_num_batched_tokens=32)
     worst = max(check(f"{name} spec=mtp", out, refs[name]) for name, out in zip(names, outs))
     st = llm.engine.spec.stats
     assert st.num_drafts > 0

@@ -22,11 +22,11 @@ def build(llm: LLM, case: dict):
                                            case.get("images", []), case.get("videos", []))
 
 
-def test_encoded_on_first_need_and_freed_after_prefill(vision_dir):
+def test_encoded_on_first_need_and_freed_after_prefill(tiny_engine, vision_dir):
     """Chunks of 16 through 3 images, two samples: an item is encoded in the step whose chunk first
     reaches it, once for both samples, kept while either sample still has its pads to prefill,
     and nothing is left after prefill."""
-    llm = LLM(model=str(vision_dir), max_num_batched_tokens=16)
+    llm = tiny_engine(model=vision_dir, max_num_batched_tokens=16)
     eng = llm.engine
     mp = build(llm, CASES["gen-3"])
     eng.add_request("r", mp.token_ids, SamplingParams(n=2, temperature=0, max_tokens=3), multimodal=mp)
@@ -61,16 +61,16 @@ def _same(name, a, b, tol=1e-4):
     assert max(errs) < tol, (name, errs)
 
 
-def test_prefix_cache_keys_include_media(vision_dir):
+def test_prefix_cache_keys_include_media(tiny_engine, vision_dir):
     """Three same-sized images; a repeat reuses the prefix past them, a request whose third image
     has other pixels (identical token ids) reuses only blocks before that image's first pad, and
     every output equals the same request on an engine without prefix caching."""
     imgs = [image(200 + k, 64, 64) for k in range(3)]
     other = imgs[:2] + [image(299, 64, 64)]
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=0)
-    cached = LLM(model=str(vision_dir), block_size=16, gdn_snapshot_interval=16)
+    cached = tiny_engine(model=vision_dir, block_size=16, gdn_snapshot_interval=16)
     a1, a2, b = (cached.generate(_prompt(x), params)[0] for x in (imgs, imgs, other))
-    fa, fb = LLM(model=str(vision_dir), prefix_caching=False).generate([_prompt(imgs), _prompt(other)], params)
+    fa, fb = tiny_engine(model=vision_dir, prefix_caching=False).generate([_prompt(imgs), _prompt(other)], params)
     mp = cached.engine.multimodal.from_data(cached.tokenizer.encode(_prompt(imgs)["prompt"], add_special_tokens=False),
                                             imgs)
     third = mp.item_span[2][0]
@@ -112,11 +112,11 @@ def _reference_drafts(eng, mp, k: int) -> tuple[int, list[torch.Tensor]]:
     return first, states
 
 
-def test_mtp_drafts_on_mrope_positions(tiny_dirs):
+def test_mtp_drafts_on_mrope_positions(tiny_engine):
     """Prefill in chunks of 16 with MTP speculation: the head's states behind the drafts the engine
     proposes after the prompt equal the one-piece computation on mRoPE positions (prompt rows) and
     index + delta (draft steps), for images, a video and both."""
-    llm = LLM(model=str(tiny_dirs("tiny", mtp=True)), spec="mtp", spec_k=3, max_num_batched_tokens=16)
+    llm = tiny_engine(mtp=True, spec="mtp", spec_k=3, max_num_batched_tokens=16)
     eng = llm.engine
     head, seen = eng.spec.head, []
     draft_ids = head.draft_ids
