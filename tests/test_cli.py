@@ -90,7 +90,8 @@ def test_user_errors_are_one_line(tmp_path, tiny_dirs, capsys):
     (bare / "config.json").write_text((tiny_dirs("gqa3") / "config.json").read_text())
     cases = [(["generate", "hi", "--model", str(tmp_path / "nope")], "does not exist"),
              (["generate", "hi", "--model", str(bare), "--device", "cpu"], "no *.safetensors files"),
-             (["serve", str(tmp_path / "nope"), "--dry-run"], "does not exist")]
+             (["serve", str(tmp_path / "nope"), "--dry-run"], "does not exist"),
+             (["make-tiny", str(tmp_path / "t"), "--preset", "no-such"], "unknown preset 'no-such': choose from tiny")]
     for argv, needle in cases:
         assert main(argv) == 2
         err = capsys.readouterr().err

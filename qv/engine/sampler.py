@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from qv.engine.structured import apply_bitmask
-from qv.kernels.sampling import race
+from qv.kernels import race
 
 
 @dataclass

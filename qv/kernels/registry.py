@@ -48,6 +48,8 @@ TABLE: dict[str, dict[str, str | None]] = {
                          "sm70": "gated_delta_rule.cuda_sm70"},
     # no tl.dot in its kernels: sm70's chain falls back to the same Triton source
     "lm_head_top1":     {"reference": "lm_head_top1.reference", "triton": "lm_head_top1.triton", "sm70": None},
+    # int64 hashing and one fp64 argmax: the reference's torch ops are the kernel, bit-identical on every device
+    "race":             {"reference": "race.reference", "triton": "race.reference", "sm70": None},
 }
 
 _impls: dict[str, dict[str, Callable]] = {}

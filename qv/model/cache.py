@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from qv.config import ModelConfig
 from qv.kernels.gated_delta_rule import INT16_MAX  # noqa: F401  (the int16 state grid of GDNState.ssm)
+from qv.model_config import ModelConfig
 
 KV_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8, "fp32": torch.float32}
 STATE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "int16": torch.int16}

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import torch
 
 from qv import kernels as K
-from qv.config import ModelConfig
 from qv.kernels.linear import GPTQWeight
 from qv.model.batch import StepBatch
 from qv.model.cache import GDNState, KVCache
+from qv.model_config import ModelConfig
 
 
 @dataclass
@@ -185,7 +185,8 @@ class GatedDeltaNet:
         v = mixed[:, 2 * kd:].view(t, hv, dv)
         rule = lambda rows, cu_, seqs, inter: K.gated_delta_rule(  # noqa: E731
             q[rows], k[rows], v[rows], a[rows], b[rows], self.A_log, self.dt_bias, st.ssm, cu_, g.state_slots[seqs],
-            g.has_initial_state[seqs], None, st.ssm_scale, inter, batch.max_query_len)
+            g.has_initial_state[seqs], state_scale=st.ssm_scale, intermediate_states=inter,
+            max_query_len=batch.max_query_len)
         if not g.num_spec_seqs:
             o = rule(slice(None), cu, slice(None), None)
         else:  # verification rows keep per-position states; the rest (prefill chunks, decodes) do not

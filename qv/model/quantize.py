@@ -24,9 +24,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from qv.config import ConfigError, ModelConfig
+from qv.errors import ConfigError
 from qv.kernels.linear import pack_nibbles
 from qv.model.weights import FUSED, index_checkpoint, vllm_names
+from qv.model_config import ModelConfig
 
 # Kept dense by default (re.match against the HF module name), and why:
 DEFAULT_EXCLUDE = (

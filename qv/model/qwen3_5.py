@@ -11,7 +11,7 @@ import torch
 from tqdm import tqdm
 
 from qv import kernels as K
-from qv.config import ModelConfig
+from qv.kernels.cuda_build import same_kernels_as_capture
 from qv.kernels.linear import GPTQWeight
 from qv.model.batch import StepBatch
 from qv.model.cache import HybridCache
@@ -19,6 +19,7 @@ from qv.model.layers import MLP, FusedLinear, GatedAttention, GatedDeltaNet, Lin
 from qv.model.parallel import (TPGroup, VocabParallelLMHead, rank_config, shard_linear, shard_rows,
                                vocab_parallel_embed, vocab_range, vocab_shard)
 from qv.model.weights import CheckpointError, CheckpointReader
+from qv.model_config import ModelConfig
 
 
 PROGRESS_BYTES = 1 << 30  # checkpoints larger than this show a progress bar while loading

@@ -21,10 +21,11 @@ from pathlib import Path
 
 import torch
 
-from qv.config import ConfigError, ModelConfig, QuantConfig
+from qv.errors import ConfigError
 from qv.kernels.linear import GPTQWeight
 from qv.model.tiny import random_tensor, tensor_shapes, weight_std
 from qv.model.weights import CheckpointError, CheckpointReader, QuantRules
+from qv.model_config import ModelConfig, QuantConfig
 
 # what `quantization=gptq-int8|gptq-int4|awq` gives a config without a quantization_config
 # (every text linear but the lm_head; the vision tower stays dense, as in Qwen's own GPTQ releases)

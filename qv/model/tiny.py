@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from qv.errors import ConfigError
 from qv.model.joint_head_layout import HEAD_CONFIG, HEAD_WEIGHTS, SCALARS, HeadConfig, expected_shapes
 from qv.model.tiny_tokenizer import tokenizer_json
 
@@ -76,9 +77,14 @@ TINY_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, i
                    hidden_act="gelu_pytorch_tanh", deepstack_visual_indexes=[])
 
 
-def build_config(preset: str, vocab_size: int, special: dict[str, int], mtp: bool = False) -> dict:
+def check_preset(preset: str) -> None:
+    """ConfigError (a one-line `qv` error) for a preset that is not in PRESETS."""
     if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}: choose from {', '.join(PRESETS)}")
+        raise ConfigError(f"unknown preset {preset!r}: choose from {', '.join(PRESETS)}")
+
+
+def build_config(preset: str, vocab_size: int, special: dict[str, int], mtp: bool = False) -> dict:
+    check_preset(preset)
     p = dict(PRESETS[preset])
     vision = p.pop("vision")
     p.pop("cycle", None)
@@ -243,6 +249,7 @@ def make_tiny(out_dir: str | Path, preset: str = "tiny", seed: int = 0, mtp: boo
     """Write a complete tiny checkpoint folder; returns its path. Same arguments, same bytes.
     `dtype` (e.g. bfloat16 for the benchmark shapes) halves what large presets write; `clef_head`
     adds a random Clef head (EMBEDDED_CLEF_HEAD, release layout)."""
+    check_preset(preset)  # before anything is written
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     _, special = tokenizer_json()

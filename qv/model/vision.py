@@ -15,9 +15,9 @@ from typing import Sequence
 import torch
 
 from qv import kernels as K
-from qv.config import ModelConfig, VisionConfig
 from qv.model.layers import Linear
 from qv.model.weights import CheckpointError, CheckpointReader
+from qv.model_config import ModelConfig, VisionConfig
 
 PREFIX = "model.visual."
 ROPE_THETA = 10000.0  # HF's Qwen3_5VisionConfig leaves rope_parameters to the axial default theta

@@ -23,8 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from qv.config import ConfigError
-from qv.errors import MediaError
+from qv.errors import ConfigError, MediaError
 
 # HF class defaults, used only for keys a checkpoint's processor config leaves out.
 _OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)

@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from qv.config import ModelConfig, QuantConfig
 from qv.kernels.linear import GPTQWeight, pack_nibbles
+from qv.model_config import ModelConfig, QuantConfig
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)

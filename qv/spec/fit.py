@@ -15,13 +15,13 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from qv.config import ModelConfig
 from qv.kernels.rms_norm.reference import rms_norm
 from qv.kernels.rope.reference import rope
 from qv.kernels.silu_mul.reference import silu_mul
 from qv.model.batch import build_step_batch
 from qv.model.cache import allocate_cache
 from qv.model.qwen3_5 import load_text_model
+from qv.model_config import ModelConfig
 
 
 def _save_updates(model_dir: Path, updates: dict[str, torch.Tensor]) -> None:

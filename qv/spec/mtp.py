@@ -14,12 +14,12 @@ from __future__ import annotations
 import torch
 
 from qv import kernels as K
-from qv.config import ModelConfig
 from qv.model.batch import StepBatch
 from qv.model.cache import HybridCache
 from qv.model.layers import Linear
 from qv.model.qwen3_5 import DecoderLayer, LayerBuilder, Qwen3_5TextModel
 from qv.model.weights import CheckpointError, CheckpointReader
+from qv.model_config import ModelConfig
 
 
 # rows up to which the fused top-1 drafts; past it the logits GEMM on tensor cores and an argmax cost less

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from qv.config import ModelConfig
 from qv.model.batch import AttentionMeta, GDNMeta, StepBatch
 from qv.model.cache import INT16_MAX, HybridCache
+from qv.model_config import ModelConfig
 from qv.spec.mtp import MTPHead
 from qv.spec.ngram import WINDOW as NGRAM_WINDOW
 from qv.spec.ngram import propose_ngram

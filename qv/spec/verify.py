@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from qv.kernels.sampling import race, uniform_noise
+from qv.kernels import race
+from qv.kernels.race import uniform_noise
 
 
 @dataclass

@@ -51,8 +51,8 @@ def _case(dtype, state_dtype, hk, rep, dk, dv, lens, init, max_q="auto", inter=F
     # a config is a gdn_chunked variant (bench/kernels.py --sweep gdn), passed to the triton entry
     ours = K.gated_delta_rule if config is None else functools.partial(gated_delta_rule_triton, config=config)
     for run, fn, st, sc, it in zip((run_triton, run_reference), (ours, K.gated_delta_rule), states, scales, inters):
-        outs.append(run(fn, q, k, v, a, b, A_log, dt_bias, st, cu_seqlens(lens), slots,
-                        torch.tensor(init, device=DEV), None, sc, it, max(lens) if max_q == "auto" else max_q))
+        outs.append(run(fn, q, k, v, a, b, A_log, dt_bias, st, cu_seqlens(lens), slots, torch.tensor(init, device=DEV),
+                        state_scale=sc, intermediate_states=it, max_query_len=max(lens) if max_q == "auto" else max_q))
     if t:
         assert_close("o", outs[0], outs[1], BOUND[dtype])
     bound = max(BOUND[dtype], STATE_BOUND.get(state_dtype, 1e-5))

@@ -82,10 +82,12 @@ def _case(monkeypatch, state_dtype, hk, rep, dk, dv, lens, init, max_q="auto", i
     monkeypatch.setattr(cuda_sm70, "gdn_chunked_cuda", lambda *args: ran.append(real(*args)) or ran[-1])
     args = (q, k, v, a, b, A_log, dt_bias)
     mq = max(lens) if max_q == "auto" else max_q
-    meta = (cu_seqlens(lens), slots, torch.tensor(init, device=DEV), None)
+    meta = (cu_seqlens(lens), slots, torch.tensor(init, device=DEV))
     with K.backend("sm70"), nan_empty():
-        out = K.gated_delta_rule(*args, states[0], *meta, scales[0], inters[0], mq)
-    ref = run_reference(K.gated_delta_rule, *args, states[1], *meta, scales[1], inters[1], mq)
+        out = K.gated_delta_rule(*args, states[0], *meta, state_scale=scales[0], intermediate_states=inters[0],
+                                 max_query_len=mq)
+    ref = run_reference(K.gated_delta_rule, *args, states[1], *meta, state_scale=scales[1],
+                        intermediate_states=inters[1], max_query_len=mq)
     if path == "cuda":
         assert len(ran) == 1 and ran[0] is not None, "the m8n8k4 kernels did not run"
     else:

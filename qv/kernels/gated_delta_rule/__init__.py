@@ -17,7 +17,7 @@ INT16_MAX = 32767.0
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                      A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, cu_seqlens: torch.Tensor,
-                     state_slots: torch.Tensor, has_initial_state: torch.Tensor, scale: float | None = None,
+                     state_slots: torch.Tensor, has_initial_state: torch.Tensor, *, scale: float | None = None,
                      state_scale: torch.Tensor | None = None, intermediate_states: torch.Tensor | None = None,
                      max_query_len: int | None = None) -> torch.Tensor:
     """The gated delta rule with gating and q/k l2norm fused; updates each slot's state in place.
@@ -37,5 +37,5 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch
     if state.dtype == torch.int16 and state_scale is None:
         raise ValueError("gated_delta_rule: an int16 state needs its state_scale table")
     return impl("gated_delta_rule", q.device)(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, state_slots,
-                                              has_initial_state, scale, state_scale, intermediate_states,
-                                              max_query_len)
+                                              has_initial_state, scale=scale, state_scale=state_scale,
+                                              intermediate_states=intermediate_states, max_query_len=max_query_len)

@@ -1,6 +1,5 @@
-"""Counter-based random numbers for sampling: a uniform per (seed, position, token) from a 64-bit
-hash (splitmix64's finalizer), so a seeded request draws the same numbers whatever batch it is in,
-on any device, with no generator state and no host sync."""
+"""The race's reference: PyTorch int64 and fp64 ops, bit-identical on every device (so every backend
+runs it; see registry.TABLE)."""
 
 from __future__ import annotations
 
