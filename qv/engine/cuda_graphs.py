@@ -9,7 +9,7 @@ max_model_len), so the attention kernels early-exit per row on the device's seq_
 
 At start-up, once every size is captured, each graph is replayed on inputs other than the capture's
 (token ids, positions, per-row seq_lens) and compared with the eager forward on the same buffers,
-run with the same kernels (cuda_build.same_kernels_as_capture: eagerly, small calls would otherwise
+run with the same kernels (the model's kernels_as_captured: eagerly, small calls would otherwise
 take their Triton twins, whose rounding differs). A graph that disagrees, or a capture that fails,
 stops start-up with a StartupError naming the batch size; QV_CUDA_GRAPHS=0 runs decode eagerly
 instead. Graphs never turn themselves off silently.
@@ -23,7 +23,6 @@ import math
 import torch
 
 from qv.errors import StartupError
-from qv.kernels.cuda_build import same_kernels_as_capture
 from qv.model.batch import AttentionMeta, GDNMeta, StepBatch
 
 log = logging.getLogger("qv")
@@ -134,7 +133,7 @@ class DecodeGraphs:
         """Capture every size (largest first, sharing one pool), then check each replay against the eager
         forward (after all captures, so one capture overwriting memory another graph holds shows too).
         Raises StartupError naming the batch size where a capture fails or a replay disagrees."""
-        with same_kernels_as_capture():  # the warm-ups and the checks run what the captures run
+        with self.model.kernels_as_captured():  # the warm-ups and the checks run what the captures run
             for b in reversed(self.sizes):
                 self._guarded(b, "capturing", self._capture_one)
             for b in self.sizes:

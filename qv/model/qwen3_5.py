@@ -81,6 +81,12 @@ class Qwen3_5TextModel:
         return out
 
     @torch.inference_mode()
+    def kernels_as_captured(self):
+        """A context within which this thread's eager forwards run the kernels a CUDA graph capture
+        would pick (raw-CUDA twins of small Triton calls), so an eager forward checks a replay kernel
+        for kernel; the model layer owns that choice, not the engine."""
+        return same_kernels_as_capture()
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, H] -> fp32 logits [R, vocab]."""
         return self.lm_head(hidden).float()

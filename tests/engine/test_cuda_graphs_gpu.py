@@ -8,6 +8,7 @@ Run: `python -m pytest -q -s tests/engine/test_cuda_graphs_gpu.py` (-s prints th
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 import random
@@ -21,7 +22,6 @@ from qv import SamplingParams
 from qv.engine.cuda_graphs import REPLAY_BOUND, DecodeGraphs, replay_error
 from qv.errors import StartupError
 from qv.kernels import cuda_build
-from qv.kernels.cuda_build import same_kernels_as_capture
 
 pytestmark = pytest.mark.gpu
 
@@ -57,7 +57,7 @@ def test_engine_starts_with_graphs_and_replay_equals_eager(llm):
         built = {key[0] for key, fn in cuda_build._BUILT.items() if fn is not None}
         assert {"linear/gptq_gemv_mma.cu", "paged_attention/paged_decode_mma.cu"} <= built, built  # the kernels the check is about
     for b in (1, 16, 64):
-        with same_kernels_as_capture():
+        with llm.engine.runner.model.kernels_as_captured():
             replay, eager = graphs.replay_and_eager(b)
         err = replay_error(replay, eager)
         _, twins = graphs.replay_and_eager(b)  # eager small calls on the Triton twins: what the old check compared
@@ -87,7 +87,7 @@ def _assert_same_greedy(name: str, graphs, eager) -> None:
 
 def test_greedy_decode_through_graphs_equals_eager(tiny_engine, llm, model_dir, monkeypatch):
     """Six rows (the batch-8 graph: two inert padding rows), prompts of different lengths. Both engines
-    under same_kernels_as_capture: eagerly, small calls would take the Triton twins, whose rounding moves
+    under the model's kernels_as_captured: eagerly, small calls would take the Triton twins, whose rounding moves
     random-weight logits across near ties far more often."""
     rng = random.Random(0)
     vocab = llm.engine.model_config.vocab_size
@@ -95,7 +95,7 @@ def test_greedy_decode_through_graphs_equals_eager(tiny_engine, llm, model_dir, 
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
     replays, run = [], DecodeGraphs.run
     monkeypatch.setattr(DecodeGraphs, "run", lambda self, *a: replays.append(len(a[1])) or run(self, *a))
-    with same_kernels_as_capture():
+    with llm.engine.runner.model.kernels_as_captured():
         through_graphs = [o.outputs[0] for o in llm.generate(prompts, params)]
         eager_llm = tiny_engine(model=model_dir, cuda_graphs=False, **LEVERS)
         assert eager_llm.engine.runner.graphs is None and eager_llm.engine.stats.cuda_graph_sizes == ()
@@ -115,6 +115,8 @@ class _HostScaled:
         self.cfg = types.SimpleNamespace(vocab_size=100)
         self.embed = torch.randn(100, 64, device=self.device)
         self.calls = 0
+
+    kernels_as_captured = staticmethod(contextlib.nullcontext)  # torch ops only: nothing to choose
 
     def forward(self, ids, positions, batch, cache):
         self.calls += 1
