@@ -1,8 +1,9 @@
 """One step: a StepPlan becomes flat tensors (built with NumPy in preallocated pinned buffers and
 copied to the device once), the model runs one forward over all rows, the rows that caught up
 with their tokens are sampled (or, for speculative rows, verified), and the next drafts are made.
-Everything comes back in one transfer: the only device-to-host sync of the step (prompt logprobs,
-when a request asks for them, come in a bounded copy of their own: qv/engine/prompt_logprobs.py).
+Everything comes back in one transfer (a StepOutputs, qv/engine/step_outputs.py): the only
+device-to-host sync of the step (prompt logprobs, when a request asks for them, come in a bounded
+copy of their own: qv/engine/prompt_logprobs.py).
 
 `execute` launches a step and returns its StepHandle (the results' copy to pinned host memory is
 queued right behind the step's kernels); `collect` waits for that copy and unpacks it. Between
@@ -26,6 +27,7 @@ from qv.engine.multimodal import VisionSteps
 from qv.engine.prompt_logprobs import PromptLogprobRows, launch_prompt_logprobs, prompt_logits_calls
 from qv.engine.scheduler import StepPlan
 from qv.engine.sequence import Sequence
+from qv.engine.step_outputs import OutputShape, StepOutputs
 from qv.engine.structured import grammar_bitmask
 from qv.engine.tensor_parallel import SpecStep, TPDriver
 from qv.spec.speculator import Speculator
@@ -42,6 +44,31 @@ class StepResult:
     logprobs: list[tuple[float, int, list[tuple[int, float]]]] | None = None  # (logprob, rank, top) per token
     num_accepted: int | None = None  # verified sequences only
     next_mtp_drafts: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class StepCapacity:
+    """The most one step holds: the one declaration that sizes the step's buffers (the runner's upload,
+    the vision steps' rows)."""
+
+    rows: int  # token rows: the token budget, plus k draft rows a sequence with speculation
+    seqs: int
+    blocks: int  # block-table width: max_model_len and the speculative lookahead, in blocks
+    k1: int  # rows of a verifying sequence (1 without speculation)
+
+    @classmethod
+    def of(cls, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int,
+           spec_k: int = 0) -> "StepCapacity":
+        lookahead = 2 * spec_k + 2 if spec_k else 1
+        return cls(rows=max_num_batched_tokens + spec_k * max_num_seqs, seqs=max_num_seqs,
+                   blocks=-(-(max_model_len + lookahead) // block_size) + 1, k1=spec_k + 1)
+
+    @property
+    def upload_bytes(self) -> int:
+        """per token (int64): ids, next ids, positions, slots, logits rows, Clef delta rows; per sequence:
+        cu/rest/lens/slots/init, drafts and the pending-input rows, plus up to 10 sampling settings per
+        logits row (k+1 rows for a verified sequence); the block tables; alignment slack"""
+        return 6 * 8 * self.rows + (96 * self.k1 + 80) * (self.seqs + 1) + 4 * self.seqs * self.blocks + 16 * 64
 
 
 _NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32, torch.bool: np.bool_}
@@ -107,6 +134,7 @@ class _Step:
     prompt_logprobs: PromptLogprobRows | None = None  # prompt rows' logprobs, in their own bounded copy
     graphs: DecodeGraphs | None = None  # the graphs that replayed the forward (None: it ran eagerly)
     mtp: str | None = None  # the MTP head's work after the forward (Speculator.mtp_work)
+    tp_spec: SpecStep | None = None  # under tensor parallelism with speculation: the workers' view of it
 
 
 @dataclass
@@ -115,11 +143,10 @@ class StepHandle:
 
     plan: StepPlan
     st: _Step
-    host: torch.Tensor | None  # the packed results (pinned host memory on CUDA); None: nothing sampled
-    copied: torch.cuda.Event | None  # recorded after the copy into `host` (CUDA only)
-    k1: int
-    has_drafts: bool
-    sampled: torch.Tensor | None  # [len(samplers)] the sampled ids on the device: the next step's PENDING inputs
+    host: torch.Tensor | None = None  # the packed StepOutputs (pinned host memory on CUDA); None: nothing sampled
+    shape: OutputShape | None = None  # their sizes: what unpacks `host`
+    copied: torch.cuda.Event | None = None  # recorded after the copy into `host` (CUDA only)
+    sampled: torch.Tensor | None = None  # [len(samplers)] the sampled ids on the device: the next step's PENDING inputs
 
     @property
     def sampler_seqs(self) -> list[Sequence]:
@@ -127,26 +154,18 @@ class StepHandle:
 
 
 class ModelRunner:
-    def __init__(self, model, cache: HybridCache, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_model_len: int, speculator: Speculator | None = None, media: VisionSteps | None = None,
+    def __init__(self, model, cache: HybridCache, capacity: StepCapacity, max_model_len: int,
+                 speculator: Speculator | None = None, media: VisionSteps | None = None,
                  clef: ClefRows | None = None, tp: TPDriver | None = None):
         self.model, self.cache, self.spec, self.media = model, cache, speculator, media
         self.tp = tp  # tensor parallelism: each step goes to the workers first (qv/engine/tensor_parallel.py)
         self.clef = clef  # Clef records' rows: their low-rank deltas and joint-head inputs
         self.device = model.device
         self.block_size = cache.block_size
-        lookahead = 2 * speculator.k + 2 if speculator else 1
-        max_blocks = -(-(max_model_len + lookahead) // self.block_size) + 1
-        k1 = speculator.k + 1 if speculator else 1
-        max_tokens = max_num_batched_tokens + (k1 - 1) * max_num_seqs
-        # per token (int64): ids, next ids, positions, slots, logits rows, Clef delta rows; per
-        # sequence: cu/rest/lens/slots/init, drafts and the pending-input rows, plus up to 10
-        # sampling settings per logits row (k+1 rows for a verified sequence); the block tables;
-        # alignment slack
-        self.upload = _Upload(6 * 8 * max_tokens + (96 * k1 + 80) * (max_num_seqs + 1)
-                              + 4 * max_num_seqs * max_blocks + 16 * 64, self.device)
+        self.capacity = capacity
+        self.upload = _Upload(capacity.upload_bytes, self.device)
         self.vocab_size = model.cfg.vocab_size
-        self.max_seqs, self.max_blocks, self.max_model_len = max_num_seqs, max_blocks, max_model_len
+        self.max_seqs, self.max_blocks, self.max_model_len = capacity.seqs, capacity.blocks, max_model_len
         self.graphs: DecodeGraphs | None = None
         self.verify_graphs: DecodeGraphs | None = None
         self.last: StepHandle | None = None  # the last step launched: where PENDING input tokens come from
@@ -182,11 +201,12 @@ class ModelRunner:
     def _forward(self, st: "_Step") -> torch.Tensor:
         """Replay a captured graph where one fits the step (st.graphs); run eagerly otherwise."""
         if self.tp is not None:  # the workers run the same forward, compute_logits calls and speculation
-            spec = None if self.spec is None else SpecStep(
+            st.tp_spec = None if self.spec is None else SpecStep(
                 st.num_spec, st.batch.gdn.num_spec_tokens, self.spec.k + 1, tuple(st.samplers), st.mtp,
                 _draft_max_len(st))
             self.tp.send_step(self.upload.dev, self.upload.used, st.ids, st.positions, st.batch,
-                              prompt_logits_calls(st.seqs, st.cu, self.vocab_size), spec=spec, next_ids=st.next_ids)
+                              prompt_logits_calls(st.seqs, st.cu, self.vocab_size), spec=st.tp_spec,
+                              next_ids=st.next_ids)
         st.graphs = self._graphs_for(st)
         if st.graphs is not None:
             return st.graphs.run(st.batch, st.ids, st.positions)
@@ -272,8 +292,9 @@ class ModelRunner:
         up.send()  # the step's one host-to-device copy
         if fill is not None:  # in stream order after the copy, before anything reads the ids
             ids_d.index_copy_(0, fill[0], self.last.sampled.index_select(0, fill[1]))
-        st = _Step(ids_d, positions_d, batch, seqs, q_lens, cu.copy(), num_spec, samplers, ids, next_ids_d,
-                   sample_batch, verify_batch, drafts)
+        st = _Step(ids=ids_d, positions=positions_d, batch=batch, seqs=seqs, q_lens=q_lens, cu=cu.copy(),
+                   num_spec=num_spec, samplers=samplers, host_ids=ids, next_ids=next_ids_d, sample_batch=sample_batch,
+                   verify_batch=verify_batch, drafts=drafts)
         if self.media is not None:  # images/videos: encode what the step needs, mRoPE positions, vision rows
             st.rope, st.embeds = self.media.step_inputs(self.model, seqs, starts, q_lens, cu, pos, st.ids)
         up.mark()  # the media's pinned buffers are rewritten next step too: one event covers both
@@ -301,40 +322,46 @@ class ModelRunner:
             return self._execute(plan)
 
     def _execute(self, plan: StepPlan) -> StepHandle:
+        """The step's three stages: its inputs (prepare: one upload), the forward (eager, a replayed graph,
+        or with the tensor-parallel workers), its outputs (one StepOutputs, packed for one copy back)."""
         st = self.prepare(plan)
         st.mtp = self.spec.mtp_work(st.seqs) if self.spec else None  # before the forward: the workers' message says it
         hidden = self._forward(st)
         st.prompt_logprobs = launch_prompt_logprobs(self.model, st.seqs, st.cu, hidden, st.next_ids, self.vocab_size)
         if self.clef is not None:  # Clef records: their rows into the joint head, chunk by chunk
             self.clef.take_hidden(st.seqs, st.cu, hidden, st.host_ids)
-        mtp = st.mtp
+        o, shape = self._outputs(st, hidden)
+        host, copied = _to_host(o.pack(shape, self.device)) if shape is not None else (None, None)
+        self.last = StepHandle(plan=plan, st=st, host=host, shape=shape, copied=copied, sampled=o.sampled)
+        return self.last
+
+    def _outputs(self, st: _Step, hidden: torch.Tensor) -> tuple[StepOutputs, OutputShape | None]:
+        """Sampling, verification and the MTP head after the forward: the step's outputs on the device
+        (shape None: no row has logits and nothing comes back)."""
+        o = StepOutputs()
         if st.batch.logits_indices.numel() == 0:
-            if mtp:  # the head's KV must still catch up with these rows
+            if st.mtp:  # the head's KV must still catch up with these rows
                 self._mtp(st, hidden, None, None, None, "catch_up")
-            self.last = StepHandle(plan, st, None, None, 1, False, None)
-            return self.last
+            return o, None
         logits = self.model.compute_logits(hidden[st.batch.logits_indices])[:, :self.vocab_size]
         k1 = self.spec.k + 1 if self.spec else 1
         n_spec_rows = st.num_spec * k1
-        packed: list[torch.Tensor] = []
-        sampled = None
         if st.samplers:
             sb = st.sample_batch
             out = sample(logits[n_spec_rows:], sb)
-            sampled = out.token_ids
-            packed += [sampled] + _logprob_parts(out.logprobs, out.ranks, out.top_ids, out.top_logprobs, sb)
-        tokens = n_acc = None
+            o.sampled = out.token_ids
+            if sb.max_logprobs >= 0:
+                o.sample_logprob, o.sample_rank = out.logprobs, out.ranks
+                o.sample_top_ids, o.sample_top_logprobs = out.top_ids, out.top_logprobs
         if st.num_spec:
-            tokens, n_acc, parts = self._verify(st, logits[:n_spec_rows], k1)
-            packed += [tokens.reshape(-1), n_acc] + parts
-        if self.tp is not None and (st.num_spec or mtp):  # the workers commit and draft from the same outcome
-            self.tp.send_outcome(sampled, tokens, n_acc)
-        drafts = self._mtp(st, hidden, sampled, tokens, n_acc, mtp) if mtp else None
-        if drafts is not None:
-            packed.append(drafts.reshape(-1))
-        host, copied = _to_host(torch.cat([p.reshape(-1).long() for p in packed]))
-        self.last = StepHandle(plan, st, host, copied, k1, drafts is not None, sampled)
-        return self.last
+            self._verify(st, logits[:n_spec_rows], k1, o)
+        if self.tp is not None and (st.num_spec or st.mtp):  # the workers commit and draft from the same outcome
+            self.tp.send_outcome(st.tp_spec, o.sampled, o.verified, o.accepted)
+        o.drafts = self._mtp(st, hidden, o.sampled, o.verified, o.accepted, st.mtp) if st.mtp else None
+        return o, OutputShape(samplers=len(st.samplers), verified=st.num_spec, k1=k1,
+                              sample_top=st.sample_batch.max_logprobs if st.samplers else -1,
+                              verify_top=st.verify_batch.max_logprobs if st.num_spec else -1,
+                              draft_k=self.spec.k if o.drafts is not None else 0)
 
     def collect(self, h: StepHandle) -> dict[Sequence, StepResult]:
         """Wait for a launched step's results (the step's one device-to-host sync) and unpack them."""
@@ -344,9 +371,11 @@ class ModelRunner:
             return {}
         if h.copied is not None:
             h.copied.synchronize()
-        return self._unpack(h.st, h.host.numpy(), h.k1, h.has_drafts)
+        return _results(h.st, StepOutputs.unpack(h.host.numpy(), h.shape))
 
-    def _verify(self, st: _Step, logits: torch.Tensor, k1: int):
+    def _verify(self, st: _Step, logits: torch.Tensor, k1: int, o: StepOutputs) -> None:
+        """Verify the drafts (their tokens and accepted counts, and logprobs where asked, into `o`) and
+        commit the accepted positions' GDN states."""
         sb = st.verify_batch
         apply_grammar(logits, sb)  # as sample() does: a draft its grammar refuses gets probability 0
         greedy_ids, probs = process(logits, sb)
@@ -355,10 +384,10 @@ class ModelRunner:
                      greedy_rows, sb.seeds.view(-1, k1)[:, 0], sb.positions.view(-1, k1)[:, 0])
         if st.graphs is None or not st.graphs.run_commit(res.num_accepted):
             self.spec.commit(st.batch.gdn.state_slots[:st.num_spec], res.num_accepted)
-        parts = []
+        o.verified, o.accepted = res.tokens, res.num_accepted
         if sb.max_logprobs >= 0:
-            parts = _logprob_parts(*logprobs_of(logits, res.tokens.reshape(-1), sb.max_logprobs), sb)
-        return res.tokens, res.num_accepted, parts
+            o.verify_logprob, o.verify_rank, o.verify_top_ids, o.verify_top_logprobs = logprobs_of(
+                logits, res.tokens.reshape(-1), sb.max_logprobs)
 
     def _mtp(self, st: _Step, hidden, sampled, tokens, n_acc, kind: str) -> torch.Tensor | None:
         """The MTP head after the step (on the device, no sync): its KV catches up with the step's rows, then
@@ -375,32 +404,6 @@ class ModelRunner:
             deltas = self.media.draft_deltas(st.seqs, draft_seqs, self.device)
         return self.spec.mtp_eager(st.positions, hidden, st.batch, next_ids, draft_rows, draft_seqs, _draft_max_len(st),
                                    rope=st.rope, rope_delta=deltas)
-
-    def _unpack(self, st: _Step, host: np.ndarray, k1: int, has_drafts: bool) -> dict[Sequence, StepResult]:
-        results: dict[Sequence, StepResult] = {}
-        off = 0
-        sampler_seqs = [st.seqs[i] for i in st.samplers]
-        if sampler_seqs:
-            ids, off = host[off:off + len(sampler_seqs)], off + len(sampler_seqs)
-            lps, off = _unpack_logprobs(host, off, sampler_seqs, 1)
-            for j, s in enumerate(sampler_seqs):
-                results[s] = StepResult([int(ids[j])], lps[j] if lps else None)
-        specs = st.seqs[:st.num_spec]
-        if specs:
-            n = len(specs)
-            toks = host[off:off + n * k1].reshape(n, k1)
-            acc = host[off + n * k1:off + n * k1 + n]
-            off += n * k1 + n
-            lps, off = _unpack_logprobs(host, off, specs, k1)
-            for j, s in enumerate(specs):
-                a = int(acc[j])
-                results[s] = StepResult(toks[j, :a + 1].tolist(), lps[j][:a + 1] if lps else None, num_accepted=a)
-        if has_drafts:
-            order = specs + sampler_seqs
-            drafts = host[off:off + len(order) * self.spec.k].reshape(len(order), self.spec.k)
-            for j, s in enumerate(order):
-                results[s].next_mtp_drafts = drafts[j].tolist()
-        return results
 
     # -- sampling settings ---------------------------------------------------------------------
     def sampling_batch(self, rows: list[tuple[Sequence, int]]) -> SamplingBatch:
@@ -460,33 +463,35 @@ def _to_host(packed: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | Non
     return host, copied
 
 
-def _logprob_parts(lp, ranks, top_ids, top_lp, sb: SamplingBatch) -> list[torch.Tensor]:
-    """Logprob tensors as int64 (floats bit-cast), to ride in the step's single transfer."""
-    if sb.max_logprobs < 0:
-        return []
-    parts = [lp.double().view(torch.int64), ranks]
-    if top_ids is not None:
-        parts += [top_ids.reshape(-1), top_lp.double().reshape(-1).view(torch.int64)]
-    return parts
+def _results(st: _Step, o: StepOutputs) -> dict[Sequence, StepResult]:
+    """Each sequence's StepResult from a step's unpacked outputs."""
+    results: dict[Sequence, StepResult] = {}
+    sampler_seqs = [st.seqs[i] for i in st.samplers]
+    lps = _logprob_lists(o.sample_logprob, o.sample_rank, o.sample_top_ids, o.sample_top_logprobs, sampler_seqs, 1)
+    for j, s in enumerate(sampler_seqs):
+        results[s] = StepResult([int(o.sampled[j])], lps[j] if lps else None)
+    specs = st.seqs[:st.num_spec]
+    k1 = o.verified.shape[1] if specs else 1
+    lps = _logprob_lists(o.verify_logprob, o.verify_rank, o.verify_top_ids, o.verify_top_logprobs, specs, k1)
+    for j, s in enumerate(specs):
+        a = int(o.accepted[j])
+        results[s] = StepResult(o.verified[j, :a + 1].tolist(), lps[j][:a + 1] if lps else None, num_accepted=a)
+    if o.drafts is not None:
+        for j, s in enumerate(specs + sampler_seqs):
+            results[s].next_mtp_drafts = o.drafts[j].tolist()
+    return results
 
 
-def _unpack_logprobs(host: np.ndarray, off: int, seqs: list[Sequence], per_seq: int):
-    if max((s.params.logprobs for s in seqs if s.params.logprobs is not None), default=-1) < 0:
-        return None, off
-    rows = len(seqs) * per_seq
-    n_top = max(s.params.logprobs for s in seqs if s.params.logprobs is not None)
-    lp = host[off:off + rows].view(np.float64)
-    ranks = host[off + rows:off + 2 * rows]
-    off += 2 * rows
-    top_ids = host[off:off + rows * n_top].reshape(rows, n_top)
-    top_lp = host[off + rows * n_top:off + 2 * rows * n_top].view(np.float64).reshape(rows, n_top)
-    off += 2 * rows * n_top
+def _logprob_lists(lp, ranks, top_ids, top_lp, seqs: list[Sequence], per_seq: int):
+    """Per sequence, per row: (logprob, rank, [(top id, top logprob)] as many as the sequence asked)."""
+    if lp is None:
+        return None
     out = []
     for j, s in enumerate(seqs):
         want = s.params.logprobs or 0
         out.append([(float(lp[r]), int(ranks[r]), [(int(top_ids[r, m]), float(top_lp[r, m])) for m in range(want)])
                     for r in range(j * per_seq, (j + 1) * per_seq)])
-    return out, off
+    return out
 
 
 def _counts(rows: list[list[int]], vocab: int, device) -> torch.Tensor:

@@ -56,6 +56,7 @@ from datetime import timedelta
 import torch
 
 from qv.engine.prefix_cache import PrefixPlan, replica_pools
+from qv.engine.step_outputs import OutputShape, StepOutputs
 from qv.errors import ConfigError
 from qv.model.batch import AttentionMeta, GDNMeta, StepBatch
 from qv.model.parallel import TPGroup
@@ -225,24 +226,21 @@ def follow_spec(spec, s: SpecStep, hidden: torch.Tensor, positions: torch.Tensor
                        s.draft_max_len)
 
 
-def pack_outcome(sampled: torch.Tensor | None, tokens: torch.Tensor | None, n_acc: torch.Tensor | None,
-                 device: torch.device) -> torch.Tensor:
-    """[sampled ids | verified tokens | accepted counts] as one int64 tensor (the parts a step has)."""
-    parts = [t.reshape(-1).long() for t in (sampled, tokens, n_acc) if t is not None]
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64, device=device)
+def outcome_shape(s: SpecStep) -> OutputShape:
+    """The parts of a step's StepOutputs the workers receive: sampled ids, verified tokens, accepted counts."""
+    return OutputShape(samplers=len(s.samplers), verified=s.num_spec_seqs, k1=s.k1)
 
 
 def receive_outcome(s: SpecStep, device: torch.device):
     """(sampled [len(samplers)] or None, tokens [S, k1] or None, n_acc [S] or None) from the driver's broadcast."""
     import torch.distributed as dist
 
-    n, ns, k1 = len(s.samplers), s.num_spec_seqs, s.k1
-    packed = torch.empty(n + ns * k1 + ns, dtype=torch.int64, device=device)
+    shape = outcome_shape(s)
+    packed = torch.empty(sum(rows * max(cols, 1) for _, rows, cols, _ in StepOutputs.parts(shape)),
+                         dtype=torch.int64, device=device)
     dist.broadcast(packed, src=0)
-    sampled = packed[:n] if n else None
-    tokens = packed[n:n + ns * k1].view(ns, k1) if ns else None
-    n_acc = packed[n + ns * k1:] if ns else None
-    return sampled, tokens, n_acc
+    o = StepOutputs.unpack(packed, shape)
+    return o.sampled, o.verified, o.accepted
 
 
 def replay_state_ops(pools, ops: tuple) -> None:
@@ -386,13 +384,14 @@ class TPDriver:
         self._send_object(msg)
         dist.broadcast(upload[:nbytes], src=0)
 
-    def send_outcome(self, sampled, tokens, n_acc) -> None:
+    def send_outcome(self, s: SpecStep, sampled, tokens, n_acc) -> None:
         """After sampling and verification, before the MTP head (a step whose SpecStep has_outcome): what
         the workers commit and draft from. On the device, in stream order: no host sync."""
         import torch.distributed as dist
 
         device = next(t.device for t in (sampled, tokens, n_acc) if t is not None)
-        dist.broadcast(pack_outcome(sampled, tokens, n_acc, device), src=0)
+        outcome = StepOutputs(sampled=sampled, verified=tokens, accepted=n_acc)
+        dist.broadcast(outcome.pack(outcome_shape(s), device), src=0)
 
     def _send_object(self, obj) -> None:
         import torch.distributed as dist
