@@ -29,6 +29,11 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     patch_bf16()
 
 
+def pytest_addoption(parser):
+    parser.addoption("--seed", type=int, default=0,
+                     help="added to every test's fixed seed (the CRC of its id): other random cases, reproducibly")
+
+
 def pytest_collection_modifyitems(config, items):
     if _HAS_CUDA:
         return
@@ -75,9 +80,9 @@ def tiny_engine(tiny_dirs):
 
 @pytest.fixture(autouse=True)
 def _seeded(request):
-    """Every test starts from its own fixed seed (the CRC of its id) for `random`, NumPy and torch, so
-    a randomized test draws the same cases in every run and a failure reproduces."""
-    seed = zlib.crc32(request.node.nodeid.encode())
+    """Every test starts from its own fixed seed (the CRC of its id, plus `--seed`) for `random`, NumPy
+    and torch, so a randomized test draws the same cases in every run and a failure reproduces."""
+    seed = (zlib.crc32(request.node.nodeid.encode()) + request.config.getoption("--seed")) % (1 << 32)
     random.seed(seed)
     try:
         import numpy as np

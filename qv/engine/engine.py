@@ -25,7 +25,7 @@ from qv.engine.prefix_cache import make_prefix_cache
 from qv.engine.prompt_logprobs import finished_prompt_logprobs, new_prompt_logprobs
 from qv.engine.request import (CompletionOutput, InvalidFieldError, InvalidRequestError, Logprob, RequestMetrics,
                                RequestOutput, SamplingParams)
-from qv.engine.runner import ModelRunner, StepHandle, StepResult
+from qv.engine.runner import ModelRunner, StepCapacity, StepHandle, StepResult
 from qv.engine.scheduler import Scheduler, StepPlan
 from qv.engine.sequence import PENDING, SeqStatus, Sequence
 from qv.engine.structured import Grammar, GrammarCompiler, GrammarLimits
@@ -97,15 +97,16 @@ class LLMEngine:
                                    max_long_partial_prefills=cfg.max_long_partial_prefills,
                                    max_spec_seqs=self.spec.max_seqs if self.spec else 0,
                                    max_step_ms=cfg.max_step_ms, step_cost=self.step_timer.model)
+        capacity = StepCapacity.of(cfg.max_num_batched_tokens, cfg.max_num_seqs, self.max_model_len, cfg.block_size,
+                                   cfg.spec_k if self.spec else 0)
         self.multimodal = self.media = None  # images/videos: prompt building and in-step encoding
         self.media_off = parts.media_off  # why they are off, for the 400 a request with media gets
         if parts.vision is not None:
             self.multimodal = MultimodalInputs(parts.model_dir, parts.model_config, parts.tokenizer)
-            step_rows = cfg.max_num_batched_tokens + (cfg.spec_k if self.spec else 0) * cfg.max_num_seqs  # as the runner's
-            self.media = VisionSteps(parts.vision, cfg.vision_max_patches_per_step, step_rows, parts.model.device)
+            self.media = VisionSteps(parts.vision, cfg.vision_max_patches_per_step, capacity.rows, parts.model.device)
         self.clef = make_clef_rows(parts.clef, parts.model, cfg.clef_slots, cfg.clef_nmax, self.max_model_len)
-        self.runner = ModelRunner(parts.model, parts.cache, cfg.max_num_batched_tokens, cfg.max_num_seqs,
-                                  self.max_model_len, self.spec, self.media, self.clef, tp=parts.tp)
+        self.runner = ModelRunner(parts.model, parts.cache, capacity, self.max_model_len, self.spec, self.media,
+                                  self.clef, tp=parts.tp)
         self.tp = parts.tp  # tensor-parallel workers (None at one rank); stopped by shutdown or at exit
         if self.tp and self.prefix_cache:  # its state copies run on every rank
             self.tp.mirror_state(self.prefix_cache.copies)

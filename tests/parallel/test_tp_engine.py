@@ -159,7 +159,7 @@ def test_interpreter_exit_stops_the_worker(case):
     """An engine never shut down: the worker is gone once the interpreter exits (the engine's finalizer
     sends it the stop message; multiprocessing would terminate a daemonic worker after)."""
     script = ("import sys\nfrom qv import LLM\nif __name__ == '__main__':\n"
-              f"    llm = tiny_engine(model={case[0]!r}, tensor_parallel_size=2, **{LEVERS!r})\n"
+              f"    llm = LLM(model={case[0]!r}, tensor_parallel_size=2, **{LEVERS!r})\n"
               "    print(llm.engine.tp.workers[0].pid, flush=True)\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=100,
                           cwd=os.getcwd())
