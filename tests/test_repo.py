@@ -162,6 +162,7 @@ def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text()
     command = next(line.strip() for line in ci.splitlines() if line.strip().startswith("pip install"))
     assert command in readme, f".ci/run's command is not the README's: {command}"
+    assert "python3 -m venv" in ci and "/bin/activate" in ci, ".ci/run must run it in a fresh virtualenv"
 
 
 def test_engine_reaches_kernels_only_to_sample_and_to_start():
