@@ -147,6 +147,14 @@ class EngineConfig(BaseSettings):
     state_dir: str = lever("", "Directory for compiled kernels (Triton, CuPy), the embedded tiny model and "
                            "anything else reused by the next start; empty: ~/.cache/qv.")
     max_logprobs: int = lever(20, "Most top logprobs a request may ask for.", ge=0)
+    log_level: Literal["debug", "info", "warning", "error", "critical"] = lever(
+        "info", "Log level of `qv serve` (qv's loggers and uvicorn's, in one format).")
+    log_stats: bool = lever(True, "Log a stats line every log_stats_interval_s while the engine has work: prompt and "
+                            "generation tok/s, running / waiting / swapped sequences, KV usage, prefix-cache hit "
+                            "rate, draft acceptance with speculation (0: none).")
+    log_stats_interval_s: float = lever(10.0, "Seconds between stats lines (log_stats).", gt=0)
+    access_log: Literal["api", "all", "off"] = lever(
+        "api", "Access lines of `qv serve`: api (every route but the /health and /metrics probes), all, off.")
     # -- media -----------------------------------------------------------------------------------
     media_max_images: int = lever(20, "Most images per chat request (0 with media_max_videos 0: the vision tower "
                                   "is not loaded).", ge=0)

@@ -29,7 +29,8 @@ ALLOWED = {
     "llm": BASE | {"kernels", "model", "config", "model_config", "spec", "clef", "engine"},  # the server's, offline
     "doctor": BASE | {"config", "model_config", "kernels", "engine"},
     "cli": BASE | {"kernels", "model", "config", "model_config", "spec", "clef", "engine", "bench", "llm", "server",
-                   "doctor", "qv"},
+                   "doctor", "qv", "cli_vllm"},
+    "cli_vllm": set(),  # vLLM's flag spellings: argparse only
     "qv": BASE | {"llm", "engine"},
 }
 # the engine reaches kernels only to sample and to choose kernels at start-up (graph capture's check)
