@@ -121,3 +121,15 @@ def test_doctor_reports_bad_levers_instead_of_crashing(tmp_path):
     text = report({"QV_KERNELS": "reference", "QV_API_KEY": "sekret", "QV_STATE_DIR": str(tmp_path)})
     assert "QV_KERNELS='reference'" in text and "QV_API_KEY='***'" in text and "sekret" not in text
     assert f"state dir {tmp_path}\n" in text
+
+
+def test_doctor_says_a_cuda_torch_on_a_machine_without_gpu(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    text = report({})
+    assert "built for CUDA 13.0" in text and "CUDA: no device available" in text
+    assert "this torch is a CUDA 13.0 build" in text and "--index-url https://download.pytorch.org/whl/cpu" in text
+    monkeypatch.setattr(torch.version, "cuda", None)  # a CPU build: nothing to say
+    assert "this torch is a CUDA" not in report({})
