@@ -133,3 +133,28 @@ def test_doctor_says_a_cuda_torch_on_a_machine_without_gpu(monkeypatch):
     assert "this torch is a CUDA 13.0 build" in text and "--index-url https://download.pytorch.org/whl/cpu" in text
     monkeypatch.setattr(torch.version, "cuda", None)  # a CPU build: nothing to say
     assert "this torch is a CUDA" not in report({})
+
+
+def test_malformed_config_or_checkpoint_file_is_one_line(tmp_path, tiny_dirs, capsys):
+    """A config.json that is not JSON (or not an object) and a truncated safetensors file: one line naming the
+    file and the problem, exit status 2."""
+    import shutil
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "qwen3_5",\n  "vocab_size": }')
+    (tmp_path / "listed").mkdir()
+    (tmp_path / "listed" / "config.json").write_text("[1, 2]")
+    truncated = tmp_path / "truncated"
+    shutil.copytree(tiny_dirs("tiny"), truncated)
+    weights = next(truncated.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    cases = [(["serve", str(broken), "--dry-run"], f"{broken / 'config.json'} is not valid JSON: Expecting value at "
+                                                   "line 2 column 17"),
+             (["generate", str(broken), "hi"], f"{broken / 'config.json'} is not valid JSON"),
+             (["serve", str(tmp_path / "listed"), "--dry-run"], "config.json is not a JSON object (it holds a list)"),
+             (["generate", str(truncated), "hi", "--device", "cpu"], f"cannot read safetensors file {weights}")]
+    for argv, needle in cases:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and needle in err, err

@@ -4,7 +4,6 @@ tokenizer, and plan memory (KV blocks and GDN slots) once, from a budget."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +12,7 @@ import torch
 
 from qv import kernels
 from qv.config import ConfigError, EngineConfig, ModelConfig, state_path, use_state_dir
+from qv.model_config import read_json_object
 from qv.engine.clef_rows import clef_reserve_bytes
 from qv.engine.memory_plan import MemoryPlan
 from qv.engine.prefix_cache import PrefixPlan, plan_prefix_cache
@@ -91,8 +91,7 @@ def read_generation_config(model_dir: Path) -> dict:
     path = model_dir / "generation_config.json"
     if not path.is_file():
         return {}
-    with open(path) as f:
-        return json.load(f)
+    return read_json_object(path)
 
 
 def load_tokenizer(model_dir: Path, state_dir: str = ""):
