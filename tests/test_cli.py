@@ -158,3 +158,21 @@ def test_malformed_config_or_checkpoint_file_is_one_line(tmp_path, tiny_dirs, ca
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and needle in err, err
+
+
+def test_prod_env_is_accepted(tmp_path, capsys):
+    """configs/prod.env (the README's operator example) is a valid levers file: a dry run on a config-only
+    folder accepts every key and shows where each value came from."""
+    from pathlib import Path
+
+    from qv.bench.presets import write_preset
+
+    prod = Path(__file__).resolve().parents[1] / "configs" / "prod.env"
+    assert "--env-file configs/prod.env" in (prod.parents[1] / "README.md").read_text()
+    folder = write_preset("0.5b", tmp_path / "cfg")
+    assert main(["serve", str(folder), "--env-file", str(prod), "--dry-run", "--port", "0"]) == 0
+    out = capsys.readouterr().out
+    for line in ("tensor_parallel_size         2", "kv_dtype                     'int8'",
+                 "max_model_len                262144", "clef_nmax                    34816"):
+        assert f"{line}   <- " in out and "prod.env:" in out.split(line)[1].splitlines()[0], line
+    assert "checks: port 0 on 0.0.0.0 is free, the plan fits" in out
