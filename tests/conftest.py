@@ -27,7 +27,34 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     patch_bf16()
 
 
+# `-m "not slow"` leaves these out (node-id prefixes: a file, a test, or one parametrization): each took
+# 5 s or more of call + setup on a loaded 2-core CPU machine (`pytest --durations=0`). CI runs them all.
+SLOW_TESTS = (
+    "tests/parallel/",  # worker processes over gloo, each starting its own engine
+    "tests/spec/test_spec_distribution.py",  # fits an MTP head first
+    "tests/spec/test_spec_graphs.py",
+    "tests/spec/test_spec_engine.py::test_acceptance_lengths",
+    "tests/spec/test_spec_engine.py::test_more_sequences_than_spec_max_seqs",
+    "tests/spec/test_spec_engine.py::test_chunked_prefill_quantized_caches_and_preemption",
+    "tests/spec/test_spec_engine.py::test_stop_string_inside_accepted_run",
+    "tests/oracles/test_paged_attention.py::test_paged_attention_new_kv",
+    "tests/oracles/test_lm_head_top1.py::test_near_tie_needs_the_exact_rescoring",
+    "tests/server/test_schemathesis.py",  # property-based requests over every route
+    "tests/server/test_fuzz.py::test_schema_fuzz_never_gives_5xx",
+    "tests/server/test_errors.py::test_mutated_bodies_never_give_5xx",
+    "tests/server/test_tool_calls_constrained.py::test_required_calls_always_parse_and_validate",
+    "tests/server/test_shutdown.py::test_sigterm_drains_and_exits_within_the_grace",
+)
+
+
+def _mark_slow(items) -> None:
+    for item in items:
+        if item.nodeid.startswith(SLOW_TESTS):
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_collection_modifyitems(config, items):
+    _mark_slow(items)
     if _HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the device with `pytest -m gpu`)")

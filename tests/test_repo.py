@@ -170,3 +170,17 @@ def test_engine_reaches_kernels_only_to_sample_and_to_start():
     users = sorted(MODULES[m].name for m in MODULES if _unit(m) == "engine"
                    and any(_unit(i) == "kernels" for i in _imports(m)))
     assert set(users) <= ENGINE_KERNEL_USERS, f"engine modules importing qv.kernels: {users}"
+
+
+def test_slow_tests_name_existing_tests():
+    """Every entry of tests/conftest.py's SLOW_TESTS names a folder, file or test that exists (a renamed test
+    would silently join the quick subset)."""
+    from conftest import SLOW_TESTS
+
+    stale = []
+    for entry in SLOW_TESTS:
+        path, _, name = entry.partition("::")
+        target = ROOT / path
+        if not target.exists() or (name and f"def {name.split('[')[0]}" not in target.read_text()):
+            stale.append(entry)
+    assert not stale, f"SLOW_TESTS entries that match no test: {stale}"
