@@ -150,7 +150,7 @@ class EngineConfig(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error", "critical"] = lever(
         "info", "Log level of `qv serve` (qv's loggers and uvicorn's, in one format).")
     log_stats: bool = lever(True, "Log a stats line every log_stats_interval_s while the engine has work: prompt and "
-                            "generation tok/s, running / waiting / swapped sequences, KV usage, prefix-cache hit "
+                            "generation tok/s, running / waiting sequences, preemptions, KV usage, prefix-cache hit "
                             "rate, draft acceptance with speculation (0: none).")
     log_stats_interval_s: float = lever(10.0, "Seconds between stats lines (log_stats).", gt=0)
     access_log: Literal["api", "all", "off"] = lever(
