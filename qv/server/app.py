@@ -254,8 +254,9 @@ def build_app(cfg: EngineConfig | None = None, engine=None) -> Starlette:
         restore = _drain_on_signals(state)
         log.info("qv server ready: model %s (%s), max_model_len %d", state.model_name, state.model_root,
                  running.max_model_len)
-        stats = asyncio.ensure_future(log_stats(running.stats, config.log_stats_interval_s)) \
-            if config.log_stats else None
+        stats = None
+        if config.log_stats:
+            stats = asyncio.ensure_future(log_stats(running.stats, config.log_stats_interval_s))
         try:
             yield
         finally:
