@@ -7,11 +7,14 @@ status 2; `--debug` shows their traceback instead."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 from typing import Literal, get_args, get_origin
 
+from qv.cli_vllm import add_engine_aliases, add_server_aliases
 from qv.config import ConfigError, EngineConfig, env_name, expected, kernel_cache_dirs, state_path
 from qv.errors import InvalidRequestError, StartupError
+from qv.version import __version__
 
 # exceptions whose message is the whole story, by module: matched only once their module was imported
 USER_ERRORS = {"qv.model.weights": "CheckpointError", "qv.clef.adapters": "ClefLayoutError",
@@ -21,7 +24,46 @@ Levers come from, later winning: their defaults, QV_* environment variables, the
 KEY=value lines, # comments, optional quotes and `export `; every key must be a QV_* lever, once), then
 these flags. See docs/LEVERS.md. Before loading, qv serve refuses (exit 2, one line) a busy port or a memory
 plan that does not fit the device's free memory; --dry-run prints the levers, where each came from and the
-plan, and exits (0, or 2 with the reason a start would be refused)."""
+plan, and exits (0, or 2 with the reason a start would be refused). vLLM's spellings of the levers work too
+(--enforce-eager, -tp, --kv-cache-dtype, --speculative-config, ...); one qv has no equivalent of says so."""
+# levers only the server reads: `generate` and `bench` do not take their flags
+SERVER_LEVERS = {"host", "port", "served_model_name", "api_key", "metrics_public", "enable_thinking", "max_body_bytes",
+                 "max_waiting", "max_prompts_per_request", "max_stop_strings", "body_read_timeout_s",
+                 "shutdown_grace_s", "log_level", "log_stats", "log_stats_interval_s", "access_log",
+                 "media_allowed_domains", "media_allowed_networks", "media_local_dir", "media_timeout_s",
+                 "media_max_bytes"}
+# a lever flag's extra spellings (vLLM's short ones)
+SHORT_FLAGS = {"tensor_parallel_size": ["-tp"]}
+
+
+class _CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser: an unknown flag is its own error ("qv serve: error: ..."), with the nearest
+    flag it does take, instead of the top-level parser's bare "unrecognized arguments"."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error("unrecognized arguments: " + " ".join(extras) + self._did_you_mean(extras))
+        return namespace, extras
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n({self.prog} --help lists its flags)\n")
+
+    def _did_you_mean(self, extras: list[str]) -> str:
+        known = [o for a in self._actions for o in a.option_strings]
+        for arg in extras:
+            if arg.startswith("-"):
+                near = difflib.get_close_matches(arg.split("=", 1)[0], known, n=1, cutoff=0.6)
+                if near:
+                    return f" (did you mean {near[0]}?)"
+        return ""
+
+
+class _JoinNames(argparse.Action):
+    """--served-model-name a b (vLLM's, space-separated) or a,b (qv's): one comma-separated lever value."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, ",".join(values))
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -40,19 +82,37 @@ def _metavar(name: str) -> str:
     return {bool: "{1,0}", int: "N", float: "X"}.get(kind, "TEXT")
 
 
-def _add_lever_flags(p: argparse.ArgumentParser) -> None:
-    """One --flag per engine lever (dashes for underscores); unset flags leave the env file, the environment
-    and the defaults alone, so their argparse default is None and the lever's own default is in the text."""
+def _add_lever_flags(p: argparse.ArgumentParser, server: bool = False) -> None:
+    """One --flag per engine lever (dashes for underscores; the server's levers on `serve` only); unset flags
+    leave the env file, the environment and the defaults alone, so their argparse default is None and the
+    lever's own default is in the text. vLLM's spellings follow (qv/cli_vllm.py)."""
     g = p.add_argument_group("levers (docs/LEVERS.md)")
     for name, info in EngineConfig.model_fields.items():
-        if name == "model":
+        if name == "model" or (name in SERVER_LEVERS and not server):
             continue
         default = "unset" if info.default is None else repr(info.default)
         metavar = _metavar(name)
         takes = f" Takes {expected(name)}." if metavar in ("N", "X") or info.json_schema_extra.get("expect") else ""
         text = f"{info.description}{takes} (env {env_name(name)}, default {default})"
-        g.add_argument("--" + name.replace("_", "-"), dest=name, default=None, metavar=metavar,
-                       help=text.replace("%", "%%"))
+        extra = {"nargs": "+", "action": _JoinNames} if name == "served_model_name" else {}
+        g.add_argument("--" + name.replace("_", "-"), *SHORT_FLAGS.get(name, []), dest=name, default=None,
+                       metavar=metavar, help=text.replace("%", "%%"), **extra)
+    add_engine_aliases(p)
+    if server:
+        add_server_aliases(p)
+
+
+def _add_model(p: argparse.ArgumentParser) -> None:
+    """The checkpoint folder, as a positional or vLLM's --model (`_model` reconciles them)."""
+    p.add_argument("model_dir", nargs="?", default=None, metavar="MODEL",
+                   help="checkpoint folder (default: $QV_MODEL or the tiny model)")
+    p.add_argument("--model", dest="model_flag", default=None, metavar="MODEL", help="the same, as vLLM spells it")
+
+
+def _model(args: argparse.Namespace) -> str | None:
+    if args.model_dir and args.model_flag and args.model_dir != args.model_flag:
+        raise ConfigError(f"two models named: {args.model_dir} (positional) and --model {args.model_flag}")
+    return args.model_dir or args.model_flag
 
 
 def _overrides(args: argparse.Namespace) -> dict:
@@ -63,8 +123,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from qv.engine.preflight import preflight
 
     overrides = _overrides(args)
-    if args.model:
-        overrides["model"] = args.model
+    if _model(args):
+        overrides["model"] = _model(args)
     cfg, origins = EngineConfig.resolve(env_file=args.env_file, **overrides)
     check = preflight(cfg)
     if args.dry_run:
@@ -117,7 +177,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     overrides = _overrides(args)
     overrides.pop("model", None)
-    llm = LLM(model=args.model, **overrides)
+    llm = LLM(model=_model(args), **overrides)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed_sample)
     for out in llm.generate(args.prompt, params):
         print(out.outputs[0].text)
@@ -137,7 +197,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                      contexts=_int_list(args.contexts), prefill_lengths=_int_list(args.prefill_lengths),
                      steps=args.steps, warmup=args.warmup, profile=args.profile, linears=args.linears,
                      attention=args.attention)
-    report = bench(spec, _overrides(args), model=args.model, preset=args.preset)
+    report = bench(spec, _overrides(args), model=_model(args), preset=args.preset)
     print(markdown(report))
     if args.json:
         with open(args.json, "w") as f:
@@ -258,7 +318,8 @@ def _is_user_error(e: BaseException) -> bool:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qv", description="Serve hybrid Qwen3.5-family models.", formatter_class=_Formatter)
     p.add_argument("--debug", action="store_true", help="show the traceback of an error, not just its message")
-    sub = p.add_subparsers(dest="command", required=True)
+    p.add_argument("--version", action="version", version=f"qv {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_CommandParser)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="show the traceback of an error, not just its message")
@@ -268,16 +329,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = command("serve", "OpenAI-compatible server (+ /v1/systemone) on MODEL or the tiny default",
                 epilog=SERVE_EPILOG)
-    s.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: $QV_MODEL or the tiny model)")
+    _add_model(s)
     s.add_argument("--env-file", default=None, metavar="FILE", help="levers file (KEY=value lines of QV_* levers)")
     s.add_argument("--dry-run", action="store_true",
                    help="print the resolved levers and the memory plan, load nothing, exit")
-    _add_lever_flags(s)
+    _add_lever_flags(s, server=True)
     s.set_defaults(fn=cmd_serve)
 
     g = command("generate", "offline generation through qv.LLM")
+    _add_model(g)
     g.add_argument("prompt", help="the prompt text")
-    g.add_argument("--model", default=None, help="checkpoint folder (default: $QV_MODEL or the tiny model)")
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     g.add_argument("--max-tokens", type=int, default=32, help="most tokens to generate")
     g.add_argument("--seed-sample", type=int, default=None, help="per-request sampling seed")
@@ -286,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = command("bench", "whole-model benchmark: decode ms/step and prefill s, each beside its floor "
                 "(`qv bench serve --help`: chats and records against a server over HTTP)")
-    b.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: $QV_MODEL or the tiny model)")
+    _add_model(b)
     b.add_argument("--preset", default=None, help="a config.json of this shape with random weights (27b, 0.5b, tiny, ...)")
     b.add_argument("--batch-sizes", default="1,8,16,32,64", help="decode rows at these batch sizes")
     b.add_argument("--batch-context", type=int, default=1024, help="prompt tokens of each sequence in those rows")

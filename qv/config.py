@@ -219,6 +219,14 @@ class EngineConfig(BaseSettings):
         50.0, "Most host time one call of a constrained sequence's grammar may take in an engine step (its token "
         "mask, or accepting a token); a grammar that takes more is stopped with an error, so the batch is not slowed.",
         gt=0)
+    log_level: Literal["debug", "info", "warning", "error", "critical"] = lever(
+        "info", "Log level of `qv serve` (qv's loggers and uvicorn's, in one format).")
+    log_stats: bool = lever(True, "Log a stats line every log_stats_interval_s while the engine has work: prompt and "
+                            "generation tok/s, running / waiting sequences, preemptions, KV usage, prefix-cache hit "
+                            "rate, draft acceptance with speculation (0: none).")
+    log_stats_interval_s: float = lever(10.0, "Seconds between stats lines (log_stats).", gt=0)
+    access_log: Literal["api", "all", "off"] = lever(
+        "api", "Access lines of `qv serve`: api (every route but the /health and /metrics probes), all, off.")
     # -- media -----------------------------------------------------------------------------------
     media_max_images: int = lever(20, "Most images per chat request (0 with media_max_videos 0: the vision tower "
                                   "is not loaded).", ge=0)

@@ -44,7 +44,12 @@ def _devices() -> list[str]:
 
     lines = [f"  torch {torch.__version__}, built for CUDA {torch.version.cuda or 'none (CPU build)'}"]
     if not torch.cuda.is_available():
-        return lines + ["  CUDA: no device available (qv runs on the CPU with the reference kernels)"]
+        lines.append("  CUDA: no device available (qv runs on the CPU with the reference kernels)")
+        if torch.version.cuda:
+            lines.append(f"  note: this torch is a CUDA {torch.version.cuda} build (its CUDA libraries take gigabytes) "
+                         "on a machine with no GPU; torch's CPU wheels do the same work here: pip install torch "
+                         "--index-url https://download.pytorch.org/whl/cpu")
+        return lines
     for i in range(torch.cuda.device_count()):
         major, minor = torch.cuda.get_device_capability(i)
         free, total = torch.cuda.mem_get_info(i)

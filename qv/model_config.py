@@ -17,6 +17,20 @@ SUPPORTED_ARCHITECTURES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalL
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 
 
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A model folder's JSON file (config.json, quantize_config.json, ...) as a dict; a file that is not a
+    JSON object is a ConfigError naming the file, line and column (one line, not json's traceback)."""
+    try:
+        raw = json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except (UnicodeDecodeError, OSError) as e:
+        raise ConfigError(f"cannot read {path}: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} is not a JSON object (it holds a {type(raw).__name__})")
+    return raw
+
+
 @dataclass(frozen=True)
 class QuantConfig:
     """GPTQ or AWQ settings from `quantization_config` (or `quantize_config.json`)."""
@@ -123,12 +137,10 @@ class ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ConfigError(f"no config.json in {model_dir}")
-        with open(path) as f:
-            raw = json.load(f)
+        raw = read_json_object(path)
         quant = raw.get("quantization_config")
         if quant is None and (Path(model_dir) / "quantize_config.json").is_file():
-            with open(Path(model_dir) / "quantize_config.json") as f:
-                quant = json.load(f)
+            quant = read_json_object(Path(model_dir) / "quantize_config.json")
         return cls.from_dict(raw, quant_override=quant)
 
     @classmethod

@@ -34,7 +34,69 @@ def pytest_addoption(parser):
                      help="added to every test's fixed seed (the CRC of its id): other random cases, reproducibly")
 
 
+# `-m "not slow"` leaves these out (node-id prefixes: a file, a test, or one parametrization): each took
+# 5 s or more of call + setup on a loaded 2-core CPU machine (`pytest --durations=0`). CI runs them all.
+SLOW_TESTS = (
+    "tests/parallel/",  # worker processes over gloo, each starting its own engine
+    "tests/spec/test_spec_distribution.py",  # fits an MTP head first
+    "tests/spec/test_spec_graphs.py",
+    "tests/spec/test_spec_engine.py::test_acceptance_lengths",
+    "tests/spec/test_spec_engine.py::test_more_sequences_than_spec_max_seqs",
+    "tests/spec/test_spec_engine.py::test_chunked_prefill_quantized_caches_and_preemption",
+    "tests/spec/test_spec_engine.py::test_stop_string_inside_accepted_run",
+    "tests/oracles/test_paged_attention.py::test_paged_attention_new_kv",
+    "tests/oracles/test_lm_head_top1.py::test_near_tie_needs_the_exact_rescoring",
+    "tests/server/test_schemathesis.py",  # property-based requests over every route
+    "tests/server/test_fuzz.py::test_schema_fuzz_never_gives_5xx",
+    "tests/server/test_errors.py::test_mutated_bodies_never_give_5xx",
+    "tests/server/test_tool_calls_constrained.py::test_required_calls_always_parse_and_validate",
+    "tests/server/test_shutdown.py::test_sigterm_drains_and_exits_within_the_grace",
+    "tests/spec/test_spec_engine.py::test_greedy_identical_with_speculation",
+    "tests/oracles/test_paged_attention.py::test_paged_decode_variants",
+    "tests/oracles/test_lm_head_top1.py::test_other_dtypes_and_widths",
+    "tests/oracles/test_lm_head_top1.py::test_equals_reference",
+    "tests/oracles/test_gated_delta_rule.py::test_split_prep_matches_fused",
+    "tests/oracles/test_model_vs_transformers.py::test_logits_match_transformers",
+    "tests/engine/test_engine_greedy.py",  # builds transformers' reference outputs first
+    "tests/engine/test_async_scheduling.py",
+    "tests/engine/test_prefix_cache.py",
+    "tests/engine/test_long_prefill_share.py",
+    "tests/engine/test_prompt_logprobs.py::test_chunked_prompt_equals_transformers",
+    "tests/engine/test_prompt_logprobs.py::test_preemption_mid_prefill",
+    "tests/engine/test_memory_plan.py::test_every_slot_at_its_planned_context_runs_at_once",
+    "tests/engine/test_structured.py::test_json_regex_choice_valid_and_neighbours_unchanged",
+    "tests/engine/test_cache_dtypes.py::test_quantized_cache_logit_error",
+    "tests/engine/test_cache_dtypes.py::test_int16_state_beats_fp16",
+    "tests/engine/test_preemption.py::test_eight_requests_two_at_a_time",
+    "tests/engine/test_bad_words.py::test_same_bans_with_speculative_decoding",
+    "tests/engine/test_sampling.py::test_seeded_requests_reproducible_across_batches",
+    "tests/clef/test_clef_answers.py",  # Clef's own code as the reference
+    "tests/clef/test_clef_mixed_batch.py",
+    "tests/clef/test_clef_embedded.py",
+    "tests/clef/test_clef_engine.py::test_mixed_batches_through_the_engine",
+    "tests/clef/test_clef_engine.py::test_clef_slots_bound_records_in_flight",
+    "tests/clef/test_clef_engine.py::test_worker_refuses_a_record_that_is_not_the_encoded_one",
+    "tests/clef/test_clef_chunks.py::test_chunks_of_512_equal_one_chunk",
+    "tests/vision/test_vision_clef.py",
+    "tests/vision/test_vision_engine.py::test_engine_equals_hf",
+    "tests/vision/test_vision_video_file.py::test_video_file_equals_hf",
+    "tests/vision/test_vision_engine_cache.py::test_mtp_drafts_on_mrope_positions",
+    "tests/test_bench.py",  # whole-model benchmark runs
+    "tests/test_kernels_aot.py::test_every_sm70_kernel_builds_for_sm70",
+    "tests/test_launcher.py::test_serve_with_env_file",
+    "tests/test_launcher.py::test_state_dir_holds_kernel_caches_and_the_tiny_model",
+    "tests/test_model_chunks.py::test_chunked_prefill_equals_one_call",
+)
+
+
+def _mark_slow(items) -> None:
+    for item in items:
+        if item.nodeid.startswith(SLOW_TESTS):
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_collection_modifyitems(config, items):
+    _mark_slow(items)
     if _HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the device with `pytest -m gpu`)")

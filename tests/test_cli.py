@@ -122,3 +122,58 @@ def test_doctor_reports_bad_levers_instead_of_crashing(tmp_path):
     text = report({"QV_KERNELS": "reference", "QV_API_KEY": "sekret", "QV_STATE_DIR": str(tmp_path)})
     assert "QV_KERNELS='reference'" in text and "QV_API_KEY='***'" in text and "sekret" not in text
     assert f"state dir {tmp_path}\n" in text
+
+
+def test_doctor_says_a_cuda_torch_on_a_machine_without_gpu(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    text = report({})
+    assert "built for CUDA 13.0" in text and "CUDA: no device available" in text
+    assert "this torch is a CUDA 13.0 build" in text and "--index-url https://download.pytorch.org/whl/cpu" in text
+    monkeypatch.setattr(torch.version, "cuda", None)  # a CPU build: nothing to say
+    assert "this torch is a CUDA" not in report({})
+
+
+def test_malformed_config_or_checkpoint_file_is_one_line(tmp_path, tiny_dirs, capsys):
+    """A config.json that is not JSON (or not an object) and a truncated safetensors file: one line naming the
+    file and the problem, exit status 2."""
+    import shutil
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "qwen3_5",\n  "vocab_size": }')
+    (tmp_path / "listed").mkdir()
+    (tmp_path / "listed" / "config.json").write_text("[1, 2]")
+    truncated = tmp_path / "truncated"
+    shutil.copytree(tiny_dirs("tiny"), truncated)
+    weights = next(truncated.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    cases = [(["serve", str(broken), "--dry-run"], f"{broken / 'config.json'} is not valid JSON: Expecting value at "
+                                                   "line 2 column 17"),
+             (["generate", str(broken), "hi"], f"{broken / 'config.json'} is not valid JSON"),
+             (["serve", str(tmp_path / "listed"), "--dry-run"], "config.json is not a JSON object (it holds a list)"),
+             (["generate", str(truncated), "hi", "--device", "cpu"], f"cannot read safetensors file {weights}")]
+    for argv, needle in cases:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and needle in err, err
+
+
+def test_prod_env_is_accepted(tmp_path, capsys):
+    """configs/prod.env (the README's operator example) is a valid levers file: a dry run on a config-only
+    folder accepts every key and shows where each value came from."""
+    from pathlib import Path
+
+    from qv.bench.presets import write_preset
+
+    prod = Path(__file__).resolve().parents[1] / "configs" / "prod.env"
+    assert "--env-file configs/prod.env" in (prod.parents[1] / "README.md").read_text()
+    folder = write_preset("0.5b", tmp_path / "cfg")
+    assert main(["serve", str(folder), "--env-file", str(prod), "--dry-run", "--port", "0"]) == 0
+    out = capsys.readouterr().out
+    for line in ("tensor_parallel_size         2", "kv_dtype                     'int8'",
+                 "max_model_len                262144", "clef_nmax                    34816"):
+        assert f"{line}   <- " in out and "prod.env:" in out.split(line)[1].splitlines()[0], line
+    assert "checks: port 0 on 0.0.0.0 is free, the plan fits" in out

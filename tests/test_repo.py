@@ -29,7 +29,8 @@ ALLOWED = {
     "llm": BASE | {"kernels", "model", "config", "model_config", "spec", "clef", "engine"},  # the server's, offline
     "doctor": BASE | {"config", "model_config", "kernels", "engine"},
     "cli": BASE | {"kernels", "model", "config", "model_config", "spec", "clef", "engine", "bench", "llm", "server",
-                   "doctor", "qv"},
+                   "doctor", "qv", "cli_vllm"},
+    "cli_vllm": set(),  # vLLM's flag spellings: argparse only
     "qv": BASE | {"llm", "engine"},
 }
 # the engine reaches kernels only to sample and to choose kernels at start-up
@@ -162,9 +163,25 @@ def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text()
     command = next(line.strip() for line in ci.splitlines() if line.strip().startswith("pip install"))
     assert command in readme, f".ci/run's command is not the README's: {command}"
+    assert "python3 -m venv" in ci and "/bin/activate" in ci, ".ci/run must run it in a fresh virtualenv"
 
 
 def test_engine_reaches_kernels_only_to_sample_and_to_start():
     users = sorted(MODULES[m].name for m in MODULES if _unit(m) == "engine"
                    and any(_unit(i) == "kernels" for i in _imports(m)))
     assert set(users) <= ENGINE_KERNEL_USERS, f"engine modules importing qv.kernels: {users}"
+
+
+def test_slow_tests_name_existing_tests():
+    """Every entry of tests/conftest.py's SLOW_TESTS names a folder, file or test that exists (a renamed test
+    would silently join the quick subset)."""
+    tree = ast.parse((ROOT / "tests" / "conftest.py").read_text())  # by path: each test folder has a conftest
+    SLOW_TESTS = next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                      and getattr(n.targets[0], "id", "") == "SLOW_TESTS")
+    stale = []
+    for entry in SLOW_TESTS:
+        path, _, name = entry.partition("::")
+        target = ROOT / path
+        if not target.exists() or (name and f"def {name.split('[')[0]}" not in target.read_text()):
+            stale.append(entry)
+    assert not stale, f"SLOW_TESTS entries that match no test: {stale}"

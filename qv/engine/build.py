@@ -4,7 +4,6 @@ tokenizer, and plan memory (KV blocks and GDN slots) once, from a budget."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -14,6 +13,7 @@ import torch
 
 from qv import kernels
 from qv.config import ConfigError, EngineConfig, ModelConfig, state_path, use_state_dir
+from qv.model_config import read_json_object
 from qv.engine.clef_rows import clef_reserve_bytes
 from qv.engine.memory_plan import MemoryPlan
 from qv.engine.prefix_cache import PrefixPlan, plan_prefix_cache
@@ -92,8 +92,7 @@ def read_generation_config(model_dir: Path) -> dict:
     path = model_dir / "generation_config.json"
     if not path.is_file():
         return {}
-    with open(path) as f:
-        return json.load(f)
+    return read_json_object(path)
 
 
 def load_tokenizer(model_dir: Path, state_dir: str = ""):
@@ -111,8 +110,17 @@ def load_tokenizer(model_dir: Path, state_dir: str = ""):
 def resolve_model_dir(cfg: EngineConfig) -> Path:
     model_dir = Path(cfg.model) if cfg.model else default_model_dir(cfg.state_dir)
     if not model_dir.is_dir():
-        raise ConfigError(f"model folder {model_dir} does not exist")
+        raise ConfigError(f"model folder {model_dir} does not exist" + _hub_id_hint(str(model_dir)))
     return model_dir
+
+
+def _hub_id_hint(name: str) -> str:
+    """What to do when a missing folder is spelt like a Hugging Face Hub id (org/name), as vLLM takes it."""
+    parts = name.split("/")
+    if len(parts) != 2 or not all(parts) or name.startswith((".", "~")):
+        return ""
+    return (f": qv does not download from the Hugging Face Hub; fetch it first (`hf download {name} --local-dir "
+            f"/models/{parts[1]}`) and pass that folder (`qv serve /models/{parts[1]}`)")
 
 
 def media_off_reason(cfg: EngineConfig, mcfg: ModelConfig, model_dir: Path) -> str | None:

@@ -31,6 +31,7 @@ import torch
 from qv.clef.answers import answers
 from qv.clef.encode import EncodedRecord, TokenChecksum
 from qv.clef.head import HeadState, JointHead, max_state_bytes
+from qv.config import EngineConfig
 from qv.engine.prefix_cache import CLEF_SALT_PREFIX
 from qv.engine.sequence import Sequence
 from qv.errors import InvalidRequestError
@@ -213,8 +214,9 @@ def make_clef_rows(assets, model, slots: int, nmax: int, max_model_len: int) -> 
     if assets is None:
         return None
     cap, cap_name = (nmax, "QV_CLEF_NMAX") if nmax <= max_model_len else (max_model_len, "max_model_len")
-    if cap < nmax:
-        log.warning("Clef records are capped at max_model_len=%d tokens (QV_CLEF_NMAX is %d)", max_model_len, nmax)
+    if cap < nmax:  # a warning only when the user raised QV_CLEF_NMAX past max_model_len, not for two defaults
+        level = logging.INFO if nmax == EngineConfig.model_fields["clef_nmax"].default else logging.WARNING
+        log.log(level, "Clef records are capped at max_model_len=%d tokens (QV_CLEF_NMAX is %d)", max_model_len, nmax)
     log.info("Clef: %s layout, %d slots, records up to %d tokens, deltas %.1f MiB (%d LoRA, %d deabl modules)",
              assets.layout, slots, cap, assets.delta_bytes / 2**20, assets.lora_modules, assets.deabl_modules)
     output = model.lm_head.weight if assets.output_embedding is None else assets.output_embedding  # whole under TP

@@ -22,6 +22,7 @@ import contextlib
 import ctypes
 import hmac
 import logging
+import logging.config
 import os
 import signal
 import threading
@@ -37,6 +38,8 @@ from qv.errors import StartupError
 from qv.server import anthropic, completions, openapi, ops, openai, responses, sagemaker, systemone
 from qv.server.http_edges import LazyCORS, MeasureHTTP, needs_key
 from qv.server.errors import SHUTDOWN_MESSAGE, APIError, api_error_response, error_response, internal_error
+from qv.server.log_setup import log_config
+from qv.server.stats_log import log_stats
 from qv.server.state import ServerState
 from qv.server.streaming import ClientDisconnected
 
@@ -281,9 +284,14 @@ def build_app(cfg: EngineConfig | None = None, engine=None) -> Starlette:
         restore = _drain_on_signals(state)
         log.info("qv server ready: model %s (%s), max_model_len %d", state.model_name, state.model_root,
                  running.max_model_len)
+        stats = None
+        if config.log_stats:
+            stats = asyncio.ensure_future(log_stats(running.stats, config.log_stats_interval_s))
         try:
             yield
         finally:
+            if stats is not None:
+                stats.cancel()
             state.close()
             await asyncio.to_thread(running.shutdown)
             restore()
@@ -300,15 +308,28 @@ def build_app(cfg: EngineConfig | None = None, engine=None) -> Starlette:
 app = build_app()
 
 
-async def _serve(server, state_app: Starlette) -> None:
+def start_hint(name: str, url: str, random_weights: bool) -> str:
+    """What `qv serve` prints once it listens: where, the API docs, one request to try, and whether the
+    weights are random (the embedded model's, or --load-format random) so its text is noise."""
+    lines = [f"qv: serving model '{name}' at {url}/v1 (health: {url}/health)", f"qv: API docs: {url}/docs",
+             f"qv: try: curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' -d "
+             f"'{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], "
+             f"\"max_tokens\": 32}}'"]
+    if random_weights:
+        lines.append("qv: the model has random weights (the embedded tiny model or --load-format random): "
+                     "its answers are noise; serve a checkpoint folder for real text")
+    return "\n".join(lines)
+
+
+async def _serve(server, state_app: Starlette, cfg: EngineConfig) -> None:
     task = asyncio.ensure_future(server.serve())
     while not server.started and not task.done():
         await asyncio.sleep(0.05)
     if server.started:
         host, port = server.servers[0].sockets[0].getsockname()[:2]
-        name = state_app.state.qv.model_name
-        print(f"qv: serving model '{name}' at http://{host}:{port}/v1 (health: http://{host}:{port}/health)",
-              flush=True)
+        host = f"[{host}]" if ":" in host else host
+        random_weights = cfg.model is None or cfg.load_format == "random"
+        print(start_hint(state_app.state.qv.model_name, f"http://{host}:{port}", random_weights), flush=True)
     await task
     if not server.started:
         raise SystemExit("qv: the server did not start (see the error above)")
@@ -321,14 +342,16 @@ def serve(cfg: EngineConfig) -> None:
 
     from qv.engine.async_engine import AsyncLLMEngine
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.config.dictConfig(log_config(cfg.log_level, cfg.access_log))  # before the engine logs its start
     try:
         engine = AsyncLLMEngine(cfg)  # here, not in the lifespan: uvicorn would bury the message in a traceback
     except (StartupError, ConfigError) as exc:
         raise SystemExit(f"qv: the engine did not start: {exc}") from None
     application = build_app(cfg, engine)
-    server = uvicorn.Server(uvicorn_config(application, cfg, host=cfg.host, port=cfg.port, log_level="info"))
-    asyncio.run(_serve(server, application))
+    server = uvicorn.Server(uvicorn_config(application, cfg, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+                                           log_config=log_config(cfg.log_level, cfg.access_log),
+                                           access_log=cfg.access_log != "off"))
+    asyncio.run(_serve(server, application, cfg))
 
 
 def uvicorn_config(application, cfg: EngineConfig, **kw):

@@ -174,6 +174,8 @@ async def create_response(state: ServerState, request: Request) -> Response:
     for c in calls:
         items.append(_call_item(random_id("fc", "_"), c.id, c.name, c.arguments))
     incomplete = o.finish_reason == "length"
+    if incomplete and items:  # OpenAI's: the item max_output_tokens cut is incomplete, those before it completed
+        items[-1]["status"] = "incomplete"
     return JSONResponse(_envelope(ctx, rreq, "incomplete" if incomplete else "completed", items,
                                   _usage(state, out, parsed.reasoning), "max_output_tokens" if incomplete else None))
 
@@ -215,26 +217,27 @@ class _EventWriter:
                 self.open["id"], extra["call_id"], extra["name"], "", "in_progress")))
         return out
 
-    def close(self):
+    def close(self, status: str = "completed"):
+        """Ends the open item; `status` incomplete when max_output_tokens cut it (OpenAI's item status)."""
         o, self.open = self.open, None
         if o is None:
             return []
         idx, text = o["index"], o["text"]
         if o["kind"] == "reasoning":
-            item = _reasoning_item(o["id"], text)
+            item = _reasoning_item(o["id"], text, status)
             evs = [self.event("response.reasoning_text.done", item_id=o["id"], output_index=idx, content_index=0,
                               text=text),
                    self.event("response.content_part.done", item_id=o["id"], output_index=idx, content_index=0,
                               part={"type": "reasoning_text", "text": text})]
         elif o["kind"] == "message":
-            item = _message_item(o["id"], text)
+            item = _message_item(o["id"], text, status)
             part = item["content"][0]
             evs = [self.event("response.output_text.done", item_id=o["id"], output_index=idx, content_index=0,
                               text=text, logprobs=[]),
                    self.event("response.content_part.done", item_id=o["id"], output_index=idx, content_index=0,
                               part=part)]
         else:
-            item = _call_item(o["id"], o["call_id"], o["name"], text)
+            item = _call_item(o["id"], o["call_id"], o["name"], text, status)
             evs = [self.event("response.function_call_arguments.done", item_id=o["id"], output_index=idx,
                               arguments=text, name=o["name"])]
         self.items.append(item)
@@ -290,9 +293,9 @@ async def response_events(state: ServerState, ctx: ChatContext, rreq: ResponsesR
             pending = []
             if out.finished:
                 break
-        for ev in w.close():
-            yield ev
         incomplete = out is not None and out.outputs[0].finish_reason == "length"
+        for ev in w.close("incomplete" if incomplete else "completed"):
+            yield ev
         final = _envelope(ctx, rreq, "incomplete" if incomplete else "completed", w.items,
                           _usage(state, out, reasoning) if out is not None else None,
                           "max_output_tokens" if incomplete else None)

@@ -138,6 +138,7 @@ def test_responses(openai_client):
     assert r.object == "response" and r.id.startswith("resp_")
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert r.output[0].type == "message" and r.output_text
+    assert r.output[-1].status == "incomplete"  # OpenAI's: the item max_output_tokens cut
     assert r.usage.output_tokens == 6
     events = list(openai_client.responses.create(model="tiny-0-0", input="Say hi.", max_output_tokens=6,
                                                  temperature=0, stream=True))
@@ -146,6 +147,8 @@ def test_responses(openai_client):
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
     assert events[-1].response.output_text == r.output_text
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert done[-1].status == "incomplete" and events[-1].response.output[-1].status == "incomplete"
 
 
 def test_greedy_matches_offline_llm(openai_client, server, tiny_model):
