@@ -31,7 +31,9 @@ SERVER_LEVERS = {"host", "port", "served_model_name", "api_key", "metrics_public
                  "max_waiting", "max_prompts_per_request", "max_stop_strings", "body_read_timeout_s",
                  "shutdown_grace_s", "log_level", "log_stats", "log_stats_interval_s", "access_log",
                  "media_allowed_domains", "media_allowed_networks", "media_local_dir", "media_timeout_s",
-                 "media_max_bytes"}
+                 "media_max_bytes", "api_key_scope", "allowed_origins", "allowed_methods", "allowed_headers",
+                 "allow_credentials", "trust_request_chat_template", "header_read_timeout_s", "keep_alive_timeout_s",
+                 "max_connections", "stream_stall_timeout_s"}
 # a lever flag's extra spellings (vLLM's short ones)
 SHORT_FLAGS = {"tensor_parallel_size": ["-tp"]}
 
@@ -325,7 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="show the traceback of an error, not just its message")
 
     def command(name: str, help: str, **kw) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help, description=help, parents=[common], formatter_class=_Formatter, **kw)
+        # no abbreviations: a prefix of one lever must not silently set another (--api-key of --api-key-scope)
+        return sub.add_parser(name, help=help, description=help, parents=[common], formatter_class=_Formatter,
+                              allow_abbrev=False, **kw)
 
     s = command("serve", "OpenAI-compatible server (+ /v1/systemone) on MODEL or the tiny default",
                 epilog=SERVE_EPILOG)
