@@ -34,7 +34,7 @@ from qv.kernels.linear.configs import (chunked_cols, gemv_config, gemv_cuda_conf
 from qv.kernels.linear.cuda_sm90 import gemv_cuda
 from qv.kernels.linear.triton_gemm import gemm, rows_to_f16
 from qv.kernels.linear.triton_int4 import int4_linear
-from qv.kernels.linear.triton_gemv import codes_f16, gemv_fma, gemv_mma, k_ranges, sum_partials
+from qv.kernels.linear.triton_gemv import codes_f16, gemv_fma, gemv_mma, k_ranges, store_tile, sum_partials
 from qv.kernels.triton_utils import grouped_tile, interpreting, next_pow2, num_sms
 
 
@@ -121,14 +121,7 @@ def gptq_matmul_kernel(
             acc += tl.dot(b_x, ((b_q.to(tl.float32) - b_z[None, :]) * b_s[None, :]).to(cd), input_precision="ieee")
     if ROW_SCALE:  # rows that came in scaled by a power of two (rows_to_f16)
         acc *= tl.load(r_ptr + o_m, mask=m_m, other=1.)[:, None]
-    m_o = m_m[:, None] & m_n[None, :]
-    if SPLIT:
-        tl.store(o_ptr + tl.program_id(1).to(tl.int64) * stride_os + o_m[:, None] * stride_om + o_n[None, :], acc,
-                 mask=m_o)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + o_n, mask=m_n, other=0.).to(tl.float32)[None, :]
-        tl.store(o_ptr + o_m[:, None] * stride_om + o_n[None, :], acc.to(o_ptr.dtype.element_ty), mask=m_o)
+    store_tile(acc, o_ptr, bias_ptr, o_m, o_n, m_m, m_n, stride_om, stride_os, HAS_BIAS, SPLIT)
 
 
 @triton.jit

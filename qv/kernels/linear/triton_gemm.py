@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qv.kernels.linear.triton_gemv import codes_f16, k_ranges, sum_partials
+from qv.kernels.linear.triton_gemv import codes_f16, k_ranges, store_tile, sum_partials
 from qv.kernels.triton_utils import grouped_tile, interpreting, next_pow2, num_sms
 
 
@@ -79,15 +79,7 @@ def gptq_gemm_kernel(
         acc = tl.trans(acc)
     if ROW_SCALE:  # rows that came in scaled by a power of two (rows_to_f16)
         acc *= tl.load(r_ptr + o_m, mask=m_m, other=1.)[:, None]
-    m_o = m_m[:, None] & m_n[None, :]
-    if SPLIT:
-        tl.store(o_ptr + tl.program_id(1).to(tl.int64) * stride_os + o_m[:, None].to(tl.int64) * stride_om
-                 + o_n[None, :], acc, mask=m_o)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + o_n, mask=m_n, other=0.).to(tl.float32)[None, :]
-        tl.store(o_ptr + o_m[:, None].to(tl.int64) * stride_om + o_n[None, :], acc.to(o_ptr.dtype.element_ty),
-                 mask=m_o)
+    store_tile(acc, o_ptr, bias_ptr, o_m, o_n, m_m, m_n, stride_om, stride_os, HAS_BIAS, SPLIT)
 
 
 @triton.jit

@@ -36,6 +36,21 @@ def split_sum_kernel(p_ptr, bias_ptr, o_ptr, N, MN, SPLITS, stride_ps, stride_om
 
 
 @triton.jit
+def store_tile(acc, o_ptr, bias_ptr, o_m, o_n, m_m, m_n, stride_om, stride_os, HAS_BIAS: tl.constexpr,
+               SPLIT: tl.constexpr):
+    """A GEMM program's [BM, BN] fp32 sums: its split's partials (SPLIT: summed later by sum_partials), or the
+    output in its dtype with the bias added."""
+    rows = o_m[:, None].to(tl.int64) * stride_om + o_n[None, :]
+    m_o = m_m[:, None] & m_n[None, :]
+    if SPLIT:
+        tl.store(o_ptr + tl.program_id(1).to(tl.int64) * stride_os + rows, acc, mask=m_o)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + o_n, mask=m_n, other=0.).to(tl.float32)[None, :]
+        tl.store(o_ptr + rows, acc.to(o_ptr.dtype.element_ty), mask=m_o)
+
+
+@triton.jit
 def _codes_f32(b_q, b_z, HAS_ZERO: tl.constexpr, ASM: tl.constexpr):
     """uint8 codes -> c - z in fp32 without int->float conversion instructions (a slow unit): the bits
     0x4B000000 | c read as fp32 are 2**23 + c exactly (ASM: one prmt per code), and c - z is exact."""

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from qv.kernels.linear import GPTQWeight
-from qv.kernels.linear.triton_gemv import k_ranges, sum_partials
+from qv.kernels.linear.triton_gemv import k_ranges, store_tile, sum_partials
 from qv.kernels.triton_utils import grouped_tile, interpreting, num_sms
 
 DEQUANT_MIN_M = 1024  # rows from which the dequantized workspace + cuBLAS path runs (GPU)
@@ -84,14 +84,7 @@ def int4_matmul_kernel(
         else:
             acc += tl.dot(b_xe, w_lo.to(cd))
             acc += tl.dot(b_xo, w_hi.to(cd))
-    m_o = m_m[:, None] & m_n[None, :]
-    if SPLIT:
-        tl.store(o_ptr + tl.program_id(1).to(tl.int64) * stride_os + o_m[:, None] * stride_om + o_n[None, :], acc,
-                 mask=m_o)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + o_n, mask=m_n, other=0.).to(tl.float32)[None, :]
-        tl.store(o_ptr + o_m[:, None] * stride_om + o_n[None, :], acc.to(o_ptr.dtype.element_ty), mask=m_o)
+    store_tile(acc, o_ptr, bias_ptr, o_m, o_n, m_m, m_n, stride_om, stride_os, HAS_BIAS, SPLIT)
 
 
 @triton.jit
