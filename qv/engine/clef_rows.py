@@ -34,6 +34,7 @@ from qv.clef.head import HeadState, JointHead, max_state_bytes
 from qv.config import EngineConfig
 from qv.engine.prefix_cache import CLEF_SALT_PREFIX
 from qv.engine.sequence import Sequence
+from qv.engine.step_feature import StepFeature
 from qv.errors import InvalidRequestError
 
 log = logging.getLogger("qv")
@@ -64,7 +65,7 @@ class _Job:
         self.result: ClefResult | None = None
 
 
-class ClefRows:
+class ClefRows(StepFeature):
     def __init__(self, head: JointHead, output_embedding, slots: int, cap: int, cap_name: str, has_deltas: bool):
         self.head, self.output_embedding = head, output_embedding
         self.slots, self.cap, self.cap_name = slots, cap, cap_name
@@ -101,6 +102,18 @@ class ClefRows:
     @property
     def num_pending(self) -> int:
         return len(self.pending)
+
+    # -- StepFeature: admission before the plan, answers after the forward, synchronous while records run
+    num_queued = num_pending
+
+    def before_plan(self, scheduler) -> list[str]:
+        return self.admit(scheduler)
+
+    def after_forward(self, scheduled, scheduler) -> list[str]:
+        return self.finish_ready(scheduled, scheduler)
+
+    def holds_next_step(self, scheduler) -> bool:
+        return bool(self.pending) or any(not j.seq.finished for j in self.active)
 
     def admit(self, scheduler) -> list[str]:
         """Move waiting records into the scheduler while fewer than `slots` are in it. Returns the

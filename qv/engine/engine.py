@@ -107,6 +107,8 @@ class LLMEngine:
         self.clef = make_clef_rows(parts.clef, parts.model, cfg.clef_slots, cfg.clef_nmax, self.max_model_len)
         self.runner = ModelRunner(parts.model, parts.cache, capacity, self.max_model_len, self.spec, self.media,
                                   self.clef, tp=parts.tp)
+        # the parts of the step loop that plug in (qv/engine/step_feature.py), in the order their hooks run
+        self.features = [f for f in (self.prefix_cache, self.media, self.clef) if f is not None]
         self.tp = parts.tp  # tensor-parallel workers (None at one rank); stopped by shutdown or at exit
         if self.tp and self.prefix_cache:  # its state copies run on every rank
             self.tp.mirror_state(self.prefix_cache.copies)
@@ -262,7 +264,8 @@ class LLMEngine:
         return out
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work() or bool(self.clef and self.clef.num_pending) or self._inflight is not None
+        return (self.scheduler.has_work() or any(f.num_queued for f in self.features)
+                or self._inflight is not None)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (device and host tiers); running requests continue. False
@@ -317,12 +320,12 @@ class LLMEngine:
                     seq.output_token_ids.append(PENDING)
                 elif seq.status is SeqStatus.RUNNING:  # its token in flight is its last: room for others now
                     self.scheduler.retire(seq)
-        if self.clef:  # records waiting for a Clef slot go in as others finish
-            for rid in self.clef.admit(self.scheduler):
+        for f in self.features:  # Clef records waiting for a slot go in as others finish
+            for rid in f.before_plan(self.scheduler):
                 touched[rid] = self.requests[rid]
         plan = self.scheduler.schedule()
-        if self.media is not None:  # the vision budget: chunks stop before media that cannot be encoded this step
-            self.media.fit(plan)
+        for f in self.features:  # the vision budget: chunks stop before media that cannot be encoded this step
+            f.fit_plan(plan)
         for seq in plan.failed:
             touched[seq.request_id] = self.requests[seq.request_id]
         if not plan:
@@ -354,13 +357,9 @@ class LLMEngine:
 
     def _after_forward(self, plan: StepPlan, touched: dict[str, _Request]) -> None:
         """What follows a step's forward once its rows' tokens are all on the host, before its
-        results free finished sequences."""
-        if self.prefix_cache:  # before finished sequences give their blocks and slots back
-            self.prefix_cache.after_step(plan.scheduled)
-        if self.media is not None:  # free the encodings whose pads are all prefilled
-            self.media.after_step(plan.scheduled)
-        if self.clef:  # records whose last chunk ran: answered (one output token each), cache freed
-            for rid in self.clef.finish_ready(plan.scheduled, self.scheduler):
+        results free finished sequences: the features' after_forward (prefix cache, vision, Clef), in order."""
+        for f in self.features:
+            for rid in f.after_forward(plan.scheduled, self.scheduler):  # Clef records answered: one token each
                 touched[rid] = self.requests[rid]
                 self.stats.generation_tokens += touched[rid].seqs[0].finish_reason == "stop"
 
@@ -383,10 +382,8 @@ class LLMEngine:
         Never with speculative decoding (self._async is off: drafts and acceptance come from the
         results); otherwise the exclusions, one a line:"""
         s = self.scheduler
-        if self.clef and (self.clef.num_pending or any(not j.seq.finished for j in self.clef.active)):
-            return False  # Clef records: admission, their head's rows and answers stay on the synchronous path
-        if self.media is not None and any(q.media is not None for q in itertools.chain(s.running, s.waiting)):
-            return False  # images/videos: the vision steps stay synchronous
+        if any(f.holds_next_step(s) for f in self.features):
+            return False  # Clef records (admission, head rows, answers) and images/videos stay synchronous
         going_on = set(self._continuing(h))
         if any(q.matcher is not None for q in going_on):
             return False  # structured outputs: the next mask needs this step's tokens in the matcher
@@ -482,7 +479,7 @@ class LLMEngine:
     def _refresh_stats(self) -> None:
         s = self.stats
         s.num_running = len(self.scheduler.running)
-        s.num_waiting = len(self.scheduler.waiting) + (self.clef.num_pending if self.clef else 0)
+        s.num_waiting = len(self.scheduler.waiting) + sum(f.num_queued for f in self.features)
         s.kv_cache_usage = self.blocks.usage
         host = self.prefix_cache.host if self.prefix_cache else None
         if host is not None and host.num_blocks:

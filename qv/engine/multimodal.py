@@ -31,6 +31,7 @@ import torch
 
 from qv.config import ConfigError, ModelConfig
 from qv.engine.media import OpenedMedia, VideoLimits, frame_picker, open_media, preprocess
+from qv.engine.step_feature import StepFeature
 from qv.errors import InvalidRequestError
 from qv.model.vision_processor import MediaError, VisionItem, VisionProcessor, VisionTokenIds
 from qv.model.vision_prompt import MultimodalPrompt
@@ -117,7 +118,7 @@ class VisionStats:
     steps_with_encoding: int = 0
 
 
-class VisionSteps:
+class VisionSteps(StepFeature):
     def __init__(self, tower, max_patches_per_step: int, max_tokens: int, device: torch.device):
         self.tower, self.budget, self.device = tower, max_patches_per_step, device
         pin = device.type == "cuda"
@@ -129,6 +130,19 @@ class VisionSteps:
         self.stats = VisionStats()
 
     # -- scheduling ----------------------------------------------------------------------------
+    def fit_plan(self, plan) -> None:
+        """StepFeature: the vision budget (fit)."""
+        self.fit(plan)
+
+    def after_forward(self, scheduled, scheduler) -> list[str]:
+        """StepFeature: free the encodings whose pads are all prefilled."""
+        self.after_step(scheduled)
+        return []
+
+    def holds_next_step(self, scheduler) -> bool:
+        """StepFeature: while any sequence has images or videos, steps stay synchronous."""
+        return any(q.media is not None for q in (*scheduler.running, *scheduler.waiting))
+
     def fit(self, plan) -> None:
         """Cut prefill chunks so this step's new encodings stay within the budget (in place on
         `plan.scheduled`; a chunk cut to nothing leaves the step, its sequence keeps running)."""

@@ -35,6 +35,7 @@ from qv.engine.kv_cache import NO_CACHE, KVBlockPool
 from qv.engine.prompt_logprobs import cacheable_tokens
 from qv.engine.sequence import Sequence
 from qv.engine.state_pool import GDNSnapshotPool, RowCopies, block_tensors
+from qv.engine.step_feature import StepFeature
 from qv.model.cache import HybridCache
 
 AUTO_INTERVAL_BLOCKS = 64  # the automatic snapshot spacing is a multiple of this many blocks
@@ -141,7 +142,7 @@ class PrefixCacheStats:
     snapshots_taken: int = 0
 
 
-class PrefixCache:
+class PrefixCache(StepFeature):
     def __init__(self, plan: PrefixPlan, blocks: KVBlockPool, cache: HybridCache):
         self.blocks, self.bs, self.interval = blocks, blocks.block_size, plan.interval
         self.copies = RowCopies()  # every device-state copy below goes through it (tensor parallelism logs them)
@@ -230,6 +231,11 @@ class PrefixCache:
                 return boundary - c
             boundary += iv
         return n
+
+    def after_forward(self, scheduled, scheduler) -> list[str]:
+        """StepFeature: register and snapshot what the step computed."""
+        self.after_step(scheduled)
+        return []
 
     def after_step(self, scheduled) -> None:
         """Register the blocks this step filled and snapshot the sequences sitting on a boundary.
