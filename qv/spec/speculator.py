@@ -4,6 +4,7 @@ step's single host sync), n-gram drafts on the host, and the per-sequence choice
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -73,6 +74,15 @@ class SourceScore:
         self.mean += (accepted - self.mean) / min(self.samples, 32)
 
 
+@dataclass
+class SequenceSpec:
+    """What speculation keeps of one sequence: its backoff (None until it first may draft) and each draft
+    source's running acceptance (auto mode)."""
+
+    backoff: Backoff | None = None
+    scores: dict[str, SourceScore] = field(default_factory=dict)
+
+
 class Speculator:
     def __init__(self, mode: str, k: int, head: MTPHead | None, cfg: ModelConfig, cache: HybridCache,
                  max_seqs: int, device: torch.device, policy: str = "backoff"):
@@ -86,6 +96,14 @@ class Speculator:
         self.inter_conv = {i: torch.zeros((max_seqs, k + 1) + tuple(st.conv.shape[1:]), dtype=st.conv.dtype,
                                           device=device) for i, st in cache.gdn.items()}
         self.stats = SpecStats(accepted_per_pos=[0] * k)
+        self._seqs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Sequence -> SequenceSpec, freed with it
+
+    def of(self, seq) -> SequenceSpec:
+        """The speculation state of `seq` (made on first use)."""
+        state = self._seqs.get(seq)
+        if state is None:
+            state = self._seqs[seq] = SequenceSpec()
+        return state
 
     @classmethod
     def for_engine(cls, cfg, head: MTPHead | None, model_cfg: ModelConfig, cache: HybridCache,
@@ -104,7 +122,8 @@ class Speculator:
         """Drafts for the sequence's next step: exactly k tokens, or none (backed off, or no n-gram match).
         Either way seq.spare_drafts gets k tokens a decode-only step may verify it with."""
         seq.spare_drafts = mtp_drafts or [seq.token_at(seq.num_tokens - 1)] * self.k
-        backoff = seq.spec_backoff = seq.spec_backoff or Backoff()
+        state = self.of(seq)
+        backoff = state.backoff = state.backoff or Backoff()
         if self.policy == "off" or (backoff.paused() and self.policy == "backoff"):
             return [], None
         drafts, source = self.choose(seq, mtp_drafts)
@@ -122,7 +141,7 @@ class Speculator:
             return (ngram, "ngram") if ngram else ([], None)
         if self.mode == "mtp" or ngram is None:
             return mtp_drafts, "mtp"
-        scores = seq.spec_scores
+        scores = self.of(seq).scores
         ng, mt = scores.setdefault("ngram", SourceScore()), scores.setdefault("mtp", SourceScore())
         if ng.samples < PROBE_SAMPLES or mt.samples < PROBE_SAMPLES:  # probe both, alternating
             pick = "ngram" if ng.samples <= mt.samples else "mtp"
@@ -137,14 +156,14 @@ class Speculator:
         if source == "filler":
             return
         if self.policy == "backoff":
-            seq.spec_backoff.drafted(accepted)
+            self.of(seq).backoff.drafted(accepted)
         s = self.stats
         s.num_drafts += 1
         s.num_draft_tokens += self.k
         s.num_accepted_tokens += accepted
         for j in range(accepted):
             s.accepted_per_pos[j] += 1
-        seq.spec_scores.setdefault(source, SourceScore()).add(accepted)
+        self.of(seq).scores.setdefault(source, SourceScore()).add(accepted)
 
     # -- device side: verification states and their commit -----------------------------------
     def gdn_meta(self, slots, has_init, num_spec_seqs: int, num_spec_tokens: int, cu_rest) -> GDNMeta:
@@ -175,7 +194,7 @@ class Speculator:
             return None
         if len(seqs) > self.max_seqs:  # too many to verify next step (scheduler._even_drafts): no drafts needed
             return "catch_up"
-        if self.policy == "always" or any(s.spec_backoff is None or s.spec_backoff.pause == 0 for s in seqs):
+        if self.policy == "always" or any(self.of(s).backoff is None or self.of(s).backoff.pause == 0 for s in seqs):
             return "draft"
         return "catch_up"
 
