@@ -17,6 +17,7 @@ from qv.engine.clef_rows import ClefResult
 from qv.engine.engine import EngineStats, LLMEngine
 from qv.engine.multimodal import MultimodalPrompt
 from qv.engine.request import InvalidRequestError, SamplingParams
+from qv.engine.request_check import CheckedRequest
 
 log = logging.getLogger("qv")
 
@@ -24,8 +25,8 @@ log = logging.getLogger("qv")
 @dataclass(frozen=True)
 class _Add:
     request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
+    prompt_token_ids: list[int] | CheckedRequest
+    params: SamplingParams | None
     prompt: str | None
     cache_salt: str | None
     mm_hashes: list[tuple[int, str]] | None
@@ -96,13 +97,15 @@ class AsyncLLMEngine:
     def stats(self) -> EngineStats:
         return self.engine.stats
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.engine.check_request(prompt_token_ids, params)
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> CheckedRequest:
+        """LLMEngine.check_request (pure: safe off the engine thread)."""
+        return self.engine.check_request(prompt_token_ids, params)
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       prompt: str | None = None, cache_salt: str | None = None,
+    async def generate(self, request_id: str, prompt_token_ids: list[int] | CheckedRequest,
+                       params: SamplingParams | None = None, prompt: str | None = None, cache_salt: str | None = None,
                        mm_hashes: list[tuple[int, str]] | None = None, multimodal: MultimodalPrompt | None = None):
-        """multimodal: the prompt's images/videos (LLMEngine.add_request)."""
+        """A CheckedRequest, or the prompt's ids and params (checked on the engine thread);
+        multimodal: the prompt's images/videos (LLMEngine.add_request)."""
         command = _Add(request_id, prompt_token_ids, params, prompt, cache_salt, mm_hashes, multimodal)
         async with contextlib.aclosing(self._outputs(request_id, command)) as outputs:
             async for out in outputs:

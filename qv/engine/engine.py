@@ -10,11 +10,10 @@ import random
 import threading
 import time
 import weakref
-from array import array
 from dataclasses import dataclass, field
 
 from qv.config import EngineConfig
-from qv.engine.bad_words import depends_on_output, token_sequences
+from qv.engine.bad_words import depends_on_output
 from qv.engine.build import build_engine_parts
 from qv.engine.clef_rows import clef_sequence, make_clef_rows
 from qv.engine.cuda_graphs import eager_reason
@@ -23,8 +22,9 @@ from qv.engine.kv_cache import KVBlockPool
 from qv.engine.multimodal import MultimodalInputs, MultimodalPrompt, VisionSteps, check_multimodal
 from qv.engine.prefix_cache import make_prefix_cache
 from qv.engine.prompt_logprobs import finished_prompt_logprobs, new_prompt_logprobs
-from qv.engine.request import (CompletionOutput, InvalidFieldError, InvalidRequestError, Logprob, RequestMetrics,
+from qv.engine.request import (CompletionOutput, InvalidRequestError, Logprob, RequestMetrics,
                                RequestOutput, SamplingParams)
+from qv.engine.request_check import CheckedRequest, RequestLimits, check_request
 from qv.engine.runner import ModelRunner, StepCapacity, StepHandle, StepResult
 from qv.engine.scheduler import Scheduler, StepPlan
 from qv.engine.sequence import PENDING, SeqStatus, Sequence
@@ -82,6 +82,8 @@ class LLMEngine:
         self.max_model_len = parts.max_model_len
         self.eos_token_ids = parts.eos_token_ids
         self.generation_defaults = parts.generation_defaults
+        self.limits = RequestLimits(self.model_config.vocab_size, self.max_model_len, cfg.max_logprobs,
+                                    cfg.max_stop_strings)
         self.blocks = KVBlockPool(parts.cache.num_blocks, cfg.block_size, parts.prefix_plan.reserve_blocks)
         self.prefix_cache = make_prefix_cache(parts.prefix_plan, self.blocks, parts.cache)
         self.spec = None
@@ -152,63 +154,25 @@ class LLMEngine:
         return self._grammars.compile(kind, spec, param, cancel)
 
     # -- requests ------------------------------------------------------------------------------
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """Every check of a request before it is queued (prompt length and vocabulary here, sampling
-        ranges in SamplingParams.validate); returns the resolved max_tokens. Tokenizes bad_words into
-        params.bad_words_token_ids. Raises InvalidFieldError naming the field: "prompt",
-        "max_tokens", "stop" or "bad_words"."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise InvalidFieldError("the prompt is empty", "prompt")
-        vocab = self.model_config.vocab_size
-        try:  # at C speed, for long prompts; the loop below only names the bad id
-            ids = array("q", prompt_token_ids)
-            ok = 0 <= min(ids) and max(ids) < vocab
-        except (TypeError, OverflowError):
-            ok = False
-        if not ok:
-            bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), prompt_token_ids[0])
-            raise InvalidFieldError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})", "prompt")
-        if params.prompt_logprobs is not None and params.prompt_logprobs > self.cfg.max_logprobs:
-            raise InvalidFieldError(f"Requested prompt logprobs of {params.prompt_logprobs}, which is greater than max "
-                                    f"allowed: {self.cfg.max_logprobs}", "prompt_logprobs")
-        for field, token_ids in params.token_ids_to_check():
-            if max(token_ids) >= vocab:
-                raise InvalidFieldError(f"{field}: token id {max(token_ids)} is outside the vocabulary [0, {vocab})",
-                                        field)
-        params.bad_words_token_ids = (token_sequences(self.tokenizer, params.bad_words, vocab) if params.bad_words
-                                      else None)
-        if len(params.stop) > self.cfg.max_stop_strings:
-            raise InvalidFieldError(f"{len(params.stop)} stop strings; at most {self.cfg.max_stop_strings} are "
-                                    "allowed (max_stop_strings)", "stop")
-        if n >= self.max_model_len:
-            raise InvalidFieldError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt "
-                f"contains {n} input tokens, which leaves no room for output. Please reduce the length of the input.",
-                "prompt")
-        room = self.max_model_len - n
-        if params.max_tokens is not None and params.max_tokens > room:
-            raise InvalidFieldError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{params.max_tokens} output tokens and your prompt contains {n} input tokens, for a total of "
-                f"{n + params.max_tokens} tokens ({n} + {params.max_tokens} = {n + params.max_tokens} > "
-                f"{self.max_model_len}). Please reduce the length of the input prompt or the number of requested "
-                f"output tokens.", "max_tokens")
-        if params.min_tokens > room:
-            raise InvalidFieldError(f"min_tokens={params.min_tokens} is more than the {room} tokens the context leaves "
-                                    f"after the {n}-token prompt (max_model_len {self.max_model_len})", "min_tokens")
-        return room if params.max_tokens is None else params.max_tokens
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> CheckedRequest:
+        """The request's one check against this engine's limits (qv/engine/request_check.py): the
+        CheckedRequest to hand to add_request, or InvalidFieldError naming the field."""
+        return check_request(prompt_token_ids, params, self.limits, self.tokenizer)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None, cache_salt: str | None = None,
+    def add_request(self, request_id: str, prompt_token_ids: list[int] | CheckedRequest,
+                    params: SamplingParams | None = None, prompt: str | None = None, cache_salt: str | None = None,
                     mm_hashes: list[tuple[int, str]] | None = None, multimodal: MultimodalPrompt | None = None) -> None:
-        """cache_salt: prefixes are shared only under the same salt ("clef:..." never shares);
+        """Queue a request: a CheckedRequest from check_request (not checked again), or the prompt's
+        ids and its params (checked here).
+        cache_salt: prefixes are shared only under the same salt ("clef:..." never shares);
         mm_hashes: (position, content hash) of each media item, part of the prefix key;
         multimodal: the prompt's images/videos (`self.multimodal.prompt(...)`); prompt_token_ids are its
         expanded ids, and its media hashes join the prefix key."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        max_tokens = self.check_request(prompt_token_ids, params)
+        checked = (prompt_token_ids if isinstance(prompt_token_ids, CheckedRequest)
+                   else self.check_request(prompt_token_ids, params))
+        prompt_token_ids, params, max_tokens = checked.prompt_token_ids, checked.params, checked.max_tokens
         media = check_multimodal(self.media is not None, prompt_token_ids, mm_hashes, multimodal)
         mm_hashes = multimodal.mm_hashes if multimodal is not None else mm_hashes
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(62)

@@ -221,10 +221,10 @@ async def count_tokens(state: ServerState, request: Request) -> Response:
 
 async def create_message(state: ServerState, request: Request) -> Response:
     areq, req, rendered, mm, prompt_ids = await _render(state, request, MessagesRequest)
-    params = state.sampling_params(req, max_tokens=areq.max_tokens, logprobs=None, names=NAMES)
     state.check_capacity(1)
-    params.grammar = await compile_constraint(state, req, FORMAT, request)
-    state.check_request(prompt_ids, params, "messages", NAMES)
+    grammar = await compile_constraint(state, req, FORMAT, request)
+    params = state.sampling_params(req, max_tokens=areq.max_tokens, logprobs=None, names=NAMES, grammar=grammar)
+    checked = state.check_request(prompt_ids, params, "messages", NAMES)
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
     parser = Qwen3CoderToolParser(tools) if req.tools and req.tool_choice != "none" else None
     ctx = ChatContext(req, rendered, parser, random_id("msg", "_"), int(time.time()), state.model_name, "")
@@ -232,7 +232,7 @@ async def create_message(state: ServerState, request: Request) -> Response:
         log.info("request %s: metadata.user_id %s", ctx.request_id, areq.metadata.user_id)
     seats = state.admit(1)
     try:
-        gen = state.generate(ctx.request_id, prompt_ids, params, prompt=rendered.text, multimodal=mm,
+        gen = state.generate(ctx.request_id, checked, prompt=rendered.text, multimodal=mm,
                              grammar_field=constraint_field(req, FORMAT), admission=seats)
         if areq.stream:
             stopped = state.stopped_error()

@@ -9,6 +9,7 @@ import time
 from starlette.requests import Request
 from starlette.responses import Response
 
+from qv.engine.request_check import CheckedRequest
 from qv.server.errors import APIError, bad_request, internal_error, sse_error
 from qv.server.logprobs import (completion_logprobs, echo_logprobs, joined, prompt_logprobs_field,
                                 prompt_logprobs_json)
@@ -29,8 +30,8 @@ def _items(state: ServerState, req: CompletionRequest) -> list:
     return items
 
 
-def _prompts(state: ServerState, req: CompletionRequest, items: list, params) -> list[tuple[str, list[int]]]:
-    """(text, token ids) per prompt, each checked by the engine; token-id prompts are decoded for echo.
+def _prompts(state: ServerState, req: CompletionRequest, items: list, params) -> list[tuple[str, CheckedRequest]]:
+    """(text, checked request) per prompt, each checked by the engine; token-id prompts are decoded for echo.
     Runs off the event loop (tokenizing)."""
     out = []
     for k, item in enumerate(items):
@@ -45,8 +46,8 @@ def _prompts(state: ServerState, req: CompletionRequest, items: list, params) ->
             ids = list(item)
         if req.truncate_prompt_tokens:
             ids = ids[-req.truncate_prompt_tokens:]
-        state.check_request(ids, params, where)
-        out.append((item if isinstance(item, str) else state.decode(ids), ids))
+        checked = state.check_request(ids, params, where)
+        out.append((item if isinstance(item, str) else state.decode(ids), checked))
     return out
 
 
@@ -56,18 +57,18 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     state.resolve_request_fields(req)
     state.check_logprobs(req.logprobs, "logprobs")
     items = _items(state, req)
-    params = state.sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs, prompt_logprobs=(
-        prompt_logprobs_field(state, req.prompt_logprobs, req.logprobs if req.echo else None)))
     state.check_capacity(len(items) * req.n)  # the whole request at once, before the work
-    params.grammar = await compile_constraint(state, req, request=request)
+    grammar = await compile_constraint(state, req, request=request)
+    params = state.sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs, prompt_logprobs=(
+        prompt_logprobs_field(state, req.prompt_logprobs, req.logprobs if req.echo else None)), grammar=grammar)
     prompts = await state.offload(size, _prompts, state, req, items, params)
     rid, created = request_id_of(request, req, "cmpl"), int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
     seats = state.admit(len(prompts) * req.n)
     try:
-        gens = [state.generate(f"{rid}-{k}", ids, params, prompt=text, cache_salt=req.cache_salt, admission=seats,
+        gens = [state.generate(f"{rid}-{k}", checked, prompt=text, cache_salt=req.cache_salt, admission=seats,
                                grammar_field=constraint_field(req))
-                for k, (text, ids) in enumerate(prompts)]
+                for k, (text, checked) in enumerate(prompts)]
         if req.stream:
             trailer = sse_error(state.stopped_error()) + DONE
             return stream_response(state, completion_stream(state, req, head, prompts, gens), seats, trailer)

@@ -72,10 +72,10 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     names = {"logprobs": "top_logprobs", "max_tokens": req.max_tokens_param}
     # vLLM's extra field; streamed chats never show it (vLLM's), so it is not computed for them
     prompt_lps = None if req.stream else prompt_logprobs_field(state, req.prompt_logprobs)
-    params = state.sampling_params(req, max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                                   names=names, prompt_logprobs=prompt_lps)
     state.check_capacity(req.n)  # before the work; admit() below holds the seats
-    params.grammar = await compile_constraint(state, req, request=request)
+    grammar = await compile_constraint(state, req, request=request)
+    params = state.sampling_params(req, max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                                   names=names, prompt_logprobs=prompt_lps, grammar=grammar)
     check = None if req.truncate_prompt_tokens else (lambda text: state.check_text(text, max_tokens, "messages"))
     thinking = state.enable_thinking and req.constraint is None  # a grammar applies from the first token
     rendered = await state.offload(size, render_chat, state.tokenizer, req, thinking, check,
@@ -83,7 +83,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     check_not_thinking(rendered, req)
     mm = await state.media.prompt(req.messages, rendered.token_ids)  # images/videos fetched and expanded
     prompt_ids = mm.token_ids if mm is not None else rendered.token_ids
-    state.check_request(prompt_ids, params, "messages", names)
+    checked = state.check_request(prompt_ids, params, "messages", names)
     tool_dicts = [t.model_dump(exclude_none=True) for t in req.tools or []]
     parse_tools = bool(req.tools) and req.tool_choice != "none"
     last = req.messages[-1]
@@ -92,7 +92,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
                       request_id_of(request, req, "chatcmpl"), int(time.time()), state.model_name, echo)
     seats = state.admit(req.n)
     try:
-        gen = state.generate(ctx.request_id, prompt_ids, params, prompt=rendered.text, cache_salt=req.cache_salt,
+        gen = state.generate(ctx.request_id, checked, prompt=rendered.text, cache_salt=req.cache_salt,
                              grammar_field=constraint_field(req),
                              multimodal=mm, admission=seats)
         if req.stream:

@@ -137,20 +137,20 @@ async def create_response(state: ServerState, request: Request) -> Response:
     state.check_model(rreq.model)
     req = to_chat_request(rreq)
     names = {"max_tokens": "max_output_tokens"}
-    params = state.sampling_params(req, max_tokens=req.max_output_tokens, logprobs=None, names=names)
     state.check_capacity(1)
-    params.grammar = await compile_constraint(state, req, {"response_format": "text.format"}, request)
+    grammar = await compile_constraint(state, req, {"response_format": "text.format"}, request)
+    params = state.sampling_params(req, max_tokens=req.max_output_tokens, logprobs=None, names=names, grammar=grammar)
     check = lambda text: state.check_text(text, req.max_output_tokens, "input")  # noqa: E731
     thinking = state.enable_thinking and req.constraint is None  # a grammar applies from the first token
     rendered = await state.offload(size, render_chat, state.tokenizer, req, thinking, check)
     check_not_thinking(rendered, req)
-    state.check_request(rendered.token_ids, params, "input", names)
+    checked = state.check_request(rendered.token_ids, params, "input", names)
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
     ctx = ChatContext(req, rendered, Qwen3CoderToolParser(tools) if req.tools and req.tool_choice != "none" else None,
                       random_id("resp", "_"), int(time.time()), state.model_name, "")
     seats = state.admit(1)
     try:
-        gen = state.generate(ctx.request_id, rendered.token_ids, params, prompt=rendered.text,
+        gen = state.generate(ctx.request_id, checked, prompt=rendered.text,
                              grammar_field=constraint_field(req, {"response_format": "text.format"}),
                              cache_salt=req.cache_salt, admission=seats)
         if rreq.stream:

@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse
 
 from qv.config import EngineConfig
 from qv.engine.request import InvalidRequestError, SamplingParams, TextBound
+from qv.engine.request_check import CheckedRequest
 from qv.engine.structured import GRAMMAR_STOPPED
 from qv.server.errors import (BUSY_MESSAGE, SHUTDOWN_MESSAGE, STOPPED_MESSAGE, APIError, bad_request,
                               internal_error)
@@ -172,10 +173,11 @@ class ServerState:
                 raise self.refusal(exc, prompt_param) from None
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams, prompt_param: str = "prompt",
-                      names: dict | None = None) -> None:
-        """The engine's request check (length, vocabulary, stop strings) as a 400."""
+                      names: dict | None = None) -> CheckedRequest:
+        """The engine's request check (length, vocabulary, stop strings): the CheckedRequest to
+        generate, or a 400."""
         try:
-            self.engine.check_request(prompt_ids, params)
+            return self.engine.check_request(prompt_ids, params)
         except InvalidRequestError as exc:
             raise self.refusal(exc, prompt_param, names) from None
 
@@ -224,8 +226,9 @@ class ServerState:
         return Admission(self, seqs)
 
     def sampling_params(self, req, *, max_tokens: int | None, logprobs: int | None,
-                        names: dict | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
-        """Request fields over generation_config.json defaults over SamplingParams defaults."""
+                        names: dict | None = None, prompt_logprobs: int | None = None, grammar=None) -> SamplingParams:
+        """Request fields over generation_config.json defaults over SamplingParams defaults; grammar:
+        the request's compiled constraint (compile_constraint)."""
         def pick(name: str, fallback):
             value = getattr(req, name, None)
             return value if value is not None else self.defaults.get(name, fallback)
@@ -241,7 +244,8 @@ class ServerState:
                 skip_special_tokens=req.skip_special_tokens,
                 spaces_between_special_tokens=req.spaces_between_special_tokens,
                 logit_bias=getattr(req, "logit_bias", None),  # Responses has none of the three
-                allowed_token_ids=getattr(req, "allowed_token_ids", None), bad_words=getattr(req, "bad_words", None))
+                allowed_token_ids=getattr(req, "allowed_token_ids", None), bad_words=getattr(req, "bad_words", None),
+                grammar=grammar)
         except InvalidRequestError as exc:
             raise self.refusal(exc, names=names) from None
 
@@ -263,19 +267,19 @@ class ServerState:
         self.grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- running ---------------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       prompt: str | None = None, cache_salt: str | None = None, multimodal=None,
-                       admission: Admission | None = None, grammar_field: str = "response_format"):
-        """engine.generate with metrics; engine failures become APIErrors (500, or 400 for a
-        request the engine refused). Closing this iterator closes the engine's (abort).
+    async def generate(self, request_id: str, request: CheckedRequest, prompt: str | None = None,
+                       cache_salt: str | None = None, multimodal=None, admission: Admission | None = None,
+                       grammar_field: str = "response_format"):
+        """engine.generate of a checked request (check_request) with metrics; engine failures become
+        APIErrors (500, or 400 for a request the engine refused). Closing this iterator closes the engine's (abort).
         multimodal: the prompt's images/videos (a MultimodalPrompt from `self.media.prompt`);
         admission: the seats this prompt's n sequences hold, given back at its first output;
         grammar_field: the field named when the request's grammar is stopped (grammar_mask_budget_ms)."""
+        params = request.params
         tracker = self.metrics.tracker(params.n, params.max_tokens)
-        log.info("request %s: %d prompt tokens, n=%d, max_tokens=%s", request_id, len(prompt_ids), params.n,
-                 params.max_tokens)
-        gen = self.engine.generate(request_id, prompt_ids, params, prompt=prompt, cache_salt=cache_salt,
-                                   multimodal=multimodal)
+        log.info("request %s: %d prompt tokens, n=%d, max_tokens=%s", request_id, len(request.prompt_token_ids),
+                 params.n, params.max_tokens)
+        gen = self.engine.generate(request_id, request, prompt=prompt, cache_salt=cache_salt, multimodal=multimodal)
         held = params.n if admission is not None else 0  # this prompt's share of the request's seats
         try:
             with self.engine_call(request_id):

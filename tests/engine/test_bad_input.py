@@ -68,6 +68,32 @@ def test_prompt_errors_and_engine_keeps_serving(tiny_engine):
     assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].finish_reason == "length"
 
 
+def test_a_request_is_checked_once_and_its_params_are_not_edited(tiny_engine, monkeypatch):
+    """check_request returns the normalized request (bad words resolved, max_tokens filled) and leaves
+    the caller's params as they were; add_request of a CheckedRequest does not check it again."""
+    import dataclasses
+
+    from qv.engine import engine as engine_module
+    from qv.engine.request_check import CheckedRequest
+
+    llm = tiny_engine(max_model_len=64)
+    params = SamplingParams(temperature=0, max_tokens=None, bad_words=["hello"])
+    before = dataclasses.asdict(params)
+    checked = llm.engine.check_request([5, 6, 7], params)
+    assert dataclasses.asdict(params) == before and params.bad_words_token_ids is None
+    assert isinstance(checked, CheckedRequest) and checked.max_tokens == 61 and checked.params.bad_words_token_ids
+    assert checked.params is not params and checked.prompt_token_ids == [5, 6, 7]
+    calls = []
+    real = engine_module.check_request
+    monkeypatch.setattr(engine_module, "check_request", lambda *a: calls.append(a) or real(*a))
+    llm.engine.add_request("r", checked)
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert calls == []
+    llm.engine.add_request("s", [5, 6, 7], params)  # ids and params: checked here, once
+    assert len(calls) == 1
+
+
 def test_async_engine_errors_abort_and_serving(tiny_dirs):
     engine = AsyncLLMEngine(EngineConfig.from_env(environ={}, model=str(tiny_dirs("tiny")), max_model_len=64))
 
