@@ -35,8 +35,8 @@ class CheckedRequest:
 def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: RequestLimits,
                   tokenizer) -> CheckedRequest:
     """Every check of a request before it is queued (prompt length and vocabulary, logprobs, token
-    lists, stop strings, bad words, max_tokens). InvalidFieldError names the field: "prompt",
-    "prompt_logprobs", "max_tokens", "stop", "bad_words" or the token-id list's."""
+    lists, stop strings, bad words, max_tokens, min_tokens). InvalidFieldError names the field: "prompt",
+    "prompt_logprobs", "max_tokens", "min_tokens", "stop", "bad_words" or the token-id list's."""
     n = len(prompt_token_ids)
     if n == 0:
         raise InvalidFieldError("the prompt is empty", "prompt")
@@ -73,6 +73,9 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: R
             f"{n + params.max_tokens} tokens ({n} + {params.max_tokens} = {n + params.max_tokens} > "
             f"{max_len}). Please reduce the length of the input prompt or the number of requested "
             f"output tokens.", "max_tokens")
+    if params.min_tokens > room:
+        raise InvalidFieldError(f"min_tokens={params.min_tokens} is more than the {room} tokens the context leaves "
+                                f"after the {n}-token prompt (max_model_len {max_len})", "min_tokens")
     normalized = copy.copy(params)  # a shallow copy: SamplingParams.validate has run on the caller's already
     normalized.bad_words_token_ids = bad_words
     return CheckedRequest(list(prompt_token_ids), normalized, room if params.max_tokens is None else params.max_tokens)
