@@ -19,8 +19,8 @@ CUDA_GEMV_ROWS = 8
 
 
 # sm_90 from this many rows: the weight dequantized in L2-sized column chunks, each multiplied by cuBLAS
-# (triton.dequant_matmul); below, the tensor-core GEMM (triton_gemm.py). At 512 rows the chunks measured
-# 1.18 ms for the five 27B linears against the GEMM's 1.28; at 256 rows 0.95 against 0.71.
+# (triton.dequant_matmul); below, the tensor-core GEMM (triton_gemm.py): where the five 27B linears together
+# ran faster (docs/BENCHMARKS.md has the sweep).
 # Re-measure: python bench/prefill_sweep.py --only gemm
 CHUNKED_ROWS = 512
 

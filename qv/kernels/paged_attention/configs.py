@@ -57,11 +57,11 @@ def decode_cuda_config(device):
     return dict(waves=1, min_blocks=2, eager_min_bytes=512 << 20)
 
 
-# Query rows from which a sequence's prompt chunk runs through cuDNN (sdpa_prefill.py); from 256 rows on it
-# was faster than the Triton kernel over an int8 cache at 32K and 128K (1.8x at 256, 3.3x at 2048).
+# Query rows from which a sequence's prompt chunk runs through cuDNN (sdpa_prefill.py): from there on it beat the
+# Triton kernel over an int8 cache at 32K and 128K keys (docs/BENCHMARKS.md).
 # Re-measure: python bench/prefill_sweep.py --only attn
 CUDNN_MIN_ROWS = 256
-# keys a cuDNN piece holds: a 32K-key piece measured within 1.05x of SDPA on bf16 keys at 128K (the fp16
+# keys a cuDNN piece holds: the piece size nearest SDPA's speed on bf16 keys at 128K in the sweep (the fp16
 # workspace: 2 * 32K * Hkv * D * 2 bytes, 128 MiB at the 27B shapes)
 CUDNN_PIECE_TOKENS = 32768
 

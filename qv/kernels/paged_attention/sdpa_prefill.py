@@ -110,8 +110,8 @@ def chunk_attention(q, k_cache, v_cache, k_scale, v_scale, table, kv_len, scale,
     """out [L, Hq, D] = causal attention of one sequence's L chunk rows q (positions kv_len - L ..) over its
     kv_len cached keys, through cuDNN (fp16 for an int8 cache, else the cache's dtype).
 
-    cuDNN builds an execution plan for every new shape (about 0.1 s on an H100), so the calls take few
-    shapes: the prefix's first keys in whole `grain`s go in pieces of at most piece_tokens (a multiple of
+    cuDNN builds an execution plan for every new shape (costing more than a short chunk's attention), so the
+    calls take few shapes: the prefix's first keys in whole `grain`s go in pieces of at most piece_tokens (a multiple of
     grain) without a mask; the last e = prefix % grain prefix keys and the chunk's own keys go in one causal
     call, square, behind e discarded query rows (row i sees keys up to i, so the chunk's rows see those e keys
     and their own causally), padded to a multiple of `bucket` rows with zero queries and zero keys at the
@@ -157,7 +157,7 @@ def chunk_attention(q, k_cache, v_cache, k_scale, v_scale, table, kv_len, scale,
 def warm_plans(device, dtype, hq: int, hkv: int, d: int, chunk_rows: int, piece_tokens: int, kv_int8: bool) -> int:
     """Has cuDNN plan every shape a full chunk of chunk_rows rows meets while a long prompt is prefilled (its
     causal call, and each prefix piece of 1..piece_tokens keys in whole grains), so that no request pays for
-    them: about 50 ms each on an H100. Returns how many shapes were planned."""
+    them. Returns how many shapes were planned."""
     dt = torch.float16 if kv_int8 else dtype
     rows = -(-chunk_rows // ROW_BUCKET) * ROW_BUCKET
     piece = piece_tokens // KEY_GRAIN * KEY_GRAIN
