@@ -110,7 +110,8 @@ def rows_to_f16(x2):
 def applies(x2, w) -> bool:
     """Sequential groups, fp16/bf16 rows on a CUDA GPU with TMA-aligned tensors (the host checks the group)."""
     k, n = w.qweight.shape
-    return ((x2.is_cuda or interpreting(x2.device)) and x2.dtype in (torch.float16, torch.bfloat16) and w.is_sequential()
+    return ((x2.is_cuda or interpreting(x2.device)) and x2.dtype in (torch.float16, torch.bfloat16)
+            and w.is_sequential()
             and n % 16 == 0 and k % 8 == 0 and w.qweight.stride(-1) == 1 and x2.stride(-1) == 1
             and x2.stride(0) % 8 == 0 and x2.data_ptr() % 16 == 0 and w.qweight.data_ptr() % 16 == 0
             and w.qweight.stride(0) % 16 == 0)

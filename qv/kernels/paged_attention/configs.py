@@ -68,7 +68,8 @@ CUDNN_PIECE_TOKENS = 32768
 
 def prefill_kind(device, max_q: int, dtype, kv_dtype) -> str:
     """"cudnn" (sdpa_prefill.py) for chunks of at least CUDNN_MIN_ROWS rows of 16-bit activations over an
-    int8 or 16-bit cache on sm_90 where torch's cuDNN attention runs, else "triton". Re-measure: python bench/prefill_sweep.py --only attn"""
+    int8 or 16-bit cache on sm_90 where torch's cuDNN attention runs, else "triton".
+    Re-measure: python bench/prefill_sweep.py --only attn"""
     from qv.kernels.paged_attention import sdpa_prefill
 
     if (max_q >= CUDNN_MIN_ROWS and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
