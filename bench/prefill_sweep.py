@@ -23,7 +23,7 @@ from kernel_inputs import BS, D, HKV, HQ, _paged  # noqa: E402
 from kernels import ceilings  # noqa: E402
 from qv.kernels.linear import GPTQWeight  # noqa: E402
 from qv.kernels.linear.reference import dequantize_gptq  # noqa: E402
-from qv.kernels.linear.triton import linear as linear_triton  # noqa: E402
+from qv.kernels.linear.triton import dequant_matmul, linear as linear_triton  # noqa: E402
 from qv.kernels.linear.triton_gemm import gemm  # noqa: E402
 from qv.kernels.paged_attention import sdpa_prefill  # noqa: E402
 from qv.kernels.paged_attention.reference import paged_attention as attention_ref  # noqa: E402
@@ -52,21 +52,6 @@ LARGE = {"l256": cfg(256, 128, 64, 8, 3), "w128x256": cfg(256, 128, 64, 8, 3, SW
          "w128x256bf": cfg(256, 128, 64, 8, 3, SWAP=True, f16=False), "w128x256g16": cfg(256, 128, 64, 8, 3,
                                                                                       SWAP=True, GROUP_M=16)}
 CHUNKS = (2048, 4096, 8192)  # columns a dequantized chunk holds (L2-resident) before cuBLAS reads it
-
-
-def chunked_cublas(x, w, out, cols):
-    """The weight dequantized `cols` columns at a time into a bf16 chunk that stays in L2, each chunk then
-    multiplied by cuBLAS into its slice of out."""
-    from qv.kernels.linear.triton import gptq_dequant_kernel
-    import triton
-    k, n = w.qweight.shape
-    wd = torch.empty((k, cols), dtype=x.dtype, device=x.device)
-    for a in range(0, n, cols):
-        b = min(n, a + cols)
-        gptq_dequant_kernel[(triton.cdiv(k, 32), triton.cdiv(b - a, 256))](
-            w.qweight[:, a:], w.scales[:, a:], w.scales[:, a:], w.g_idx, wd, b - a, k, w.qweight.stride(0),
-            w.scales.stride(0), wd.stride(0), BLOCK_K=32, BLOCK_N=256, HAS_ZERO=False)
-        torch.mm(x, wd[:, : b - a], out=out[:, a:b])
 
 
 def t_ms(fn, m):
@@ -109,10 +94,10 @@ def sweep_gemm(rows, lim):
             if m >= 256:
                 for cols in CHUNKS:
                     out.fill_(float("nan"))
-                    chunked_cublas(x, w, out, cols)
+                    dequant_matmul(x, w, None, out, cols)
                     err = ((out.float() - ref).norm() / ref.norm()).item()
                     if err < 1e-2:
-                        res[f"chunk{cols}"] = t_ms(lambda: chunked_cublas(x, w, out, cols), m)
+                        res[f"chunk{cols}"] = t_ms(lambda: dequant_matmul(x, w, None, out, cols), m)
                     else:
                         print(f"  {name} M={m} chunk{cols}: rel err {err:.2e}", flush=True)
             best = min((v, c) for c, v in res.items() if c not in ("floor", "mmfloor", "today", "cublas"))

@@ -12,6 +12,8 @@ scale; int8 K/V scales (one per key and KV head) multiply score columns and P co
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import triton
 import triton.language as tl
@@ -327,25 +329,21 @@ def cudnn_prefill(q, k_cache, v_cache, block_tables, cu_q, seq_lens, scale, k_sc
     shapes = {k: config.pop(k) for k in ("grain", "bucket") if k in config}  # tests: small grains and buckets
     cu, lens = cu_q.tolist(), seq_lens.tolist()
     out = torch.empty_like(q)
-    short = []  # a run of consecutive short sequences
-    for b in range(len(lens) + 1):
-        long_chunk = b < len(lens) and cu[b + 1] - cu[b] >= min_rows
-        if short and (b == len(lens) or long_chunk):
-            s, e = short[0], short[-1] + 1
-            rows = slice(cu[s], cu[e])
-            if rows.start < rows.stop:
-                out[rows] = attention(q[rows], k_cache, v_cache, k_scale, v_scale, block_tables[s:e],
-                                      cu_q[s:e + 1] - cu[s], seq_lens[s:e], scale, True, True,
-                                      max(cu[i + 1] - cu[i] for i in short), max(lens[s:e]), dict(config),
-                                      None if k_new is None else k_new[rows], None if v_new is None else v_new[rows])
-            short = []
-        if b == len(lens):
-            break
-        if long_chunk:
-            sdpa_prefill.chunk_attention(q[cu[b]:cu[b + 1]], k_cache, v_cache, k_scale, v_scale, block_tables[b],
-                                         lens[b], scale, out[cu[b]:cu[b + 1]], piece,
-                                         *(None, None) if k_new is None else (k_new[cu[b]:cu[b + 1]], v_new[cu[b]:cu[b + 1]]),
-                                         **shapes)
-        else:
-            short.append(b)
+    rows_of = lambda s, e: slice(cu[s], cu[e])  # noqa: E731  the packed rows of sequences s..e-1
+    new = lambda r: (None, None) if k_new is None else (k_new[r], v_new[r])  # noqa: E731
+    by_length = itertools.groupby(range(len(lens)), key=lambda b: cu[b + 1] - cu[b] >= min_rows)
+    for long_chunks, run in by_length:
+        run = list(run)
+        if long_chunks:
+            for b in run:
+                r = rows_of(b, b + 1)
+                sdpa_prefill.chunk_attention(q[r], k_cache, v_cache, k_scale, v_scale, block_tables[b], lens[b], scale,
+                                             out[r], piece, *new(r), **shapes)
+            continue
+        s, e = run[0], run[-1] + 1
+        r = rows_of(s, e)
+        if r.start < r.stop:  # a run of decodes and short chunks (sequences with no rows this step are skipped)
+            out[r] = attention(q[r], k_cache, v_cache, k_scale, v_scale, block_tables[s:e], cu_q[s:e + 1] - cu[s],
+                               seq_lens[s:e], scale, True, True, max(cu[i + 1] - cu[i] for i in run),
+                               max(lens[s:e]), dict(config), *new(r))
     return out
