@@ -2,8 +2,9 @@
 never with a 5xx, while a probe's small chats and /health stay served, and memory comes back.
 
 The server is the real one in a thread of this process, built by `uvicorn_config` (the connection
-levers of `qv serve`). QV_HOSTILE_MODEL names another model folder (the 27B shapes on a GPU); unset,
-the tiny model. Everything talks to loopback only; every random choice is seeded."""
+levers of `qv serve`). QV_HOSTILE_MODEL names another model
+folder (the 27B shapes on a GPU: a `qv bench` preset folder, its weights made at load); unset, the tiny
+model. Everything talks to loopback only; every random choice is seeded."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import socket
 import statistics
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import psutil
@@ -38,7 +40,8 @@ def hostile(tmp_path_factory):
     from qv.model.tiny import make_embedded
 
     folder = os.environ.get("QV_HOSTILE_MODEL") or make_embedded(tmp_path_factory.mktemp("hostile") / "embedded")
-    running, stop = _start(folder, **LEVERS)
+    random_weights = not any(Path(folder).glob("*.safetensors"))  # a `qv bench` preset folder: config.json alone
+    running, stop = _start(folder, **LEVERS, **({"load_format": "random"} if random_weights else {}))
     with httpx.Client(base_url=running.url, timeout=120) as c:  # warm: the first chat and the first compile
         c.post("/v1/chat/completions", json=_chat("hi", 2))
         c.post("/v1/chat/completions", json=_chat("hi", 2, response_format={"type": "json_object"}))
@@ -338,7 +341,9 @@ def test_an_eps_data_url_runs_nothing(hostile, tmp_path, monkeypatch):
                                                       {"type": "image_url", "image_url": {"url": url}}]}],
             "max_tokens": 2}
     r = httpx.post(hostile.v1 + "/chat/completions", json=chat, timeout=60)
-    assert r.status_code == 400 and "EPS" in r.json()["error"]["message"], r.text
+    vision = "vision_config" in json.loads((Path(hostile.model_dir) / "config.json").read_text())
+    assert r.status_code == 400, r.text
+    assert "EPS" in r.json()["error"]["message"] or not vision, r.text  # a text-only model refuses any image first
     assert not log.exists(), "an external program ran on the request's bytes"
 
 
