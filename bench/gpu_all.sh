@@ -2,7 +2,7 @@
 # One device call for the engine-level GPU checks and benchmarks; logs under $OUT.
 #   bash bench/gpu_all.sh SECTION...    sections: tests oracles sm70 specgpu newgpu (side by side: sm70 oracles,
 #   speculation and prompt-logprob GPU tests, graphs, the sm70 engine) engine spec spec27 ngram27 prefix
-#   prefix27 clef clef27 clefmix kernels bench27 top1 plp mask
+#   prefix27 clef clef27 clefmix kernels bench27 top1 plp mask hostile27
 # BENCH_KERNELS_ARGS passes options to bench/kernels.py (e.g. "--only attn,gdn --sweep attn,gdn");
 # BENCH27_ARGS to `qv bench --preset 27b` (e.g. "--prefill-lengths 32768 --profile").
 # The pytest sections run with OMP_NUM_THREADS=${PYTEST_THREADS:-4}: host-side fits (the MTP head's) crawl when
@@ -42,6 +42,11 @@ for section in "$@"; do
         run sm70engine ${SM70ENGINE_S:-200} env OMP_NUM_THREADS=${PYTEST_THREADS:-4} python3 -m pytest -q -m gpu tests/engine/test_sm70_engine_gpu.py -n 2 \
           -p no:cacheprovider -rfE --durations=5 &
         wait ;;
+    hostile27)  # issue 40's attack suite against the 27B shapes (random weights, a random Clef head)
+        python3 -c "from qv.bench.presets import write_preset; from qv.bench.clef_folder import add_clef; \
+add_clef(write_preset('27b', '/tmp/qv-hostile27'), '27b')"
+        run hostile27 ${HOSTILE27_S:-300} env QV_HOSTILE_MODEL=/tmp/qv-hostile27 python3 -m pytest -q tests/server/test_hostile.py \
+          -p no:cacheprovider -rfE --durations=5 ;;
     top1) run top1 60 python3 bench/lm_head_top1.py ;;
     mask) run mask 90 python3 bench/structured_mask.py --json "$out/mask.json" ;;
     plp) run plp 90 python3 bench/prompt_logprobs.py ;;
