@@ -344,5 +344,6 @@ def plan_memory(cfg: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, max_mo
                           f"lower max_num_seqs / max_gdn_slots or raise kv_cache_bytes")
     planned = num_blocks * per_block + (num_slots + 1 + prefix.num_snapshots) * slot_bytes + spec_bytes + reserve_bytes
     plan = MemoryPlan(total, cfg.gpu_memory_utilization, weight_bytes, int(num_blocks), cfg.block_size, per_block, num_slots,
-                      slot_bytes, prefix.num_snapshots, spec_bytes, reserve_bytes, max(0, room - planned), max_model_len)
+                      slot_bytes, prefix.num_snapshots, spec_bytes, reserve_bytes, max(0, room - planned), max_model_len,
+                      cfg.tensor_parallel_size)
     return prefix, plan
