@@ -113,6 +113,11 @@ class EngineConfig(BaseSettings):
         "waits), a long prefill "
         "(a Clef record or a long chat prompt) takes at most this many tokens of a step; alone it takes the whole "
         "budget (vLLM's name). 0: max_num_batched_tokens // 4.", ge=0)
+    max_preemptions: int = lever(
+        2, "Times a request may be preempted (by recompute) and readmitted as soon as its current length fits; "
+        "preempted more often, it waits until its full length (prompt + max_tokens) fits beside the running "
+        "sequences, then runs to the end, never preempted again (the blocks it still needs are reserved), so "
+        "contexts that outgrow the KV cache cannot thrash it.", ge=0)
     max_long_partial_prefills: int = lever(
         1, "Most long prefills that share one step with decoding sequences (vLLM's name).", ge=1)
     max_step_ms: float = lever(
