@@ -274,3 +274,55 @@ def test_decode_floor_keeps_short_contexts_dense():
     for r, nvis in enumerate(visible):
         want = min(nvis, max(12, -(-15 * nvis // 100)))
         assert (keep[r].sum(-1) == want).all(), (r, nvis, keep[r].sum(-1))
+
+
+# ---------------------------------------------------------------------------------------------
+# the Triton kernel with a keep table (CPU: the interpreter), against the fp32 sparse reference
+# ---------------------------------------------------------------------------------------------
+
+
+def _random_keep(q, cu, sl, nb, dense_share):
+    """A keep table as a selection makes: each row's diagonal block kept, others kept at random."""
+    t, hq, _ = q.shape
+    seq, pos = S._row_positions(cu, sl, t)
+    keep = torch.rand(t, hq, nb) < dense_share
+    keep |= (torch.arange(nb)[None, :] == (pos // BLOCK_TOKENS)[:, None])[:, None, :]
+    return keep
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8])
+@pytest.mark.parametrize("q_lens,ctx", [([19, 1, 7], [60, 90, 0]), ([1, 4, 1], [130, 70, 9])],
+                         ids=["prefill", "decode+spec"])
+def test_triton_blocks_equal_the_sparse_reference(kv_dtype, q_lens, ctx):
+    from kernel_cases import run_triton
+    from qv.kernels.paged_attention.sparse import sparse_paged_attention
+
+    hkv, rep, d = 2, 3, 16
+    lens = [a + b for a, b in zip(q_lens, ctx)]
+    c = _cache(lens, hkv, d, kv_dtype=kv_dtype)
+    q = torch.randn(sum(q_lens), hkv * rep, d)
+    cu, sl = cu_seqlens(q_lens).to(DEV), torch.tensor(lens, dtype=torch.int32)
+    nb = S.num_blocks(max(lens), BLOCK_TOKENS)
+    scale = d ** -0.5
+    cache = (c["k_cache"], c["v_cache"], c["bt"], cu, sl, scale)
+    scales = dict(k_scale=c["k_scale"], v_scale=c["v_scale"])
+    for share in (1.0, 0.4, 0.0):
+        keep = _random_keep(q, cu, sl, nb, share)
+        want = S.sparse_paged_attention(q, *cache, keep, BLOCK_TOKENS, **scales)
+        got = run_triton(sparse_paged_attention, q, *cache, keep, BLOCK_TOKENS, **scales,
+                         max_query_len=max(q_lens), max_seq_len=max(lens))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        if share == 1.0:  # every block kept: the dense kernel's result
+            dense = run_triton(K.paged_attention, q, c["k_cache"], c["v_cache"], c["bt"], cu, sl, scale, c["k_scale"],
+                               c["v_scale"], max(q_lens), max(lens))
+            torch.testing.assert_close(got, dense, rtol=1e-6, atol=1e-6)
+
+
+def test_sm70_chain_refuses_sparse_attention_by_name():
+    from qv.kernels.paged_attention.sparse import SparseAttentionUnavailable, sparse_paged_attention
+
+    q = torch.randn(1, 2, 8)
+    with K.backend("sm70"), pytest.raises(SparseAttentionUnavailable, match="sm70"):
+        sparse_paged_attention(q, torch.zeros(1, 4, 1, 8), torch.zeros(1, 4, 1, 8), torch.zeros(1, 1, dtype=torch.int32),
+                               cu_seqlens([1]).to(DEV), torch.tensor([1], dtype=torch.int32), 1.0,
+                               torch.ones(1, 2, 1, dtype=torch.bool), BLOCK_TOKENS)
