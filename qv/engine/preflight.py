@@ -25,7 +25,7 @@ from qv.clef.adapters import clef_layout
 from qv.clef.head import HeadConfig, expected_shapes, max_state_bytes
 from qv.config import EngineConfig, ModelConfig
 from qv.engine.build import (device_memory, plan_memory, resolve_device, resolve_dtype, resolve_max_len,
-                             resolve_model_dir, wants_media, wants_mtp)
+                             resolve_model_dir, sparse_policy, wants_media, wants_mtp)
 from qv.engine.memory_plan import GIB, MemoryPlan
 from qv.errors import ConfigError
 from qv.model.parallel import rank_config
@@ -162,6 +162,7 @@ def preflight(cfg: EngineConfig, check_port: bool = True, hint: bool = True) -> 
     when the plan holds less than one max_model_len sequence, find the levers that would make it fit."""
     model_dir = resolve_model_dir(cfg)
     device = resolve_device(cfg.device)
+    sparse_policy(cfg, device)
     dtype = resolve_dtype(cfg.dtype, device)
     mcfg = with_quantization(ModelConfig.from_dir(model_dir), cfg.quantization, cfg.load_format)
     max_len = resolve_max_len(cfg, mcfg)

@@ -93,17 +93,27 @@ def _row_positions(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, t: int) -
     return seq, pos
 
 
-def block_scores(q: torch.Tensor, seq: torch.Tensor, bm: torch.Tensor, bd: torch.Tensor, gamma: float) -> torch.Tensor:
+def block_scores(q: torch.Tensor, seq: torch.Tensor, bm: torch.Tensor, bd: torch.Tensor, gamma: float,
+                 spans: list[tuple[int, int]] | None = None) -> torch.Tensor:
     """[T, Hq, NBsel] scores q . mean + gamma * sum_d |q_d| dev_d of every row and query head against its
-    sequence's blocks (unscaled)."""
+    sequence's blocks (unscaled). spans (host ints: each sequence's rows [s, e)) scores each sequence's
+    rows against its blocks at once (prompt chunks); without, each row gathers its own (decode, no host read)."""
     t, hq, d = q.shape
     hkv = bm.shape[2]
     qf = q.float().view(t, hkv, hq // hkv, d)
-    m, dv = bm[seq], bd[seq]  # [T, NB, Hkv, D]
-    s = torch.einsum("tgrd,tngd->tgrn", qf, m)
-    if gamma:
-        s = s + gamma * torch.einsum("tgrd,tngd->tgrn", qf.abs(), dv)
-    return s.reshape(t, hq, -1)
+    if spans is None:
+        m, dv = bm[seq], bd[seq]  # [T, NB, Hkv, D]
+        s = torch.einsum("tgrd,tngd->tgrn", qf, m)
+        if gamma:
+            s = s + gamma * torch.einsum("tgrd,tngd->tgrn", qf.abs(), dv)
+        return s.reshape(t, hq, -1)
+    out = torch.empty(t, hkv, hq // hkv, bm.shape[1], device=q.device)
+    for b, (lo, hi) in enumerate(spans):
+        if hi > lo:
+            out[lo:hi] = torch.einsum("tgrd,ngd->tgrn", qf[lo:hi], bm[b])
+            if gamma:
+                out[lo:hi] += gamma * torch.einsum("tgrd,ngd->tgrn", qf[lo:hi].abs(), bd[b])
+    return out.reshape(t, hq, -1)
 
 
 def forced_blocks(pos: torch.Tensor, first: torch.Tensor, block_tokens: int, nb: int, sink: int,
@@ -134,6 +144,8 @@ def select_prefill(q: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.
     nb, hkv = bm.shape[1], bm.shape[2]
     rep = hq // hkv
     seq, pos = _row_positions(cu_seqlens_q, seq_lens, t)
+    cu = cu_seqlens_q.tolist()
+    spans = list(zip(cu, cu[1:]))
     local = torch.arange(t, device=q.device) - cu_seqlens_q.long()[seq]
     tile_id = seq * (1 << 32) + local // tile  # unique per (sequence, tile)
     _, inverse = torch.unique(tile_id, return_inverse=True)
@@ -143,7 +155,7 @@ def select_prefill(q: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.
     first_row = first_pos[inverse]
     forced = forced_blocks(pos, first_row, block_tokens, nb, sink, window)  # [T, NB]
     visible = torch.arange(nb, device=q.device)[None, :] <= (pos // block_tokens)[:, None]
-    est = block_scores(q, seq, bm, bd, gamma) * scale + block_keys[seq].clamp_min(1).log()[:, None, :]
+    est = block_scores(q, seq, bm, bd, gamma, spans) * scale + block_keys[seq].clamp_min(1).log()[:, None, :]
     est = est.masked_fill(~visible[:, None, :], float("-inf"))
     share = torch.softmax(est, dim=-1)  # [T, Hq, NB]: each row's estimated mass, normalised per row
     # tile mass per KV head: mean over the tile's rows and the head's query heads
@@ -159,7 +171,7 @@ def select_prefill(q: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.
         before = sorted_mass.cumsum(-1) - sorted_mass  # mass kept before each block in that order
     else:
         before = _certified_before(q, seq, bm, bd, block_keys, scale, pos, block_tokens, order, inverse, num_tiles,
-                                   rows_in_tile)
+                                   rows_in_tile, spans)
     take = (before < mass) | torch.gather(tile_forced[:, None, :].expand_as(order), -1, order)
     keep_tile = torch.zeros_like(take).scatter_(-1, order, take)  # [tiles, Hkv, NB]
     keep = keep_tile[inverse].repeat_interleave(rep, dim=1)  # [T, Hq, NB]
@@ -167,7 +179,8 @@ def select_prefill(q: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.
     return (keep | dense[:, None, None]) & visible[:, None, :]
 
 
-def _certified_before(q, seq, bm, bd, block_keys, scale, pos, block_tokens, order, inverse, num_tiles, rows_in_tile):
+def _certified_before(q, seq, bm, bd, block_keys, scale, pos, block_tokens, order, inverse, num_tiles, rows_in_tile,
+                      spans):
     """[tiles, Hkv, NB]: for each prefix of each tile's order, the tile's mean (over rows and query heads)
     lower bound of the exact share its blocks before that place capture (see select_prefill)."""
     t, hq, _ = q.shape
@@ -177,8 +190,8 @@ def _certified_before(q, seq, bm, bd, block_keys, scale, pos, block_tokens, orde
     whole = blk < ((pos + 1) // block_tokens)[:, None]  # blocks every key of which the row sees
     seen = blk <= (pos // block_tokens)[:, None]
     log_n = block_keys[seq].clamp_min(1).log()[:, None, :]
-    low = (block_scores(q, seq, bm, bd, 0.0) * scale + log_n).masked_fill(~whole[:, None, :], float("-inf"))
-    high = (block_scores(q, seq, bm, bd, 1.0) * scale + log_n).masked_fill(~seen[:, None, :], float("-inf"))
+    low = (block_scores(q, seq, bm, bd, 0.0, spans) * scale + log_n).masked_fill(~whole[:, None, :], float("-inf"))
+    high = (block_scores(q, seq, bm, bd, 1.0, spans) * scale + log_n).masked_fill(~seen[:, None, :], float("-inf"))
     top = high.amax(-1, keepdim=True)
     low, high = (low - top).exp(), (high - top).exp()  # [T, Hq, NB], one scale per row
     row_order = order[inverse].repeat_interleave(rep, dim=1)  # [T, Hq, NB]
