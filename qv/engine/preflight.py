@@ -116,7 +116,8 @@ def weight_bytes(mcfg: ModelConfig, dtype: torch.dtype, mtp: bool, media: bool, 
             prefix, _, part = module.rpartition(".")
             before = f"{prefix}.{FUSED_AFTER.get(part, '')}"
             shares = part in FUSED_AFTER and reader.has(f"{before}.qweight") and reader.rules.resolve(before) == q
-            total += k * rows * q.bits // 8 + groups * rows * size * (1 if mcfg.quant.sym else 2) + (0 if shares else 4 * k)
+            g_idx = 0 if shares else 4 * k
+            total += k * rows * q.bits // 8 + groups * rows * size * (1 if mcfg.quant.sym else 2) + g_idx
         elif len(shape) == 1 and ".visual." not in f".{name}":
             total += 4 * rows
         else:
@@ -193,7 +194,8 @@ def preflight(cfg: EngineConfig, check_port: bool = True, hint: bool = True) -> 
             where = f"free on {device}" if total else "available on the host"
             problems.append(f"too little {'free GPU' if total else 'host'} memory: the plan needs {gib(needed)} "
                             f"(weights {gib(weights)}, KV {gib(plan.kv_bytes)}, GDN states "
-                            f"{gib(plan.gdn_bytes + plan.snapshot_bytes)}, other {gib(plan.spec_bytes + plan.other_bytes)}"
+                            f"{gib(plan.gdn_bytes + plan.snapshot_bytes)}, other "
+                            f"{gib(plan.spec_bytes + plan.other_bytes)}"
                             f") but {gib(free)} is {where}: lower kv_cache_bytes / max_num_seqs or free the memory")
         check = Preflight(model_dir, device, dtype, plan, free, needed, problems)
     if hint and not holds_one(check, max_len):

@@ -55,7 +55,9 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_dtype: torch.dtype,
     if kv_dtype == torch.int8:
         per_token_head += 4  # the fp32 scale
     layers = len(cfg.attention_layer_ids) + extra_layers
-    tables = len(cfg.attention_layer_ids) * SparseKV.bytes_per_page(cfg.num_key_value_heads, cfg.head_dim) if sparse else 0
+    tables = 0
+    if sparse:
+        tables = len(cfg.attention_layer_ids) * SparseKV.bytes_per_page(cfg.num_key_value_heads, cfg.head_dim)
     return 2 * layers * block_size * cfg.num_key_value_heads * per_token_head + tables
 
 

@@ -123,7 +123,8 @@ def _simulate(limit: int, blocks: int, arrivals: list[tuple[int, int, int]], blo
 def _random_arrivals(rng: random.Random, blocks: int, block: int) -> list[tuple[int, int, int]]:
     """Long-lived decoders from the start (short prompts, many tokens) and longer prompts arriving later,
     each of which fits the pool alone."""
-    arrivals = [(rng.randrange(0, 5), rng.randrange(4, 16), rng.randrange(60, 200)) for _ in range(rng.randrange(3, 12))]
+    arrivals = [(rng.randrange(0, 5), rng.randrange(4, 16), rng.randrange(60, 200))
+                for _ in range(rng.randrange(3, 12))]
     arrivals += [(rng.randrange(0, 60), rng.randrange(20, 120), rng.randrange(10, 100))
                  for _ in range(rng.randrange(1, 6))]
     return [(t, n, m) for t, n, m in arrivals if n + m <= blocks * block]

@@ -323,6 +323,7 @@ def test_sm70_chain_refuses_sparse_attention_by_name():
 
     q = torch.randn(1, 2, 8)
     with K.backend("sm70"), pytest.raises(SparseAttentionUnavailable, match="sm70"):
-        sparse_paged_attention(q, torch.zeros(1, 4, 1, 8), torch.zeros(1, 4, 1, 8), torch.zeros(1, 1, dtype=torch.int32),
-                               cu_seqlens([1]).to(DEV), torch.tensor([1], dtype=torch.int32), 1.0,
+        sparse_paged_attention(q, torch.zeros(1, 4, 1, 8), torch.zeros(1, 4, 1, 8),
+                               torch.zeros(1, 1, dtype=torch.int32), cu_seqlens([1]).to(DEV),
+                               torch.tensor([1], dtype=torch.int32), 1.0,
                                torch.ones(1, 2, 1, dtype=torch.bool), BLOCK_TOKENS)

@@ -47,8 +47,9 @@ def sparse_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     from qv.kernels.paged_attention import triton as triton_attention
 
     keep = keep.to(torch.uint8).contiguous()
-    return triton_attention.attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_seqlens_q, seq_lens, scale,
-                                      True, True, max_query_len, max_seq_len, None, None, None, keep, block_tokens)
+    return triton_attention.attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_seqlens_q, seq_lens,
+                                      scale, True, True, max_query_len, max_seq_len, None, None, None, keep,
+                                      block_tokens)
 
 
 DECODE_ROWS = 8  # a step whose sequences have at most this many rows decodes (paged_attention's split)

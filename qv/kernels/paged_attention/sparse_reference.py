@@ -68,7 +68,8 @@ def block_stats(mean: torch.Tensor, dev: torch.Tensor, block_tables: torch.Tenso
     from its pages' tables. The block mean weighs its pages by their keys; dev bounds each key's distance
     from it (the page's own dev plus the page mean's distance), so a bound stays a bound."""
     if block_tokens % page_size:
-        raise ValueError(f"sparse attention: block_tokens {block_tokens} is not a multiple of the page size {page_size}")
+        raise ValueError(f"sparse attention: block_tokens {block_tokens} is not a multiple of the page size "
+                         f"{page_size}")
     per = block_tokens // page_size
     b = block_tables.shape[0]
     pages = torch.arange(max_blocks * per, device=mean.device)
@@ -79,7 +80,8 @@ def block_stats(mean: torch.Tensor, dev: torch.Tensor, block_tables: torch.Tenso
     w = n.view(b, max_blocks, per)
     keys = w.sum(-1)  # [B, NBsel]
     bm = (pm.view(b, max_blocks, per, *pm.shape[2:]) * w[..., None, None]).sum(2) / keys.clamp_min(1)[..., None, None]
-    far = (pm.view(b, max_blocks, per, *pm.shape[2:]) - bm[:, :, None]).abs() + pd.view(b, max_blocks, per, *pd.shape[2:])
+    far = ((pm.view(b, max_blocks, per, *pm.shape[2:]) - bm[:, :, None]).abs()
+           + pd.view(b, max_blocks, per, *pd.shape[2:]))
     bd = torch.where((w > 0)[..., None, None], far, torch.zeros_like(far)).amax(2)
     return bm, bd, keys
 
