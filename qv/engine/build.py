@@ -291,6 +291,9 @@ def sparse_policy(cfg: EngineConfig, device: torch.device) -> SparsePolicy | Non
     if cfg.kernels == "sm70" or (cfg.kernels == "auto" and volta):
         raise ConfigError(f"{on}: sparse attention is not built for the sm70 kernel chain (its m8n8k4 attention "
                           f"kernels take no block lists): turn {on} off, or use kernels=triton")
+    if cfg.kv_offload_bytes:
+        raise ConfigError(f"{on} with kv_offload_bytes is not built: KV blocks restored from the host tier would not "
+                          "refresh sparse attention's page tables; set kv_offload_bytes=0")
     if cfg.sparse_block_tokens % cfg.block_size:
         raise ConfigError(f"sparse_block_tokens={cfg.sparse_block_tokens} must be a multiple of block_size="
                           f"{cfg.block_size}")

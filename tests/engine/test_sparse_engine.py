@@ -80,7 +80,28 @@ def test_tables_cost_nothing_off_and_are_planned_on(tiny_engine):
     assert kv.sparse.mean.shape[0] == kv.k.shape[0] + 1
 
 
-def test_sm70_chain_refuses_the_levers_by_name(tiny_engine):
+def test_sm70_chain_and_host_tier_refuse_the_levers_by_name(tiny_engine):
     for lever in ("sparse_prefill", "sparse_decode"):
         with pytest.raises(ConfigError, match=f"{lever}: sparse attention is not built for the sm70"):
             tiny_engine(**LEVERS, kernels="sm70", **{lever: True})
+    with pytest.raises(ConfigError, match="sparse_decode with kv_offload_bytes is not built"):
+        tiny_engine(**dict(LEVERS, prefix_caching=True), kv_offload_bytes=1 << 20, sparse_decode=True)
+    with pytest.raises(ConfigError, match="sparse_block_tokens=6 must be a multiple of block_size=4"):
+        tiny_engine(**dict(LEVERS, sparse_block_tokens=6), sparse_prefill=True)
+
+
+@pytest.mark.gpu
+def test_keep_all_equals_exact_attention_with_decode_graphs(tiny_engine):
+    """On the GPU (Triton kernels, captured decode graphs whose start-up check replays them against the eager
+    forward): keep-all sparse attention gives exact attention's greedy tokens, and the original's settings run."""
+    prompts, params = _prompts(4), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    gpu = dict(LEVERS, device="cuda", dtype="float32", cuda_graphs=True)
+    exact = tiny_engine(**gpu).generate(prompts, params)
+    keep_all = tiny_engine(**gpu, sparse_prefill=True, sparse_decode=True, sparse_mass=1.0, sparse_min_len=0,
+                           sparse_decode_top=1.0, sparse_decode_min_blocks=1).generate(prompts, params)
+    for a, b in zip(keep_all, exact):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    llm = tiny_engine(**gpu, sparse_prefill=True, sparse_decode=True, sparse_min_len=0, sparse_decode_min_blocks=2)
+    assert llm.engine.stats.cuda_graph_sizes  # decode replays graphs with the sparse selection inside
+    out = llm.generate(prompts, params)
+    assert all(len(o.outputs[0].token_ids) == 24 for o in out)
