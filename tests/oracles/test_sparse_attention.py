@@ -266,6 +266,19 @@ def test_decode_batch_where_only_the_second_sequences_keys_change():
         assert torch.equal(keep, S.select_decode(q, cu, sl, *_stats(fresh, sl.tolist(), nb)[:2], BLOCK_TOKENS, **args))
 
 
+@pytest.mark.parametrize("rule", ["certified", "estimate"])
+def test_prefill_selection_in_row_pieces_is_the_same(rule):
+    """More rows than row_chunk are selected in pieces of whole tiles: the same keep table, min_len included."""
+    c, q, cu, sl, bm, bd, nkeys = _prefill_case([70, 5, 41], [200, 33, 300])
+    scale = q.shape[-1] ** -0.5
+    for min_len in (0, 250):
+        args = (q, cu, sl, bm, bd, nkeys, scale, BLOCK_TOKENS)
+        kw = dict(mass=MASS, tile=8, sink=1, window=1, min_len=min_len, rule=rule)
+        whole = S.select_prefill(*args, **kw, row_chunk=1 << 20)
+        assert torch.equal(S.select_prefill(*args, **kw, row_chunk=16), whole)
+        assert torch.equal(S.select_prefill(*args, **kw, row_chunk=20), whole)  # rounded down to whole tiles
+
+
 def test_decode_floor_keeps_short_contexts_dense():
     """k = min(visible, max(min_blocks, ceil(top * visible))): below min_blocks blocks every block is kept."""
     c, q, cu, sl, bm, bd, _ = _prefill_case([1, 1, 1], [30, 90, 200])

@@ -130,7 +130,7 @@ def forced_blocks(pos: torch.Tensor, first: torch.Tensor, block_tokens: int, nb:
 def select_prefill(q: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, bm: torch.Tensor,
                    bd: torch.Tensor, block_keys: torch.Tensor, scale: float, block_tokens: int, mass: float = 0.85,
                    gamma: float = 0.5, tile: int = 128, sink: int = 2, window: int = 8,
-                   min_len: int = 0, rule: str = "certified") -> torch.Tensor:
+                   min_len: int = 0, rule: str = "certified", row_chunk: int = 1024) -> torch.Tensor:
     """keep [T, Hq, NBsel] of prompt rows by the mass rule (module docstring). Rows are tiled per
     sequence from its first row of the step (tile rows); every row of a tile and every query head of
     one KV head share the tile's choice. Blocks are ranked by the estimated tile mass (gamma's score);
@@ -139,10 +139,26 @@ def select_prefill(q: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.
     - "certified": once a lower bound of the kept share of the exact mass, averaged over the tile's rows
       and query heads, reaches `mass`: per row, kept whole blocks count at their Jensen bound
       n * exp(q . mean), every dropped block at its Hoelder bound n * exp(q . mean + sum_d |q_d| dev_d),
-      so the captured share per tile is at least `mass` whatever the keys (at the cost of keeping more)."""
+      so the captured share per tile is at least `mass` whatever the keys (at the cost of keeping more).
+    row_chunk: more rows than this are selected in pieces of whole tiles of one sequence (the same choice,
+    with temporaries of [row_chunk, Hq, NBsel] instead of [T, Hq, NBsel])."""
     if rule not in ("certified", "estimate"):
         raise ValueError(f"select_prefill: rule {rule!r} is not certified or estimate")
     t, hq, _ = q.shape
+    if t > row_chunk:
+        step = max(tile, row_chunk // tile * tile)
+        cu = cu_seqlens_q.tolist()
+        pieces = []
+        for b, (lo, hi) in enumerate(zip(cu, cu[1:])):
+            for start in range(lo, hi, step):
+                end = min(hi, start + step)
+                # the piece as a sequence of its own: its rows end (hi - end) keys before the sequence's end
+                piece_len = (seq_lens[b:b + 1] - (hi - end)).to(seq_lens.dtype)
+                one = torch.tensor([0, end - start], dtype=cu_seqlens_q.dtype, device=q.device)
+                pieces.append(select_prefill(q[start:end], one, piece_len, bm[b:b + 1], bd[b:b + 1],
+                                             block_keys[b:b + 1], scale, block_tokens, mass, gamma, tile, sink, window,
+                                             min_len - (hi - end), rule, row_chunk))  # dense by the whole length
+        return torch.cat(pieces) if pieces else torch.zeros(0, hq, bm.shape[1], dtype=torch.bool, device=q.device)
     nb, hkv = bm.shape[1], bm.shape[2]
     rep = hq // hkv
     seq, pos = _row_positions(cu_seqlens_q, seq_lens, t)
