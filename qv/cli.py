@@ -165,6 +165,8 @@ def dry_run_text(cfg: EngineConfig, origins: dict[str, str], check) -> str:
                  ", ".join(f"{k}={v}" for k, v in kernel_cache_dirs(cfg.state_dir).items()) + ")")
     if check.plan is not None:
         lines.append(f"{check.plan.summary()} (weights counted from the config)")
+    if check.fit_hint:
+        lines.append(check.fit_hint)
     where = ("free on the planned device (device_memory_bytes)" if cfg.device_memory_bytes else
              "free on the GPU" if check.device.type == "cuda" else "available on the host")
     lines.append(f"needs {gib(check.needed_bytes)} of the {gib(check.free_bytes)} {where}")

@@ -113,6 +113,11 @@ class EngineConfig(BaseSettings):
         "waits), a long prefill "
         "(a Clef record or a long chat prompt) takes at most this many tokens of a step; alone it takes the whole "
         "budget (vLLM's name). 0: max_num_batched_tokens // 4.", ge=0)
+    max_preemptions: int = lever(
+        2, "Times a request may be preempted (by recompute) and readmitted as soon as its current length fits; "
+        "preempted more often, it waits until its full length (prompt + max_tokens) fits beside the running "
+        "sequences, then runs to the end, never preempted again (the blocks it still needs are reserved), so "
+        "contexts that outgrow the KV cache cannot thrash it.", ge=0)
     max_long_partial_prefills: int = lever(
         1, "Most long prefills that share one step with decoding sequences (vLLM's name).", ge=1)
     max_step_ms: float = lever(
@@ -127,6 +132,28 @@ class EngineConfig(BaseSettings):
         "max_long_partial_prefills in steps with decodes. 0 (the default): off, until a GPU measurement (qv bench "
         "serve beside records at the 27B shapes) picks the default; 30 is about 2x a decode-only step of the 27B "
         "model on an H100.", ge=0)
+    # -- sparse attention (long contexts; off: exact attention) ---------------------------------
+    sparse_prefill: bool = lever(
+        False, "Prompt chunks attend only to the key blocks that hold the target share of each query tile's softmax "
+        "mass (sparse_mass): blocks ranked by their mean keys with a per-dimension Hoelder correction; sink, window and "
+        "diagonal blocks always kept; prompts shorter than sparse_min_len keys stay dense. Keeps a mean and a spread "
+        "table per KV page, refreshed at every KV write (counted in the memory plan). Triton chain only: refused with "
+        "kernels=sm70.")
+    sparse_mass: float = lever(0.85, "Share of a query tile's softmax mass sparse_prefill keeps; 1: every block "
+                               "(exact).", gt=0, le=1)
+    sparse_rule: Literal["certified", "estimate"] = lever(
+        "certified", "Where sparse_prefill stops adding blocks: certified (a lower bound of the kept mass reaches "
+        "sparse_mass, so the target holds whatever the keys, keeping more blocks) or estimate (the original's: the "
+        "estimated mass reaches it).")
+    sparse_min_len: int = lever(16384, "Keys below which a prompt chunk stays dense under sparse_prefill.", ge=0)
+    sparse_decode: bool = lever(
+        False, "Decode and speculative rows attend, per row and query head, to the best-scored sparse_decode_top "
+        "share of the key blocks they see (at least sparse_decode_min_blocks, so short contexts stay dense), sink "
+        "and recent blocks included; capturable in CUDA graphs. Shares sparse_prefill's tables; Triton chain only.")
+    sparse_decode_top: float = lever(0.15, "Share of key blocks each decode row keeps under sparse_decode.", gt=0, le=1)
+    sparse_decode_min_blocks: int = lever(256, "Fewest key blocks a decode row keeps under sparse_decode.", ge=1)
+    sparse_block_tokens: int = lever(64, "Keys per selection block of sparse attention (a multiple of block_size).",
+                                     ge=1)
     # -- prefix caching ------------------------------------------------------------------------
     prefix_caching: bool = lever(True, "Reuse KV blocks and GDN state snapshots of earlier prompts.")
     gdn_snapshot_interval: int = lever(

@@ -61,6 +61,7 @@ SLOW_TESTS = (
     "tests/engine/test_async_scheduling.py",
     "tests/engine/test_prefix_cache.py",
     "tests/engine/test_long_prefill_share.py",
+    "tests/engine/test_preemption_bound.py::test_thrash_reproduced_then_bounded",  # three engine runs to the end
     "tests/engine/test_prompt_logprobs.py::test_chunked_prompt_equals_transformers",
     "tests/engine/test_prompt_logprobs.py::test_preemption_mid_prefill",
     "tests/engine/test_memory_plan.py::test_every_slot_at_its_planned_context_runs_at_once",

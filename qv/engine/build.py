@@ -18,6 +18,7 @@ from qv.engine.clef_rows import clef_reserve_bytes
 from qv.engine.memory_plan import MemoryPlan
 from qv.engine.prefix_cache import PrefixPlan, plan_prefix_cache
 from qv.engine.tensor_parallel import TPDriver, check_levers, rank_device
+from qv.kernels.paged_attention.sparse import SparsePolicy
 from qv.model.cache import (KV_DTYPES, STATE_DTYPES, HybridCache, allocate_cache, gdn_bytes_per_slot,
                             kv_bytes_per_block, prefill_workspace_bytes, warm_prefill_attention)
 from qv.model.parallel import TPGroup
@@ -157,6 +158,7 @@ def wants_mtp(cfg: EngineConfig, mcfg: ModelConfig) -> bool:
 def build_engine_parts(cfg: EngineConfig) -> EngineParts:
     use_state_dir(cfg.state_dir)  # before Triton or CuPy compiles anything
     device = resolve_device(cfg.device)
+    sparse_policy(cfg, device)  # a sparse lever the kernel chain cannot run stops the start before loading
     tp = start_tensor_parallel(cfg, device) if cfg.tensor_parallel_size > 1 else None
     try:
         return _build(cfg, rank_device(device, 0) if tp else device, tp)
@@ -207,7 +209,8 @@ def load_rank(cfg: EngineConfig, device: torch.device, tp: TPGroup):
 
     def make_cache(num_blocks: int, num_slots: int) -> HybridCache:
         return allocate_cache(model.cfg, num_blocks, cfg.block_size, num_slots, resolve_kv_dtype(cfg.kv_dtype, dtype),
-                              STATE_DTYPES[cfg.gdn_state_dtype], dtype, device, extra_attention_layers=mtp_layers)
+                              STATE_DTYPES[cfg.gdn_state_dtype], dtype, device, extra_attention_layers=mtp_layers,
+                              sparse=sparse_policy(cfg, device))
 
     def make_spec(cache: HybridCache) -> Speculator | None:
         return Speculator.for_engine(cfg, head, model.cfg, cache, device) if cfg.spec != "off" else None
@@ -278,6 +281,27 @@ def host_copy(w):
                                      for f in ("qweight", "scales", "zeros", "g_idx")})
 
 
+def sparse_policy(cfg: EngineConfig, device: torch.device) -> SparsePolicy | None:
+    """The sparse attention levers as the attention layers use them; None when both are off. ConfigError
+    naming the lever where the kernel chain has no sparse kernel (sm70) or the blocks do not tile the pages."""
+    if not (cfg.sparse_prefill or cfg.sparse_decode):
+        return None
+    on = "sparse_prefill" if cfg.sparse_prefill else "sparse_decode"
+    volta = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 7
+    if cfg.kernels == "sm70" or (cfg.kernels == "auto" and volta):
+        raise ConfigError(f"{on}: sparse attention is not built for the sm70 kernel chain (its m8n8k4 attention "
+                          f"kernels take no block lists): turn {on} off, or use kernels=triton")
+    if cfg.kv_offload_bytes:
+        raise ConfigError(f"{on} with kv_offload_bytes is not built: KV blocks restored from the host tier would not "
+                          "refresh sparse attention's page tables; set kv_offload_bytes=0")
+    if cfg.sparse_block_tokens % cfg.block_size:
+        raise ConfigError(f"sparse_block_tokens={cfg.sparse_block_tokens} must be a multiple of block_size="
+                          f"{cfg.block_size}")
+    return SparsePolicy(prefill=cfg.sparse_prefill, decode=cfg.sparse_decode, mass=cfg.sparse_mass,
+                        rule=cfg.sparse_rule, min_len=cfg.sparse_min_len, top=cfg.sparse_decode_top,
+                        min_blocks=cfg.sparse_decode_min_blocks, block_tokens=cfg.sparse_block_tokens)
+
+
 def plan_cache(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_model_len: int,
                mtp_layers: tuple[int, ...] = (), reserve_bytes: int = 0, weight_bytes: int = 0
                ) -> tuple[HybridCache, PrefixPlan, MemoryPlan]:
@@ -294,7 +318,8 @@ def plan_cache(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device, dtype
     prefix, plan = plan_memory(cfg, mcfg, dtype, max_model_len, room, total, mtp_layers, reserve_bytes, weight_bytes)
     # one slot more than sequences: the last is scratch for the padding rows of captured decode graphs
     cache = allocate_cache(mcfg, plan.kv_blocks, cfg.block_size, plan.gdn_slots + 1, resolve_kv_dtype(cfg.kv_dtype, dtype),
-                           STATE_DTYPES[cfg.gdn_state_dtype], dtype, device, extra_attention_layers=mtp_layers)
+                           STATE_DTYPES[cfg.gdn_state_dtype], dtype, device, extra_attention_layers=mtp_layers,
+                           sparse=sparse_policy(cfg, device))
     return cache, prefix, plan
 
 
@@ -321,7 +346,8 @@ def plan_memory(cfg: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, max_mo
     kv_dtype = resolve_kv_dtype(cfg.kv_dtype, dtype)
     state_dtype = STATE_DTYPES[cfg.gdn_state_dtype]
     num_slots = cfg.max_gdn_slots or cfg.max_num_seqs
-    per_block = max(1, kv_bytes_per_block(mcfg, cfg.block_size, kv_dtype, len(mtp_layers)))
+    per_block = max(1, kv_bytes_per_block(mcfg, cfg.block_size, kv_dtype, len(mtp_layers),
+                                          sparse=cfg.sparse_prefill or cfg.sparse_decode))
     slot_bytes = gdn_bytes_per_slot(mcfg, dtype, state_dtype)
     spec_bytes = 0
     if cfg.spec != "off":  # per-position states of the verified sequences (qv/engine/speculator.py)
@@ -344,5 +370,6 @@ def plan_memory(cfg: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, max_mo
                           f"lower max_num_seqs / max_gdn_slots or raise kv_cache_bytes")
     planned = num_blocks * per_block + (num_slots + 1 + prefix.num_snapshots) * slot_bytes + spec_bytes + reserve_bytes
     plan = MemoryPlan(total, cfg.gpu_memory_utilization, weight_bytes, int(num_blocks), cfg.block_size, per_block, num_slots,
-                      slot_bytes, prefix.num_snapshots, spec_bytes, reserve_bytes, max(0, room - planned), max_model_len)
+                      slot_bytes, prefix.num_snapshots, spec_bytes, reserve_bytes, max(0, room - planned), max_model_len,
+                      cfg.tensor_parallel_size)
     return prefix, plan

@@ -46,6 +46,7 @@ class EngineStats:
     num_gpu_blocks: int = 0  # KV blocks on the device
     step_tokens: dict[int, int] = field(default_factory=dict)  # tokens scheduled in a step -> steps
     num_preemptions: int = 0
+    num_deferred_readmissions: int = 0  # preempted past max_preemptions, waiting for room for their full length
     prompt_tokens: int = 0
     generation_tokens: int = 0
     prefix_cache_queries: int = 0  # tokens looked up at admission (vLLM counts tokens, not requests)
@@ -98,7 +99,8 @@ class LLMEngine:
                                    long_prefill_token_threshold=cfg.long_prefill_token_threshold,
                                    max_long_partial_prefills=cfg.max_long_partial_prefills,
                                    max_spec_seqs=self.spec.max_seqs if self.spec else 0,
-                                   max_step_ms=cfg.max_step_ms, step_cost=self.step_timer.model)
+                                   max_step_ms=cfg.max_step_ms, step_cost=self.step_timer.model,
+                                   max_preemptions=cfg.max_preemptions)
         capacity = StepCapacity.of(cfg.max_num_batched_tokens, cfg.max_num_seqs, self.max_model_len, cfg.block_size,
                                    cfg.spec_k if self.spec else 0)
         self.multimodal = self.media = None  # images/videos: prompt building and in-step encoding
@@ -449,6 +451,7 @@ class LLMEngine:
         if host is not None and host.num_blocks:
             s.host_cache_usage = 1 - len(host.blocks.free) / host.num_blocks
         s.num_preemptions = self.scheduler.num_preemptions
+        s.num_deferred_readmissions = self.scheduler.num_deferred_readmissions
         if self.spec:
             sp = self.spec.stats
             s.spec_num_drafts, s.spec_num_draft_tokens = sp.num_drafts, sp.num_draft_tokens

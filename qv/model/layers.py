@@ -153,8 +153,13 @@ class GatedAttention:
         q, k = K.rope(q, k, positions, cfg.rotary_dim, cfg.rope_theta, cfg.mrope_section, cfg.mrope_interleaved)
         a = batch.attn
         K.write_kv(k, v, kv.k, kv.v, a.slot_mapping, kv.k_scale, kv.v_scale)
-        o = K.paged_attention(q, kv.k, kv.v, a.block_tables, batch.cu_seqlens_q, a.seq_lens, self.scale,
-                              kv.k_scale, kv.v_scale, batch.max_query_len, a.max_seq_len, k_new=k, v_new=v)
+        o = None
+        if kv.sparse is not None:  # sparse attention levers: refresh the page tables, attend to kept blocks
+            o = kv.sparse.attend(q, kv.k, kv.v, kv.k_scale, kv.v_scale, a.slot_mapping, a.block_tables,
+                                 batch.cu_seqlens_q, a.seq_lens, batch.max_query_len, a.max_seq_len, self.scale)
+        if o is None:
+            o = K.paged_attention(q, kv.k, kv.v, a.block_tables, batch.cu_seqlens_q, a.seq_lens, self.scale,
+                                  kv.k_scale, kv.v_scale, batch.max_query_len, a.max_seq_len, k_new=k, v_new=v)
         return self.o_proj(K.sigmoid_mul(o.view(t, hq * d), gate), batch.delta_rows)
 
 
