@@ -1,4 +1,5 @@
-"""Linear layers over dense or GPTQ weights (8 or 4 bits), and qv's runtime layout of a GPTQ weight."""
+"""Linear layers over dense, GPTQ (8 or 4 bits) or block-FP8 weights, and qv's runtime layouts of the quantized
+weights."""
 
 from __future__ import annotations
 
@@ -74,6 +75,46 @@ class GPTQWeight:
                           self.bits)
 
 
+@dataclass
+class FP8Weight:
+    """A block-FP8 weight as Qwen's FP8 checkpoints store it (DeepSeek's layout), kept as read.
+
+    weight     float8_e4m3fn [N, K]  - nn.Linear orientation
+    scale_inv  fp32 [ceil(N/bn), ceil(K/bk)] - the scale of each [bn, bk] block
+    block      (bn, bk)              - `weight_block_size`
+    w[n, k] = weight[n, k] * scale_inv[n // bn, k // bk]
+    """
+
+    weight: torch.Tensor
+    scale_inv: torch.Tensor
+    block: tuple[int, int]
+
+    def __post_init__(self):
+        if self.weight.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"FP8Weight: weight dtype {self.weight.dtype}; expected float8_e4m3fn")
+        n, k = self.weight.shape
+        bn, bk = self.block
+        want = (-(-n // bn), -(-k // bk))
+        if tuple(self.scale_inv.shape) != want:
+            raise ValueError(f"FP8Weight: scale_inv shape {tuple(self.scale_inv.shape)}, expected {want} for a "
+                             f"[{n}, {k}] weight in {bn}x{bk} blocks")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.weight.shape)
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def to(self, device) -> "FP8Weight":
+        return FP8Weight(self.weight.to(device), self.scale_inv.to(device), self.block)
+
+
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     """uint8 [R, N] of two 4-bit codes a byte (row 2r low nibble, 2r + 1 high) -> uint8 codes [2R, N]."""
     return torch.stack([packed & 15, packed >> 4], dim=1).reshape(2 * packed.shape[0], packed.shape[1])
@@ -85,8 +126,10 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     return c[:, 0] | (c[:, 1] << 4)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | GPTQWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x W^T (+ bias). x [T, K]; weight dense [N, K] or GPTQWeight (K x N codes); bias [N]; y [T, N]."""
+def linear(x: torch.Tensor, weight: torch.Tensor | GPTQWeight | FP8Weight,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T (+ bias). x [T, K]; weight dense [N, K], GPTQWeight (K x N codes) or FP8Weight ([N, K] e4m3 with
+    block scales); bias [N]; y [T, N]."""
     k = weight.shape[1]
     if x.shape[-1] != k:
         raise ValueError(f"linear: x last dim {x.shape[-1]} != weight in_features {k}")
