@@ -65,7 +65,7 @@ def port_problem(host: str, port: int) -> str | None:
 
 def weight_bytes(mcfg: ModelConfig, dtype: torch.dtype, mtp: bool, media: bool) -> int:
     """Device bytes of the weights a start loads, from their shapes (build_text_model's layout: 1-D
-    vectors of the text model in fp32, GPTQ codes one byte each (two a byte at 4 bits), the rest in the activation dtype)."""
+    vectors of the text model in fp32, GPTQ codes one byte each (two a byte at 4 bits), FP8 values one byte, the rest in the activation dtype)."""
     reader = RandomReader(mcfg, 0, "meta")  # names, shapes and which linears are GPTQ; makes no tensor
     size, total = dtype.itemsize, 0
     for name, shape in reader.shapes.items():
@@ -77,6 +77,9 @@ def weight_bytes(mcfg: ModelConfig, dtype: torch.dtype, mtp: bool, media: bool) 
             q = reader.rules.resolve(module)
             groups = 1 if q.group_size == -1 else k // q.group_size
             total += k * n * q.bits // 8 + groups * n * size * (1 if mcfg.quant.sym else 2) + 4 * k
+        elif name.endswith(".weight") and reader.has(f"{module}.weight_scale_inv"):
+            (n, k), (bn, bk) = shape, mcfg.quant.weight_block_size
+            total += n * k + 4 * -(-n // bn) * -(-k // bk)  # e4m3 values, fp32 block scales
         elif len(shape) == 1 and ".visual." not in f".{name}":
             total += 4 * shape[0]
         else:
