@@ -2,7 +2,7 @@
 # One device call for the engine-level GPU checks and benchmarks; logs under $OUT.
 #   bash bench/gpu_all.sh SECTION...    sections: tests oracles sm70 specgpu newgpu (side by side: sm70 oracles,
 #   speculation and prompt-logprob GPU tests, graphs, the sm70 engine) engine spec spec27 ngram27 prefix
-#   prefix27 clef clef27 clefmix kernels bench27 top1 plp mask
+#   prefix27 clef clef27 clefmix kernels bench27 fp8_27 top1 plp mask
 # BENCH_KERNELS_ARGS passes options to bench/kernels.py (e.g. "--only attn,gdn --sweep attn,gdn");
 # BENCH27_ARGS to `qv bench --preset 27b` (e.g. "--prefill-lengths 32768 --profile").
 # The pytest sections run with OMP_NUM_THREADS=${PYTEST_THREADS:-4}: host-side fits (the MTP head's) crawl when
@@ -55,6 +55,12 @@ for section in "$@"; do
         run clefmix-$t 200 python3 bench/clef.py --dir /tmp/qv-clef-models --presets 27b --load-format random \
           --lengths 32768 --counts 4 --long-prefill-token-threshold $t; done ;;
     bench27) run bench27 ${BENCH27_S:-560} python3 -m qv.cli bench --preset 27b --json "$out/bench27.json" ${BENCH27_ARGS:-} ;;
+    fp8_27)  # issue 36: block-FP8 prefill at 32K / 128K beside GPTQ-Int8 in the same call (target: <= 0.65x at 32K)
+        run fp8oracles 150 env OMP_NUM_THREADS=${PYTEST_THREADS:-4} python3 -m pytest -q -m gpu tests/oracles/test_linear_fp8.py \
+          -p no:cacheprovider -rfE
+        for q in gptq-int8 fp8; do
+          run bench27-$q ${FP8_27_S:-280} python3 -m qv.cli bench --preset 27b --quantization $q --batch-sizes 1,16 \
+            --contexts "" --prefill-lengths 32768,131072 --linears --json "$out/bench27-$q.json"; done ;;
     kernels) run kernels ${KERNELS_S:-240} python3 bench/kernels.py --json "$out/kernels.json" ${BENCH_KERNELS_ARGS:-} ;;
   esac
 done
