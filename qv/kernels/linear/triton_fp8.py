@@ -199,7 +199,7 @@ def _launch_split(kernel, grid_tiles, x2, w, bias, out, step, split, **meta):
 def gemv_fp8(x2, w, bias, out, split=None):
     m, n = x2.shape[0], out.shape[1]
     block_m = next_pow2(m)
-    step = _k_step(w.block[1], 128)
+    step = _k_step(w.block[1], 128 if block_m <= 2 else 32)  # the [BM, BN, BK] products stay ~32 a thread
     block_n = max(16, 4096 // (block_m * step))
     _launch_split(fp8_gemv_kernel, triton.cdiv(n, block_n), x2, w, bias, out, step, split, BLOCK_M=block_m,
                   BLOCK_N=block_n)
