@@ -56,7 +56,7 @@ for section in "$@"; do
           --lengths 32768 --counts 4 --long-prefill-token-threshold $t; done ;;
     bench27) run bench27 ${BENCH27_S:-560} python3 -m qv.cli bench --preset 27b --json "$out/bench27.json" ${BENCH27_ARGS:-} ;;
     fp8_27)  # issue 36: block-FP8 prefill at 32K / 128K beside GPTQ-Int8 in the same call (target: <= 0.65x at 32K)
-        run fp8oracles 150 env OMP_NUM_THREADS=${PYTEST_THREADS:-4} python3 -m pytest -q -m gpu tests/oracles/test_linear_fp8.py tests/engine/test_fp8_engine_gpu.py \
+        run fp8oracles ${FP8_TESTS_S:-300} env OMP_NUM_THREADS=${PYTEST_THREADS:-4} python3 -m pytest -q -m gpu tests/oracles/test_linear_fp8.py tests/engine/test_fp8_engine_gpu.py \
           -p no:cacheprovider -rfE
         for q in gptq-int8 fp8; do
           run bench27-$q ${FP8_27_S:-280} python3 -m qv.cli bench --preset 27b --quantization $q --batch-sizes 1,16 \

@@ -1,11 +1,11 @@
-"""fp32 linear over dense, dequantized GPTQ or dequantized block-FP8 weights: the oracle of linear (arguments as in
+"""fp32 linear over dense or dequantized GPTQ, block-FP8 and W12 weights: the oracle of linear (arguments as in
 __init__.py). quantize_rows_fp8 is the spec of the FP8 prefill path's activation quantization."""
 
 from __future__ import annotations
 
 import torch
 
-from qv.kernels.linear import FP8Weight, GPTQWeight
+from qv.kernels.linear import FP8Weight, GPTQWeight, W12Weight
 
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 
@@ -25,6 +25,11 @@ def dequantize_fp8(w: FP8Weight) -> torch.Tensor:
     bn, bk = w.block
     s = w.scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
     return w.weight.float() * s
+
+
+def dequantize_w12(w: W12Weight) -> torch.Tensor:
+    """fp32 [N, K] weight of a W12Weight: w[n, k] = code[n, k] * scale[n]."""
+    return w.codes().float() * w.scale.float()[:, None]
 
 
 def quantize_rows_fp8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,6 +60,8 @@ def linear(x, weight, bias=None):
         w = dequantize_gptq(weight)
     elif isinstance(weight, FP8Weight):
         w = dequantize_fp8(weight)
+    elif isinstance(weight, W12Weight):
+        w = dequantize_w12(weight)
     else:
         w = weight.float()
     y = x.float() @ w.t()
