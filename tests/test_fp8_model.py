@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from fp8_checkpoint import dense_twin, write_fp8
+from fp8_checkpoint import dense_twin, quantize_blocks, write_fp8
 from hf_oracle import assert_matches_hf
 from qv.clef.adapters import AdapterModule, attach
 from qv.config import ConfigError, ModelConfig
@@ -87,6 +87,8 @@ O_PROJ = LAYER3 + "o_proj"
      ["o_proj.weight", "float8_e4m3fn"]),
     (lambda t: t.update({O_PROJ + ".input_scale": torch.ones(1)}), None, CheckpointError, ["input_scale", "static"]),
     (None, lambda q: q["modules_to_not_convert"].append(O_PROJ), CheckpointError, ["o_proj", "excludes"]),
+    (lambda t: t.update(zip(("lm_head.weight", "lm_head.weight_scale_inv"), quantize_blocks(t["lm_head.weight"], (32, 32)))),
+     lambda q: q["modules_to_not_convert"].remove("lm_head"), CheckpointError, ["lm_head", "not built"]),
     (None, lambda q: q.update(activation_scheme="static"), ConfigError, ["activation_scheme", "static"]),
     (None, lambda q: q.pop("weight_block_size"), ConfigError, ["weight_block_size"]),
     (None, lambda q: q.update(quant_method="gptq", bits=8), CheckpointError, ["weight_scale_inv", "fp8"]),

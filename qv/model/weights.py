@@ -251,6 +251,9 @@ class CheckpointReader:
         if q is None or q.method != "fp8":
             raise CheckpointError(f"{module}.weight_scale_inv is stored but config.json's quantization_config is not "
                                   "quant_method fp8 with a weight_block_size")
+        if prefix == "lm_head":
+            raise CheckpointError("lm_head is stored in FP8: an FP8 vocabulary projection is not built (Qwen's FP8 "
+                                  "releases keep it dense, which the sampler, MTP's top-1 and Clef's head read)")
         mq = self.rules.resolve(module)
         if mq.excluded_by is not None:
             raise CheckpointError(f"{module} is stored in FP8 but {mq.excluded_by} excludes it from quantization")
