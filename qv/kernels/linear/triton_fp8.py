@@ -66,24 +66,25 @@ def fp8_gemv_kernel(
     stride_om, stride_os, BLOCK_BN: tl.constexpr, BLOCK_BK: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, W12: tl.constexpr,
 ):
-    """out[:M] (or split partials) for M <= BLOCK_M rows: [BLOCK_N, BLOCK_K] weight tiles widened to fp32 and
-    multiplied on CUDA cores; BLOCK_K divides bk, so a tile lies in one scale block along K."""
+    """out[:M] (or split partials) for M <= BLOCK_M rows: [BLOCK_N, BLOCK_K] weight tiles widened to fp32, scaled
+    and multiplied on CUDA cores into per-lane sums (no shuffles in the loop); BLOCK_K divides bk, so a tile
+    lies in one scale block along K."""
     o_m = tl.arange(0, BLOCK_M).to(tl.int64)
     o_n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     m_m, m_n = o_m < M, o_n < N
     k_lo = tl.program_id(1) * K_SPLIT
     k_hi = tl.minimum(K, k_lo + K_SPLIT)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)  # summed over K once, after the loop
     for k0 in range(k_lo, k_hi, BLOCK_K):
         o_k = k0 + tl.arange(0, BLOCK_K)
         m_k = o_k < k_hi
         b_w = weight_tile(w_ptr, h_ptr, o_n, o_k, m_n[:, None] & m_k[None, :], stride_wn, stride_hn, W12)
-        b_w = b_w.to(tl.float32)
         b_s = tl.load(s_ptr + (o_n // BLOCK_BN) * stride_sn + k0 // BLOCK_BK, mask=m_n, other=0.)
+        b_w = b_w.to(tl.float32) * (b_s * (1. if W12 else 256.))[:, None]
         b_x = tl.load(x_ptr + o_m[:, None] * stride_xm + o_k[None, :], mask=m_m[:, None] & m_k[None, :],
                       other=0.).to(tl.float32)
-        acc += tl.sum(b_x[:, None, :] * b_w[None, :, :], axis=2) * (b_s * (1. if W12 else 256.))[None, :]
-    store_tile(acc, o_ptr, bias_ptr, o_m, o_n, m_m, m_n, stride_om, stride_os, HAS_BIAS, SPLIT)
+        acc += b_x[:, None, :] * b_w[None, :, :]
+    store_tile(tl.sum(acc, axis=2), o_ptr, bias_ptr, o_m, o_n, m_m, m_n, stride_om, stride_os, HAS_BIAS, SPLIT)
 
 
 @triton.jit
