@@ -65,7 +65,8 @@ def port_problem(host: str, port: int) -> str | None:
 
 def weight_bytes(mcfg: ModelConfig, dtype: torch.dtype, mtp: bool, media: bool) -> int:
     """Device bytes of the weights a start loads, from their shapes (build_text_model's layout: 1-D
-    vectors of the text model in fp32, GPTQ codes one byte each (two a byte at 4 bits), FP8 values one byte, the rest in the activation dtype)."""
+    vectors of the text model in fp32, GPTQ codes one byte each (two a byte at 4 bits), FP8 values one byte, the
+    rest in the activation dtype)."""
     reader = RandomReader(mcfg, 0, "meta")  # names, shapes and which linears are GPTQ; makes no tensor
     size, total = dtype.itemsize, 0
     for name, shape in reader.shapes.items():

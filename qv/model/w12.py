@@ -72,7 +72,8 @@ class PackCache:
         packed = pack_w12(w)
         self.dir.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        save_file({"lo": packed.lo.cpu(), "hi": packed.hi.cpu(), "scale": packed.scale.cpu()}, str(tmp), metadata=record)
+        tensors = {"lo": packed.lo.cpu(), "hi": packed.hi.cpu(), "scale": packed.scale.cpu()}
+        save_file(tensors, str(tmp), metadata=record)
         tmp.replace(path)  # whole files only: a start killed mid-write leaves no torn pack
         return packed
 
