@@ -70,11 +70,14 @@ class PackCache:
             self.rejected += 1
             log.warning("W12 cache %s does not match this model, shape or rank: packing again", path)
         packed = pack_w12(w)
-        self.dir.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tensors = {"lo": packed.lo.cpu(), "hi": packed.hi.cpu(), "scale": packed.scale.cpu()}
-        save_file(tensors, str(tmp), metadata=record)
-        tmp.replace(path)  # whole files only: a start killed mid-write leaves no torn pack
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            tensors = {"lo": packed.lo.cpu(), "hi": packed.hi.cpu(), "scale": packed.scale.cpu()}
+            save_file(tensors, str(tmp), metadata=record)
+            tmp.replace(path)  # whole files only: a start killed mid-write leaves no torn pack
+        except OSError as e:  # a read-only or full state directory costs the next start a pack, nothing more
+            log.warning("W12 cache %s not written (%s): the next start packs again", path, e)
         return packed
 
 
