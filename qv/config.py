@@ -81,9 +81,10 @@ class EngineConfig(BaseSettings):
         "dense at 4 bits.")
     w12: bool = lever(
         True,
-        "Pack the attention q/k/v projections that the checkpoint stores dense in bf16/fp16 into 12-bit integers "
-        "at load (1.5 bytes a weight, 0.75x bf16; representation error in docs/VALIDATION.md), cached on GPUs in "
-        "state_dir/w12 by model, shape and tensor-parallel rank. fp32 runs and other formats are left as they are.")
+        "Pack the attention q/k/v projections that load dense in bf16/fp16 (the checkpoint keeps them out of "
+        "GPTQ/FP8) into 12-bit integers at load (1.5 bytes a weight, 0.75x bf16; representation error in "
+        "docs/VALIDATION.md), cached on GPUs in state_dir/w12 by model, shape and tensor-parallel rank. fp32 runs "
+        "and quantized projections are left as they are.")
     # -- capacity ------------------------------------------------------------------------------
     max_model_len: int = lever(0, "Longest sequence (prompt + output); 0: the model's max_position_embeddings.", ge=0)
     max_num_seqs: int = lever(64, "Most sequences running in one step.", ge=1)
