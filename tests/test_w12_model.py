@@ -38,7 +38,7 @@ def test_w12_packs_bf16_projections_and_keeps_the_logits(tiny_dirs):
     folder = tiny_dirs("tiny")
     dense = load_text_model(str(folder), dtype=torch.bfloat16)
     packed = load_text_model(str(folder), dtype=torch.bfloat16)
-    assert apply_w12(packed, PackCache(None, "k")) == 1  # tiny: one attention layer, q/k/v fused
+    assert apply_w12(packed.layers, PackCache(None, "k")) == 1  # tiny: one attention layer, q/k/v fused
     [w] = _qkv_weights(packed)
     [d] = _qkv_weights(dense)
     assert isinstance(w, W12Weight) and w.lo.numel() + w.hi.numel() == d.numel() * 3 // 2
@@ -50,10 +50,10 @@ def test_w12_packs_bf16_projections_and_keeps_the_logits(tiny_dirs):
 
 
 def test_w12_leaves_fp32_and_quantized_weights(tiny_dirs, tmp_path):
-    assert apply_w12(load_text_model(str(tiny_dirs("tiny"))), PackCache(None, "k")) == 0  # fp32: nothing to gain
+    assert apply_w12(load_text_model(str(tiny_dirs("tiny"))).layers, PackCache(None, "k")) == 0  # fp32: nothing to gain
     gptq = load_text_model(str(quantize_checkpoint(tiny_dirs("tiny"), tmp_path / "q", group_size=32)),
                            dtype=torch.bfloat16)
-    assert apply_w12(gptq, PackCache(None, "k")) == 0
+    assert apply_w12(gptq.layers, PackCache(None, "k")) == 0
     assert all(isinstance(w, GPTQWeight) for w in _qkv_weights(gptq))
 
 
@@ -62,12 +62,12 @@ def test_w12_cache_hit_and_rejection(tiny_dirs, tmp_path):
     key = model_key(folder, "auto", 0)
     first = PackCache(tmp_path, key, rank=1, world=2)
     model = load_text_model(str(folder), dtype=torch.bfloat16)
-    assert apply_w12(model, first) == 2 and first.hits == 0
+    assert apply_w12(model.layers, first) == 2 and first.hits == 0
     files = sorted((tmp_path / "w12" / key).iterdir())
     assert len(files) == 2 and all(f.name.endswith(".qkv.0.tp2r1.safetensors") for f in files)
     again = PackCache(tmp_path, key, rank=1, world=2)
     model2 = load_text_model(str(folder), dtype=torch.bfloat16)
-    assert apply_w12(model2, again) == 2 and (again.hits, again.rejected) == (2, 0)
+    assert apply_w12(model2.layers, again) == 2 and (again.hits, again.rejected) == (2, 0)
     for a, b in zip(_qkv_weights(model), _qkv_weights(model2)):
         assert torch.equal(a.lo, b.lo) and torch.equal(a.hi, b.hi) and torch.equal(a.scale, b.scale)
     # another rank's pack under this rank's name, and a pack of other weights: rejected, packed again
@@ -80,7 +80,7 @@ def test_w12_cache_hit_and_rejection(tiny_dirs, tmp_path):
               metadata=dict(meta, fingerprint="0" * 32))
     third = PackCache(tmp_path, key, rank=1, world=2)
     model3 = load_text_model(str(folder), dtype=torch.bfloat16)
-    assert apply_w12(model3, third) == 2 and (third.hits, third.rejected) == (0, 2)
+    assert apply_w12(model3.layers, third) == 2 and (third.hits, third.rejected) == (0, 2)
     for a, b in zip(_qkv_weights(model), _qkv_weights(model3)):
         assert torch.equal(a.lo, b.lo)
     assert model_key(folder, "random", 1) != model_key(folder, "random", 2) != key
@@ -88,8 +88,10 @@ def test_w12_cache_hit_and_rejection(tiny_dirs, tmp_path):
 
 @pytest.mark.parametrize("w12", [True, False])
 def test_w12_lever_through_the_engine(tiny_dirs, w12):
-    llm = LLM(model=str(tiny_dirs("tiny")), dtype="bfloat16", w12=w12)
+    """The target's projections and the MTP head's packed (or not), and speculation runs on them."""
+    llm = LLM(model=str(tiny_dirs("tiny", mtp=True)), dtype="bfloat16", w12=w12, spec="mtp", spec_k=2)
     [w] = _qkv_weights(llm.engine.runner.model)
-    assert isinstance(w, W12Weight) == w12
+    [head_w] = [p.weight for p in llm.engine.spec.head.layer.mixer.qkv.parts]
+    assert isinstance(w, W12Weight) == w12 and isinstance(head_w, W12Weight) == w12
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     assert len(llm.generate(["hello there"], params)[0].outputs[0].token_ids) == 6

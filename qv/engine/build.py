@@ -192,13 +192,13 @@ def load_rank(cfg: EngineConfig, device: torch.device, tp: TPGroup):
     use_state_dir(cfg.state_dir)
     model_dir, dtype, mcfg, reader = _checkpoint(cfg, device)
     model = load_text_model(str(model_dir), mcfg, dtype=dtype, device=device, reader=reader, tp=tp)
-    pack_w12_projections(cfg, model, model_dir, device, tp.rank, tp.world_size)
     head = None
     if wants_mtp(cfg, mcfg):
         from qv.spec.mtp import load_mtp_head
 
         head = load_mtp_head(str(model_dir), mcfg, model, dtype, device, reader=reader,
                              draft_top1=cfg.spec_draft_top1, tp=tp)
+    pack_w12_projections(cfg, model, head, model_dir, device, tp.rank, tp.world_size)
     mtp_layers = (mcfg.num_hidden_layers,) if head else ()
     if cfg.clef:  # the rank's cut of Clef's deltas; the head and its state live on the driver only
         from qv.clef.adapters import clef_layout, load_clef_deltas
@@ -229,7 +229,6 @@ def _build(cfg: EngineConfig, device: torch.device, tp: TPDriver | None) -> Engi
     else:
         model = load_text_model(str(model_dir), mcfg, dtype=dtype, device=device, reader=reader,
                                 tp=tp.group if tp else None)
-    pack_w12_projections(cfg, model, model_dir, device, 0, tp.world if tp else 1)
     tokenizer = load_tokenizer(model_dir, cfg.state_dir)
     gen = read_generation_config(model_dir)
     eos = gen.get("eos_token_id", list(mcfg.eos_token_ids))
@@ -241,6 +240,7 @@ def _build(cfg: EngineConfig, device: torch.device, tp: TPDriver | None) -> Engi
 
         mtp_head = load_mtp_head(str(model_dir), mcfg, model, dtype, device, reader=reader,
                                  draft_top1=cfg.spec_draft_top1, tp=tp.group if tp else None)
+    pack_w12_projections(cfg, model, mtp_head, model_dir, device, 0, tp.world if tp else 1)
     clef = None
     if cfg.clef:  # Clef's head and low-rank deltas, before the memory plan (qv/clef/adapters.py)
         from qv.clef.adapters import load_clef
@@ -272,17 +272,17 @@ def _build(cfg: EngineConfig, device: torch.device, tp: TPDriver | None) -> Engi
                        clef=clef, memory_plan=plan, media_off=media_off, tp=tp)
 
 
-def pack_w12_projections(cfg: EngineConfig, model, model_dir: Path, device: torch.device, rank: int,
+def pack_w12_projections(cfg: EngineConfig, model, mtp_head, model_dir: Path, device: torch.device, rank: int,
                          world: int) -> None:
-    """The w12 lever: the attention q/k/v projections stored in bf16/fp16 packed to 12 bits (qv/model/w12.py),
-    the packs cached in the state directory on GPUs."""
+    """The w12 lever: the attention q/k/v projections (the MTP head's too) loaded dense in bf16/fp16 packed to
+    12 bits (qv/model/w12.py), the packs cached in the state directory on GPUs."""
     if not cfg.w12:
         return
     from qv.model.w12 import PackCache, apply_w12, model_key
 
     root = state_path(cfg.state_dir) if device.type == "cuda" else None
     cache = PackCache(root, model_key(model_dir, cfg.load_format, cfg.seed), rank, world)
-    packed = apply_w12(model, cache)
+    packed = apply_w12(list(model.layers) + ([mtp_head.layer] if mtp_head is not None else []), cache)
     if packed:
         log.info("W12: %d attention projection weights packed to 12 bits (%d from the cache, %d stale packs "
                  "rejected)", packed, cache.hits, cache.rejected)

@@ -81,11 +81,12 @@ class PackCache:
         return packed
 
 
-def apply_w12(model, cache: PackCache) -> int:
-    """Packs every full-attention layer's q/k/v linears (fused or not) whose weight is dense bf16/fp16; the
-    number of weights packed. Other formats (GPTQ, FP8) and fp32 weights stay as they are."""
+def apply_w12(layers, cache: PackCache) -> int:
+    """Packs the q/k/v linears (fused or not) of every full-attention layer among `layers` (DecoderLayers, the
+    MTP head's included) whose weight is dense bf16/fp16; the number of weights packed. Other formats (GPTQ, FP8)
+    and fp32 weights stay as they are."""
     count = 0
-    for layer in model.layers:
+    for layer in layers:
         if layer.kind != "full_attention":
             continue
         for i, part in enumerate(layer.mixer.qkv.parts):
