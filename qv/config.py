@@ -72,12 +72,19 @@ class EngineConfig(BaseSettings):
         "auto",
         "auto: read the checkpoint's safetensors; random: make weights on the device in the layout the checkpoint "
         "would load into (vLLM's dummy format, for benchmarks: a folder with only config.json serves).")
-    quantization: Literal["auto", "gptq-int8", "gptq-int4", "awq"] = lever(
+    quantization: Literal["auto", "gptq-int8", "gptq-int4", "awq", "fp8"] = lever(
         "auto",
         "auto: as the checkpoint's quantization_config says; with load_format random, the weights' format in "
         "place of the config's own: gptq-int8 GPTQ-Int8 (symmetric, group 128), gptq-int4 GPTQ-Int4 "
-        "(symmetric, group 128), awq AWQ (4 bits with zero points, group 128); the GDN gates in_proj_a/b stay "
+        "(symmetric, group 128), awq AWQ (4 bits with zero points, group 128), fp8 Qwen's block FP8 (e4m3, "
+        "128x128 block scales; embeddings, lm_head and the GDN gates dense); the GDN gates in_proj_a/b stay "
         "dense at 4 bits.")
+    w12: bool = lever(
+        True,
+        "Pack the attention q/k/v projections that load dense in bf16/fp16 (the checkpoint keeps them out of "
+        "GPTQ/FP8) into 12-bit integers at load (1.5 bytes a weight, 0.75x bf16; representation error in "
+        "docs/VALIDATION.md), cached on GPUs in state_dir/w12 by model, shape and tensor-parallel rank. fp32 runs "
+        "and quantized projections are left as they are.")
     # -- capacity ------------------------------------------------------------------------------
     max_model_len: int = lever(0, "Longest sequence (prompt + output); 0: the model's max_position_embeddings.", ge=0)
     max_num_seqs: int = lever(64, "Most sequences running in one step.", ge=1)

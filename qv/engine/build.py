@@ -200,6 +200,7 @@ def load_rank(cfg: EngineConfig, device: torch.device, tp: TPGroup):
 
         head = load_mtp_head(str(model_dir), mcfg, model, dtype, device, reader=reader,
                              draft_top1=cfg.spec_draft_top1, tp=tp)
+    pack_w12_projections(cfg, model, head, model_dir, device, tp.rank, tp.world_size)
     mtp_layers = (mcfg.num_hidden_layers,) if head else ()
     if cfg.clef:  # the rank's cut of Clef's deltas; the head and its state live on the driver only
         from qv.clef.adapters import clef_layout, load_clef_deltas
@@ -242,6 +243,7 @@ def _build(cfg: EngineConfig, device: torch.device, tp: TPDriver | None) -> Engi
 
         mtp_head = load_mtp_head(str(model_dir), mcfg, model, dtype, device, reader=reader,
                                  draft_top1=cfg.spec_draft_top1, tp=tp.group if tp else None)
+    pack_w12_projections(cfg, model, mtp_head, model_dir, device, 0, tp.world if tp else 1)
     clef = None
     if cfg.clef:  # Clef's head and low-rank deltas, before the memory plan (qv/clef/adapters.py)
         from qv.clef.adapters import load_clef
@@ -271,6 +273,22 @@ def _build(cfg: EngineConfig, device: torch.device, tp: TPDriver | None) -> Engi
                                     "presence_penalty", "frequency_penalty") if k in gen}
     return EngineParts(model_dir, mcfg, model, tokenizer, cache, max_len, eos_ids, defaults, mtp_head, prefix, vision,
                        clef=clef, memory_plan=plan, media_off=media_off, tp=tp)
+
+
+def pack_w12_projections(cfg: EngineConfig, model, mtp_head, model_dir: Path, device: torch.device, rank: int,
+                         world: int) -> None:
+    """The w12 lever: the attention q/k/v projections (the MTP head's too) loaded dense in bf16/fp16 packed to
+    12 bits (qv/model/w12.py), the packs cached in the state directory on GPUs."""
+    if not cfg.w12:
+        return
+    from qv.model.w12 import PackCache, apply_w12, model_key
+
+    root = state_path(cfg.state_dir) if device.type == "cuda" else None
+    cache = PackCache(root, model_key(model_dir, cfg.load_format, cfg.seed), rank, world)
+    packed = apply_w12(list(model.layers) + ([mtp_head.layer] if mtp_head is not None else []), cache)
+    if packed:
+        log.info("W12: %d attention projection weights packed to 12 bits (%d from the cache, %d stale packs "
+                 "rejected)", packed, cache.hits, cache.rejected)
 
 
 def host_copy(w):

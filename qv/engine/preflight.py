@@ -95,9 +95,9 @@ def tp_split(name: str) -> str | None:
 
 def weight_bytes(mcfg: ModelConfig, dtype: torch.dtype, mtp: bool, media: bool, world: int = 1) -> int:
     """Device bytes of the weights a start loads, from their shapes (build_text_model's layout: 1-D
-    vectors of the text model in fp32, GPTQ codes one byte each (two a byte at 4 bits), the rest in the activation
-    dtype); with `world` > 1, rank 0's shard of them (GPTQ groups split with the inputs of a row-parallel
-    linear, g_idx kept whole by a column-parallel one)."""
+    vectors of the text model in fp32, GPTQ codes one byte each (two a byte at 4 bits), FP8 values one byte, the
+    rest in the activation dtype); with `world` > 1, rank 0's shard of them (GPTQ groups split with the inputs of
+    a row-parallel linear, g_idx kept whole by a column-parallel one)."""
     reader = RandomReader(mcfg, 0, "meta")  # names, shapes and which linears are GPTQ; makes no tensor
     size, total = dtype.itemsize, 0
     for name, shape in reader.shapes.items():
@@ -118,6 +118,12 @@ def weight_bytes(mcfg: ModelConfig, dtype: torch.dtype, mtp: bool, media: bool, 
             shares = part in FUSED_AFTER and reader.has(f"{before}.qweight") and reader.rules.resolve(before) == q
             g_idx = 0 if shares else 4 * k
             total += k * rows * q.bits // 8 + groups * rows * size * (1 if mcfg.quant.sym else 2) + g_idx
+        elif name.endswith(".weight") and reader.has(f"{module}.weight_scale_inv"):
+            _, k = shape
+            bn, bk = mcfg.quant.weight_block_size
+            if split == "row":
+                k //= world
+            total += rows * k + 4 * -(-rows // bn) * -(-k // bk)  # e4m3 values, fp32 block scales
         elif len(shape) == 1 and ".visual." not in f".{name}":
             total += 4 * rows
         else:

@@ -1,4 +1,4 @@
-"""Qwen3.5 building blocks: Linear (dense or GPTQ at 8 or 4 bits, with optional low-rank row deltas),
+"""Qwen3.5 building blocks: Linear (dense, GPTQ at 8 or 4 bits or block FP8, with optional low-rank row deltas),
 gated full attention, Gated DeltaNet and the SwiGLU MLP. Math goes through qv.kernels only."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from qv import kernels as K
-from qv.kernels.linear import GPTQWeight
+from qv.kernels.linear import FP8Weight, GPTQWeight
 from qv.model.batch import StepBatch
 from qv.model.cache import GDNState, KVCache
 from qv.model_config import ModelConfig
@@ -26,13 +26,13 @@ class LowRankDelta:
 
 
 class Linear:
-    """y = x W^T (+ b). `weight` is a dense [N, K] tensor or a GPTQWeight; several checkpoint
+    """y = x W^T (+ b). `weight` is a dense [N, K] tensor, a GPTQWeight or an FP8Weight; several checkpoint
     modules may be fused along N (q/k/v, gate/up, ...), `deltas` then address their column ranges.
     Under tensor parallelism `shard` says how the weight is cut ("column", "row", "vocab"), and a
     row-parallel Linear sums its partial outputs over `reduce`, its deltas' partial outputs with them
     (qv/model/parallel.py, delta_shard: each rank's deltas are cut like its weight)."""
 
-    def __init__(self, weight: torch.Tensor | GPTQWeight, bias: torch.Tensor | None = None,
+    def __init__(self, weight: torch.Tensor | GPTQWeight | FP8Weight, bias: torch.Tensor | None = None,
                  reduce=None):  # a qv.model.parallel.TPGroup (that module builds on this one)
         self.weight = weight
         self.bias = bias
@@ -60,7 +60,8 @@ class Linear:
 
 def _fusable(a: Linear, b: Linear) -> bool:
     """Whether two linears over the same input concatenate along N into one weight: one format (dense
-    of one dtype, or GPTQ with the same groups and zero kind), no bias, no deltas."""
+    of one dtype, GPTQ with the same groups and zero kind, or FP8 with the same blocks, the first's rows ending
+    on a scale block), no bias, no deltas."""
     if (a.bias is not None or b.bias is not None or a.deltas or b.deltas
             or a.reduce is not None or b.reduce is not None):
         return False
@@ -70,6 +71,8 @@ def _fusable(a: Linear, b: Linear) -> bool:
     if isinstance(wa, GPTQWeight) and isinstance(wb, GPTQWeight):
         return (wa.bits == wb.bits and wa.scales.shape[0] == wb.scales.shape[0] and (wa.zeros is None) == (wb.zeros is None)
                 and torch.equal(wa.g_idx, wb.g_idx))
+    if isinstance(wa, FP8Weight) and isinstance(wb, FP8Weight):
+        return wa.block == wb.block and wa.out_features % wa.block[0] == 0
     return False
 
 
@@ -79,6 +82,8 @@ def _concat(run: list[Linear]) -> Linear:
         return run[0]
     if isinstance(ws[0], torch.Tensor):
         out = Linear(torch.cat(ws, dim=0))
+    elif isinstance(ws[0], FP8Weight):
+        out = Linear(FP8Weight(torch.cat([w.weight for w in ws]), torch.cat([w.scale_inv for w in ws]), ws[0].block))
     else:
         zeros = None if ws[0].zeros is None else torch.cat([w.zeros for w in ws], dim=1)
         out = Linear(GPTQWeight(torch.cat([w.qweight for w in ws], dim=1), torch.cat([w.scales for w in ws], dim=1),

@@ -3,7 +3,8 @@ backend each load their shard of a tiny model and run the same steps (packed pre
 decode rows, through scattered KV blocks and GDN state slots); their logits equal the unsharded
 model's within the fp32 bound. A head block sent to the wrong rank, a q/k/v or gate/up piece split
 as one, a GDN conv or A_log not cut with its heads, a missing or doubled all-reduce (or bias), a
-wrong vocabulary offset or a GPTQ group renumbered wrongly changes the logits far beyond it.
+wrong vocabulary offset, a GPTQ group renumbered wrongly or an FP8 scale block taken for the wrong rows
+changes the logits far beyond it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from qv.model.quantize import quantize_checkpoint
 from qv.model.random_weights import GPTQ_INT8, RANDOM_QUANT, RandomReader
 from qv.model.tiny import build_config
 from qv.model.tiny_tokenizer import tokenizer_json
+from fp8_checkpoint import write_fp8
 from util import assert_close
 
 BOUND = 1e-5
@@ -148,6 +150,8 @@ def cases(tiny_dirs, tmp_path_factory):
                        "seed": seed + 1},
         "random-untied-gptq": {"random": random_untied_cfg(), "seed": seed + 2},
         "random-untied-awq": {"random": random_untied_cfg(RANDOM_QUANT["awq"]), "seed": seed + 3},
+        # block FP8 in Qwen's layout, 8x8 blocks: column shards take their scale rows, row shards scale columns
+        "mixed-fp8": {"dir": str(write_fp8(tiny_dirs("mixed"), root / "mixed-fp8", (8, 8))), "seed": seed + 4},
     }
 
 
@@ -159,7 +163,7 @@ def two_ranks(cases, tmp_path_factory):
     return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
 
 
-@pytest.mark.parametrize("name", ["gqa1", "mixed-gptq", "random-untied-gptq", "random-untied-awq"])
+@pytest.mark.parametrize("name", ["gqa1", "mixed-gptq", "random-untied-gptq", "random-untied-awq", "mixed-fp8"])
 def test_tp2_logits_equal_tp1(name, cases, two_ranks):
     ref = steps(load(cases[name], None), cases[name]["seed"])
     assert len(ref) > DECODE_STEPS  # chunked prefill steps, then the decode steps
@@ -188,6 +192,13 @@ def test_gptq_split_that_cuts_a_group_is_refused(tiny_dirs, tmp_path):
     quant = quantize_checkpoint(tiny_dirs("gqa1"), tmp_path / "g32", group_size=32)
     with pytest.raises(ConfigError, match=r"layers\.1\.linear_attn\.out_proj.*cut GPTQ groups"):
         load_text_model(str(quant), tp=TPGroup(rank=1, world_size=2))
+
+
+def test_fp8_split_that_cuts_a_scale_block_is_refused(tiny_dirs, tmp_path):
+    # gqa1's GDN q, k and v pieces are 32 channels each: rank 1's 16-row blocks start inside a 32-row scale block
+    fp8 = write_fp8(tiny_dirs("gqa1"), tmp_path / "fp8", (32, 32))
+    with pytest.raises(ConfigError, match=r"in_proj_qkv.*at row 16, inside a 32-wide scale block"):
+        load_text_model(str(fp8), tp=TPGroup(rank=1, world_size=2))
 
 
 def test_head_counts_that_do_not_split_are_refused(tiny_dirs):
