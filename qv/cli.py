@@ -287,7 +287,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from qv.model.quantize import GPTQOptions, quantize_checkpoint
 
     gptq = GPTQOptions(args.calibration, args.num_samples, args.seq_len, args.damp, not args.no_act_order,
-                       args.static_groups, args.device, args.seed)
+                       not args.dynamic_groups, args.device, args.seed)
     quantize_checkpoint(args.src, args.out, bits=args.bits, group_size=args.group_size, sym=not args.asym,
                         exclude=args.exclude, method=args.method, gptq=gptq, lm_head=args.lm_head,
                         log=lambda m: print(m, file=sys.stderr))
@@ -400,8 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sequence (gptq)")
     q.add_argument("--damp", type=float, default=0.01, help="damping: share of the mean Hessian diagonal (gptq)")
     q.add_argument("--no-act-order", action="store_true", help="quantize columns in order, not by activation size")
-    q.add_argument("--static-groups", action="store_true",
-                   help="fix group scales before act-order quantization, keeping g_idx sequential (faster kernels)")
+    q.add_argument("--dynamic-groups", action="store_true",
+                   help="groups follow the activation order (permuted g_idx, desc_act): a little more accurate, but "
+                   "slower kernels and no tensor-parallel row shards; default: static groups, g_idx k // group")
     q.add_argument("--device", default="auto", help="where the calibration runs: auto, cpu, cuda, cuda:N")
     q.add_argument("--seed", type=int, default=0, help="seed of the calibration windows")
     q.add_argument("--lm-head", action="store_true",

@@ -10,9 +10,10 @@ that enter layer i + 1, so later layers calibrate on what the quantized earlier 
 runs through qv's own DecoderLayer (the fp32 reference or Triton kernels, whichever backend the device has).
 
 Options: damping (a share of the mean Hessian diagonal added to it), activation order (columns in order of
-decreasing Hessian diagonal; groups then follow that order, so g_idx is permuted, desc_act in the config;
-with static_groups the groups' scales are fixed up front on the natural column order and g_idx stays
-k // group_size), group size (-1: one group), symmetric or asymmetric, 8 or 4 bits. Modules outside the
+decreasing Hessian diagonal), static groups (the default of `qv quantize`: each group's scales fixed up front
+on the natural column order, so g_idx stays k // group_size, which qv's fast kernels and tensor-parallel row
+shards need; without them groups follow the activation order, g_idx is permuted and the config says
+desc_act), group size (-1: one group), symmetric or asymmetric, 8 or 4 bits. Modules outside the
 decoder layers (the MTP head's) are rounded to nearest: they have no calibration pass here.
 """
 
@@ -210,6 +211,7 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, bits: int, group_size:
     if static_groups or group_size == -1:  # group parameters on the natural column order, fixed up front
         static = quant_params(W.t().reshape(k // group, group, n), bits, sym)
     perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(k, device=W.device)
+    group_of = (perm // group).tolist()  # natural group of each permuted column, on the host (no sync a column)
     W, H = W[:, perm], H[perm][:, perm]
     H += damp * torch.mean(torch.diag(H)) * torch.eye(k, device=W.device)
     hinv = _upper_inverse_cholesky(H, damp)
@@ -222,8 +224,7 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, bits: int, group_size:
         for i in range(i2 - i1):
             col = i1 + i
             if static is not None:
-                g = int(perm[col]) // group
-                scale, zero = static[0][g], static[1][g]
+                scale, zero = static[0][group_of[col]], static[1][group_of[col]]
             elif col % group == 0:  # a new group in the permuted order: its range from the updated columns
                 span = torch.cat([w1[:, i:], W[:, i2:]], 1)[:, :group]
                 s, z = quant_params(span.t()[None], bits, sym)

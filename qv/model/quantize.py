@@ -60,7 +60,7 @@ class GPTQOptions:
     seq_len: int = 512
     damp: float = 0.01
     act_order: bool = True
-    static_groups: bool = False
+    static_groups: bool = True  # g_idx k // group_size: the kernels' fast paths and tensor-parallel row shards
     device: str = "auto"
     seed: int = 0
 

@@ -96,7 +96,8 @@ def _agreement(v: int, h: int, states: int, seed: int, device) -> dict:
     """Top-1 agreement of the int8 head with the bf16 one and the max logit error, on random 27B-like rows
     (std 0.02, the initializer's) and two kinds of states: iid Gaussian (no token preferred: the worst case,
     the top-2 gap is about the int8 error) and greedy-step states (the hidden state aligned with one row plus
-    Gaussian noise of equal norm, as a model sure of its next token)."""
+    Gaussian noise of equal norm, as a model sure of its next token). Per kind: (agreement, max logit error,
+    logit std, max top-5 logprob error, the a-priori bound max_v scale_v / 2 ||x||_1)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     w = (torch.randn(v, h, generator=g) * 0.02).to(torch.bfloat16).to(device)
     q = quantize_rows_int8(w)
@@ -109,8 +110,13 @@ def _agreement(v: int, h: int, states: int, seed: int, device) -> dict:
         x = x.to(torch.bfloat16)
         dense = x.float() @ w.float().t()
         quant = x.float() @ dequantize_gptq(q).t()
+        lp_d, lp_q = torch.log_softmax(dense, 1), torch.log_softmax(quant, 1)
+        top = lp_d.topk(5, dim=1).indices  # the rows a client's top-5 logprobs report
+        lp_err = float((lp_d.gather(1, top) - lp_q.gather(1, top)).abs().max())
+        bound = float((x.float().abs().sum(1, keepdim=True) * q.scales.float() / 2).max())  # max_v |d logit|
+        assert lp_err <= 2 * bound  # |d logprob| <= |d logit| + |d logsumexp| <= 2 max_v |d logit_v|
         out[kind] = (float((dense.argmax(1) == quant.argmax(1)).float().mean()),
-                     float((dense - quant).abs().max()), float(dense.std()))
+                     float((dense - quant).abs().max()), float(dense.std()), lp_err, bound)
     return out
 
 
