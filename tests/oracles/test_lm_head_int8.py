@@ -148,3 +148,13 @@ def test_fused_top1_over_the_int8_head_at_27b_shapes_gpu():
         ours = K.lm_head_top1(x, q, ranking)
         ref = run_reference(K.lm_head_top1, x, q, ranking)
         assert int((ours != ref).sum()) <= 1
+
+
+def test_clef_reads_the_int8_heads_rows():
+    """Clef's joint head takes lexical vectors from the lm_head rows (qv/clef/head.py): the int8 head's rows."""
+    from qv.clef.head import output_embedding_rows
+
+    w = randn(SMALL_V, SMALL_H, scale=0.05)
+    q = quantize_rows_int8(w)
+    ids = torch.tensor([0, 7, 332, 100, 7], device=DEV)
+    assert torch.equal(output_embedding_rows(q, ids), dequantize_gptq(q)[ids])
