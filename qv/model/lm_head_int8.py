@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from qv.errors import ConfigError
 from qv.kernels.linear import GPTQWeight
 from qv.model.layers import Linear
 
@@ -55,9 +56,9 @@ def lm_head_int8(lm_head: Linear) -> Linear:
     by name (a checkpoint's GPTQ lm_head is used as it is)."""
     w = lm_head.weight
     if not isinstance(w, torch.Tensor):
-        raise ValueError("lm_head_int8: the lm_head is already quantized in the checkpoint; QV_LM_HEAD_INT8 "
+        raise ConfigError("lm_head_int8: the lm_head is already quantized in the checkpoint; QV_LM_HEAD_INT8 "
                          "quantizes a dense one")
     if lm_head.bias is not None:
-        raise ValueError("lm_head_int8: an lm_head with a bias is not built for the int8 path")
+        raise ConfigError("lm_head_int8: an lm_head with a bias is not built for the int8 path")
     lm_head.weight = quantize_rows_int8(w)
     return lm_head

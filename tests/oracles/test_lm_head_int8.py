@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kernel_cases import DEV, K, randn, run_reference, run_triton
+from qv.errors import ConfigError
 from qv.kernels.lm_head_top1 import build_top1_ranking, is_row_int8, weight_rows
 from qv.kernels.linear.reference import dequantize_gptq
 from qv.model.layers import Linear
@@ -88,7 +89,7 @@ def test_refuses_other_quantized_heads():
     with pytest.raises(ValueError, match="needs its ranking copy"):
         K.lm_head_top1(randn(1, 32), q, None)
     head = Linear(q)
-    with pytest.raises(ValueError, match="already quantized"):
+    with pytest.raises(ConfigError, match="already quantized"):
         lm_head_int8(head)
 
 
