@@ -61,5 +61,5 @@ def test_gptq_logit_error_below_rtn_on_the_fitted_model(fitted_dir, held_out, tm
     print(f"fitted tiny model, {bits}-bit group 32 sym, {SEQS}x{LENGTH} held-out tokens: "
           + "; ".join(f"{m}: rel rms logit error {e[0]:.4f}, max {e[1]:.3f}, top-1 {e[2]:.4f}"
                       for m, e in errors.items()))
-    assert errors["gptq static groups"][0] < 0.85 * errors["rtn"][0]
-    assert errors["gptq dynamic groups"][0] < 0.85 * errors["rtn"][0]
+    assert errors["gptq static groups"][0] < 0.9 * errors["rtn"][0]  # measured 0.82x (8 bits), 0.81x (4)
+    assert errors["gptq dynamic groups"][0] < 0.85 * errors["rtn"][0]  # measured 0.68x, 0.79x
