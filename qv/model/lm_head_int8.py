@@ -41,12 +41,10 @@ def quantize_rows_int8(w: torch.Tensor, scale_dtype: torch.dtype | None = None,
 
 
 def _round_up(s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """s in `dtype`, the nearest value not below s (so amax / scale <= 127 after the cast)."""
+    """s in `dtype`, not below s (so amax / scale <= 127 after the cast): where rounding went down, s raised by
+    2^-7 (bf16's widest relative spacing) rounds to a value above s, since half a spacing is at most 2^-8."""
     t = s.to(dtype)
-    low = t.float() < s
-    if bool(low.any()):
-        t = torch.where(low, torch.nextafter(t, torch.full_like(t, float("inf"))), t)
-    return t
+    return torch.where(t.float() < s, (s * (1 + 2.0**-7)).to(dtype), t)
 
 
 def lm_head_int8(lm_head: Linear) -> Linear:
