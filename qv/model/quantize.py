@@ -248,8 +248,8 @@ def _write_tensors(files: dict[str, Path], plan: dict[str, bool], out: Path, gro
                     module = name[: -len(".weight")]
                     if module == "lm_head":  # one bf16-exact scale a row (fp16 holds it exactly), zero 128
                         q = quantize_rows_int8(t, torch.bfloat16)
-                        qw = QuantizedWeight(q.qweight, q.scales.half(), torch.full_like(q.scales, 128, dtype=torch.int32),
-                                             q.g_idx)
+                        zeros = torch.full_like(q.scales, 128, dtype=torch.int32)
+                        qw = QuantizedWeight(q.qweight, q.scales.half(), zeros, q.g_idx)
                         wbits = 8
                     elif module in done:
                         qw, wbits = done[module], bits

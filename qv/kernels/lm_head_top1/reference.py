@@ -1,6 +1,6 @@
 """Exact fp32 argmax of x @ W^T over the vocabulary, ties to the lowest index: the oracle of lm_head_top1
-(arguments as in __init__.py; the ranking copy is not used; a row-int8 weight is dequantized chunk by chunk). The logits are built CHUNK rows of the
-vocabulary at a time, so the fp32 copy of a 27B lm_head never exists whole."""
+(arguments as in __init__.py; the ranking copy is not used). The logits are built CHUNK rows of the vocabulary at
+a time (a row-int8 weight dequantized chunk by chunk), so the fp32 copy of a 27B lm_head never exists whole."""
 
 from __future__ import annotations
 
