@@ -286,10 +286,13 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
-    from qv.model.quantize import quantize_checkpoint
+    from qv.model.quantize import GPTQOptions, quantize_checkpoint
 
+    gptq = GPTQOptions(args.calibration, args.num_samples, args.seq_len, args.damp, not args.no_act_order,
+                       not args.dynamic_groups, args.device, args.seed)
     quantize_checkpoint(args.src, args.out, bits=args.bits, group_size=args.group_size, sym=not args.asym,
-                        exclude=args.exclude)
+                        exclude=args.exclude, method=args.method, gptq=gptq, lm_head=args.lm_head,
+                        log=lambda m: print(m, file=sys.stderr))
     print(args.out)
     return 0
 
@@ -381,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--group-size", type=int, default=16, help="GPTQ group size (16 divides every tiny preset's dims)")
     t.set_defaults(fn=cmd_make_tiny)
 
-    q = command("quantize", "write a GPTQ-Int8 or GPTQ-Int4 checkpoint (round-to-nearest)")
+    q = command("quantize", "write a GPTQ-Int8 or GPTQ-Int4 checkpoint (calibrated GPTQ or round-to-nearest)")
     q.add_argument("src", help="checkpoint folder to quantize")
     q.add_argument("out", help="folder to write")
     q.add_argument("--bits", type=int, default=8, choices=(8, 4), help="bits per weight: 8 (GPTQ-Int8) or 4")
@@ -391,6 +394,21 @@ def build_parser() -> argparse.ArgumentParser:
     sym.add_argument("--asym", action="store_true", help="asymmetric codes (a zero point per group)")
     q.add_argument("--exclude", action="append", default=[], metavar="REGEX",
                    help="module name regex to keep unquantized (repeatable)")
+    q.add_argument("--method", default="gptq", choices=("gptq", "rtn"),
+                   help="gptq: calibrated, layer by layer (Hessian error compensation); rtn: round-to-nearest")
+    q.add_argument("--calibration", default=None, metavar="FILE",
+                   help="calibration text: a .jsonl file ({\"text\": ...} a line) or a text file; default: built-in")
+    q.add_argument("--num-samples", type=int, default=128, help="calibration sequences (gptq)")
+    q.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sequence (gptq)")
+    q.add_argument("--damp", type=float, default=0.01, help="damping: share of the mean Hessian diagonal (gptq)")
+    q.add_argument("--no-act-order", action="store_true", help="quantize columns in order, not by activation size")
+    q.add_argument("--dynamic-groups", action="store_true",
+                   help="groups follow the activation order (permuted g_idx, desc_act): a little more accurate, but "
+                   "slower kernels and no tensor-parallel row shards; default: static groups, g_idx k // group")
+    q.add_argument("--device", default="auto", help="where the calibration runs: auto, cpu, cuda, cuda:N")
+    q.add_argument("--seed", type=int, default=0, help="seed of the calibration windows")
+    q.add_argument("--lm-head", action="store_true",
+                   help="also write the lm_head as int8 with one scale per vocabulary row")
     q.set_defaults(fn=cmd_quantize)
 
     k = command("kernels", "compile every sm70 kernel ahead of time (NVRTC 12 and ptxas, no GPU needed) and print "

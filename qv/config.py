@@ -85,6 +85,9 @@ class EngineConfig(BaseSettings):
         "GPTQ/FP8) into 12-bit integers at load (1.5 bytes a weight, 0.75x bf16; representation error in "
         "docs/VALIDATION.md), cached on GPUs in state_dir/w12 by model, shape and tensor-parallel rank. fp32 runs "
         "and quantized projections are left as they are.")
+    lm_head_int8: bool = lever(
+        False, "Quantize a dense lm_head at load to int8 with one scale per vocabulary row (halves the 2.54 GB the "
+        "27B reads every step; sampler logits and MTP drafts use it; logprobs carry the bound in VALIDATION.md).")
     # -- capacity ------------------------------------------------------------------------------
     max_model_len: int = lever(0, "Longest sequence (prompt + output); 0: the model's max_position_embeddings.", ge=0)
     max_num_seqs: int = lever(64, "Most sequences running in one step.", ge=1)

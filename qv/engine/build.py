@@ -22,6 +22,7 @@ from qv.kernels.paged_attention.sparse import SparsePolicy
 from qv.model.cache import (KV_DTYPES, STATE_DTYPES, HybridCache, allocate_cache, gdn_bytes_per_slot,
                             kv_bytes_per_block, prefill_workspace_bytes, warm_prefill_attention)
 from qv.model.parallel import TPGroup
+from qv.model.lm_head_int8 import lm_head_int8
 from qv.model.qwen3_5 import Qwen3_5TextModel, held_bytes, load_text_model, read_output_embedding
 from qv.model.random_weights import checkpoint_reader, with_quantization
 from qv.model.vision_processor import missing_processor_config
@@ -194,6 +195,8 @@ def load_rank(cfg: EngineConfig, device: torch.device, tp: TPGroup):
     use_state_dir(cfg.state_dir)
     model_dir, dtype, mcfg, reader = _checkpoint(cfg, device)
     model = load_text_model(str(model_dir), mcfg, dtype=dtype, device=device, reader=reader, tp=tp)
+    if cfg.lm_head_int8:
+        lm_head_int8(model.lm_head)
     head = None
     if wants_mtp(cfg, mcfg):
         from qv.spec.mtp import load_mtp_head
@@ -232,6 +235,8 @@ def _build(cfg: EngineConfig, device: torch.device, tp: TPDriver | None) -> Engi
     else:
         model = load_text_model(str(model_dir), mcfg, dtype=dtype, device=device, reader=reader,
                                 tp=tp.group if tp else None)
+    if cfg.lm_head_int8:  # before the MTP head: its fused top-1 ranks the int8 rows
+        lm_head_int8(model.lm_head)
     tokenizer = load_tokenizer(model_dir, cfg.state_dir)
     gen = read_generation_config(model_dir)
     eos = gen.get("eos_token_id", list(mcfg.eos_token_ids))
