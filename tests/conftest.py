@@ -141,11 +141,8 @@ def tiny_engine(tiny_dirs):
     return make
 
 
-@pytest.fixture(autouse=True)
-def _seeded(request):
-    """Every test starts from its own fixed seed (the CRC of its id, plus `--seed`) for `random`, NumPy
-    and torch, so a randomized test draws the same cases in every run and a failure reproduces."""
-    seed = (zlib.crc32(request.node.nodeid.encode()) + request.config.getoption("--seed")) % (1 << 32)
+def _seed_all(nodeid: str, request) -> None:
+    seed = (zlib.crc32(nodeid.encode()) + request.config.getoption("--seed")) % (1 << 32)
     random.seed(seed)
     try:
         import numpy as np
@@ -155,6 +152,21 @@ def _seeded(request):
         pass
     if "torch" in sys.modules:
         sys.modules["torch"].manual_seed(seed)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _seeded_module(request):
+    """A module's own fixed seed before its module-scoped fixtures draw cases (autouse runs first in its
+    scope): without it they would draw from whatever state the test before left, which depends on the
+    tests selected and their order."""
+    _seed_all(request.node.nodeid, request)
+
+
+@pytest.fixture(autouse=True)
+def _seeded(request):
+    """Every test starts from its own fixed seed (the CRC of its id, plus `--seed`) for `random`, NumPy
+    and torch, so a randomized test draws the same cases in every run and a failure reproduces."""
+    _seed_all(request.node.nodeid, request)
     yield
 
 
