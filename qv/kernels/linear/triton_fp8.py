@@ -54,10 +54,12 @@ def weight_tile(w_ptr, h_ptr, o_n, o_k, m, stride_wn, stride_hn, W12: tl.constex
     """A [BN, BK] tile of weight rows o_n, inputs o_k: FP8 as fp16 values / 256 (e4m3_to_f16), W12 as its
     int32 codes -2047..2047 (low byte from w_ptr, high nibble from byte k // 2 of h_ptr)."""
     b = tl.load(w_ptr + o_n[:, None] * stride_wn + o_k[None, :], mask=m, other=0)
-    if W12:
+    if W12:  # one return for both: Triton types every return of a function alike, constexpr branch or not
         b_h = tl.load(h_ptr + o_n[:, None] * stride_hn + (o_k // 2)[None, :], mask=m, other=0).to(tl.int32)
-        return (((b_h >> ((o_k % 2) * 4)[None, :]) & 15) << 8 | b.to(tl.int32)) - 2048
-    return e4m3_to_f16(b)
+        tile = (((b_h >> ((o_k % 2) * 4)[None, :]) & 15) << 8 | b.to(tl.int32)) - 2048
+    else:
+        tile = e4m3_to_f16(b)
+    return tile
 
 
 @triton.jit
