@@ -113,6 +113,10 @@ class EngineConfig(BaseSettings):
         "waits), a long prefill "
         "(a Clef record or a long chat prompt) takes at most this many tokens of a step; alone it takes the whole "
         "budget (vLLM's name). 0: max_num_batched_tokens // 4.", ge=0)
+    scheduling_policy: Literal["fcfs", "priority"] = lever(
+        "fcfs", "Order of the waiting queue (vLLM's --scheduling-policy): fcfs, first come first served; priority, a "
+        "request's `priority` (lower first, arrival among equals), which also picks whom a preemption takes (the "
+        "lowest priority, newest among equals). Under fcfs a `priority` other than 0 is a 400.")
     max_long_partial_prefills: int = lever(
         1, "Most long prefills that share one step with decoding sequences (vLLM's name).", ge=1)
     max_step_ms: float = lever(

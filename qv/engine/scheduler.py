@@ -20,10 +20,15 @@ admitted just to be preempted again on the next step (the original stack's thras
 that cannot fit even alone fails with a clear error. With prefix caching (qv/engine/prefix_cache.py)
 an admitted sequence resumes from its cached prefix, and a preempted one's blocks stay cached, so
 its readmission usually resumes from its last snapshot.
+
+Under vLLM's priority policy (`scheduling_policy` priority) the queue is ordered by (priority,
+arrival), lower values first; running sequences are served in that order and a preemption takes
+the lowest-priority (then newest) sequence not yet planned this step.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -54,8 +59,9 @@ class Scheduler:
     def __init__(self, blocks: KVBlockPool, slots: GDNStatePool, max_num_seqs: int, max_num_batched_tokens: int,
                  lookahead: int = 0, prefix_cache: PrefixCache | None = None, long_prefill_token_threshold: int = 0,
                  max_long_partial_prefills: int = 1, max_spec_seqs: int = 0, max_step_ms: float = 0.0,
-                 step_cost: StepCostModel | None = None):
+                 step_cost: StepCostModel | None = None, policy: str = "fcfs"):
         self.blocks, self.slots = blocks, slots
+        self.policy = policy  # "fcfs" | "priority" (vLLM's --scheduling-policy)
         self.prefix_cache = prefix_cache  # None: prefix caching off
         self.lookahead = lookahead  # extra KV positions a step may write past its tokens (the MTP head's drafts)
         self.max_num_seqs = max_num_seqs
@@ -71,7 +77,15 @@ class Scheduler:
 
     # -- queue management ----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        if self.policy == "priority":
+            self._insert_by_priority(seq)
+        else:
+            self.waiting.append(seq)
+
+    def _insert_by_priority(self, seq: Sequence) -> None:
+        """Into the queue after every sequence that ranks before it ((priority, arrival): vLLM's order)."""
+        keys = [_rank(s) for s in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, _rank(seq)), seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -133,7 +147,11 @@ class Scheduler:
         self._even_drafts(budget)
         verifying = 0
         # decodes first, then prefills short before long; admission order within each
-        for seq in sorted(self.running, key=lambda s: 0 if _decoding(s) else 1 + shares.is_long(s)):
+        def order(s: Sequence):
+            kind = 0 if _decoding(s) else 1 + shares.is_long(s)
+            return (s.priority, kind) if self.policy == "priority" else kind
+
+        for seq in sorted(self.running, key=order):
             if seq not in self.running:  # preempted earlier in this loop to make room
                 continue
             if seq.draft_token_ids and verifying == self.max_spec_seqs:  # beyond it: a plain decode this step
@@ -164,7 +182,7 @@ class Scheduler:
     def _make_room(self, seq: Sequence, n: int, plan: StepPlan) -> bool:
         """Preempt newest-first until `seq` can grow by n tokens; False if `seq` itself gave way."""
         while not self.blocks.can_grow(len(seq.block_ids), self._covered(seq, n), is_isolated(seq)):
-            victim = self.running[-1]
+            victim = self._victim(plan)
             if victim is seq and len(self.running) == 1:
                 self._fail_too_large(seq, plan)
                 return False
@@ -176,6 +194,15 @@ class Scheduler:
                 return False
         return True
 
+    def _victim(self, plan: StepPlan) -> Sequence:
+        """The sequence to preempt next: the newest (fcfs), or the lowest priority, newest among equals,
+        of those not planned this step (priority; the last running one when all are planned)."""
+        if self.policy != "priority":
+            return self.running[-1]
+        planned = {id(s) for s, _ in plan.scheduled}
+        free = [s for s in self.running if id(s) not in planned]
+        return max(free, key=_rank) if free else self.running[-1]
+
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         self.running.remove(seq)
         self._free(seq)
@@ -183,7 +210,10 @@ class Scheduler:
         seq.draft_token_ids = []
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
-        self.waiting.appendleft(seq)
+        if self.policy == "priority":
+            self._insert_by_priority(seq)
+        else:
+            self.waiting.appendleft(seq)
         self.num_preemptions += 1
         plan.preempted.append(seq)
 
@@ -231,6 +261,10 @@ class Scheduler:
             shares.took(seq)
             budget -= n
         self.waiting.extendleft(reversed(skipped))
+
+
+def _rank(seq: Sequence) -> tuple[int, int]:
+    return seq.priority, seq.arrival_order
 
 
 def _decoding(seq: Sequence) -> bool:

@@ -81,6 +81,7 @@ class ServerState:
         self.max_body_bytes = cfg.max_body_bytes
         self.api_key_scope, self.metrics_public = cfg.api_key_scope, cfg.metrics_public  # for /openapi.json
         self.trust_request_chat_template = cfg.trust_request_chat_template
+        self.scheduling_policy = cfg.scheduling_policy
         self.max_waiting = cfg.max_waiting
         self.max_prompts = cfg.max_prompts_per_request
         self.max_logprobs = cfg.max_logprobs
@@ -154,6 +155,13 @@ class ServerState:
         """vLLM's shorthands made concrete: truncate_prompt_tokens=-1 keeps the last max_model_len tokens."""
         if req.truncate_prompt_tokens == -1:
             req.truncate_prompt_tokens = self.max_model_len
+        self.check_priority(req)  # before any work: a grammar compile, rendering
+
+    def check_priority(self, req) -> None:
+        """vLLM's check and words: a `priority` other than 0 needs scheduling_policy priority."""
+        priority = getattr(req, "priority", 0)
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise bad_request(f"Got priority {priority} but Priority scheduling is not enabled.", "priority")
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.served_names:
@@ -233,6 +241,8 @@ class ServerState:
             value = getattr(req, name, None)
             return value if value is not None else self.defaults.get(name, fallback)
 
+        self.check_priority(req)
+
         try:
             return SamplingParams(
                 n=req.n, temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0), top_k=pick("top_k", 0),
@@ -269,17 +279,19 @@ class ServerState:
     # -- running ---------------------------------------------------------------------------------
     async def generate(self, request_id: str, request: CheckedRequest, prompt: str | None = None,
                        cache_salt: str | None = None, multimodal=None, admission: Admission | None = None,
-                       grammar_field: str = "response_format"):
+                       grammar_field: str = "response_format", priority: int = 0):
         """engine.generate of a checked request (check_request) with metrics; engine failures become
         APIErrors (500, or 400 for a request the engine refused). Closing this iterator closes the engine's (abort).
         multimodal: the prompt's images/videos (a MultimodalPrompt from `self.media.prompt`);
         admission: the seats this prompt's n sequences hold, given back at its first output;
-        grammar_field: the field named when the request's grammar is stopped (grammar_mask_budget_ms)."""
+        grammar_field: the field named when the request's grammar is stopped (grammar_mask_budget_ms);
+        priority: vLLM's, lower first under scheduling_policy priority (checked by sampling_params)."""
         params = request.params
         tracker = self.metrics.tracker(params.n, params.max_tokens)
-        log.info("request %s: %d prompt tokens, n=%d, max_tokens=%s", request_id, len(request.prompt_token_ids),
-                 params.n, params.max_tokens)
-        gen = self.engine.generate(request_id, request, prompt=prompt, cache_salt=cache_salt, multimodal=multimodal)
+        log.info("request %s: %d prompt tokens, n=%d, max_tokens=%s%s", request_id, len(request.prompt_token_ids),
+                 params.n, params.max_tokens, f", priority {priority}" if priority else "")
+        gen = self.engine.generate(request_id, request, prompt=prompt, cache_salt=cache_salt, multimodal=multimodal,
+                                   **({"priority": priority} if priority else {}))
         held = params.n if admission is not None else 0  # this prompt's share of the request's seats
         try:
             with self.engine_call(request_id):
