@@ -178,6 +178,10 @@ class EngineConfig(BaseSettings):
     trust_request_chat_template: bool = lever(
         False, "Render a request's own `chat_template` (transformers' Jinja sandbox, off the event loop) instead of "
         "refusing it with a 400 (vLLM's --trust-request-chat-template); trust the clients: a template may run long.")
+    responses_store_bytes: int = lever(
+        128 << 20, "Bytes of stored Responses API responses (`store`, the default while this is over 0) kept in memory "
+        "for retrieve, cancel, delete and previous_response_id; past it the oldest finished ones are dropped. 0: "
+        "nothing is stored (store=true is a 400).", ge=0)
     enable_thinking: bool = lever(False, "Default enable_thinking for the chat template (per-request override).")
     max_body_bytes: int = lever(32 << 20, "Largest request body; larger gets 413.", ge=1)
     max_waiting: int = lever(1024, "Most sequences waiting (prompts x n, counted at admission); a request that "

@@ -35,7 +35,8 @@ from starlette.routing import Route
 
 from qv.config import ConfigError, EngineConfig
 from qv.errors import StartupError
-from qv.server import anthropic, completions, openapi, ops, openai, responses, sagemaker, systemone
+from qv.server import (anthropic, completions, openapi, ops, openai, responses, responses_store, sagemaker,
+                       systemone)
 from qv.server.http_edges import LazyCORS, MeasureHTTP, needs_key
 from qv.server.errors import SHUTDOWN_MESSAGE, APIError, api_error_response, error_response, internal_error
 from qv.server.log_setup import log_config
@@ -105,6 +106,9 @@ ROUTES = [
     ("/v1/chat/completions", openai.create_chat_completion, "POST"),
     ("/v1/completions", completions.create_completion, "POST"),
     ("/v1/responses", responses.create_response, "POST"),
+    ("/v1/responses/{response_id}", responses_store.retrieve_response, "GET"),
+    ("/v1/responses/{response_id}", responses_store.delete_response, "DELETE"),
+    ("/v1/responses/{response_id}/cancel", responses_store.cancel_response, "POST"),
     ("/v1/messages", anthropic.create_message, "POST"),
     ("/v1/messages/count_tokens", anthropic.count_tokens, "POST"),
     ("/v1/systemone", systemone.create_decision, "POST"),

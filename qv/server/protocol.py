@@ -409,16 +409,15 @@ class ResponsesRequest(SamplingKnobs):
     user: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     cache_salt: str | None = None
+    request_id: str | None = Field(None, min_length=1, max_length=256)  # vLLM's: the response's id as given
+    priority: int = 0  # vLLM's: lower first under --scheduling-policy priority
 
     @model_validator(mode="after")
     def _responses(self):
         if isinstance(self.input, list) and not self.input:
             raise ValueError("input must not be an empty list")
-        if self.previous_response_id is not None:
-            raise ValueError("previous_response_id is not supported: qv does not store responses; send the "
-                             "whole conversation in `input`")
-        if self.background:
-            raise ValueError("background responses are not supported")
+        if self.background and self.stream:
+            raise ValueError("background: qv does not stream background responses; retrieve them once they end")
         fmt = (self.text or {}).get("format") or {}
         if not isinstance(fmt, dict) or fmt.get("type", "text") not in ("text", "json_object", "json_schema"):
             raise ValueError("text.format must be an object of type text, json_object or json_schema")

@@ -26,6 +26,7 @@ from qv.server.errors import (BUSY_MESSAGE, SHUTDOWN_MESSAGE, STOPPED_MESSAGE, A
                               internal_error)
 from qv.server.media import ServerMedia
 from qv.server.metrics import ServerMetrics
+from qv.server.responses_store import ResponseStore
 from qv.server.streaming import LARGE_BYTES
 
 log = logging.getLogger("qv.server")
@@ -82,6 +83,7 @@ class ServerState:
         self.api_key_scope, self.metrics_public = cfg.api_key_scope, cfg.metrics_public  # for /openapi.json
         self.trust_request_chat_template = cfg.trust_request_chat_template
         self.scheduling_policy = cfg.scheduling_policy
+        self.responses = ResponseStore(cfg.responses_store_bytes)  # the Responses API's `store`
         self.max_waiting = cfg.max_waiting
         self.max_prompts = cfg.max_prompts_per_request
         self.max_logprobs = cfg.max_logprobs
@@ -273,6 +275,7 @@ class ServerState:
         return cut_in
 
     def close(self) -> None:
+        self.responses.cancel_all()
         self._large.shutdown(wait=False, cancel_futures=True)
         self.grammar_pool.shutdown(wait=False, cancel_futures=True)
 
