@@ -24,6 +24,7 @@ from qv.engine.request_check import CheckedRequest
 from qv.engine.structured import GRAMMAR_STOPPED
 from qv.server.errors import (BUSY_MESSAGE, SHUTDOWN_MESSAGE, STOPPED_MESSAGE, APIError, bad_request,
                               internal_error)
+from qv.server.http_edges import body_limit
 from qv.server.media import ServerMedia
 from qv.server.metrics import ServerMetrics
 from qv.server.responses_store import ResponseStore
@@ -80,6 +81,7 @@ class ServerState:
         self.model_root = str(getattr(engine, "model_dir", None) or cfg.model or engine.model_name)
         self.enable_thinking = cfg.enable_thinking
         self.max_body_bytes = cfg.max_body_bytes
+        self.clef_body_limit = body_limit("/v1/systemone", cfg)  # (bytes, the lever that sets them)
         self.api_key_scope, self.metrics_public = cfg.api_key_scope, cfg.metrics_public  # for /openapi.json
         self.trust_request_chat_template = cfg.trust_request_chat_template
         self.scheduling_policy = cfg.scheduling_policy

@@ -356,8 +356,9 @@ def _clef_body(mb: int) -> bytes:
 
 
 def test_two_28_mb_clef_bodies_cost_under_1_gb(hostile):
-    """Two 28 MB `instructions` at once over HTTP: 400 by size before tokenizing; the server's RSS
-    (sampled every 10 ms) rises by less than 1 GiB and comes back within 10%, /health stays fast."""
+    """Two 28 MB `instructions` at once over HTTP: 413 naming clef_max_body_bytes, unread (their
+    Content-Length says enough); the server's RSS (sampled every 10 ms) rises by less than 1 GiB and
+    comes back within 10%, /health stays fast."""
     proc, body, peak, rss0 = psutil.Process(), _clef_body(28), [0], 0
     gc.collect()
     rss0 = proc.memory_info().rss
@@ -385,13 +386,39 @@ def test_two_28_mb_clef_bodies_cost_under_1_gb(hostile):
             t.join()
     done.set()
     sampler.join()
-    assert all(code == 400 and "record cap" in text for code, text in statuses), statuses
+    assert all(code == 413 and "clef_max_body_bytes" in text for code, text in statuses), statuses
     print(f"two 28 MB Clef bodies: RSS peak +{(peak[0] - rss0) / 2**20:.0f} MiB")
     assert peak[0] - rss0 < 1 << 30, f"peak +{(peak[0] - rss0) / 2**20:.0f} MiB"
     assert not probe.errors and max(probe.health) < HEALTH_S, (probe.errors, max(probe.health))
     body = None
     gc.collect()
     assert proc.memory_info().rss < rss0 * 1.10
+
+
+def test_a_chunked_clef_body_over_its_cap_is_refused_before_it_ends(hostile):
+    """A chunked /v1/systemone body (no Content-Length) that passes clef_max_body_bytes: the server
+    answers 413 naming the lever while the client has not finished sending (no closing chunk is ever
+    sent), so the body was never read whole, let alone parsed."""
+    cap = _state(hostile).clef_body_limit[0]
+    host, port = hostile.url.removeprefix("http://").split(":")
+    chunk = b"x" * (1 << 20)
+    with socket.create_connection((host, int(port)), timeout=60) as s:
+        s.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Transfer-Encoding: chunked\r\n\r\n")
+        sent = 0
+        try:
+            while sent <= cap + (2 << 20):
+                s.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                sent += len(chunk)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the server answered and closed while this was still sending
+        answer = b""
+        while b"\r\n\r\n" not in answer and (part := s.recv(65536)):
+            answer += part
+        while b"clef_max_body_bytes" not in answer and (part := s.recv(65536)):
+            answer += part
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    assert b"clef_max_body_bytes" in answer and str(cap).encode() in answer
 
 
 # ---- memory --------------------------------------------------------------------------------------------
