@@ -204,8 +204,9 @@ class EngineConfig(BaseSettings):
         512, "Most open connections; a request past it gets 503 (uvicorn's limit_concurrency) and a connection "
         "opened past twice it is answered 503 and closed at once. Keep it under the process's file limit.", ge=1)
     stream_stall_timeout_s: float = lever(
-        30.0, "A streaming client that reads nothing for this long is cut (its engine request aborted); meanwhile "
-        "its output waits in a bounded queue and its generation is paused.", gt=0)
+        30.0, "A streaming client that reads nothing for this long is cut (its engine request aborted, its rows "
+        "freed); meanwhile nothing more is sent to it and its outputs wait merged into one (vLLM's way: memory "
+        "bounded by its max_tokens), while the engine goes on generating it.", gt=0)
     # -- structured outputs ------------------------------------------------------------------------
     grammar_compile_workers: int = lever(
         2, "Processes that compile structured-output grammars (xgrammar), apart from the threads that render chats; "

@@ -307,6 +307,63 @@ def test_a_stream_that_is_not_read_is_cut(hostile):
         s.close()
 
 
+def _unread_streams(url: str, engine, count: int) -> None:
+    """`count` streams (n=8, 20 top logprobs, 1,900 tokens each) whose clients never read, until the
+    engine holds none of them."""
+    host, port = url.removeprefix("http://").split(":")
+    socks = []
+    try:
+        for k in range(count):
+            body = json.dumps(_chat(f"x{k}", 1900, stream=True, ignore_eos=True, logprobs=True, top_logprobs=20, n=8,
+                                    temperature=1.0, seed=k)).encode()
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect((host, int(port)))
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            socks.append(s)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 240:
+            if engine.stats().num_running == 0 and engine.stats().num_waiting == 0 and time.monotonic() - t0 > 1:
+                break
+            time.sleep(0.2)
+        assert engine.stats().num_running == 0, "streams nobody reads still hold their rows"
+    finally:
+        for s in socks:
+            s.close()
+
+
+@pytest.mark.slow
+def test_sixteen_unread_streams_keep_memory_bounded(hostile):
+    """The issue's 16 streams whose clients never read: each is cut after stream_stall_timeout_s with
+    its rows freed; meanwhile the server's RSS grows by less than 256 MiB (outputs merged, not queued
+    step by step) and comes back within 10% once they are gone. A first round warms the engine's
+    buffers for a batch of 128 rows (planned, not per request); the second is measured."""
+    engine = _state(hostile).engine
+    _unread_streams(hostile.url, engine, 16)
+    proc = psutil.Process()
+    gc.collect()
+    rss0, peak = proc.memory_info().rss, [0]
+    done = threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], proc.memory_info().rss)
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        _unread_streams(hostile.url, engine, 16)
+    finally:
+        done.set()
+        sampler.join()
+    print(f"16 unread streams: RSS peak +{(peak[0] - rss0) / 2**20:.0f} MiB")
+    assert peak[0] - rss0 < 256 << 20, f"peak +{(peak[0] - rss0) / 2**20:.0f} MiB"
+    gc.collect()
+    assert proc.memory_info().rss < rss0 * 1.10
+
+
 # ---- images --------------------------------------------------------------------------------------------
 def test_images_outside_the_allow_list_never_reach_a_decoder(tmp_path, monkeypatch):
     from qv.engine.media import MediaError, decode_image, open_media
