@@ -248,12 +248,12 @@ def _start_background(state: ServerState, ctx: ChatContext, rreq: ResponsesReque
             err = internal_error("internal error in a background response", ctx.request_id, exc)
             entry.response.update(status="failed", error={"code": "500", "message": err.message})
         finally:
-            seats.release()
             await gen.aclose()
             if state.responses.get(ctx.request_id) is entry:  # re-counted at its final size (not if deleted)
                 state.responses.put(ctx.request_id, entry)
 
     entry.task = asyncio.ensure_future(run())
+    entry.task.add_done_callback(lambda _: seats.release())  # also when cancelled before it began
     return JSONResponse(entry.response)
 
 

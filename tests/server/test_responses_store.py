@@ -130,6 +130,7 @@ def test_a_queued_background_response_is_cancelled(running, client):
                 break
             threading.Event().wait(0.05)
         assert engine.stats().num_waiting == 0, "the cancelled response still waits in the engine"
+        assert running.app.state.qv.unstarted == 0, "the cancelled response still holds its admission seat"
     with pytest.raises(openai.BadRequestError) as err:  # background needs the store
         _create(client, input="x", background=True, store=False)
     assert err.value.body["param"] == "background"
