@@ -120,3 +120,24 @@ def test_priority_runs_urgent_requests_first_in_the_engine(tiny_engine, tiny_dir
     assert order == ["b", "d", "c", "a"]
     alone = llm.generate([{"prompt_token_ids": ids} for ids, _ in prompts.values()], params)
     assert [list(o.outputs[0].token_ids) for o in alone] == [list(tokens[r]) for r in prompts]
+
+
+def test_mixed_priorities_in_one_batch_keep_each_requests_tokens(tiny_engine, tiny_dirs):
+    """Six requests of mixed priorities and prompt lengths share steps (chunked prefills beside decodes,
+    the batch ordered by priority): each one's greedy tokens equal the fcfs engine's."""
+    model_dir = str(tiny_dirs("tiny"))
+    rng = random.Random(5)
+    prompts = [[rng.randrange(300) for _ in range(rng.randrange(3, 40))] for _ in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    fcfs = tiny_engine(model=model_dir, max_num_batched_tokens=24)
+    expected = [list(o.outputs[0].token_ids) for o in fcfs.generate([{"prompt_token_ids": p} for p in prompts],
+                                                                    params)]
+    engine = tiny_engine(model=model_dir, scheduling_policy="priority", max_num_batched_tokens=24).engine
+    for k, p in enumerate(prompts):
+        engine.add_request(f"m{k}", p, params, priority=rng.randrange(-3, 4))
+    got = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                got[out.request_id] = list(out.outputs[0].token_ids)
+    assert [got[f"m{k}"] for k in range(6)] == expected
