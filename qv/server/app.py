@@ -110,6 +110,7 @@ ROUTES = [
     ("/v1/responses/{response_id}", responses_store.retrieve_response, "GET"),
     ("/v1/responses/{response_id}", responses_store.delete_response, "DELETE"),
     ("/v1/responses/{response_id}/cancel", responses_store.cancel_response, "POST"),
+    ("/v1/responses/{response_id}/input_items", responses_store.list_input_items, "GET"),
     ("/v1/messages", anthropic.create_message, "POST"),
     ("/v1/messages/count_tokens", anthropic.count_tokens, "POST"),
     ("/v1/systemone", systemone.create_decision, "POST"),

@@ -38,6 +38,8 @@ OPERATIONS = {
     "/v1/responses/{response_id}": ("A stored response: GET retrieves it as it stands, DELETE forgets it", None,
                                     False),
     "/v1/responses/{response_id}/cancel": ("Cancel a queued or running background response", None, False),
+    "/v1/responses/{response_id}/input_items": ("The input items that led to a stored response (earlier turns "
+                                                "included), OpenAI's cursor list", None, False),
     "/v1/systemone": ("Clef decision: probabilities for each question's options", Decision, False),
     "/v1/models": ("The served model names (OpenAI list, plus `models` for the SystemOne SDKs)", None, False),
     "/v1/models/{model}": ("One served model (OpenAI model object)", None, False),

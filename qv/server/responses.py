@@ -19,7 +19,7 @@ from qv.server.errors import APIError, bad_request, internal_error
 from qv.server.openai import ChatContext, read_request, stream_response, validate_body
 from qv.server.parsers import OutputStream, Qwen3CoderToolParser, parse_output
 from qv.server.protocol import ChatCompletionRequest, ResponsesRequest
-from qv.server.responses_store import ENTRY_OVERHEAD_BYTES, StoredResponse, history, output_size
+from qv.server.responses_store import ENTRY_OVERHEAD_BYTES, StoredResponse, history, output_size, stored_item
 from qv.server.state import ServerState, random_id
 from qv.server.structured import check_not_thinking, compile_constraint, constraint_field
 from qv.server.streaming import DONE, last_output, sse_event, until_disconnect
@@ -178,7 +178,7 @@ async def create_response(state: ServerState, request: Request) -> Response:
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
     ctx = ChatContext(req, rendered, Qwen3CoderToolParser(tools) if req.tools and req.tool_choice != "none" else None,
                       response_id, int(time.time()), state.model_name, "")
-    conversation = [*earlier, *input_items(rreq)]
+    conversation = [*earlier, *map(stored_item, input_items(rreq))]
     base_size = size + earlier_size + ENTRY_OVERHEAD_BYTES
 
     def keep(body: dict) -> None:

@@ -1,7 +1,8 @@
 """The Responses API's stored responses: `store` keeps a response (and the conversation that led to
 it) in a bounded in-memory store, so that `previous_response_id` can continue the conversation,
 `GET /v1/responses/{id}` retrieve it, `DELETE` remove it and, for a `background` response,
-`POST /v1/responses/{id}/cancel` stop it while it runs.
+`POST /v1/responses/{id}/cancel` stop it while it runs; `GET /v1/responses/{id}/input_items` lists
+the items that led to it.
 
 The store holds at most responses_store_bytes (the sizes are estimates: the request body's bytes,
 the output's text and the conversation carried over); past it the oldest finished responses are
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -22,6 +24,7 @@ from qv.server.errors import APIError, bad_request
 
 log = logging.getLogger("qv.server")
 
+ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 ENTRY_OVERHEAD_BYTES = 1024  # the envelope's fixed fields, the dict and list objects around them
 RUNNING = ("queued", "in_progress")
 
@@ -105,6 +108,18 @@ def history(store: ResponseStore, previous_response_id: str | None) -> tuple[lis
     return prev.conversation + prev.response["output"], prev.size
 
 
+def stored_item(item: dict) -> dict:
+    """An input item as the store keeps it and input_items lists it: with an id, and a message's text
+    content as a list of parts (OpenAI's item shapes)."""
+    kind = item.get("type", "message")
+    out = dict(item, type=kind)
+    out.setdefault("id", f"{ITEM_ID_PREFIXES.get(kind, 'item')}_{uuid.uuid4().hex}")  # state.random_id's form
+    if kind == "message" and isinstance(out.get("content"), str):
+        part = "output_text" if out.get("role") == "assistant" else "input_text"
+        out["content"] = [{"type": part, "text": out["content"]}]
+    return out
+
+
 def output_size(response: dict) -> int:
     """The estimated bytes of a response's output items (their text)."""
     n = 0
@@ -127,6 +142,36 @@ async def retrieve_response(state, request: Request) -> Response:
     _query_refusals(request)
     entry = stored_or_404(state.responses, request.path_params["response_id"])
     return JSONResponse(entry.response)
+
+
+MAX_LIST_LIMIT = 100
+
+
+async def list_input_items(state, request: Request) -> Response:
+    """GET /v1/responses/{response_id}/input_items: the items that led to the response (earlier turns
+    included), OpenAI's cursor list: `order` desc (default) or asc, `limit` 1-100 (20), `after` an item id."""
+    entry = stored_or_404(state.responses, request.path_params["response_id"])
+    q = request.query_params
+    order = q.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise bad_request(f"order must be asc or desc, got {order!r}", "order")
+    try:
+        limit = int(q.get("limit", "20"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= MAX_LIST_LIMIT:
+        raise bad_request(f"limit must be an integer from 1 to {MAX_LIST_LIMIT}", "limit")
+    items = entry.conversation if order == "asc" else entry.conversation[::-1]
+    after = q.get("after")
+    if after is not None:
+        ids = [i.get("id") for i in items]
+        if after not in ids:
+            raise bad_request(f"after: no input item {after!r} in response {request.path_params['response_id']}",
+                              "after")
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                         "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
 
 
 async def delete_response(state, request: Request) -> Response:

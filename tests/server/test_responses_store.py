@@ -81,6 +81,25 @@ def test_previous_response_id_continues_the_conversation(client):
     assert third.usage.input_tokens == _create(client, input=whole3, store=False).usage.input_tokens
 
 
+def test_input_items_list_the_conversation_that_led_to_a_response(client):
+    first = _create(client, input="Name a colour.")
+    second = _create(client, input=[{"role": "user", "content": [{"type": "input_text", "text": "Another?"}]}],
+                     previous_response_id=first.id)
+    asc = list(client.responses.input_items.list(second.id, order="asc", limit=1))  # one a page, the SDK follows
+    expected = [("message", "user", "Name a colour."), *[(o.type, getattr(o, "role", None), getattr(
+        o, "content", [None])[0].text if o.type == "message" else None) for o in first.output],
+        ("message", "user", "Another?")]
+    got = [(i.type, getattr(i, "role", None), i.content[0].text if i.type == "message" else None) for i in asc]
+    assert got == expected
+    assert len({i.id for i in asc}) == len(asc) and all(i.id for i in asc)
+    desc = client.responses.input_items.list(second.id)  # OpenAI's default order: newest first
+    assert [i.id for i in desc.data] == [i.id for i in asc][::-1] and desc.has_more is False
+    with pytest.raises(openai.BadRequestError):
+        client.responses.input_items.list(second.id, limit=101)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_nope")
+
+
 def test_a_tool_call_is_answered_through_previous_response_id(client):
     call = _create(client, input="Weather in Paris?", tools=[WEATHER], tool_choice="required", max_output_tokens=60)
     calls = [o for o in call.output if o.type == "function_call"]
