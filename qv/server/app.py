@@ -65,8 +65,8 @@ async def _answer(handler, state: ServerState, request: Request) -> Response:
         return await handler(state, request)
     except APIError as exc:
         return api_error_response(exc)
-    except BodyTooLarge as exc:
-        return error_response(413, str(exc), headers={"Connection": "close"})
+    except BodyTooLarge as exc:  # no Connection: close: closing with the body unread would reset the connection,
+        return error_response(413, str(exc))  # and the client could lose this answer; uvicorn drains the rest
     except BodyReadTimeout:
         return error_response(408, "the request body did not arrive whole within body_read_timeout_s",
                               headers={"Connection": "close"})
@@ -154,9 +154,8 @@ class Guards:
                                             headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
         limit, lever = body_limit(path, cfg)
         length = headers.get("content-length", "")
-        if length.isdigit() and int(length) > limit:  # refused unread
-            return await error_response(413, str(BodyTooLarge(limit, lever)),
-                                        headers={"Connection": "close"})(scope, receive, send)
+        if length.isdigit() and int(length) > limit:  # refused unread (uvicorn discards the body as it comes)
+            return await error_response(413, str(BodyTooLarge(limit, lever)))(scope, receive, send)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + cfg.body_read_timeout_s
         seen, body_done, started = 0, False, False
