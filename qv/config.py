@@ -267,7 +267,7 @@ class EngineConfig(BaseSettings):
     clef_nmax: int = lever(34816, "Largest Clef record in tokens (images included).", ge=1)
     clef_max_body_bytes: int = lever(
         16 << 20, "Largest /v1/systemone body in bytes (JSON or multipart, images included; zstd-decoded), under "
-        "max_body_bytes: a larger one gets 413 as it arrives, its rest never read, before anything is parsed or "
+        "max_body_bytes: a larger one gets 413 as it arrives, its rest discarded unkept, before anything is parsed or "
         "tokenized (a record's text holds at most clef_nmax tokens).", ge=1)
     clef_slots: int = lever(4, "Clef records in flight at once; others queue.", ge=1)
     clef_delta_host: bool = lever(False, "Keep Clef low-rank deltas in pinned host memory, streamed per layer.")

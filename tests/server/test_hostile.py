@@ -420,7 +420,7 @@ def _clef_body(mb: int) -> bytes:
 
 
 def test_two_28_mb_clef_bodies_cost_under_1_gb(hostile):
-    """Two 28 MB `instructions` at once over HTTP: 413 naming clef_max_body_bytes, unread (their
+    """Two 28 MB `instructions` at once over HTTP: 413 naming clef_max_body_bytes, unparsed (their
     Content-Length says enough); the server's RSS (sampled every 10 ms) rises by less than 1 GiB and
     comes back within 10%, /health stays fast."""
     proc, body, peak, rss0 = psutil.Process(), _clef_body(28), [0], 0
@@ -462,7 +462,7 @@ def test_two_28_mb_clef_bodies_cost_under_1_gb(hostile):
 def test_a_chunked_clef_body_over_its_cap_is_refused_before_it_ends(hostile):
     """A chunked /v1/systemone body (no Content-Length) that passes clef_max_body_bytes: the server
     answers 413 naming the lever while the client has not finished sending (no closing chunk is ever
-    sent), so the body was never read whole, let alone parsed."""
+    sent): it was refused as it arrived, never waited for whole, let alone parsed."""
     cap = _state(hostile).clef_body_limit[0]
     host, port = hostile.url.removeprefix("http://").split(":")
     chunk = b"x" * (1 << 20)
