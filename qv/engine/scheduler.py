@@ -146,7 +146,8 @@ class Scheduler:
     def _schedule_running(self, plan: StepPlan, budget: int, shares: "_LongPrefillShare") -> int:
         self._even_drafts(budget)
         verifying = 0
-        # decodes first, then prefills short before long; admission order within each
+        # decodes first, then prefills short before long; admission order within each (under priority: by
+        # priority first)
         def order(s: Sequence):
             kind = 0 if _decoding(s) else 1 + shares.is_long(s)
             return (s.priority, kind) if self.policy == "priority" else kind
@@ -180,7 +181,8 @@ class Scheduler:
         return end + self.lookahead if end >= seq.num_tokens else end
 
     def _make_room(self, seq: Sequence, n: int, plan: StepPlan) -> bool:
-        """Preempt newest-first until `seq` can grow by n tokens; False if `seq` itself gave way."""
+        """Preempt (the newest first, or under priority the least urgent: _victim) until `seq` can grow by n
+        tokens; False if `seq` itself gave way."""
         while not self.blocks.can_grow(len(seq.block_ids), self._covered(seq, n), is_isolated(seq)):
             victim = self._victim(plan)
             if victim is seq and len(self.running) == 1:
