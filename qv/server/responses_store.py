@@ -66,8 +66,9 @@ class ResponseStore:
             return False
         self.entries[response_id] = entry
         self.bytes += entry.size
-        for old_id in [k for k, e in self.entries.items() if not e.running and k != response_id]:
-            if self.bytes <= self.max_bytes:
+        while self.bytes > self.max_bytes:  # the oldest finished first (running ones are few, and skipped)
+            old_id = next((k for k, e in self.entries.items() if not e.running and k != response_id), None)
+            if old_id is None:
                 break
             self.delete(old_id)
         return True
