@@ -23,7 +23,7 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "Weather of
 @pytest.fixture(scope="module")
 def running(tiny_model):
     # one seat: a stream that holds it keeps a background response queued, whatever the machine's speed
-    srv, stop = start_server(tiny_model, served_model_name=MODEL, max_num_seqs=1)
+    srv, stop = start_server(tiny_model, 8192, served_model_name=MODEL, max_num_seqs=1)
     yield srv
     stop()
 
@@ -131,7 +131,7 @@ def test_a_queued_background_response_is_cancelled(running, client):
     """A stream holds the one seat, so the background response waits; cancel answers it `cancelled`,
     retrieve agrees, and its engine request is gone from the queue."""
     engine = running.app.state.qv.engine
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 900, "ignore_eos": True,
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 8000, "ignore_eos": True,
             "stream": True}
     with httpx.stream("POST", running.v1 + "/chat/completions", json=body, timeout=120) as holder:
         lines = holder.iter_lines()  # kept: a dropped iterator would close the stream
