@@ -128,6 +128,10 @@ class EngineConfig(BaseSettings):
         "preempted more often, it waits until its full length (prompt + max_tokens) fits beside the running "
         "sequences, then runs to the end, never preempted again (the blocks it still needs are reserved), so "
         "contexts that outgrow the KV cache cannot thrash it.", ge=0)
+    scheduling_policy: Literal["fcfs", "priority"] = lever(
+        "fcfs", "Order of the waiting queue (vLLM's --scheduling-policy): fcfs, first come first served; priority, a "
+        "request's `priority` (lower first, arrival among equals), which also picks whom a preemption takes (the "
+        "lowest priority, newest among equals). Under fcfs a `priority` other than 0 is a 400.")
     max_long_partial_prefills: int = lever(
         1, "Most long prefills that share one step with decoding sequences (vLLM's name).", ge=1)
     max_step_ms: float = lever(
@@ -211,6 +215,10 @@ class EngineConfig(BaseSettings):
     trust_request_chat_template: bool = lever(
         False, "Render a request's own `chat_template` (transformers' Jinja sandbox, off the event loop) instead of "
         "refusing it with a 400 (vLLM's --trust-request-chat-template); trust the clients: a template may run long.")
+    responses_store_bytes: int = lever(
+        128 << 20, "Bytes of stored Responses API responses (`store`, the default while this is over 0) kept in memory "
+        "for retrieve, cancel, delete and previous_response_id; past it the oldest finished ones are dropped. 0: "
+        "nothing is stored (store=true is a 400).", ge=0)
     enable_thinking: bool = lever(False, "Default enable_thinking for the chat template (per-request override).")
     max_body_bytes: int = lever(32 << 20, "Largest request body; larger gets 413.", ge=1)
     max_waiting: int = lever(1024, "Most sequences waiting (prompts x n, counted at admission); a request that "
@@ -233,8 +241,9 @@ class EngineConfig(BaseSettings):
         512, "Most open connections; a request past it gets 503 (uvicorn's limit_concurrency) and a connection "
         "opened past twice it is answered 503 and closed at once. Keep it under the process's file limit.", ge=1)
     stream_stall_timeout_s: float = lever(
-        30.0, "A streaming client that reads nothing for this long is cut (its engine request aborted); meanwhile "
-        "its output waits in a bounded queue and its generation is paused.", gt=0)
+        30.0, "A streaming client that reads nothing for this long is cut (its engine request aborted, its rows "
+        "freed); meanwhile nothing more is sent to it and its outputs wait merged into one (vLLM's way: memory "
+        "bounded by its max_tokens), while the engine goes on generating it.", gt=0)
     # -- structured outputs ------------------------------------------------------------------------
     grammar_compile_workers: int = lever(
         2, "Processes that compile structured-output grammars (xgrammar), apart from the threads that render chats; "
@@ -293,6 +302,10 @@ class EngineConfig(BaseSettings):
     # -- Clef -----------------------------------------------------------------------------------
     clef: bool = lever(True, "Serve Clef decisions (POST /v1/systemone) when the checkpoint has a Clef head.")
     clef_nmax: int = lever(34816, "Largest Clef record in tokens (images included).", ge=1)
+    clef_max_body_bytes: int = lever(
+        16 << 20, "Largest /v1/systemone body in bytes (JSON or multipart, images included; zstd-decoded), under "
+        "max_body_bytes: a larger one gets 413 as it arrives, its rest discarded unkept, before anything is parsed or "
+        "tokenized (a record's text holds at most clef_nmax tokens).", ge=1)
     clef_slots: int = lever(4, "Clef records in flight at once; others queue.", ge=1)
     clef_delta_host: bool = lever(False, "Keep Clef low-rank deltas in pinned host memory, streamed per layer.")
 

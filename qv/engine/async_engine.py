@@ -31,6 +31,7 @@ class _Add:
     cache_salt: str | None
     mm_hashes: list[tuple[int, str]] | None
     multimodal: MultimodalPrompt | None
+    priority: int = 0
 
 
 @dataclass(frozen=True)
@@ -103,10 +104,11 @@ class AsyncLLMEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int] | CheckedRequest,
                        params: SamplingParams | None = None, prompt: str | None = None, cache_salt: str | None = None,
-                       mm_hashes: list[tuple[int, str]] | None = None, multimodal: MultimodalPrompt | None = None):
+                       mm_hashes: list[tuple[int, str]] | None = None, multimodal: MultimodalPrompt | None = None,
+                       priority: int = 0):
         """A CheckedRequest, or the prompt's ids and params (checked on the engine thread);
-        multimodal: the prompt's images/videos (LLMEngine.add_request)."""
-        command = _Add(request_id, prompt_token_ids, params, prompt, cache_salt, mm_hashes, multimodal)
+        multimodal: the prompt's images/videos; priority: vLLM's (LLMEngine.add_request)."""
+        command = _Add(request_id, prompt_token_ids, params, prompt, cache_salt, mm_hashes, multimodal, priority)
         async with contextlib.aclosing(self._outputs(request_id, command)) as outputs:
             async for out in outputs:
                 yield out
@@ -190,7 +192,7 @@ class AsyncLLMEngine:
             case _Add():
                 try:
                     self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.prompt,
-                                            cmd.cache_salt, cmd.mm_hashes, cmd.multimodal)
+                                            cmd.cache_salt, cmd.mm_hashes, cmd.multimodal, cmd.priority)
                 except InvalidRequestError as exc:
                     self._deliver(cmd.request_id, exc)
             case _AddClef():

@@ -22,7 +22,7 @@ from qv.engine.kv_cache import KVBlockPool
 from qv.engine.multimodal import MultimodalInputs, MultimodalPrompt, VisionSteps, check_multimodal
 from qv.engine.prefix_cache import make_prefix_cache
 from qv.engine.prompt_logprobs import finished_prompt_logprobs, new_prompt_logprobs
-from qv.engine.request import (CompletionOutput, InvalidRequestError, Logprob, RequestMetrics,
+from qv.engine.request import (CompletionOutput, InvalidFieldError, InvalidRequestError, Logprob, RequestMetrics,
                                RequestOutput, SamplingParams)
 from qv.engine.request_check import CheckedRequest, RequestLimits, check_request
 from qv.engine.runner import ModelRunner, StepCapacity, StepHandle, StepResult
@@ -100,7 +100,7 @@ class LLMEngine:
                                    max_long_partial_prefills=cfg.max_long_partial_prefills,
                                    max_spec_seqs=self.spec.max_seqs if self.spec else 0,
                                    max_step_ms=cfg.max_step_ms, step_cost=self.step_timer.model,
-                                   max_preemptions=cfg.max_preemptions)
+                                   max_preemptions=cfg.max_preemptions, policy=cfg.scheduling_policy)
         capacity = StepCapacity.of(cfg.max_num_batched_tokens, cfg.max_num_seqs, self.max_model_len, cfg.block_size,
                                    cfg.spec_k if self.spec else 0)
         self.multimodal = self.media = None  # images/videos: prompt building and in-step encoding
@@ -163,15 +163,19 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int] | CheckedRequest,
                     params: SamplingParams | None = None, prompt: str | None = None, cache_salt: str | None = None,
-                    mm_hashes: list[tuple[int, str]] | None = None, multimodal: MultimodalPrompt | None = None) -> None:
+                    mm_hashes: list[tuple[int, str]] | None = None, multimodal: MultimodalPrompt | None = None,
+                    priority: int = 0) -> None:
         """Queue a request: a CheckedRequest from check_request (not checked again), or the prompt's
         ids and its params (checked here).
+        priority: vLLM's, lower first; other than 0 only under scheduling_policy priority.
         cache_salt: prefixes are shared only under the same salt ("clef:..." never shares);
         mm_hashes: (position, content hash) of each media item, part of the prefix key;
         multimodal: the prompt's images/videos (`self.multimodal.prompt(...)`); prompt_token_ids are its
         expanded ids, and its media hashes join the prefix key."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if priority != 0 and self.scheduler.policy != "priority":
+            raise InvalidFieldError(f"Got priority {priority} but Priority scheduling is not enabled.", "priority")
         checked = (prompt_token_ids if isinstance(prompt_token_ids, CheckedRequest)
                    else self.check_request(prompt_token_ids, params))
         prompt_token_ids, params, max_tokens = checked.prompt_token_ids, checked.params, checked.max_tokens
@@ -184,7 +188,8 @@ class LLMEngine:
                                            params.include_stop_str_in_output)
             seq = Sequence(next(self._seq_ids), request_id, i, list(prompt_token_ids), params, max_tokens,
                            base_seed + i, detok, arrival_order=next(self._seq_ids),
-                           eos_token_ids=self.eos_token_ids, cache_salt=cache_salt, mm_hashes=mm_hashes, media=media,
+                           eos_token_ids=self.eos_token_ids, cache_salt=cache_salt, priority=priority,
+                           mm_hashes=mm_hashes, media=media,
                            matcher=params.grammar.matcher() if params.grammar is not None else None,
                            prompt_logprobs=new_prompt_logprobs(params, prompt_token_ids, self.tokenizer) if i == 0 else None)
             seqs.append(seq)

@@ -26,10 +26,15 @@ finishes after at most max_preemptions + 1 recomputes while the others go on. A 
 that cannot fit even alone fails with a clear error. With prefix caching (qv/engine/prefix_cache.py)
 an admitted sequence resumes from its cached prefix, and a preempted one's blocks stay cached, so
 its readmission usually resumes from its last snapshot.
+
+Under vLLM's priority policy (`scheduling_policy` priority) the queue is ordered by (priority,
+arrival), lower values first; running sequences are served in that order and a preemption takes
+the lowest-priority (then newest) sequence not yet planned this step.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -60,8 +65,9 @@ class Scheduler:
     def __init__(self, blocks: KVBlockPool, slots: GDNStatePool, max_num_seqs: int, max_num_batched_tokens: int,
                  lookahead: int = 0, prefix_cache: PrefixCache | None = None, long_prefill_token_threshold: int = 0,
                  max_long_partial_prefills: int = 1, max_spec_seqs: int = 0, max_step_ms: float = 0.0,
-                 step_cost: StepCostModel | None = None, max_preemptions: int = 2):
+                 step_cost: StepCostModel | None = None, max_preemptions: int = 2, policy: str = "fcfs"):
         self.blocks, self.slots = blocks, slots
+        self.policy = policy  # "fcfs" | "priority" (vLLM's --scheduling-policy)
         self.prefix_cache = prefix_cache  # None: prefix caching off
         self.lookahead = lookahead  # extra KV positions a step may write past its tokens (the MTP head's drafts)
         self.max_num_seqs = max_num_seqs
@@ -81,7 +87,15 @@ class Scheduler:
 
     # -- queue management ----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        if self.policy == "priority":
+            self._insert_by_priority(seq)
+        else:
+            self.waiting.append(seq)
+
+    def _insert_by_priority(self, seq: Sequence) -> None:
+        """Into the queue after every sequence that ranks before it ((priority, arrival): vLLM's order)."""
+        keys = [_rank(s) for s in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, _rank(seq)), seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -144,8 +158,13 @@ class Scheduler:
     def _schedule_running(self, plan: StepPlan, budget: int, shares: "_LongPrefillShare") -> int:
         self._even_drafts(budget)
         verifying = 0
-        # decodes first, then prefills short before long; admission order within each
-        for seq in sorted(self.running, key=lambda s: 0 if _decoding(s) else 1 + shares.is_long(s)):
+        # decodes first, then prefills short before long; admission order within each (under priority: by
+        # priority first)
+        def order(s: Sequence):
+            kind = 0 if _decoding(s) else 1 + shares.is_long(s)
+            return (s.priority, kind) if self.policy == "priority" else kind
+
+        for seq in sorted(self.running, key=order):
             if seq not in self.running:  # preempted earlier in this loop to make room
                 continue
             if seq.draft_token_ids and verifying == self.max_spec_seqs:  # beyond it: a plain decode this step
@@ -188,11 +207,10 @@ class Scheduler:
         return self.blocks.num_available(is_isolated(seq)) - self._reserved(but=seq)
 
     def _make_room(self, seq: Sequence, n: int, plan: StepPlan) -> bool:
-        """Preempt newest-first (never a protected sequence) until `seq` can grow by n tokens; False if
-        `seq` itself gave way, or (protected) waits for room this step."""
+        """Preempt (the newest first, or under priority the least urgent: _victim; never a protected sequence)
+        until `seq` can grow by n tokens; False if `seq` itself gave way, or (protected) waits for room this step."""
         while self.blocks.blocks_for(self._covered(seq, n)) - len(seq.block_ids) > self._available(seq):
-            others = [s for s in self.running if s is not seq and s not in self.protected]
-            victim = others[-1] if others else seq
+            victim = self._victim(seq, plan)
             if victim is seq and len(self.running) == 1:
                 self._fail_too_large(seq, plan)
                 return False
@@ -206,6 +224,19 @@ class Scheduler:
                 return False
         return True
 
+    def _victim(self, seq: Sequence, plan: StepPlan) -> Sequence:
+        """The sequence to preempt so that `seq` can grow, never another protected one (`seq` itself when no
+        other is left): the newest (fcfs), or the lowest priority, newest among equals, of `seq` and those not
+        planned this step (priority; the newest when all are planned)."""
+        others = [s for s in self.running if s is not seq and s not in self.protected]
+        if not others:
+            return seq
+        if self.policy != "priority":
+            return others[-1]
+        planned = {id(s) for s, _ in plan.scheduled}
+        free = [s for s in others + [seq] if id(s) not in planned]  # seq itself when it is the least urgent
+        return max(free, key=_rank) if free else others[-1]
+
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         self.running.remove(seq)
         self._free(seq)
@@ -213,7 +244,10 @@ class Scheduler:
         seq.draft_token_ids = []
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
-        self.waiting.appendleft(seq)
+        if self.policy == "priority":
+            self._insert_by_priority(seq)
+        else:
+            self.waiting.appendleft(seq)
         self.num_preemptions += 1
         plan.preempted.append(seq)
 
@@ -269,6 +303,10 @@ class Scheduler:
             shares.took(seq)
             budget -= n
         self.waiting.extendleft(reversed(skipped))
+
+
+def _rank(seq: Sequence) -> tuple[int, int]:
+    return seq.priority, seq.arrival_order
 
 
 def _decoding(seq: Sequence) -> bool:

@@ -42,6 +42,7 @@ class Sequence:
     arrival_order: int
     eos_token_ids: tuple[int, ...] = ()
     cache_salt: str | None = None
+    priority: int = 0  # vLLM's: lower first under the priority scheduling policy
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     num_computed_tokens: int = 0

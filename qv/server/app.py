@@ -35,8 +35,9 @@ from starlette.routing import Route
 
 from qv.config import ConfigError, EngineConfig
 from qv.errors import StartupError
-from qv.server import anthropic, completions, openapi, ops, openai, responses, sagemaker, systemone
-from qv.server.http_edges import LazyCORS, MeasureHTTP, needs_key
+from qv.server import (anthropic, completions, openapi, ops, openai, responses, responses_store, sagemaker,
+                       systemone)
+from qv.server.http_edges import LazyCORS, MeasureHTTP, body_limit, needs_key
 from qv.server.errors import SHUTDOWN_MESSAGE, APIError, api_error_response, error_response, internal_error
 from qv.server.log_setup import log_config
 from qv.server.stats_log import log_stats
@@ -47,7 +48,8 @@ log = logging.getLogger("qv.server")
 
 
 class BodyTooLarge(Exception):
-    pass
+    def __init__(self, limit: int, lever: str):
+        super().__init__(f"the request body is larger than {limit} bytes ({lever})")
 
 
 class BodyReadTimeout(Exception):
@@ -63,8 +65,8 @@ async def _answer(handler, state: ServerState, request: Request) -> Response:
         return await handler(state, request)
     except APIError as exc:
         return api_error_response(exc)
-    except BodyTooLarge:
-        return error_response(413, f"the request body is larger than {state.max_body_bytes} bytes")
+    except BodyTooLarge as exc:  # no Connection: close: closing with the body unread would reset the connection,
+        return error_response(413, str(exc))  # and the client could lose this answer; uvicorn drains the rest
     except BodyReadTimeout:
         return error_response(408, "the request body did not arrive whole within body_read_timeout_s",
                               headers={"Connection": "close"})
@@ -105,6 +107,10 @@ ROUTES = [
     ("/v1/chat/completions", openai.create_chat_completion, "POST"),
     ("/v1/completions", completions.create_completion, "POST"),
     ("/v1/responses", responses.create_response, "POST"),
+    ("/v1/responses/{response_id}", responses_store.retrieve_response, "GET"),
+    ("/v1/responses/{response_id}", responses_store.delete_response, "DELETE"),
+    ("/v1/responses/{response_id}/cancel", responses_store.cancel_response, "POST"),
+    ("/v1/responses/{response_id}/input_items", responses_store.list_input_items, "GET"),
     ("/v1/messages", anthropic.create_message, "POST"),
     ("/v1/messages/count_tokens", anthropic.count_tokens, "POST"),
     ("/v1/systemone", systemone.create_decision, "POST"),
@@ -146,10 +152,10 @@ class Guards:
             if not hmac.compare_digest(given.encode(), f"Bearer {cfg.api_key}".encode()):
                 return await error_response(401, "Unauthorized: send `Authorization: Bearer <api key>`",
                                             headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
-        limit = cfg.max_body_bytes
+        limit, lever = body_limit(path, cfg)
         length = headers.get("content-length", "")
-        if length.isdigit() and int(length) > limit:
-            return await error_response(413, f"the request body is larger than {limit} bytes")(scope, receive, send)
+        if length.isdigit() and int(length) > limit:  # refused unread (uvicorn discards the body as it comes)
+            return await error_response(413, str(BodyTooLarge(limit, lever)))(scope, receive, send)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + cfg.body_read_timeout_s
         seen, body_done, started = 0, False, False
@@ -164,8 +170,8 @@ class Guards:
                 raise BodyReadTimeout() from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > limit:
-                    raise BodyTooLarge()
+                if seen > limit:  # refused as it arrives: the rest is never read
+                    raise BodyTooLarge(limit, lever)
                 body_done = not message.get("more_body", False)
             return message
 

@@ -34,7 +34,12 @@ SWAGGER_UI = "https://cdn.jsdelivr.net/npm/swagger-ui-dist@5"
 OPERATIONS = {
     "/v1/chat/completions": ("Chat completion (OpenAI/vLLM fields)", protocol.ChatCompletionRequest, True),
     "/v1/completions": ("Text completion (OpenAI/vLLM fields)", protocol.CompletionRequest, True),
-    "/v1/responses": ("Responses API (stateless)", protocol.ResponsesRequest, True),
+    "/v1/responses": ("Responses API (store, previous_response_id, background)", protocol.ResponsesRequest, True),
+    "/v1/responses/{response_id}": ("A stored response: GET retrieves it as it stands, DELETE forgets it", None,
+                                    False),
+    "/v1/responses/{response_id}/cancel": ("Cancel a queued or running background response", None, False),
+    "/v1/responses/{response_id}/input_items": ("The input items that led to a stored response (earlier turns "
+                                                "included), OpenAI's cursor list", None, False),
     "/v1/systemone": ("Clef decision: probabilities for each question's options", Decision, False),
     "/v1/models": ("The served model names (OpenAI list, plus `models` for the SystemOne SDKs)", None, False),
     "/v1/models/{model}": ("One served model (OpenAI model object)", None, False),

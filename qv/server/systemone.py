@@ -59,7 +59,8 @@ async def create_decision(state: ServerState, request: Request) -> Response:
 async def read_decision(state: ServerState, request: Request) -> tuple[Decision, dict[str, bytes]]:
     """The validated body and its multipart parts (name -> bytes; none for a JSON body). Parsing
     runs off the event loop: a body may be megabytes."""
-    raw = await read_body(request, state.max_body_bytes, (JSON, MULTIPART))
+    limit, lever = state.clef_body_limit
+    raw = await read_body(request, limit, (JSON, MULTIPART), lever)
     parts: dict[str, bytes] = {}
     body: bytes | None = raw
     if request.headers.get("content-type", "").split(";", 1)[0].strip().lower() == MULTIPART:
