@@ -17,7 +17,8 @@ from starlette.routing import Match
 from qv.config import EngineConfig, string_list
 
 HEALTH_PROBES = ("/health", "/ping")
-GUARDED_OUTSIDE_V1 = ("/invocations", "/reset_prefix_cache")  # they run or change the engine
+# they run or change the engine, or show its levers
+GUARDED_OUTSIDE_V1 = ("/invocations", "/reset_prefix_cache", "/server_info")
 
 
 def needs_key(path: str, scope: str, metrics_public: bool) -> bool:
