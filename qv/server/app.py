@@ -317,7 +317,8 @@ app = build_app()
 def start_hint(name: str, url: str, random_weights: bool) -> str:
     """What `qv serve` prints once it listens: where, the API docs, one request to try, and whether the
     weights are random (the embedded model's, or --load-format random) so its text is noise."""
-    lines = [f"qv: serving model '{name}' at {url}/v1 (health: {url}/health)", f"qv: API docs: {url}/docs",
+    lines = [f"qv: serving model '{name}' at {url}/v1 (health: {url}/health)", f"qv: playground: {url}/",
+             f"qv: API docs: {url}/docs",
              f"qv: try: curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' -d "
              f"'{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], "
              f"\"max_tokens\": 32}}'"]
