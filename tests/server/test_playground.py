@@ -9,6 +9,7 @@ browser: the routes' files, /server_info's secrets, and /docs served with no CDN
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -80,27 +81,54 @@ def browser():
     b.close()
 
 
-STREAM_COUNTER = """() => {
-  window.__updates = 0;
-  new MutationObserver(() => { window.__updates += 1; })
-    .observe(document.getElementById('messages'), {subtree: true, childList: true, characterData: true});
-}"""
-
-
 def chat_streams(page) -> str:
-    page.evaluate(STREAM_COUNTER)
+    """Chats at temperature 1 until a reply has at least 4 tokens (seeded: the same seeds every run; the
+    random tiny model may stop at once), then checks it arrived in several pieces."""
     page.fill("#temperature", "1")
     page.fill("#max-tokens", "24")
-    page.fill("#seed", "7")
-    page.fill("#chat-input", "Write one sentence about the sea.")
-    page.click("#chat-send")
-    page.wait_for_selector(".msg.assistant[data-done]", timeout=120_000)
-    reply = page.inner_text(".msg.assistant .content")
+    for seed in range(1, 9):
+        page.fill("#seed", str(seed))
+        page.fill("#chat-input", "Write one sentence about the sea.")
+        page.click("#chat-send")
+        done = page.wait_for_selector(".msg.assistant[data-done]:last-child", timeout=120_000)
+        tokens, events = int(done.get_attribute("data-tokens")), int(done.get_attribute("data-pieces"))
+        if tokens >= 4:
+            break
+        page.click("#chat-clear")
+    assert tokens >= 4, "no seed gave a reply of 4 tokens"
+    assert events >= 3, f"{tokens} tokens came in {events} pieces: not streamed"  # a piece: tokens whose text is whole
+    reply = done.query_selector(".content").inner_text()
     assert reply.strip(), "the reply is empty"
-    updates = page.evaluate("window.__updates")
-    assert updates > 3, f"the reply arrived in {updates} updates: not streamed"
-    assert re.search(r"\d+ tokens in", page.inner_text(".msg.assistant .stats"))
+    assert re.search(r"\d+ tokens in .* streamed pieces", done.query_selector(".stats").inner_text())
+    page.click("#chat-clear")
     return reply
+
+
+WEATHER_TOOL = ('[{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", '
+                '"properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1, "maximum": 9}}, '
+                '"required": ["city", "days"]}}}]')
+
+
+def thinking_and_tool_calls(page) -> None:
+    """Thinking on: the reply's reasoning sits in a folded <details>; tools with tool_choice required (the
+    call grammar makes even the random tiny model call): the call is shown as a call, its arguments JSON."""
+    page.check("#thinking")
+    page.fill("#chat-input", "Think first, then answer.")
+    page.click("#chat-send")
+    page.wait_for_selector(".msg.assistant:nth-child(2)[data-done]", timeout=120_000)
+    thinking = page.query_selector(".msg.assistant:nth-child(2) details.thinking")
+    assert thinking.is_visible() and thinking.get_attribute("open") is None, "thinking is not shown folded"
+    assert page.eval_on_selector(".msg.assistant:nth-child(2) details.thinking div", "e => e.textContent.length") > 0
+    page.uncheck("#thinking")
+    page.fill("#tools", WEATHER_TOOL)
+    page.select_option("#tool-choice", "required")
+    page.fill("#max-tokens", "120")  # room for the whole call in the tiny tokenizer's pieces
+    page.fill("#chat-input", "What is the weather in Paris?")
+    page.click("#chat-send")
+    page.wait_for_selector(".msg.assistant:nth-child(4)[data-done]", timeout=120_000)
+    call = page.inner_text(".msg.assistant:nth-child(4) .tool-call")
+    assert call.startswith("call get_weather(") and call.endswith(")"), call
+    assert json.loads(call[len("call get_weather("):-1])["city"] in ("Paris", "Rome")
 
 
 def decision_bars(page) -> dict:
@@ -127,6 +155,7 @@ def test_playground_chat_decision_and_server_panels(clef_server, browser, tmp_pa
     page.goto(clef_server.url + "/")
     page.wait_for_function("document.getElementById('model-name').dataset.model === 'qv-tiny'", timeout=60_000)
     chat_streams(page)
+    thinking_and_tool_calls(page)
     page.screenshot(path=str(shots / "playground-chat.png"))
 
     answers = decision_bars(page)

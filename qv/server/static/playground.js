@@ -118,7 +118,10 @@ function chatRequest() {
   };
   if ($("seed").value !== "") body.seed = Number($("seed").value);
   const tools = $("tools").value.trim();
-  if (tools) body.tools = JSON.parse(tools);
+  if (tools) {
+    try { body.tools = JSON.parse(tools); } catch (err) { throw new Error(`the tools are not valid JSON: ${err.message}`); }
+    body.tool_choice = $("tool-choice").value;
+  }
   return body;
 }
 
@@ -217,15 +220,22 @@ async function sendChat(event) {
   setBusy(true);
   const started = performance.now();
   let tokens = 0;
+  let events = 0;
   try {
     const response = await api("v1/chat/completions", chatRequest(), chat.controller.signal);
     await readEvents(response, (chunk) => {
       if (chunk.error) throw new Error(chunk.error.message);
-      for (const choice of chunk.choices || []) view.add(choice.delta || {});
+      for (const choice of chunk.choices || []) {
+        const delta = choice.delta || {};
+        if (delta.content || delta.reasoning_content || delta.reasoning || delta.tool_calls) events += 1;
+        view.add(delta);
+      }
       if (chunk.usage) tokens = chunk.usage.completion_tokens;
     });
     const seconds = (performance.now() - started) / 1000;
-    view.stats.textContent = `${tokens} tokens in ${seconds.toFixed(2)} s`;
+    view.stats.textContent = `${tokens} tokens in ${seconds.toFixed(2)} s, ${events} streamed pieces`;
+    view.node.dataset.tokens = String(tokens);
+    view.node.dataset.pieces = String(events);
     view.node.dataset.done = "1";
   } catch (err) {
     if (err.name !== "AbortError") showError(err.message);
