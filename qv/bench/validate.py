@@ -2,7 +2,7 @@
 real weights. Each gate passes, fails or is skipped by name with the reason; speed is reported.
 
 - reference: qv's greedy tokens and their log-probabilities against transformers on the same folder
-  (teacher-forced on qv's tokens): max |delta log p| and top-1 agreement outside near ties, under the
+  (teacher-forced on qv's tokens; text prompts, and a picture where the model has a vision tower): max |delta log p| and top-1 agreement outside near ties, under the
   bounds docs/VALIDATION.md publishes for qv's activation dtype.
 - retrieval: a code word at the start of a filler prompt (default: the longest the memory plan holds,
   at most 243,173 tokens), reproduced verbatim under greedy decoding; retrieval_depth: facts planted

@@ -102,10 +102,21 @@ class EngineRun:
 
     def _reference_side(self):
         prompts = [{"prompt_token_ids": self.tok.encode(p, add_special_tokens=False)} for p in texts.REFERENCE_PROMPTS]
+        mm = self.llm.engine.multimodal
+        image = None
+        if mm is not None:  # one image prompt: its pixels and grid go to transformers as qv preprocessed them
+            ids = self.tok.encode(texts.IMAGE_PROMPT, add_special_tokens=False)
+            image = mm.from_data(ids, [texts.sample_image(self.opts.seed)])
+            prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": texts.sample_image(self.opts.seed)}})
         outs = self.llm.generate(prompts, _greedy(self.opts.new_tokens))
-        self.observed["reference"] = [(p["prompt_token_ids"], o.outputs[0].token_ids,
+        self.observed["reference"] = [(o.prompt_token_ids, o.outputs[0].token_ids,
                                        [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
-                                      for p, o in zip(prompts, outs)]
+                                      for o in outs]
+        if image is not None:
+            self.observed["reference_image"] = {
+                "pixel_values": torch.cat([it.pixel_values for it in image.items]).cpu(),
+                "image_grid_thw": [list(it.grid_thw) for it in image.items],
+                "image_token_id": self.llm.engine.model_config.image_token_id}
 
     def retrieval_tokens(self) -> int:
         if self.opts.retrieval_tokens:
@@ -164,6 +175,16 @@ def _oracle_dtype(qv_dtype: str, device: torch.device) -> torch.dtype:
     return getattr(torch, qv_dtype.removeprefix("torch."))
 
 
+def _image_inputs(observed: dict, ids: torch.Tensor, dtype: torch.dtype) -> dict:
+    """transformers' image inputs for a prompt holding image pads (none for a text prompt)."""
+    image = observed.get("reference_image")
+    if image is None or not bool((ids == image["image_token_id"]).any()):
+        return {}
+    return {"pixel_values": image["pixel_values"].to(ids.device, dtype),
+            "image_grid_thw": torch.tensor(image["image_grid_thw"], device=ids.device),
+            "mm_token_type_ids": (ids == image["image_token_id"]).int()}
+
+
 def reference_gate(model_dir: str, observed: dict) -> GateResult:
     qv_dtype = observed["dtype"]
     bound = REFERENCE_BOUNDS.get(qv_dtype)
@@ -178,7 +199,8 @@ def reference_gate(model_dir: str, observed: dict) -> GateResult:
     with torch.no_grad():
         for prompt, tokens, logprobs in observed["reference"]:
             ids = torch.tensor([prompt + tokens], device=device)
-            logp = model(input_ids=ids).logits[0].double().log_softmax(-1)[len(prompt) - 1: -1]
+            logp = model(input_ids=ids, **_image_inputs(observed, ids, model.dtype)).logits[0].double().log_softmax(-1)
+            logp = logp[len(prompt) - 1: -1]
             for row, token, lp in zip(logp, tokens, logprobs):
                 worst = max(worst, abs(row[token].item() - lp))
                 top2 = row.topk(2).values
@@ -190,7 +212,8 @@ def reference_gate(model_dir: str, observed: dict) -> GateResult:
     ok = worst <= bound and agree + ties == total
     return GateResult("reference", "pass" if ok else "fail", f"max |dlogp| {worst:.2e}, top-1 {agree}/{total}"
                       + (f" (+{ties} near ties)" if ties else ""), f"|dlogp| <= {bound:g} ({qv_dtype}), top-1 all",
-                      f"{len(observed['reference'])} prompts vs transformers {model.dtype}",
+                      f"{len(observed['reference'])} prompts{' (one with an image)' if 'reference_image' in observed else ''}"
+                      f" vs transformers {model.dtype}",
                       {"max_abs_dlogp": worst, "top1_agree": agree, "near_ties": ties, "tokens": total})
 
 

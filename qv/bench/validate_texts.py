@@ -13,6 +13,22 @@ REFERENCE_PROMPTS = (
     "Translate to German: The weather is nice today, so we will walk to the market.",
     "List three prime numbers greater than 100, separated by commas:",
 )
+IMAGE_PROMPT = "<|vision_start|><|image_pad|><|vision_end|>Describe this picture in one sentence."
+
+
+def sample_image(seed: int):
+    """A 96x128 picture of soft gradients and a few seeded blocks (PIL), the same for every run."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:96, 0:128]
+    pixels = np.stack([x * 2, y * 2, (x + y)], axis=-1).astype(np.uint8)
+    for _ in range(4):
+        r, c = rng.integers(0, 80), rng.integers(0, 110)
+        pixels[r:r + 16, c:c + 18] = rng.integers(0, 256, 3)
+    return Image.fromarray(pixels, "RGB")
+
 
 # natural prose for MTP acceptance (the original measured 3.6-3.8 tokens a step on natural text)
 PASSAGES = (
