@@ -97,3 +97,13 @@ def test_gates_a_model_cannot_take_are_skipped_by_name(tiny_dirs, capsys):
 def test_unknown_gate_is_refused(tiny_dirs):
     with pytest.raises(ValueError, match="unknown gates"):
         validate(str(tiny_dirs("tiny")), ValidateOptions(gates=("reference", "vibes")))
+
+
+@pytest.mark.gpu
+def test_validate_on_the_gpu(fitted_dir, learned_word, tmp_path):
+    """The whole command on a GPU at its default dtype (bf16 on sm_80+): the reference gate under the 16-bit
+    bound, speculation through the verification graphs, repeatability with CUDA graphs, the speed rows."""
+    gates = run(fitted_dir, "reference", "retrieval", "speculation", "repeatability", "speed", code_word=learned_word,
+                min_acceptance=2.0, speed_prefill=256, levers={**LEVERS, "device": "cuda"})
+    assert not [g for g in gates.values() if g.status == "fail"], gates
+    assert gates["speed"].status == "info" and len(gates["speed"].values["rows"]) == 2
