@@ -213,5 +213,5 @@ async def docs_asset(state: ServerState, request: Request) -> Response:
     name, folder = request.path_params["name"], swagger_ui_dir()
     if name not in SWAGGER_UI_FILES or folder is None:
         missing = "" if folder else " (swagger-ui-bundle-v2 is not installed)"
-        return error_response(404, f"no docs file {name!r}{missing}")
+        return error_response(404, f"no docs file {name[:100]!r}{missing}")
     return FileResponse(folder / name, media_type=SWAGGER_UI_FILES[name], headers={"Cache-Control": "max-age=86400"})

@@ -241,7 +241,8 @@ def test_routes_without_a_browser(clef_server):
             assert "static/playground.js" in r.text and "http" not in re.sub(r'xmlns="[^"]*"', "", r.text.split("<body>")[1])
         assert c.get("/static/playground.js").headers["content-type"].startswith("text/javascript")
         assert c.get("/static/playground.css").status_code == 200
-        for bad in ("/static/..%2Fapp.py", "/static/playground.py", "/static/missing.js", "/docs/index.html"):
+        for bad in ("/static/..%2Fapp.py", "/static/playground.py", "/static/missing.js", "/docs/index.html",
+                    "/static/a%00b.js", "/static/" + "x" * 5000, "/docs/" + "y" * 5000):
             r = c.get(bad)
             assert r.status_code == 404 and "error" in r.json(), bad
         docs = c.get("/docs").text
