@@ -273,3 +273,20 @@ def test_package_ships_the_static_files():
     files = sorted(p.name for p in STATIC.iterdir() if p.is_file())
     assert files == ["playground.css", "playground.html", "playground.js"]
     assert all(any(Path("static", f).match(p) for p in patterns) for f in files)
+
+
+def test_page_stays_open_under_api_key_scope_all(embedded):
+    """Under api_key_scope all every route wants the key but the page and its files: without them a
+    browser could not load the form that asks for the key."""
+    running, stop = start_server(embedded, api_key=API_KEY, api_key_scope="all")
+    try:
+        with running.client() as c:
+            for path in ("/", "/playground", "/static/playground.js", "/static/playground.css"):
+                assert c.get(path).status_code == 200, path
+            for path in ("/server_info", "/docs", "/docs/swagger-ui.css", "/metrics", "/openapi.json"):
+                assert c.get(path).status_code == 401, path
+            assert c.get("/static/missing.js").status_code == 404
+            assert c.get("/server_info").status_code == 401
+            assert c.get("/server_info", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
+    finally:
+        stop()
