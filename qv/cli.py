@@ -209,6 +209,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_validate(args: argparse.Namespace) -> int:
+    from qv.bench.validate import GATES, ValidateOptions, failed, table, validate, write_json
+
+    gates = tuple(g.strip() for g in args.gates.split(",") if g.strip()) if args.gates else GATES
+    opts = ValidateOptions(gates=gates, retrieval_tokens=args.retrieval_tokens, code_word=args.code_word,
+                           min_acceptance=args.min_acceptance, speed_prefill=args.speed_prefill,
+                           levers={k: v for k, v in _overrides(args).items() if k != "model"})
+    header, results = validate(_model(args), opts, log=lambda line: print(line, file=sys.stderr, flush=True))
+    print(table(header, results))
+    if args.json:
+        write_json(args.json, header, results)
+    return 1 if failed(results) else 0
+
+
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     import asyncio
     import json
@@ -373,6 +387,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also a prompt chunk over a 32K and a 128K int8 prefix beside SDPA and the FLOP floor")
     _add_lever_flags(b)
     b.set_defaults(fn=cmd_bench)
+
+    v = command("validate", "the original's gates on MODEL: transformers reference, retrieval, MTP acceptance, Clef, "
+                "repeatability, speed; a table, exit status 1 when a gate fails")
+    v.add_argument("model_dir", metavar="MODEL", help="checkpoint folder")
+    v.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)
+    v.add_argument("--gates", default=None, help="comma-separated subset (default: all)")
+    v.add_argument("--json", default=None, metavar="OUT", help="also write the results as JSON")
+    v.add_argument("--retrieval-tokens", type=int, default=0, help="filler prompt length (0: the longest the plan holds, "
+                   "at most 243,173)")
+    v.add_argument("--code-word", default=None, help="the planted code word (default: five seeded digits)")
+    v.add_argument("--min-acceptance", type=float, default=3.6, help="MTP acceptance length the speculation gate needs")
+    v.add_argument("--speed-prefill", type=int, default=8192, help="prompt tokens of the speed gate's prefill row")
+    _add_lever_flags(v)
+    v.set_defaults(fn=cmd_validate)
 
     t = command("make-tiny", "write a deterministic tiny HF-format checkpoint folder")
     t.add_argument("out", help="folder to write")

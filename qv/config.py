@@ -196,9 +196,10 @@ class EngineConfig(BaseSettings):
     api_key: str = lever("", "If set, the routes api_key_scope names require `Authorization: Bearer <key>` "
                          "(vLLM's --api-key).")
     api_key_scope: Literal["v1", "all"] = lever(
-        "v1", "What api_key guards. v1 (vLLM's scope): /v1/*, /invocations and /reset_prefix_cache; /health, /ping, "
-        "/metrics, /version, /tokenize, /detokenize, /openapi.json and /docs stay open. all: every route but /health "
-        "and /ping (and /metrics under metrics_public).")
+        "v1", "What api_key guards. v1 (vLLM's scope): /v1/*, /invocations, /reset_prefix_cache and /server_info; "
+        "/health, /ping, /metrics, /version, /tokenize, /detokenize, /openapi.json and /docs stay open. all: every "
+        "route but /health and /ping (and /metrics under metrics_public). Under both the playground's page (/, "
+        "/playground) and its files (/static/*) stay open: they hold no data, and what they ask for carries the key.")
     metrics_public: bool = lever(False, "With api_key_scope all, /metrics answers without the key too (for a "
                                  "scraper).")
     allowed_origins: str = lever(

@@ -52,6 +52,8 @@ SLOW_TESTS = (
     "tests/server/test_tool_calls_constrained.py::test_required_calls_always_parse_and_validate",
     "tests/server/test_shutdown.py::test_sigterm_drains_and_exits_within_the_grace",
     "tests/spec/test_spec_engine.py::test_greedy_identical_with_speculation",
+    "tests/spec/test_validate.py::test_fitted_model_passes_retrieval_and_acceptance",  # qv validate: engines + fit
+    "tests/spec/test_validate.py::test_random_model_fails_retrieval_and_acceptance",
     "tests/oracles/test_paged_attention.py::test_paged_decode_variants",
     "tests/oracles/test_lm_head_top1.py::test_other_dtypes_and_widths",
     "tests/oracles/test_lm_head_top1.py::test_equals_reference",

@@ -35,8 +35,8 @@ from starlette.routing import Route
 
 from qv.config import ConfigError, EngineConfig
 from qv.errors import StartupError
-from qv.server import (anthropic, completions, openapi, ops, openai, responses, responses_store, sagemaker,
-                       systemone)
+from qv.server import (anthropic, completions, openapi, ops, openai, playground, responses, responses_store,
+                       sagemaker, systemone)
 from qv.server.http_edges import LazyCORS, MeasureHTTP, body_limit, needs_key
 from qv.server.errors import SHUTDOWN_MESSAGE, APIError, api_error_response, error_response, internal_error
 from qv.server.log_setup import log_config
@@ -127,6 +127,11 @@ ROUTES = [
     ("/reset_prefix_cache", ops.reset_prefix_cache, "POST"),
     ("/openapi.json", openapi.schema, "GET"),
     ("/docs", openapi.docs, "GET"),
+    ("/docs/{name}", openapi.docs_asset, "GET"),  # Swagger UI's script and stylesheet, from the package
+    ("/", playground.index, "GET"),
+    ("/playground", playground.page, "GET"),
+    ("/static/{name}", playground.static_file, "GET"),
+    ("/server_info", playground.info, "GET"),
 ]
 
 
@@ -286,6 +291,7 @@ def build_app(cfg: EngineConfig | None = None, engine=None) -> Starlette:
         config = cfg if cfg is not None else EngineConfig.from_env()
         running = engine if engine is not None else AsyncLLMEngine(config)
         state = app.state.qv = ServerState(running, config)
+        app.state.qv_config = config  # /server_info shows the levers
         cfg_ref["cfg"] = config
         restore = _drain_on_signals(state)
         log.info("qv server ready: model %s (%s), max_model_len %d", state.model_name, state.model_root,
@@ -317,7 +323,8 @@ app = build_app()
 def start_hint(name: str, url: str, random_weights: bool) -> str:
     """What `qv serve` prints once it listens: where, the API docs, one request to try, and whether the
     weights are random (the embedded model's, or --load-format random) so its text is noise."""
-    lines = [f"qv: serving model '{name}' at {url}/v1 (health: {url}/health)", f"qv: API docs: {url}/docs",
+    lines = [f"qv: serving model '{name}' at {url}/v1 (health: {url}/health)", f"qv: playground: {url}/",
+             f"qv: API docs: {url}/docs",
              f"qv: try: curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' -d "
              f"'{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], "
              f"\"max_tokens\": 32}}'"]

@@ -17,7 +17,9 @@ from starlette.routing import Match
 from qv.config import EngineConfig, string_list
 
 HEALTH_PROBES = ("/health", "/ping")
-GUARDED_OUTSIDE_V1 = ("/invocations", "/reset_prefix_cache")  # they run or change the engine
+PLAYGROUND_PAGES = ("/", "/playground")  # no data in them: the page asks for the key, then sends it
+# they run or change the engine, or show its levers
+GUARDED_OUTSIDE_V1 = ("/invocations", "/reset_prefix_cache", "/server_info")
 
 
 def body_limit(path: str, cfg: EngineConfig) -> tuple[int, str]:
@@ -30,7 +32,7 @@ def body_limit(path: str, cfg: EngineConfig) -> tuple[int, str]:
 
 def needs_key(path: str, scope: str, metrics_public: bool) -> bool:
     """Whether a request to `path` must carry the API key (when one is set) under api_key_scope."""
-    if path in HEALTH_PROBES:
+    if path in HEALTH_PROBES or path in PLAYGROUND_PAGES or path.startswith("/static/"):
         return False
     if scope == "all":
         return not (path == "/metrics" and metrics_public)
