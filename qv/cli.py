@@ -336,6 +336,53 @@ def _is_user_error(e: BaseException) -> bool:
     return any(isinstance(e, getattr(sys.modules[m], name)) for m, name in USER_ERRORS.items() if m in sys.modules)
 
 
+def _add_validate(command) -> None:
+    """`qv validate`: the gates' options."""
+    v = command("validate", "the original's gates on MODEL: transformers reference, retrieval, MTP acceptance, Clef, "
+                "repeatability, speed; a table, exit status 1 when a gate fails")
+    v.add_argument("model_dir", metavar="MODEL", help="checkpoint folder")
+    v.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)
+    v.add_argument("--gates", default=None, help="comma-separated subset (default: all)")
+    v.add_argument("--json", default=None, metavar="OUT", help="also write the results as JSON")
+    v.add_argument("--retrieval-tokens", type=int, default=0, help="filler prompt length (0: the longest the plan holds, "
+                   "at most 243,173)")
+    v.add_argument("--code-word", default=None, help="the planted code word (default: five seeded digits)")
+    v.add_argument("--min-acceptance", type=float, default=3.6, help="MTP acceptance length the speculation gate needs")
+    v.add_argument("--speed-prefill", type=int, default=8192, help="prompt tokens of the speed gate's prefill row")
+    _add_lever_flags(v)
+    v.set_defaults(fn=cmd_validate)
+
+
+def _add_quantize(command) -> None:
+    """`qv quantize`: format, grouping and the calibration's options."""
+    q = command("quantize", "write a GPTQ-Int8 or GPTQ-Int4 checkpoint (calibrated GPTQ or round-to-nearest)")
+    q.add_argument("src", help="checkpoint folder to quantize")
+    q.add_argument("out", help="folder to write")
+    q.add_argument("--bits", type=int, default=8, choices=(8, 4), help="bits per weight: 8 (GPTQ-Int8) or 4")
+    q.add_argument("--group-size", type=int, default=128, help="input rows per scale group (-1: one group)")
+    sym = q.add_mutually_exclusive_group()
+    sym.add_argument("--sym", action="store_true", default=True, help="symmetric codes (zero 128, or 8 at 4 bits)")
+    sym.add_argument("--asym", action="store_true", help="asymmetric codes (a zero point per group)")
+    q.add_argument("--exclude", action="append", default=[], metavar="REGEX",
+                   help="module name regex to keep unquantized (repeatable)")
+    q.add_argument("--method", default="gptq", choices=("gptq", "rtn"),
+                   help="gptq: calibrated, layer by layer (Hessian error compensation); rtn: round-to-nearest")
+    q.add_argument("--calibration", default=None, metavar="FILE",
+                   help="calibration text: a .jsonl file ({\"text\": ...} a line) or a text file; default: built-in")
+    q.add_argument("--num-samples", type=int, default=128, help="calibration sequences (gptq)")
+    q.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sequence (gptq)")
+    q.add_argument("--damp", type=float, default=0.01, help="damping: share of the mean Hessian diagonal (gptq)")
+    q.add_argument("--no-act-order", action="store_true", help="quantize columns in order, not by activation size")
+    q.add_argument("--dynamic-groups", action="store_true",
+                   help="groups follow the activation order (permuted g_idx, desc_act): a little more accurate, but "
+                   "slower kernels and no tensor-parallel row shards; default: static groups, g_idx k // group")
+    q.add_argument("--device", default="auto", help="where the calibration runs: auto, cpu, cuda, cuda:N")
+    q.add_argument("--seed", type=int, default=0, help="seed of the calibration windows")
+    q.add_argument("--lm-head", action="store_true",
+                   help="also write the lm_head as int8 with one scale per vocabulary row")
+    q.set_defaults(fn=cmd_quantize)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qv", description="Serve hybrid Qwen3.5-family models.", formatter_class=_Formatter)
     p.add_argument("--debug", action="store_true", help="show the traceback of an error, not just its message")
@@ -388,19 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_lever_flags(b)
     b.set_defaults(fn=cmd_bench)
 
-    v = command("validate", "the original's gates on MODEL: transformers reference, retrieval, MTP acceptance, Clef, "
-                "repeatability, speed; a table, exit status 1 when a gate fails")
-    v.add_argument("model_dir", metavar="MODEL", help="checkpoint folder")
-    v.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)
-    v.add_argument("--gates", default=None, help="comma-separated subset (default: all)")
-    v.add_argument("--json", default=None, metavar="OUT", help="also write the results as JSON")
-    v.add_argument("--retrieval-tokens", type=int, default=0, help="filler prompt length (0: the longest the plan holds, "
-                   "at most 243,173)")
-    v.add_argument("--code-word", default=None, help="the planted code word (default: five seeded digits)")
-    v.add_argument("--min-acceptance", type=float, default=3.6, help="MTP acceptance length the speculation gate needs")
-    v.add_argument("--speed-prefill", type=int, default=8192, help="prompt tokens of the speed gate's prefill row")
-    _add_lever_flags(v)
-    v.set_defaults(fn=cmd_validate)
+    _add_validate(command)
 
     t = command("make-tiny", "write a deterministic tiny HF-format checkpoint folder")
     t.add_argument("out", help="folder to write")
@@ -412,32 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--group-size", type=int, default=16, help="GPTQ group size (16 divides every tiny preset's dims)")
     t.set_defaults(fn=cmd_make_tiny)
 
-    q = command("quantize", "write a GPTQ-Int8 or GPTQ-Int4 checkpoint (calibrated GPTQ or round-to-nearest)")
-    q.add_argument("src", help="checkpoint folder to quantize")
-    q.add_argument("out", help="folder to write")
-    q.add_argument("--bits", type=int, default=8, choices=(8, 4), help="bits per weight: 8 (GPTQ-Int8) or 4")
-    q.add_argument("--group-size", type=int, default=128, help="input rows per scale group (-1: one group)")
-    sym = q.add_mutually_exclusive_group()
-    sym.add_argument("--sym", action="store_true", default=True, help="symmetric codes (zero 128, or 8 at 4 bits)")
-    sym.add_argument("--asym", action="store_true", help="asymmetric codes (a zero point per group)")
-    q.add_argument("--exclude", action="append", default=[], metavar="REGEX",
-                   help="module name regex to keep unquantized (repeatable)")
-    q.add_argument("--method", default="gptq", choices=("gptq", "rtn"),
-                   help="gptq: calibrated, layer by layer (Hessian error compensation); rtn: round-to-nearest")
-    q.add_argument("--calibration", default=None, metavar="FILE",
-                   help="calibration text: a .jsonl file ({\"text\": ...} a line) or a text file; default: built-in")
-    q.add_argument("--num-samples", type=int, default=128, help="calibration sequences (gptq)")
-    q.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sequence (gptq)")
-    q.add_argument("--damp", type=float, default=0.01, help="damping: share of the mean Hessian diagonal (gptq)")
-    q.add_argument("--no-act-order", action="store_true", help="quantize columns in order, not by activation size")
-    q.add_argument("--dynamic-groups", action="store_true",
-                   help="groups follow the activation order (permuted g_idx, desc_act): a little more accurate, but "
-                   "slower kernels and no tensor-parallel row shards; default: static groups, g_idx k // group")
-    q.add_argument("--device", default="auto", help="where the calibration runs: auto, cpu, cuda, cuda:N")
-    q.add_argument("--seed", type=int, default=0, help="seed of the calibration windows")
-    q.add_argument("--lm-head", action="store_true",
-                   help="also write the lm_head as int8 with one scale per vocabulary row")
-    q.set_defaults(fn=cmd_quantize)
+    _add_quantize(command)
 
     k = command("kernels", "compile every sm70 kernel ahead of time (NVRTC 12 and ptxas, no GPU needed) and print "
                 "its registers, shared memory, spills and m8n8k4 MMAs")
