@@ -33,7 +33,7 @@ SERVER_LEVERS = {"host", "port", "served_model_name", "api_key", "metrics_public
                  "media_allowed_domains", "media_allowed_networks", "media_local_dir", "media_timeout_s",
                  "media_max_bytes", "api_key_scope", "allowed_origins", "allowed_methods", "allowed_headers",
                  "allow_credentials", "trust_request_chat_template", "header_read_timeout_s", "keep_alive_timeout_s",
-                 "max_connections", "stream_stall_timeout_s"}
+                 "max_connections", "stream_stall_timeout_s", "root_path"}
 # a lever flag's extra spellings (vLLM's short ones)
 SHORT_FLAGS = {"tensor_parallel_size": ["-tp"]}
 

@@ -201,6 +201,10 @@ class EngineConfig(BaseSettings):
         "/health, /ping, /metrics, /version, /tokenize, /detokenize, /openapi.json and /docs stay open. all: every "
         "route but /health and /ping (and /metrics under metrics_public). Under both the playground's page (/, "
         "/playground) and its files (/static/*) stay open: they hold no data, and what they ask for carries the key.")
+    root_path: str = lever(
+        "", "The path prefix a reverse proxy serves qv under and strips before passing requests on (vLLM's "
+        "--root-path, uvicorn's root_path), e.g. /qv: links the server builds and the API docs carry it; routes and "
+        "the API key's scope match the path without it.")
     metrics_public: bool = lever(False, "With api_key_scope all, /metrics answers without the key too (for a "
                                  "scraper).")
     allowed_origins: str = lever(

@@ -31,6 +31,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
+from starlette._utils import get_route_path
 from starlette.routing import Route
 
 from qv.config import ConfigError, EngineConfig
@@ -148,7 +149,7 @@ class Guards:
         if scope["type"] != "http" or cfg is None:
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        path = scope["path"]
+        path = get_route_path(scope) or "/"  # without root_path: the routes and the key's scope see the same path
         ambiguous = _ambiguous_headers(scope["headers"])
         if ambiguous:
             return await error_response(400, ambiguous, headers={"Connection": "close"})(scope, receive, send)
@@ -377,7 +378,8 @@ def uvicorn_config(application, cfg: EngineConfig, **kw):
 
     return uvicorn.Config(application, http=hardened_protocol(cfg.header_read_timeout_s, cfg.max_connections),
                           lifespan="on", timeout_keep_alive=cfg.keep_alive_timeout_s,
-                          limit_concurrency=cfg.max_connections, timeout_graceful_shutdown=cfg.shutdown_grace_s, **kw)
+                          limit_concurrency=cfg.max_connections, timeout_graceful_shutdown=cfg.shutdown_grace_s,
+                          root_path=cfg.root_path, **kw)
 
 
 __all__ = ["app", "build_app", "serve", "uvicorn_config"]
