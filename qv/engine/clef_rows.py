@@ -55,9 +55,9 @@ class ClefResult:
 
 
 class _Job:
-    def __init__(self, seq: Sequence, record: EncodedRecord, num_tokens: int, checksum: str):
+    def __init__(self, seq: Sequence, record: EncodedRecord):
         self.seq, self.record = seq, record
-        self.expected = (num_tokens, checksum)  # what the endpoint encoded
+        self.expected = (record.num_tokens, record.checksum)  # what was encoded, hashed before anything ran
         self.state: HeadState | None = None  # allocated at admission, dropped at the end
         self.ran = TokenChecksum()  # the token ids that ran, chunk by chunk
         self.restarts = 0
@@ -77,12 +77,9 @@ class ClefRows(StepFeature):
         self.num_restarts = 0
 
     # -- requests ------------------------------------------------------------------------------
-    def check(self, record: EncodedRecord, num_tokens: int, capacity_tokens: int) -> None:
+    def check(self, record: EncodedRecord, capacity_tokens: int) -> None:
         """Refuse a record the engine cannot run (InvalidRequestError, with the counts)."""
         n = record.num_tokens
-        if n != num_tokens:
-            raise InvalidRequestError(f"Clef record refused: the endpoint encoded {num_tokens} tokens but the "
-                                      f"engine received {n}")
         if n > self.cap:
             raise InvalidRequestError(f"Clef record has {n} tokens, over the Clef record cap of {self.cap} "
                                       f"({self.cap_name})")
@@ -90,8 +87,8 @@ class ClefRows(StepFeature):
             raise InvalidRequestError(f"Clef record has {n} tokens but the KV cache holds {capacity_tokens} tokens "
                                       "for Clef rows; raise kv_cache_bytes or lower prefix_cache_chat_reserve")
 
-    def add(self, seq: Sequence, record: EncodedRecord, num_tokens: int, checksum: str) -> None:
-        job = _Job(seq, record, num_tokens, checksum)
+    def add(self, seq: Sequence, record: EncodedRecord) -> None:
+        job = _Job(seq, record)
         self.jobs[seq] = job
         self.by_request[seq.request_id] = job
         self.pending.append(job)

@@ -193,25 +193,25 @@ class LLMEngine:
         self.stats.prompt_tokens += len(prompt_token_ids)
         self._refresh_stats()
 
-    def add_clef(self, request_id: str, record, num_tokens: int, checksum: str) -> None:
+    def add_clef(self, request_id: str, record) -> None:
         """Queue a Clef record (qv.clef.encode.EncodedRecord): a prefill-only request whose rows run
         Clef's weights and feed the joint head (qv/engine/clef_rows.py). Its finished RequestOutput
-        carries `clef`, a ClefResult. num_tokens/checksum: what the endpoint encoded; the record
-        that runs must match them or it is refused."""
+        carries `clef`, a ClefResult; a record whose tokens that ran hash otherwise than the encoded
+        ones is refused then."""
         if self.clef is None:
             raise InvalidRequestError("this model serves no Clef decisions: its folder has no Clef head "
                                       "(joint_head.safetensors or clef/) or QV_CLEF is off")
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         room = self.blocks.capacity(True) * self.blocks.block_size - self.scheduler.lookahead
-        self.clef.check(record, num_tokens, room)
+        self.clef.check(record, room)
         media = check_multimodal(self.media is not None, record.input_ids, None, record.multimodal)
         detok = IncrementalDetokenizer(self.tokenizer, [])
         seq = clef_sequence(next(self._seq_ids), request_id, record, SamplingParams(temperature=0.0, max_tokens=1),
                             detok, next(self._seq_ids), media)
         if media is not None:
             media.seqs.append(seq)
-        self.clef.add(seq, record, num_tokens, checksum)
+        self.clef.add(seq, record)
         self.requests[request_id] = _Request(request_id, None, seq.prompt_token_ids, [seq], RequestMetrics())
         self.stats.prompt_tokens += record.num_tokens
         self._refresh_stats()

@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from qv.engine.clef_api import Decision
+from qv.clef.request import SystemOneRequest
 from qv.server import protocol
 from qv.server.http_edges import needs_key
 from qv.server.state import ServerState
@@ -35,7 +35,7 @@ OPERATIONS = {
     "/v1/chat/completions": ("Chat completion (OpenAI/vLLM fields)", protocol.ChatCompletionRequest, True),
     "/v1/completions": ("Text completion (OpenAI/vLLM fields)", protocol.CompletionRequest, True),
     "/v1/responses": ("Responses API (stateless)", protocol.ResponsesRequest, True),
-    "/v1/systemone": ("Clef decision: probabilities for each question's options", Decision, False),
+    "/v1/systemone": ("Clef decision: probabilities for each question's options", SystemOneRequest, False),
     "/v1/models": ("The served model names (OpenAI list, plus `models` for the SystemOne SDKs)", None, False),
     "/v1/models/{model}": ("One served model (OpenAI model object)", None, False),
     "/health": ("200 while the engine runs, 503 when it stopped (never needs the API key)", None, False),

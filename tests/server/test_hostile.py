@@ -401,7 +401,7 @@ def test_two_huge_clef_bodies_are_refused_by_size(tiny_model):
 
     from transformers import AutoTokenizer
 
-    from qv.engine.clef_api import ClefRequestError, encode_decision, parse_decision
+    from qv.clef.request import ClefRequestError, encode_request, validate
     from qv.engine.request import TextBound
 
     tok = AutoTokenizer.from_pretrained(str(tiny_model))
@@ -413,7 +413,7 @@ def test_two_huge_clef_bodies_are_refused_by_size(tiny_model):
 
     def one():
         try:
-            encode_decision(tok, parse_decision(body), (34816, "QV_CLEF_NMAX"), text_bound=bound)
+            encode_request(tok, validate(body), 34816, max_chars_per_token=bound.max_token_bytes * bound.shrink)
         except ClefRequestError as exc:
             errors.append(exc)
 
@@ -432,12 +432,12 @@ def test_two_huge_clef_bodies_are_refused_by_size(tiny_model):
 
 
 def test_a_state_of_millions_of_objects_is_refused_before_parsing():
-    from qv.engine.clef_api import ClefRequestError, parse_decision
+    from qv.clef.request import ClefRequestError, validate
 
     body = b'{"model": "clef", "questions": {}, "state": [' + b"{}," * 10_000_000 + b"{}]}"
     t0 = time.monotonic()
     with pytest.raises(ClefRequestError, match="JSON objects and arrays"):
-        parse_decision(body)
+        validate(body)
     assert time.monotonic() - t0 < SLACK_S
 
 
