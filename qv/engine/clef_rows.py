@@ -145,19 +145,18 @@ class ClefRows(StepFeature):
         return job.result
 
     # -- the step ------------------------------------------------------------------------------
-    def delta_rows(self, seqs: list[Sequence], cu: np.ndarray, alloc) -> torch.Tensor | None:
-        """Flat rows of the step's records (batch order `seqs`, row offsets `cu`), in the step's
-        upload (`alloc`, the runner's); None when the step has none or there are no deltas (the
-        release layout: Clef's weights are the served ones)."""
+    def delta_rows(self, seqs: list[Sequence], cu: np.ndarray, out: np.ndarray) -> int:
+        """Write the flat rows of the step's records (batch order `seqs`, row offsets `cu`) into `out` (the
+        step's `delta_rows` input field) and return how many; 0 when the step has none or there are no
+        deltas (the release layout: Clef's weights are the served ones)."""
         if not self.has_deltas:
-            return None
+            return 0
         parts = [np.arange(cu[i], cu[i + 1]) for i, s in enumerate(seqs) if s in self.jobs]
         if not parts:
-            return None
+            return 0
         rows = np.concatenate(parts)
-        host, device = alloc(rows.size, torch.int64)
-        host[:] = rows
-        return device
+        out[:rows.size] = rows
+        return rows.size
 
     def take_hidden(self, seqs: list[Sequence], cu: np.ndarray, hidden: torch.Tensor, ids: np.ndarray) -> None:
         """Feed each record's final-norm hidden rows (and the token ids that ran) to its head."""

@@ -25,13 +25,14 @@ from qv.engine.prompt_logprobs import finished_prompt_logprobs, new_prompt_logpr
 from qv.engine.request import (CompletionOutput, InvalidRequestError, Logprob, RequestMetrics,
                                RequestOutput, SamplingParams)
 from qv.engine.request_check import CheckedRequest, RequestLimits, check_request
-from qv.engine.runner import ModelRunner, StepCapacity, StepHandle, StepResult
+from qv.engine.runner import ModelRunner, StepHandle, StepResult
 from qv.engine.scheduler import Scheduler, StepPlan
 from qv.engine.sequence import PENDING, SeqStatus, Sequence
 from qv.engine.structured import Grammar, GrammarCompiler, GrammarLimits
 from qv.spec.speculator import Speculator
 from qv.engine.state_pool import GDNStatePool
 from qv.engine.step_cost import StepCostModel, StepTimer
+from qv.engine.step_inputs import StepCapacity
 
 log = logging.getLogger("qv")
 SPEC_LOG_EVERY = 500  # steps between speculation summaries in the log
