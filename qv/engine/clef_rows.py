@@ -112,6 +112,20 @@ class ClefRows(StepFeature):
     def holds_next_step(self, scheduler) -> bool:
         return bool(self.pending) or any(not j.seq.finished for j in self.active)
 
+    def finished_output(self, request_id: str) -> dict:
+        return {"clef": self.pop_result(request_id)}
+
+    # -- StepFeature, the runner's side: records never sample, their rows take the deltas (no graph replays
+    # them then) and feed the joint head
+    def samples(self, seq: Sequence) -> bool:
+        return seq not in self.jobs
+
+    def replayable(self, seqs: list[Sequence]) -> bool:
+        return not (self.has_deltas and any(s in self.jobs for s in seqs))
+
+    def fill_inputs(self, seqs: list[Sequence], cu: np.ndarray, host: dict) -> dict[str, int]:
+        return {"delta_rows": self.delta_rows(seqs, cu, host["delta_rows"])}
+
     def admit(self, scheduler) -> list[str]:
         """Move waiting records into the scheduler while fewer than `slots` are in it. Returns the
         request ids of records that failed on admission (their head state could not be made):

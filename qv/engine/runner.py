@@ -23,16 +23,16 @@ import torch
 
 from qv.engine.bad_words import batch_bans
 from qv.engine.sampler import SamplingBatch, apply_grammar, logprobs_of, process, sample, token_bias
-from qv.engine.clef_rows import ClefRows
 from qv.engine.cuda_graphs import DecodeGraphs
 from qv.engine.multimodal import VisionSteps
-from qv.engine.prompt_logprobs import PromptLogprobRows, launch_prompt_logprobs, prompt_logits_calls
+from qv.engine.prompt_logprobs import PromptLogprobRows, launch_prompt_logprobs
 from qv.engine.scheduler import StepPlan
 from qv.engine.sequence import Sequence
 from qv.engine.step_inputs import StepCapacity, StepInputs, StepShape
 from qv.engine.step_outputs import OutputShape, StepOutputs
-from qv.engine.structured import grammar_bitmask
-from qv.engine.tensor_parallel import SpecStep, TPDriver
+from qv.engine.step_feature import StepFeature
+from qv.engine.step_structured import StructuredOutputs
+from qv.engine.tensor_parallel import SingleRank, SpecStep, TPDriver
 from qv.spec.speculator import Speculator
 from qv.model.batch import StepBatch
 from qv.model.cache import HybridCache
@@ -72,6 +72,11 @@ class _Step:
     tp_spec: SpecStep | None = None  # under tensor parallelism with speculation: the workers' view of it
 
     @property
+    def draft_max_len(self) -> int:
+        """The longest sequence's length after the step: what the MTP walk's attention bounds its keys by."""
+        return int(max(s.num_computed_tokens for s in self.seqs) + self.q_lens.max())
+
+    @property
     def num_spec(self) -> int:
         """The first num_spec sequences verify drafts (k+1 rows each, all with logits)."""
         return self.shape.num_spec
@@ -95,11 +100,12 @@ class StepHandle:
 
 class ModelRunner:
     def __init__(self, model, cache: HybridCache, capacity: StepCapacity, max_model_len: int,
-                 speculator: Speculator | None = None, media: VisionSteps | None = None,
-                 clef: ClefRows | None = None, tp: TPDriver | None = None):
+                 features: list[StepFeature], speculator: Speculator | None, media: VisionSteps | None,
+                 structured: StructuredOutputs, tp: TPDriver | None = None):
         self.model, self.cache, self.spec, self.media = model, cache, speculator, media
-        self.tp = tp  # tensor parallelism: each step goes to the workers first (qv/engine/tensor_parallel.py)
-        self.clef = clef  # Clef records' rows: their low-rank deltas and joint-head inputs
+        self.features = features  # what plugs into the step (qv/engine/step_feature.py): Clef rows' hooks run here
+        self.structured = structured  # grammar masks of the sampling rows
+        self.tp = tp or SingleRank()  # tensor parallelism: each step goes to the workers first
         self.device = model.device
         self.block_size = cache.block_size
         self.capacity = capacity
@@ -130,8 +136,8 @@ class ModelRunner:
         """The graphs that can replay a step's forward: decode steps whose sequences all run one row, or
         all verify k+1 rows (qv/engine/scheduler.py evens a decode step's drafts out for this), with token
         positions as rotary positions, no vision rows and no Clef deltas."""
-        if self.graphs is None or (self.media and any(s.media is not None for s in seqs)) or \
-                (self.clef and self.clef.has_deltas and any(self.clef.owns(s) for s in seqs)):
+        if self.graphs is None or any(s.media is not None for s in seqs) or \
+                not all(f.replayable(seqs) for f in self.features):
             return None
         n = len(seqs)
         if num_spec == 0 and rows == n:
@@ -144,12 +150,7 @@ class ModelRunner:
 
     def _forward(self, st: _Step) -> torch.Tensor:
         """The step's forward: with the tensor-parallel workers, replayed from a graph, or eagerly."""
-        if self.tp is not None:  # the workers run the same forward, compute_logits calls and speculation
-            st.tp_spec = None if self.spec is None else SpecStep(
-                st.num_spec, st.batch.gdn.num_spec_tokens, self.spec.k + 1, tuple(st.samplers), st.mtp,
-                _draft_max_len(st))
-            self.tp.send_step(self.inputs, st.shape, prompt_logits_calls(st.seqs, st.cu, self.vocab_size),
-                              spec=st.tp_spec)
+        self.tp.send_step(self.inputs, st, self.vocab_size)  # the workers run the same forward (one rank: nothing)
         if st.graphs is not None:
             return st.graphs.run(st.shape.rows)
         pos = st.positions if st.rope is None else st.rope
@@ -191,7 +192,7 @@ class ModelRunner:
             if seq.draft_token_ids:
                 logits_idx[n_logits:n_logits + n] = np.arange(c0, c0 + n)
                 n_logits += n
-            elif start + n == seq.num_tokens and not (self.clef and self.clef.owns(seq)):  # records never sample
+            elif start + n == seq.num_tokens and all(f.samples(seq) for f in self.features):  # Clef records never do
                 samplers.append(i)
         width = max(1, max(len(s.block_ids) for s in seqs))
         for i, seq in enumerate(seqs):  # zeros past a sequence's blocks, up to the step's width
@@ -203,18 +204,18 @@ class ModelRunner:
         pos = np.arange(ntok) - cu[row_of] + starts[row_of]
         h["positions"][:ntok] = pos
         h["slot_mapping"][:ntok] = tables[row_of, pos // self.block_size] * self.block_size + pos % self.block_size
-        k = self.spec.k if self.spec else 0
+        k = self.capacity.k1 - 1
         if num_spec:
             h["cu_seqlens_rest"][:nseq - num_spec + 1] = cu[num_spec:nseq + 1] - cu[num_spec]
             h["drafts"][:num_spec * k] = [t for s in seqs[:num_spec] for t in s.draft_token_ids]
-        n_delta = self.clef.delta_rows(seqs, cu, h["delta_rows"]) if self.clef else 0  # Clef rows: low-rank deltas
+        filled = {name: n for f in self.features for name, n in f.fill_inputs(seqs, cu, h).items()}  # Clef's deltas
         if pending:
             self._pending_rows(pending)
         graphs = self._graphs_for(seqs, num_spec, ntok)
         pad_seqs = graphs.bucket(nseq) if graphs is not None else 0
         shape = StepShape(seqs=nseq, rows=ntok, logits=n_logits, width=width, max_query_len=int(q_lens.max()),
                           max_seq_len=int(ends.max()), num_spec=num_spec, spec_rows=int(cu[num_spec]), draft_k=k,
-                          delta_rows=n_delta, pending=len(pending), pad_seqs=pad_seqs,
+                          delta_rows=filled.get("delta_rows", 0), pending=len(pending), pad_seqs=pad_seqs,
                           pad_rows=pad_seqs * graphs.q if graphs is not None else 0)
         if graphs is not None:
             inp.pad(shape, self.scratch_slot)
@@ -248,9 +249,7 @@ class ModelRunner:
     # -- the step ------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepHandle:
         """Launch the step; its results come from `collect`. With nothing in flight this is the whole step."""
-        if self.tp is None:
-            return self._execute(plan)
-        with self.tp.guard():  # a dead worker: TensorParallelError, not a hang
+        with self.tp.guard():  # a dead tensor-parallel worker: TensorParallelError, not a hang
             return self._execute(plan)
 
     def _execute(self, plan: StepPlan) -> StepHandle:
@@ -260,8 +259,8 @@ class ModelRunner:
         st.mtp = self.spec.mtp_work(st.seqs) if self.spec else None  # before the forward: the workers' message says it
         hidden = self._forward(st)
         st.prompt_logprobs = launch_prompt_logprobs(self.model, st.seqs, st.cu, hidden, st.next_ids, self.vocab_size)
-        if self.clef is not None:  # Clef records: their rows into the joint head, chunk by chunk
-            self.clef.take_hidden(st.seqs, st.cu, hidden, st.host_ids)
+        for f in self.features:  # Clef records: their rows into the joint head, chunk by chunk
+            f.take_hidden(st.seqs, st.cu, hidden, st.host_ids)
         o, shape = self._outputs(st, hidden)
         host, copied = _to_host(o.pack(shape, self.device)) if shape is not None else (None, None)
         self.last = StepHandle(plan=plan, st=st, host=host, shape=shape, copied=copied, sampled=o.sampled)
@@ -276,7 +275,7 @@ class ModelRunner:
                 self._mtp(st, hidden, None, None, None, "catch_up")
             return o, None
         logits = self.model.compute_logits(hidden[st.batch.logits_indices])[:, :self.vocab_size]
-        k1 = self.spec.k + 1 if self.spec else 1
+        k1 = self.capacity.k1
         n_spec_rows = st.num_spec * k1
         if st.samplers:
             sb = st.sample_batch
@@ -287,13 +286,12 @@ class ModelRunner:
                 o.sample_top_ids, o.sample_top_logprobs = out.top_ids, out.top_logprobs
         if st.num_spec:
             self._verify(st, logits[:n_spec_rows], k1, o)
-        if self.tp is not None and (st.num_spec or st.mtp):  # the workers commit and draft from the same outcome
-            self.tp.send_outcome(st.tp_spec, o.sampled, o.verified, o.accepted)
+        self.tp.send_outcome(st.tp_spec, o.sampled, o.verified, o.accepted)  # the workers commit and draft from it
         o.drafts = self._mtp(st, hidden, o.sampled, o.verified, o.accepted, st.mtp) if st.mtp else None
         return o, OutputShape(samplers=len(st.samplers), verified=st.num_spec, k1=k1,
                               sample_top=st.sample_batch.max_logprobs if st.samplers else -1,
                               verify_top=st.verify_batch.max_logprobs if st.num_spec else -1,
-                              draft_k=self.spec.k if o.drafts is not None else 0)
+                              draft_k=k1 - 1 if o.drafts is not None else 0)
 
     def collect(self, h: StepHandle) -> dict[Sequence, StepResult]:
         """Wait for a launched step's results (the step's one device-to-host sync) and unpack them."""
@@ -334,7 +332,7 @@ class ModelRunner:
         deltas = None
         if st.rope is not None and draft_rows is not None:
             deltas = self.media.draft_deltas(st.seqs, draft_seqs, self.device)
-        return self.spec.mtp_eager(st.positions, hidden, st.batch, next_ids, draft_rows, draft_seqs, _draft_max_len(st),
+        return self.spec.mtp_eager(st.positions, hidden, st.batch, next_ids, draft_rows, draft_seqs, st.draft_max_len,
                                    rope=st.rope, rope_delta=deltas)
 
     # -- sampling settings ---------------------------------------------------------------------
@@ -352,7 +350,8 @@ class ModelRunner:
 
         outputs = [s.output_token_ids + s.draft_token_ids[:j] for s, j in rows]
         # a grammar row's end is its grammar's: min_tokens would mask the only token it may take
-        under_min = [len(o) < s.params.min_tokens and s.matcher is None for o, (s, _) in zip(outputs, rows)]
+        under_min = [len(o) < s.params.min_tokens and not self.structured.constrains(s)
+                     for o, (s, _) in zip(outputs, rows)]
         b = SamplingBatch(
             temperature=t([0.0 if p.greedy else p.temperature for p in ps], torch.float32),
             top_p=t([p.top_p for p in ps], torch.float32), top_k=t([p.top_k for p in ps], torch.int64),
@@ -365,8 +364,7 @@ class ModelRunner:
             b.repetition = t([p.repetition_penalty for p in ps], torch.float32)
             b.output_counts = _counts(outputs, vocab, dev)
             b.prompt_mask = _counts([s.prompt_token_ids for s, _ in rows], vocab, dev) > 0
-        if any(s.matcher is not None for s, _ in rows):  # row j of a verified sequence: after its first j drafts
-            b.grammar = grammar_bitmask([(s.matcher, s.draft_token_ids[:j]) for s, j in rows], vocab, dev)
+        b.grammar = self.structured.bitmask(rows, vocab, dev)  # row j of a verified sequence: after j drafts
         if any(under_min):
             b.stop_mask_rows = t(under_min, torch.bool)
             b.stop_token_mask = _counts([s.stop_ids_for_min_tokens for s, _ in rows], vocab, dev) > 0
@@ -377,11 +375,6 @@ class ModelRunner:
         if bans is not None:
             b.ban_rows, b.ban_ids = t(bans[0], torch.int64), t(bans[1], torch.int64)
         return b
-
-
-def _draft_max_len(st: _Step) -> int:
-    """The longest sequence's length after the step: what the MTP walk's attention bounds its keys by."""
-    return int(max(s.num_computed_tokens for s in st.seqs) + st.q_lens.max())
 
 
 def _to_host(packed: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:

@@ -49,6 +49,7 @@ import queue
 import socket
 import sys
 import traceback
+import contextlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -56,6 +57,7 @@ from datetime import timedelta
 import torch
 
 from qv.engine.prefix_cache import PrefixPlan, replica_pools
+from qv.engine.prompt_logprobs import prompt_logits_calls
 from qv.engine.step_inputs import StepCapacity, StepInputs, StepShape
 from qv.engine.step_outputs import OutputShape, StepOutputs
 from qv.errors import ConfigError
@@ -268,6 +270,25 @@ def worker_main(rank: int, levers: dict, device: torch.device, port: int, errors
 # ---------------------------------------------------------------------------------------------
 
 
+class SingleRank:
+    """The runner's tensor parallelism at one rank: no workers, nothing to send."""
+
+    def guard(self):
+        return contextlib.nullcontext()
+
+    def send_step(self, inputs, st, vocab_size: int) -> None:
+        pass
+
+    def send_outcome(self, s, sampled, tokens, n_acc) -> None:
+        pass
+
+    def mirror_state(self, copies) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -317,20 +338,26 @@ class TPDriver:
         copies.start_log()
         self._state = copies
 
-    def send_step(self, inputs: StepInputs, shape: StepShape, logits_calls, spec: SpecStep | None = None) -> None:
-        """Before the driver's forward: the step's message, then the leading bytes of its input fields."""
+    def send_step(self, inputs: StepInputs, st, vocab_size: int) -> None:
+        """Before the driver's forward (st: the runner's step): the step's message, then the leading bytes of
+        its input fields. With speculation, st.tp_spec: the workers' view of it, for send_outcome."""
         import torch.distributed as dist
 
-        if shape.num_spec and (spec is None or spec.num_spec_seqs != shape.num_spec):
-            raise TensorParallelError("a step's speculative rows do not match its SpecStep (a bug)")
+        shape = st.shape
+        st.tp_spec = SpecStep(shape.num_spec, shape.spec_rows, inputs.capacity.k1, tuple(st.samplers), st.mtp,
+                              st.draft_max_len) if inputs.capacity.k1 > 1 else None
         state_ops = self._state.take_log() if self._state is not None else ()  # replayed before this forward
-        self._send_object(StepMessage(shape, inputs.capacity, tuple(logits_calls), spec, state_ops=state_ops))
+        self._send_object(StepMessage(shape, inputs.capacity, tuple(prompt_logits_calls(st.seqs, st.cu, vocab_size)),
+                                      st.tp_spec, state_ops=state_ops))
         dist.broadcast(inputs.worker_buffer[:inputs.worker_bytes(shape)], src=0)
 
-    def send_outcome(self, s: SpecStep, sampled, tokens, n_acc) -> None:
+    def send_outcome(self, s: SpecStep | None, sampled, tokens, n_acc) -> None:
         """After sampling and verification, before the MTP head (a step whose SpecStep has_outcome): what
         the workers commit and draft from. On the device, in stream order: no host sync."""
         import torch.distributed as dist
+
+        if s is None or not s.has_outcome:
+            return
 
         device = next(t.device for t in (sampled, tokens, n_acc) if t is not None)
         outcome = StepOutputs(sampled=sampled, verified=tokens, accepted=n_acc)

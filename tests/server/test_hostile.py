@@ -148,7 +148,7 @@ def test_compile_over_budget_is_a_400_and_is_remembered(hostile):
 
 
 def test_a_client_that_leaves_kills_its_compile(hostile):
-    workers = _state(hostile).engine.engine._grammars.workers
+    workers = _state(hostile).engine.engine.structured.compiler.workers
     fmt = _schema(500, "gone")
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(hostile.v1 + "/chat/completions", json=_chat("x", 4, response_format=fmt), timeout=0.8)
