@@ -5,6 +5,7 @@ the leading bytes cuts equal views, and a replayed graph's padding is inert."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from qv.engine.step_inputs import FIELDS, StepCapacity, StepInputs, StepShape
@@ -123,3 +124,47 @@ def test_engine_steps_are_views_of_the_runner_buffers(tiny_engine, monkeypatch):
     llm.generate([{"prompt_token_ids": [1, 2, 3, 4, 5]}, {"prompt_token_ids": [7, 8]}],
                  SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(seen) >= 4 and len(set(seen)) == 1
+
+
+@pytest.mark.gpu
+def test_a_replayed_step_copies_nothing_in(tiny_engine):
+    """Real CUDA graphs (triton kernels, fp32): every decode step after the prefill replays a graph whose
+    captured ids, positions and block tables are the step's own input views, and its forward (DecodeGraphs.run)
+    runs no copy or fill op: the upload already wrote the inputs and the padding. Tokens equal graphs off."""
+    from qv import SamplingParams
+    from qv.engine.cuda_graphs import DecodeGraphs
+    from qv.engine.runner import ModelRunner
+
+    prompts = [{"prompt_token_ids": list(range(5 + 9 * i, 20 + 9 * i))} for i in range(3)]  # 3 rows: graph of 4
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    levers = dict(device="cuda", kv_cache_bytes=256 << 20, kernels="triton", dtype="float32", max_num_seqs=4,
+                  max_model_len=256)
+    eager = [o.outputs[0].token_ids for o in tiny_engine(cuda_graphs=False, **levers).generate(prompts, params)]
+    llm = tiny_engine(cuda_graphs=True, **levers)
+    runner = llm.engine.runner
+    assert runner.graphs is not None
+    ops, replays, run, prepare = [], [], DecodeGraphs.run, ModelRunner.prepare
+
+    def profiled_run(self, rows):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            out = run(self, rows)
+        ops.extend(e.name for e in prof.events())
+        replays.append(rows)
+        return out
+
+    def checked_prepare(self, plan):
+        st = prepare(self, plan)
+        if st.graphs is not None:  # the graph reads these very tensors
+            assert st.ids.data_ptr() == st.graphs.ids.data_ptr()
+            assert st.batch.attn.block_tables.data_ptr() == st.graphs.block_tables.data_ptr()
+            assert st.batch.attn.seq_lens.data_ptr() == st.graphs.seq_lens.data_ptr()
+        return st
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(DecodeGraphs, "run", profiled_run)
+        mp.setattr(ModelRunner, "prepare", checked_prepare)
+        out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert replays == [3] * 5, replays
+    copies = [name for name in ops if any(k in name for k in ("copy_", "fill_", "index_put", "zero_"))]
+    assert not copies, copies
+    assert out == eager

@@ -20,7 +20,7 @@ from tests.spec.test_spec_engine import CYCLE, model_list
 
 
 def _stand_in_capture(self, b):
-    """DecodeGraphs._capture_one without CUDA: each 'graph' reruns its function on the static buffers."""
+    """DecodeGraphs._capture_one without CUDA: each "graph" reruns its function on the input fields it captured."""
     out = self._eager(b).clone()
     self.graphs[b] = (types.SimpleNamespace(replay=lambda: out.copy_(self._eager(b))), out)
     for kind in self.mtp_kinds(b):
