@@ -124,8 +124,6 @@ class StepInputs:
         for f in FIELDS:
             self.offsets[f.name] = end
             end = _aligned(end + extent[f.extent] * f.dtype.itemsize)
-            if f.worker:
-                self._worker_end = end
         cuda = device.type == "cuda"
         self._host_bytes = torch.zeros(end, dtype=torch.uint8, pin_memory=cuda)
         self._dev_bytes = torch.zeros(end, dtype=torch.uint8, device=device)
@@ -180,9 +178,9 @@ class StepInputs:
         if self.copied is not None:
             self.copied.record(torch.cuda.current_stream(self.device))
 
-    def _spans(self, shape: StepShape) -> list[tuple[int, int]]:
+    def _spans(self, shape: StepShape, fields=FIELDS) -> list[tuple[int, int]]:
         spans: list[tuple[int, int]] = []
-        for f in FIELDS:
+        for f in fields:
             a = self.offsets[f.name]
             if f.name == "sampling":
                 n = self._sampling_used
@@ -226,9 +224,10 @@ class StepInputs:
         return self._dev_bytes
 
     def worker_bytes(self, shape: StepShape) -> int:
-        """The leading bytes that hold every field a worker reads, as far as the step used them."""
-        spans = [s for s in self._spans(shape) if s[0] < self._worker_end]
-        return min(spans[-1][1], self._worker_end) if spans else 0
+        """The leading bytes that hold every field a worker reads, as far as the step used them: from the
+        shape alone, so the driver and every worker broadcast the same count."""
+        spans = self._spans(shape, [f for f in FIELDS if f.worker])
+        return spans[-1][1] if spans else 0
 
 
 def _aligned(n: int) -> int:

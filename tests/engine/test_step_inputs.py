@@ -77,6 +77,8 @@ def test_a_worker_cuts_equal_views_from_the_leading_bytes():
         _filled(driver, shape, rng)
         driver.send(shape)
         n = driver.worker_bytes(shape)
+        driver.alloc(100, torch.int64)  # the driver's sampling settings: no part of the count
+        assert driver.worker_bytes(shape) == worker.worker_bytes(shape) == n
         worker.worker_buffer[:n].copy_(driver.worker_buffer[:n])
         got, want = _batch_tensors(worker, shape), _batch_tensors(driver, shape)
         for name in want:
