@@ -93,9 +93,9 @@ def test_clef_records_tp2_equal_tp1(case, monkeypatch):
     sent = []  # (rows in the step, delta rows) of every step the driver sent
     send_step = tensor_parallel.TPDriver.send_step
 
-    def spied(self, inputs, shape, *rest, **kw):
-        sent.append((shape.rows, shape.delta_rows or None))
-        return send_step(self, inputs, shape, *rest, **kw)
+    def spied(self, inputs, st, *rest):
+        sent.append((st.shape.rows, st.shape.delta_rows or None))
+        return send_step(self, inputs, st, *rest)
 
     ref_alone, ref = serve(folder, records, chats, 1)
     monkeypatch.setattr(tensor_parallel.TPDriver, "send_step", spied)
