@@ -169,8 +169,11 @@ class ModelRunner:
         q_lens = np.fromiter((n for _, n in sched), dtype=np.int64, count=len(seqs))
         starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=len(seqs))
         nseq, ntok = len(seqs), int(q_lens.sum())
-        cu, ids, next_ids, tables, logits_idx = (h["cu_seqlens_q"][:nseq + 1], h["ids"], h["next_ids"],
-                                                 h["block_tables"], h["logits_indices"])
+        graphs = self._graphs_for(seqs, num_spec, ntok)
+        pad_seqs = graphs.bucket(nseq) if graphs is not None else 0
+        width = max(1, max(len(s.block_ids) for s in seqs))
+        tables = inp.host_table(self.capacity.blocks if graphs is not None else width)  # as the graph captured it
+        cu, ids, next_ids, logits_idx = h["cu_seqlens_q"][:nseq + 1], h["ids"], h["next_ids"], h["logits_indices"]
         cu[0] = 0
         np.cumsum(q_lens, out=cu[1:])
         ends = starts + q_lens
@@ -179,6 +182,7 @@ class ModelRunner:
         samplers, pending, n_logits = [], [], 0
         for i, (seq, n) in enumerate(sched):
             tables[i, :len(seq.block_ids)] = seq.block_ids
+            tables[i, len(seq.block_ids):width] = 0
             h["state_slots"][i] = seq.state_slot
             start, c0 = int(starts[i]), int(cu[i])
             known = min(n, seq.num_tokens - start)
@@ -194,9 +198,6 @@ class ModelRunner:
                 n_logits += n
             elif start + n == seq.num_tokens and all(f.samples(seq) for f in self.features):  # Clef records never do
                 samplers.append(i)
-        width = max(1, max(len(s.block_ids) for s in seqs))
-        for i, seq in enumerate(seqs):  # zeros past a sequence's blocks, up to the step's width
-            tables[i, len(seq.block_ids):width] = 0
         for i in samplers:
             logits_idx[n_logits] = cu[i + 1] - 1
             n_logits += 1
@@ -211,8 +212,6 @@ class ModelRunner:
         filled = {name: n for f in self.features for name, n in f.fill_inputs(seqs, cu, h).items()}  # Clef's deltas
         if pending:
             self._pending_rows(pending)
-        graphs = self._graphs_for(seqs, num_spec, ntok)
-        pad_seqs = graphs.bucket(nseq) if graphs is not None else 0
         shape = StepShape(seqs=nseq, rows=ntok, logits=n_logits, width=width, max_query_len=int(q_lens.max()),
                           max_seq_len=int(ends.max()), num_spec=num_spec, spec_rows=int(cu[num_spec]), draft_k=k,
                           delta_rows=filled.get("delta_rows", 0), pending=len(pending), pad_seqs=pad_seqs,

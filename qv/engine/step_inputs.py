@@ -111,8 +111,10 @@ class StepShape:
 
 
 class StepInputs:
-    """The fields of FIELDS at one capacity: `host[name]` (NumPy, whole extent; block_tables [seqs, blocks])
-    and `device[name]` (torch, whole extent), each a view of one buffer allocated here."""
+    """The fields of FIELDS at one capacity: `host[name]` (NumPy, whole extent) and `device_fields[name]`
+    (torch, whole extent; block_tables [seqs, blocks], as the graphs capture it), each a view of one buffer
+    allocated here. A step's block table lies `table_stride` columns a row: the step's own width when it
+    runs eagerly (the upload carries no unused columns), `blocks` when a graph replays it."""
 
     def __init__(self, capacity: StepCapacity, device: torch.device):
         self.capacity, self.device = capacity, device
@@ -134,8 +136,8 @@ class StepInputs:
             a, n = self.offsets[f.name], extent[f.extent]
             self.host[f.name] = host_np[a:a + n * f.dtype.itemsize].view(_NUMPY[f.dtype])
             self.device_fields[f.name] = self._dev_bytes[a:a + n * f.dtype.itemsize].view(f.dtype)
-        self.host["block_tables"] = self.host["block_tables"].reshape(cap.seqs, cap.blocks)
-        self.device_fields["block_tables"] = self.device_fields["block_tables"].view(cap.seqs, cap.blocks)
+        self._host_table, self._dev_table = self.host["block_tables"], self.device_fields["block_tables"]
+        self.device_fields["block_tables"] = self._dev_table.view(cap.seqs, cap.blocks)
         self._sampling_used = 0
         self.copied = torch.cuda.Event() if cuda else None
 
@@ -184,9 +186,9 @@ class StepInputs:
             a = self.offsets[f.name]
             if f.name == "sampling":
                 n = self._sampling_used
-            elif f.name == "block_tables":  # rows of `blocks` columns: up to the last row's used columns
+            elif f.name == "block_tables":  # up to the last row's used columns
                 seqs = max(shape.seqs, shape.pad_seqs)
-                n = ((seqs - 1) * self.capacity.blocks + shape.width) * f.dtype.itemsize if seqs else 0
+                n = ((seqs - 1) * self.table_stride(shape) + shape.width) * f.dtype.itemsize if seqs else 0
             else:
                 n = shape.used(f) * f.dtype.itemsize
             if n == 0:
@@ -198,6 +200,13 @@ class StepInputs:
         return spans
 
     # -- the step's views ----------------------------------------------------------------------
+    def table_stride(self, shape: StepShape) -> int:
+        return self.capacity.blocks if shape.pad_seqs else shape.width
+
+    def host_table(self, stride: int) -> np.ndarray:
+        """The host block table laid out `stride` columns a row (table_stride), [seqs, stride]."""
+        return self._host_table[:self.capacity.seqs * stride].reshape(self.capacity.seqs, stride)
+
     def field(self, name: str, n: int) -> torch.Tensor:
         """The device field's first n elements."""
         return self.device_fields[name][:n]
@@ -211,7 +220,8 @@ class StepInputs:
                                 f("cu_seqlens_rest", n - shape.num_spec + 1))
         else:
             gdn = GDNMeta(f("state_slots", n), f("has_initial_state", n))
-        tables = self.device_fields["block_tables"][:n, :shape.width]
+        stride = self.table_stride(shape)
+        tables = self._dev_table[:n * stride].view(n, stride)[:, :shape.width]
         return StepBatch(cu_seqlens_q=f("cu_seqlens_q", n + 1), max_query_len=shape.max_query_len,
                          attn=AttentionMeta(f("slot_mapping", shape.rows), tables, f("seq_lens", n), shape.max_seq_len),
                          gdn=gdn, logits_indices=f("logits_indices", shape.logits),

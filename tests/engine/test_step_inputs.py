@@ -23,7 +23,8 @@ def _filled(inputs: StepInputs, shape: StepShape, rng: np.random.Generator) -> N
             continue
         n = shape.used(f)
         inputs.host[f.name][:n] = rng.integers(0, 2 if f.dtype == torch.bool else 1000, n)
-    inputs.host["block_tables"][:shape.seqs, :shape.width] = rng.integers(0, 1000, (shape.seqs, shape.width))
+    table = inputs.host_table(inputs.table_stride(shape))
+    table[:shape.seqs, :shape.width] = rng.integers(0, 1000, (shape.seqs, shape.width))
 
 
 def _shape(**kw) -> StepShape:
@@ -51,7 +52,7 @@ def test_the_upload_carries_every_filled_byte_and_views_read_them():
     t = _batch_tensors(inputs, shape)
     h = inputs.host
     assert t["ids"].tolist() == h["ids"][:11].tolist() and t["next_ids"].tolist() == h["next_ids"][:11].tolist()
-    assert t["tables"].tolist() == h["block_tables"][:4, :7].tolist()
+    assert t["tables"].tolist() == inputs.host_table(7)[:4, :7].tolist() and t["tables"].is_contiguous()
     assert t["rest"].tolist() == h["cu_seqlens_rest"][:3].tolist() and t["delta"].tolist() == h["delta_rows"][:3].tolist()
     assert t["logits"].tolist() == h["logits_indices"][:5].tolist() and t["init"].tolist() == h["has_initial_state"][:4].tolist()
     base = inputs.device_fields["ids"].untyped_storage().data_ptr()
@@ -99,7 +100,8 @@ def test_padding_to_a_graph_size_is_inert():
     d = inputs.device_fields
     assert int(d["slot_mapping"][3]) == -1 and int(d["ids"][3]) == 0 and int(d["positions"][3]) == 0
     assert int(d["seq_lens"][3]) == 1 and int(d["state_slots"][3]) == 5 and not bool(d["has_initial_state"][3])
-    assert int(d["block_tables"][3, 0]) != 99  # the padding's table row went up with the upload
+    assert int(d["block_tables"][3, 0]) != 99  # the padding's table row went up with the upload, graph-wide
+    assert inputs.batch(shape).attn.block_tables.stride(0) == CAP.blocks
 
 
 def test_engine_steps_are_views_of_the_runner_buffers(tiny_engine, monkeypatch):
