@@ -38,8 +38,6 @@ class _Add:
 class _AddClef:
     request_id: str
     record: object
-    num_tokens: int
-    checksum: str
 
 
 @dataclass(frozen=True)
@@ -113,13 +111,12 @@ class AsyncLLMEngine:
             async for out in outputs:
                 yield out
 
-    async def decide(self, request_id: str, record, num_tokens: int, checksum: str) -> ClefResult:
+    async def decide(self, request_id: str, record) -> ClefResult:
         """Run one Clef record (LLMEngine.add_clef) on the engine thread; returns its ClefResult
         (answers in systemone's format). InvalidRequestError: the engine refused the record;
         RuntimeError: it failed. Cancelling the await aborts the record and frees its cache."""
         out = None
-        async with contextlib.aclosing(self._outputs(request_id, _AddClef(request_id, record, num_tokens,
-                                                                           checksum))) as outputs:
+        async with contextlib.aclosing(self._outputs(request_id, _AddClef(request_id, record))) as outputs:
             async for out in outputs:
                 pass
         if out.clef is None:
@@ -197,7 +194,7 @@ class AsyncLLMEngine:
                     self._deliver(cmd.request_id, exc)
             case _AddClef():
                 try:
-                    self.engine.add_clef(cmd.request_id, cmd.record, cmd.num_tokens, cmd.checksum)
+                    self.engine.add_clef(cmd.request_id, cmd.record)
                 except InvalidRequestError as exc:
                     self._deliver(cmd.request_id, exc)
             case _Abort():

@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from qv.engine.clef_api import Decision
+from qv.clef.request import SystemOneRequest
 from qv.server import protocol
 from qv.server.errors import error_response
 from qv.server.http_edges import needs_key
@@ -44,7 +44,7 @@ OPERATIONS = {
     "/v1/responses/{response_id}/cancel": ("Cancel a queued or running background response", None, False),
     "/v1/responses/{response_id}/input_items": ("The input items that led to a stored response (earlier turns "
                                                 "included), OpenAI's cursor list", None, False),
-    "/v1/systemone": ("Clef decision: probabilities for each question's options", Decision, False),
+    "/v1/systemone": ("Clef decision: probabilities for each question's options", SystemOneRequest, False),
     "/v1/models": ("The served model names (OpenAI list, plus `models` for the SystemOne SDKs)", None, False),
     "/v1/models/{model}": ("One served model (OpenAI model object)", None, False),
     "/health": ("200 while the engine runs, 503 when it stopped (never needs the API key)", None, False),

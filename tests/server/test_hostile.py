@@ -158,7 +158,7 @@ def test_compile_over_budget_is_a_400_and_is_remembered(hostile):
 
 
 def test_a_client_that_leaves_kills_its_compile(hostile):
-    workers = _state(hostile).engine.engine._grammars.workers
+    workers = _state(hostile).engine.engine.structured.compiler.workers
     fmt = _schema(500, "gone")
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(hostile.v1 + "/chat/completions", json=_chat("x", 4, response_format=fmt), timeout=0.8)
@@ -497,7 +497,7 @@ def test_two_huge_clef_bodies_are_refused_by_size(tiny_model):
 
     from transformers import AutoTokenizer
 
-    from qv.engine.clef_api import ClefRequestError, encode_decision, parse_decision
+    from qv.clef.request import ClefRequestError, encode_request, validate
     from qv.engine.request import TextBound
 
     tok = AutoTokenizer.from_pretrained(str(tiny_model))
@@ -509,7 +509,7 @@ def test_two_huge_clef_bodies_are_refused_by_size(tiny_model):
 
     def one():
         try:
-            encode_decision(tok, parse_decision(body), (34816, "QV_CLEF_NMAX"), text_bound=bound)
+            encode_request(tok, validate(body), 34816, max_chars_per_token=bound.max_token_bytes * bound.shrink)
         except ClefRequestError as exc:
             errors.append(exc)
 
@@ -528,12 +528,12 @@ def test_two_huge_clef_bodies_are_refused_by_size(tiny_model):
 
 
 def test_a_state_of_millions_of_objects_is_refused_before_parsing():
-    from qv.engine.clef_api import ClefRequestError, parse_decision
+    from qv.clef.request import ClefRequestError, validate
 
     body = b'{"model": "clef", "questions": {}, "state": [' + b"{}," * 10_000_000 + b"{}]}"
     t0 = time.monotonic()
     with pytest.raises(ClefRequestError, match="JSON objects and arrays"):
-        parse_decision(body)
+        validate(body)
     assert time.monotonic() - t0 < SLACK_S
 
 

@@ -11,7 +11,7 @@ import openai
 import pytest
 from conftest import start_server
 
-from qv.engine.clef_api import CLEF_MODEL_NAMES, Decision
+from qv.clef.request import CLEF_MODEL_NAMES, SystemOneRequest
 from qv.server import openapi, protocol
 from qv.server.app import ROUTES
 
@@ -40,7 +40,7 @@ def test_document_is_valid_and_lists_every_route(keyed):
     doc = httpx.get(keyed.url + "/openapi.json", headers=auth(), timeout=30).json()
     validate(doc)
     bodies = {"/v1/chat/completions": protocol.ChatCompletionRequest, "/v1/completions": protocol.CompletionRequest,
-              "/v1/responses": protocol.ResponsesRequest, "/v1/systemone": Decision,
+              "/v1/responses": protocol.ResponsesRequest, "/v1/systemone": SystemOneRequest,
               "/tokenize": protocol.TokenizeRequest, "/detokenize": protocol.DetokenizeRequest}
     schemas = doc["components"]["schemas"]
     for path, _, method in ROUTES:
