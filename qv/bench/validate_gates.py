@@ -289,8 +289,9 @@ def speed_gate(model_dir: str, opts: ValidateOptions) -> GateResult:
     from qv.bench import BenchSpec, run_bench
     from qv.bench.presets import bench_config
 
-    spec = BenchSpec(batch_sizes=(1,), batch_context=1024, contexts=(), prefill_lengths=(opts.speed_prefill,),
-                     steps=16, warmup=2)
+    # the decode row's context no longer than the prefill row's prompt: both fit the max_model_len the user gave
+    spec = BenchSpec(batch_sizes=(1,), batch_context=min(1024, opts.speed_prefill), contexts=(),
+                     prefill_lengths=(opts.speed_prefill,), steps=16, warmup=2)
     report = run_bench(bench_config(dict(opts.levers), model_dir, None, spec.longest, 1), spec, model_dir)
     rows = {r["kind"]: r for r in report["rows"]}
     decode, prefill = rows["decode"], rows["prefill"]

@@ -84,14 +84,13 @@ class DecodeGraphs:
         self.q = rows_per_seq
         self.max_seq_len = max_model_len
         self.scratch_slot = scratch_slot
+        # no step holds more sequences than its rows allow (a token budget below max_num_seqs caps a decode step)
+        max_num_seqs = min(max_num_seqs, inputs.capacity.rows // self.q, inputs.capacity.seqs)
         self.sizes = [b for b in BUCKETS if b <= max_num_seqs] or [max_num_seqs]
         if self.sizes[-1] < max_num_seqs:
             self.sizes.append(max_num_seqs)
         dev, n = model.device, self.sizes[-1]
         t = n * self.q
-        if t > inputs.capacity.rows or n > inputs.capacity.seqs:
-            raise StartupError(f"a {self.label} CUDA graph of {n} sequences needs {t} rows, more than a step holds "
-                               f"({inputs.capacity.rows} rows, {inputs.capacity.seqs} sequences)")
         # the step's input fields, whole: each size's graph reads their first b sequences' part
         f = inputs.device_fields
         self.ids, self.positions, self.slot_mapping, self.next_ids = f["ids"], f["positions"], f["slot_mapping"], \
