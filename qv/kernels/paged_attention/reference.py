@@ -20,9 +20,12 @@ def gather_kv(cache, scale, block_table, length):
 
 def paged_attention(
     q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-    k_scale=None, v_scale=None, max_query_len=None, max_seq_len=None, k_new=None, v_new=None,
+    k_scale=None, v_scale=None, max_query_len=None, max_seq_len=None, k_new=None, v_new=None, keep=None,
+    block_tokens=None,
 ):
-    # k_new / v_new repeat what the cache holds (a kernel may read them instead): the oracle reads the cache
+    # k_new / v_new repeat what the cache holds (a kernel may read them instead): the oracle reads the cache.
+    # keep [T, Hq, NB] (sparse attention): each row and query head sees only the keys of its kept blocks of
+    # block_tokens keys (dropped keys are -inf before the softmax, so keeping all is dense bit for bit)
     hq, hkv, d = q.shape[1], k_cache.shape[2], q.shape[2]
     rep = hq // hkv
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -37,8 +40,11 @@ def paged_attention(
         qf = q[s:e].float().view(L, hkv, rep, d).permute(1, 2, 0, 3).reshape(hkv, rep * L, d)
         scores = (qf @ keys) * scale  # [Hkv, rep*L, n]
         qpos = torch.arange(n - L, n, device=q.device).repeat(rep)
-        hidden = torch.arange(n, device=q.device)[None, :] > qpos[:, None]  # key after query
-        p = torch.softmax(scores.masked_fill(hidden[None], float("-inf")), dim=-1)
+        hidden = (torch.arange(n, device=q.device)[None, :] > qpos[:, None])[None]  # key after query
+        if keep is not None:
+            kept = keep[s:e].view(L, hkv, rep, -1).permute(1, 2, 0, 3).reshape(hkv, rep * L, -1)
+            hidden = hidden | ~kept[..., torch.arange(n, device=q.device) // block_tokens]  # [Hkv, rep*L, n]
+        p = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
         o = (p @ vals).view(hkv, rep, L, d).permute(2, 0, 1, 3).reshape(L, hq, d)
         out[s:e] = o.to(q.dtype)
     return out

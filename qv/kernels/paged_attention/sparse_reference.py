@@ -28,6 +28,7 @@ import math
 
 import torch
 
+from qv.kernels.paged_attention import reference
 from qv.kernels.paged_attention.reference import gather_kv
 
 
@@ -245,30 +246,10 @@ def select_decode(q: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.T
 
 def sparse_paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, keep: torch.Tensor,
                            block_tokens: int, k_scale=None, v_scale=None) -> torch.Tensor:
-    """Causal GQA attention as reference.paged_attention, each row and query head over the keys of its
-    kept blocks only (keep [T, Hq, NBsel]). A row with every visible block kept gives paged_attention's
-    result bit for bit (the same ops; dropped keys are -inf before the softmax)."""
-    hq, hkv, d = q.shape[1], k_cache.shape[2], q.shape[2]
-    rep = hq // hkv
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    cu = cu_seqlens_q.tolist()
-    for i, (s, e) in enumerate(zip(cu, cu[1:])):
-        if e == s:
-            continue
-        n, L = int(seq_lens[i]), e - s
-        keys = gather_kv(k_cache, k_scale, block_tables[i], n).permute(1, 2, 0)  # [Hkv, D, n]
-        vals = gather_kv(v_cache, v_scale, block_tables[i], n).transpose(0, 1)  # [Hkv, n, D]
-        qf = q[s:e].float().view(L, hkv, rep, d).permute(1, 2, 0, 3).reshape(hkv, rep * L, d)
-        scores = (qf @ keys) * scale  # [Hkv, rep*L, n]
-        qpos = torch.arange(n - L, n, device=q.device).repeat(rep)
-        hidden = torch.arange(n, device=q.device)[None, :] > qpos[:, None]
-        kept = keep[s:e].view(L, hkv, rep, -1).permute(1, 2, 0, 3).reshape(hkv, rep * L, -1)
-        key_block = torch.arange(n, device=q.device) // block_tokens
-        dropped = ~kept[..., key_block]  # [Hkv, rep*L, n]
-        p = torch.softmax(scores.masked_fill(hidden[None] | dropped, float("-inf")), dim=-1)
-        o = (p @ vals).view(hkv, rep, L, d).permute(2, 0, 1, 3).reshape(L, hq, d)
-        out[s:e] = o.to(q.dtype)
-    return out
+    """Causal GQA attention, each row and query head over the keys of its kept blocks only (keep [T, Hq,
+    NBsel]): reference.paged_attention with the keep mask, so every block kept is the dense result bit for bit."""
+    return reference.paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, k_scale,
+                                     v_scale, keep=keep, block_tokens=block_tokens)
 
 
 def captured_mass(q, k_cache, block_tables, cu_seqlens_q, seq_lens, scale, keep: torch.Tensor, block_tokens: int,
