@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -168,6 +170,48 @@ def _hf_model(model_dir: str, dtype: torch.dtype, device: torch.device):
     return getattr(transformers, arch).from_pretrained(model_dir, dtype=dtype).to(device).eval()
 
 
+def dense_twin(model_dir: str, out: Path, dtype: torch.dtype) -> Path:
+    """`out`: model_dir with every quantized linear (GPTQ, AWQ, block FP8) written back dense in `dtype`, through
+    qv's checkpoint reader and the reference dequantization, and no quantization_config: what transformers runs
+    where it cannot run the quantized format. Only the unpacking is qv's; the model's forward is transformers'."""
+    from safetensors.torch import save_file
+
+    from qv.kernels.linear import FP8Weight
+    from qv.kernels.linear.reference import dequantize_fp8, dequantize_gptq
+    from qv.model.weights import CheckpointReader
+    from qv.model_config import ModelConfig
+
+    reader = CheckpointReader(model_dir, ModelConfig.from_dir(model_dir))
+    names = reader.names()
+    packed = {n.rsplit(".", 1)[0] for n in names if n.endswith((".qweight", ".weight_scale_inv"))}
+    tensors = {}
+    for name in names:
+        module, _, leaf = name.rpartition(".")
+        if module not in packed:
+            t = reader.tensor(name)
+            tensors[name] = t.to(dtype) if t.is_floating_point() else t
+        elif leaf in ("qweight", "weight_scale_inv"):
+            if leaf == "weight_scale_inv":
+                n, k = reader.tensor(f"{module}.weight").shape
+            else:
+                n = reader.tensor(f"{module}.scales").shape[1]
+                rows = reader.tensor(name).shape[0]
+                k = rows if reader.cfg.quant.method == "awq" else rows * 32 // reader.rules.resolve(module).bits
+            w = reader.linear(module, n, k, torch.float32)
+            dense = dequantize_fp8(w) if isinstance(w, FP8Weight) else dequantize_gptq(w)
+            tensors[f"{module}.weight"] = dense.to(dtype).contiguous()
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"))
+    for path in Path(model_dir).iterdir():  # the tokenizer, the chat template, the processor's files
+        if path.is_file() and not path.name.endswith((".safetensors", ".safetensors.index.json")):
+            shutil.copy(path, out / path.name)
+    config = json.loads((out / "config.json").read_text())
+    config.pop("quantization_config", None)
+    config.get("text_config", {}).pop("quantization_config", None)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
 def _oracle_dtype(qv_dtype: str, device: torch.device) -> torch.dtype:
     """float64 where qv runs fp32 on the CPU (the model oracle's choice); qv's own dtype on a GPU."""
     if qv_dtype == "torch.float32":
@@ -191,10 +235,14 @@ def reference_gate(model_dir: str, observed: dict) -> GateResult:
     if bound is None:
         return GateResult("reference", "skip", detail=f"no published bound for activations in {qv_dtype}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype, twin = _oracle_dtype(qv_dtype, device), None
     try:
-        model = _hf_model(model_dir, _oracle_dtype(qv_dtype, device), device)
-    except Exception as exc:  # noqa: BLE001 - e.g. GPTQ without transformers' GPTQ backend: say why
-        return GateResult("reference", "skip", detail=f"transformers cannot load this folder: {exc}"[:300])
+        model = _hf_model(model_dir, dtype, device)
+    except Exception as exc:  # noqa: BLE001 - e.g. GPTQ without transformers' GPTQ backend: the dequantized model
+        if "quantization_config" not in json.loads((Path(model_dir) / "config.json").read_text()):
+            return GateResult("reference", "skip", detail=f"transformers cannot load this folder: {exc}"[:300])
+        twin = tempfile.TemporaryDirectory(prefix="qv-validate-dense-")
+        model = _hf_model(str(dense_twin(model_dir, Path(twin.name), dtype)), dtype, device)
     worst, agree, total, ties = 0.0, 0, 0, 0
     with torch.no_grad():
         for prompt, tokens, logprobs in observed["reference"]:
@@ -209,11 +257,13 @@ def reference_gate(model_dir: str, observed: dict) -> GateResult:
                 elif (top2[0] - top2[1]).item() < bound:
                     ties += 1  # a near tie: either token is right
                 total += 1
+    if twin is not None:
+        twin.cleanup()
     ok = worst <= bound and agree + ties == total
     return GateResult("reference", "pass" if ok else "fail", f"max |dlogp| {worst:.2e}, top-1 {agree}/{total}"
                       + (f" (+{ties} near ties)" if ties else ""), f"|dlogp| <= {bound:g} ({qv_dtype}), top-1 all",
                       f"{len(observed['reference'])} prompts{' (one with an image)' if 'reference_image' in observed else ''}"
-                      f" vs transformers {model.dtype}",
+                      f" vs transformers {model.dtype}" + (" on the dequantized weights" if twin else ""),
                       {"max_abs_dlogp": worst, "top1_agree": agree, "near_ties": ties, "tokens": total})
 
 

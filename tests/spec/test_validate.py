@@ -107,3 +107,14 @@ def test_validate_on_the_gpu(fitted_dir, learned_word, tmp_path):
                 min_acceptance=2.0, speed_prefill=256, levers={**LEVERS, "device": "cuda"})
     assert not [g for g in gates.values() if g.status == "fail"], gates
     assert gates["speed"].status == "info" and len(gates["speed"].values["rows"]) == 2
+
+
+def test_reference_gate_on_gptq_weights_compares_the_dequantized_model(tiny_dirs, tmp_path):
+    """transformers on the CPU cannot run a GPTQ folder (no GPTQ backend here): the gate compares qv with
+    transformers on the weights dequantized from the folder, and still fails a perturbed kernel."""
+    from qv.model.quantize import quantize_checkpoint
+
+    folder = quantize_checkpoint(tiny_dirs("tiny"), tmp_path / "gptq", group_size=16, method="rtn")
+    gates = run(folder, "reference")
+    assert gates["reference"].status == "pass", gates["reference"]
+    assert "dequantized" in gates["reference"].detail
