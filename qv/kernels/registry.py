@@ -37,7 +37,7 @@ TABLE: dict[str, dict[str, str | None]] = {
     "sigmoid_mul":      {"reference": "sigmoid_mul.reference", "triton": "sigmoid_mul.triton", "sm70": None},
     "gelu":             {"reference": "gelu.reference", "triton": "gelu.triton", "sm70": None},
     "linear":           {"reference": "linear.reference", "triton": "linear.triton", "sm70": "linear.cuda_sm70"},
-    "lora_delta":       {"reference": "lora_delta.reference", "triton": "lora_delta.triton", "sm70": None},
+    "grouped_delta":    {"reference": "grouped_delta.reference", "triton": "grouped_delta.triton", "sm70": None},
     "write_kv":         {"reference": "write_kv.reference", "triton": "write_kv.triton", "sm70": None},
     "paged_attention":  {"reference": "paged_attention.reference", "triton": "paged_attention.triton",
                          "sm70": "paged_attention.cuda_sm70"},
