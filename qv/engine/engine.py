@@ -16,6 +16,7 @@ from qv.config import EngineConfig
 from qv.engine.bad_words import depends_on_output
 from qv.engine.build import build_engine_parts
 from qv.engine.clef_rows import clef_sequence, make_clef_rows
+from qv.engine.lora_rows import make_lora_rows
 from qv.engine.cuda_graphs import eager_reason
 from qv.engine.detokenizer import IncrementalDetokenizer
 from qv.engine.kv_cache import KVBlockPool
@@ -107,10 +108,11 @@ class LLMEngine:
             self.multimodal = MultimodalInputs(parts.model_dir, parts.model_config, parts.tokenizer)
             self.media = VisionSteps(parts.vision, cfg.vision_max_patches_per_step, capacity.rows, parts.model.device)
         self.clef = make_clef_rows(parts.clef, parts.model, cfg.clef_slots, cfg.clef_nmax, self.max_model_len)
+        self.lora = make_lora_rows(cfg, parts.model, parts.tp)  # served LoRA adapters (None: enable_lora off)
         self.runner = ModelRunner(parts.model, parts.cache, capacity, self.max_model_len, self.spec, self.media,
-                                  self.clef, tp=parts.tp)
+                                  self.clef, tp=parts.tp, lora=self.lora)
         # the parts of the step loop that plug in (qv/engine/step_feature.py), in the order their hooks run
-        self.features = [f for f in (self.prefix_cache, self.media, self.clef) if f is not None]
+        self.features = [f for f in (self.prefix_cache, self.media, self.clef, self.lora) if f is not None]
         self.tp = parts.tp  # tensor-parallel workers (None at one rank); stopped by shutdown or at exit
         if self.tp and self.prefix_cache:  # its state copies run on every rank
             self.tp.mirror_state(self.prefix_cache.copies)
@@ -161,15 +163,23 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int] | CheckedRequest,
                     params: SamplingParams | None = None, prompt: str | None = None, cache_salt: str | None = None,
-                    mm_hashes: list[tuple[int, str]] | None = None, multimodal: MultimodalPrompt | None = None) -> None:
+                    mm_hashes: list[tuple[int, str]] | None = None, multimodal: MultimodalPrompt | None = None,
+                    lora_name: str | None = None) -> None:
         """Queue a request: a CheckedRequest from check_request (not checked again), or the prompt's
         ids and its params (checked here).
         cache_salt: prefixes are shared only under the same salt ("clef:..." never shares);
         mm_hashes: (position, content hash) of each media item, part of the prefix key;
         multimodal: the prompt's images/videos (`self.multimodal.prompt(...)`); prompt_token_ids are its
-        expanded ids, and its media hashes join the prefix key."""
+        expanded ids, and its media hashes join the prefix key;
+        lora_name: a served LoRA adapter the request runs on (qv/engine/lora_rows.py; its own prefix salt)."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        adapter = None
+        if lora_name is not None:
+            if self.lora is None:
+                raise InvalidRequestError(f"LoRA adapter {lora_name!r} asked for, but enable_lora is off")
+            adapter = self.lora.resolve(lora_name)
+            cache_salt = self.lora.salt(adapter, cache_salt)
         checked = (prompt_token_ids if isinstance(prompt_token_ids, CheckedRequest)
                    else self.check_request(prompt_token_ids, params))
         prompt_token_ids, params, max_tokens = checked.prompt_token_ids, checked.params, checked.max_tokens
@@ -188,6 +198,8 @@ class LLMEngine:
             seqs.append(seq)
             if media is not None:
                 media.seqs.append(seq)
+            if adapter is not None:
+                self.lora.assign(seq, adapter)
             self.scheduler.add(seq)
         self.requests[request_id] = _Request(request_id, prompt, list(prompt_token_ids), seqs, RequestMetrics())
         self.stats.prompt_tokens += len(prompt_token_ids)

@@ -22,6 +22,7 @@ import torch
 from qv.engine.bad_words import batch_bans
 from qv.engine.sampler import SamplingBatch, apply_grammar, logprobs_of, process, sample, token_bias
 from qv.engine.clef_rows import ClefRows
+from qv.engine.lora_rows import LoraRows
 from qv.engine.cuda_graphs import DecodeGraphs
 from qv.engine.multimodal import VisionSteps
 from qv.engine.prompt_logprobs import PromptLogprobRows, launch_prompt_logprobs, prompt_logits_calls
@@ -156,14 +157,15 @@ class StepHandle:
 class ModelRunner:
     def __init__(self, model, cache: HybridCache, capacity: StepCapacity, max_model_len: int,
                  speculator: Speculator | None = None, media: VisionSteps | None = None,
-                 clef: ClefRows | None = None, tp: TPDriver | None = None):
+                 clef: ClefRows | None = None, tp: TPDriver | None = None, lora: LoraRows | None = None):
         self.model, self.cache, self.spec, self.media = model, cache, speculator, media
         self.tp = tp  # tensor parallelism: each step goes to the workers first (qv/engine/tensor_parallel.py)
         self.clef = clef  # Clef records' rows: their low-rank deltas and joint-head inputs
         self.device = model.device
         self.block_size = cache.block_size
         self.capacity = capacity
-        self.upload = _Upload(capacity.upload_bytes, self.device)
+        self.lora = lora  # served LoRA adapters: their rows join Clef's in the step's grouped deltas
+        self.upload = _Upload(capacity.upload_bytes + (lora.upload_bytes if lora else 0), self.device)
         self.vocab_size = model.cfg.vocab_size
         self.max_seqs, self.max_blocks, self.max_model_len = capacity.seqs, capacity.blocks, max_model_len
         self.graphs: DecodeGraphs | None = None
@@ -287,7 +289,7 @@ class ModelRunner:
             attn=AttentionMeta(slot_mapping=slot_mapping_d, block_tables=tables_d, seq_lens=seq_lens_d,
                                max_seq_len=int(ends.max())),
             gdn=gdn, logits_indices=logits_idx_d[:n_logits],
-            delta_rows=self.clef.delta_rows(seqs, cu, up.alloc) if self.clef else None)  # Clef rows: low-rank deltas
+            delta_rows=self._delta_rows(seqs, cu))
         fill = self._pending_rows(pending) if pending else None
         up.send()  # the step's one host-to-device copy
         if fill is not None:  # in stream order after the copy, before anything reads the ids
@@ -299,6 +301,12 @@ class ModelRunner:
             st.rope, st.embeds = self.media.step_inputs(self.model, seqs, starts, q_lens, cu, pos, st.ids)
         up.mark()  # the media's pinned buffers are rewritten next step too: one event covers both
         return st
+
+    def _delta_rows(self, seqs: list[Sequence], cu: np.ndarray):
+        """The rows that run low-rank deltas: Clef records' and LoRA adapters' (grouped by bank slot)."""
+        if self.lora is not None:
+            return self.lora.delta_rows(seqs, cu, self.upload.alloc, self.clef)
+        return self.clef.delta_rows(seqs, cu, self.upload.alloc) if self.clef else None
 
     def _pending_rows(self, pending: list[tuple[int, Sequence]]) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows of the step's ids, their indices in the last step's sampled ids) on the device."""

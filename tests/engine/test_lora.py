@@ -1,0 +1,129 @@
+"""Served LoRA adapters against transformers with the PEFT adapter merged (greedy tokens and their
+logprobs, teacher-forced), a batch mixing three adapters and the base against each run alone,
+adapters paged through fewer device slots than adapters, and bad adapters refused by name with the
+others still serving."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lora_fixtures import ADAPTERS, merged_model, write_adapters
+from qv.engine.lora_rows import LoraError, parse_lora_modules
+from qv.engine.request import SamplingParams
+from qv.errors import ConfigError
+
+PROMPTS = [[5, 77, 13, 240, 9, 31, 8], [101, 3, 55], [17, 17, 42, 250, 6, 1, 90, 33, 12, 4, 77]]
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_dirs, tmp_path_factory):
+    model_dir = tiny_dirs("tiny")
+    return model_dir, write_adapters(model_dir, tmp_path_factory.mktemp("lora"))
+
+
+def _engine(tiny_engine, model_dir, paths, **levers):
+    modules = " ".join(f"{n}={p}" for n, p in paths.items())
+    levers = {"enable_lora": True, "lora_modules": modules, "max_lora_rank": 16, "max_loras": 3, **levers}
+    return tiny_engine(model=str(model_dir), **levers).engine
+
+
+def _run(engine, requests):
+    """requests: {rid: (prompt ids, adapter name or None)} -> {rid: (tokens, logprobs of them)}, all added at once."""
+    for rid, (ids, name) in requests.items():
+        engine.add_request(rid, ids, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                                    logprobs=0), lora_name=name)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                c = out.outputs[0]
+                done[out.request_id] = (list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+    return done
+
+
+@torch.no_grad()
+def _oracle(model, ids: list[int], tokens: list[int]) -> tuple[list[int], list[float]]:
+    """transformers' greedy tokens and their logprobs, teacher-forced along `tokens`."""
+    seq = torch.tensor([ids + tokens])
+    logp = torch.log_softmax(model(input_ids=seq).logits[0].double(), -1)[len(ids) - 1:-1]
+    return logp.argmax(-1).tolist(), [float(logp[i, t]) for i, t in enumerate(tokens)]
+
+
+def test_each_adapter_equals_transformers_with_it_merged(setup, tiny_engine):
+    model_dir, paths = setup
+    engine = _engine(tiny_engine, model_dir, paths)
+    got = _run(engine, {f"{name}-{i}": (ids, name) for name in paths for i, ids in enumerate(PROMPTS)})
+    base = _run(engine, {f"base-{i}": (ids, None) for i, ids in enumerate(PROMPTS)})
+    for name, path in paths.items():
+        model = merged_model(model_dir, path)
+        for i, ids in enumerate(PROMPTS):
+            tokens, lps = got[f"{name}-{i}"]
+            want, want_lps = _oracle(model, ids, tokens)
+            assert tokens == want, f"{name} prompt {i}: greedy tokens differ from the merged model's"
+            assert max(abs(a - b) for a, b in zip(lps, want_lps)) < 1e-4, f"{name} prompt {i}: logprobs"
+        assert any(got[f"{name}-{i}"][0] != base[f"base-{i}"][0] for i in range(len(PROMPTS))), \
+            f"adapter {name} changed no token (a test that cannot fail)"
+
+
+def test_mixed_batch_equals_each_alone(setup, tiny_engine):
+    model_dir, paths = setup
+    engine = _engine(tiny_engine, model_dir, paths)
+    names = [None, *paths]
+    mixed = _run(engine, {f"{n}-{i}": (ids, n) for n in names for i, ids in enumerate(PROMPTS)})
+    for n in names:
+        for i, ids in enumerate(PROMPTS):
+            alone = _run(engine, {"alone": (ids, n)})["alone"]
+            got = mixed[f"{n}-{i}"]
+            assert got[0] == alone[0], f"{n} prompt {i}: tokens differ in the mixed batch"
+            assert max(abs(a - b) for a, b in zip(got[1], alone[1])) < 1e-5
+
+
+def test_more_adapters_than_device_slots_are_paged(setup, tiny_engine):
+    """max_loras=1: three adapters' requests at once run in turns through one slot, with the same results."""
+    model_dir, paths = setup
+    wide = _engine(tiny_engine, model_dir, paths)
+    want = _run(wide, {f"{n}-{i}": (ids, n) for n in paths for i, ids in enumerate(PROMPTS)})
+    one = _engine(tiny_engine, model_dir, paths, max_loras=1)
+    got = _run(one, {f"{n}-{i}": (ids, n) for n in paths for i, ids in enumerate(PROMPTS)})
+    assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in want.items()}
+    assert one.lora.num_swaps >= len(paths)
+
+
+def test_bad_adapters_are_refused_by_name(setup, tiny_engine, tmp_path):
+    model_dir, paths = setup
+    small = {n: p for n, p in paths.items() if ADAPTERS[n][0] <= 8}  # "every" (rank 16) is over this cap
+    engine = _engine(tiny_engine, model_dir, small, max_lora_rank=8)
+    with pytest.raises(LoraError, match="no such folder"):
+        engine.lora.load("missing", str(tmp_path / "nowhere"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(LoraError, match="adapter_config.json"):
+        engine.lora.load("empty", str(empty))
+    with pytest.raises(LoraError, match="above max_lora_rank 8"):
+        engine.lora.load("big", str(setup[1]["every"]))
+    wrong = tmp_path / "wrong"
+    wrong.mkdir()
+    cfg = json.loads((setup[1]["attn"] / "adapter_config.json").read_text())
+    (wrong / "adapter_config.json").write_text(json.dumps(cfg))
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(setup[1]["attn"] / "adapter_model.safetensors"))
+    key = next(k for k in tensors if "lora_B" in k)
+    tensors[key] = torch.zeros(tensors[key].shape[0] + 1, tensors[key].shape[1])
+    save_file(tensors, str(wrong / "adapter_model.safetensors"))
+    with pytest.raises(LoraError, match="do not fit"):
+        engine.lora.load("wrong", str(wrong))
+    assert [n for n, _ in engine.lora.names()] == ["attn", "gdn"]
+    assert _run(engine, {"ok": (PROMPTS[0], "attn")})["ok"][0]  # the others keep serving
+
+
+def test_lora_modules_and_levers():
+    assert parse_lora_modules("a=/x b=/y,c=/z") == {"a": "/x", "b": "/y", "c": "/z"}
+    assert parse_lora_modules(json.dumps(["a=/x", json.dumps({"name": "b", "path": "/y"})])) == {"a": "/x", "b": "/y"}
+    assert parse_lora_modules('[{"name": "b", "path": "/y", "base_model_name": "m"}]') == {"b": "/y"}
+    with pytest.raises(ConfigError, match="name=path"):
+        parse_lora_modules("oops")
