@@ -35,7 +35,7 @@ from starlette.routing import Route
 
 from qv.config import ConfigError, EngineConfig
 from qv.errors import StartupError
-from qv.server import anthropic, completions, openapi, ops, openai, responses, sagemaker, systemone
+from qv.server import anthropic, completions, lora, openapi, ops, openai, responses, sagemaker, systemone
 from qv.server.http_edges import LazyCORS, MeasureHTTP, needs_key
 from qv.server.errors import SHUTDOWN_MESSAGE, APIError, api_error_response, error_response, internal_error
 from qv.server.log_setup import log_config
@@ -121,6 +121,7 @@ ROUTES = [
     ("/reset_prefix_cache", ops.reset_prefix_cache, "POST"),
     ("/openapi.json", openapi.schema, "GET"),
     ("/docs", openapi.docs, "GET"),
+    *lora.ROUTES,  # /v1/load_lora_adapter, /v1/unload_lora_adapter
 ]
 
 

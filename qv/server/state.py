@@ -24,6 +24,7 @@ from qv.engine.request_check import CheckedRequest
 from qv.engine.structured import GRAMMAR_STOPPED
 from qv.server.errors import (BUSY_MESSAGE, SHUTDOWN_MESSAGE, STOPPED_MESSAGE, APIError, bad_request,
                               internal_error)
+from qv.server.lora import REQUEST_ADAPTER, adapter_for
 from qv.server.media import ServerMedia
 from qv.server.metrics import ServerMetrics
 from qv.server.streaming import LARGE_BYTES
@@ -81,6 +82,7 @@ class ServerState:
         self.max_body_bytes = cfg.max_body_bytes
         self.api_key_scope, self.metrics_public = cfg.api_key_scope, cfg.metrics_public  # for /openapi.json
         self.trust_request_chat_template = cfg.trust_request_chat_template
+        self.allow_runtime_lora_updating = cfg.allow_runtime_lora_updating
         self.max_waiting = cfg.max_waiting
         self.max_prompts = cfg.max_prompts_per_request
         self.max_logprobs = cfg.max_logprobs
@@ -155,7 +157,10 @@ class ServerState:
         if req.truncate_prompt_tokens == -1:
             req.truncate_prompt_tokens = self.max_model_len
 
-    def check_model(self, name: str | None) -> None:
+    def check_model(self, name: str | None, adapters: bool = True) -> None:
+        """A served name, or (adapters) a served LoRA adapter, which this request then runs on (qv/server/lora.py)."""
+        if adapters and adapter_for(self, name) is not None:
+            return
         if name is not None and name not in self.served_names:
             raise APIError(404, f"The model `{name}` does not exist.", "model")
 
@@ -267,19 +272,25 @@ class ServerState:
         self.grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- running ---------------------------------------------------------------------------------
-    async def generate(self, request_id: str, request: CheckedRequest, prompt: str | None = None,
-                       cache_salt: str | None = None, multimodal=None, admission: Admission | None = None,
-                       grammar_field: str = "response_format"):
+    def generate(self, request_id: str, request: CheckedRequest, prompt: str | None = None,
+                 cache_salt: str | None = None, multimodal=None, admission: Admission | None = None,
+                 grammar_field: str = "response_format"):
         """engine.generate of a checked request (check_request) with metrics; engine failures become
         APIErrors (500, or 400 for a request the engine refused). Closing this iterator closes the engine's (abort).
         multimodal: the prompt's images/videos (a MultimodalPrompt from `self.media.prompt`);
         admission: the seats this prompt's n sequences hold, given back at its first output;
         grammar_field: the field named when the request's grammar is stopped (grammar_mask_budget_ms)."""
+        # the adapter the `model` check chose, read now, in the route's task (the stream is read in another)
+        return self._generate(request_id, request, prompt, cache_salt, multimodal, admission, grammar_field,
+                              REQUEST_ADAPTER.get())
+
+    async def _generate(self, request_id, request, prompt, cache_salt, multimodal, admission, grammar_field, adapter):
         params = request.params
         tracker = self.metrics.tracker(params.n, params.max_tokens)
         log.info("request %s: %d prompt tokens, n=%d, max_tokens=%s", request_id, len(request.prompt_token_ids),
                  params.n, params.max_tokens)
-        gen = self.engine.generate(request_id, request, prompt=prompt, cache_salt=cache_salt, multimodal=multimodal)
+        gen = self.engine.generate(request_id, request, prompt=prompt, cache_salt=cache_salt, multimodal=multimodal,
+                                   **({"lora_name": adapter} if adapter else {}))
         held = params.n if admission is not None else 0  # this prompt's share of the request's seats
         try:
             with self.engine_call(request_id):
