@@ -23,6 +23,7 @@ import math
 import torch
 
 from qv.errors import StartupError
+from qv.model.delta_bank import DeltaGroups
 from qv.model.batch import AttentionMeta, GDNMeta, StepBatch
 
 log = logging.getLogger("qv")
@@ -75,7 +76,7 @@ class DecodeGraphs:
     decode also "catch_up" alone), replayed on the forward's output states."""
 
     def __init__(self, model, cache, max_num_seqs: int, max_blocks: int, max_model_len: int, scratch_slot: int,
-                 rows_per_seq: int = 1, spec=None, pool=None):
+                 rows_per_seq: int = 1, spec=None, pool=None, delta_slots: int = 0):
         self.model, self.cache, self.spec = model, cache, spec
         self.q = rows_per_seq
         self.max_seq_len = max_model_len
@@ -105,6 +106,10 @@ class DecodeGraphs:
         self.mtp_graphs: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
         self.errors: dict[int, float] = {}  # batch size -> replay_error at the start-up check
         self.pool = pool
+        # LoRA adapters (delta_slots bank slots): every graph launches the grouped deltas over these buffers;
+        # a step's rows grouped by slot are copied in, a step without any leaves every slot empty
+        self.deltas = None if not delta_slots else DeltaGroups(
+            torch.zeros(t, dtype=torch.int64, device=dev), torch.zeros(delta_slots + 1, dtype=torch.int64, device=dev), t)
 
     @property
     def label(self) -> str:
@@ -118,7 +123,7 @@ class DecodeGraphs:
             gdn = self.spec.gdn_meta(self.state_slots[:b], self.has_init[:b], b, t, self.no_rest)
         return StepBatch(self.cu[:b + 1], self.q,
                          AttentionMeta(self.slot_mapping[:t], self.block_tables[:b], self.seq_lens[:b], self.max_seq_len),
-                         gdn, self.rows[:t] if self.q > 1 else self.cu[:b].long())
+                         gdn, self.rows[:t] if self.q > 1 else self.cu[:b].long(), delta_rows=self.deltas)
 
     def mtp_kinds(self, b: int) -> tuple[str, ...]:
         """The head's graphs size b holds: "draft" where a batch that can verify next step (at most
@@ -262,6 +267,13 @@ class DecodeGraphs:
         self.seq_lens[:b].copy_(a.seq_lens)
         self.state_slots[:b].copy_(batch.gdn.state_slots)
         self.has_init[:b].copy_(batch.gdn.has_initial_state)
+        if self.deltas is not None:
+            groups = batch.delta_rows
+            if groups is None:
+                self.deltas.slot_start.zero_()
+            else:
+                self.deltas.rows[:groups.rows.shape[0]].copy_(groups.rows)
+                self.deltas.slot_start.copy_(groups.slot_start)
         if size > b:
             self._reset_pad_rows(b, t)
         graph, out = self.graphs[size]

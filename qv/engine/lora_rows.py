@@ -30,7 +30,7 @@ from qv.clef.adapters import ClefLayoutError, all_linears, place_modules, read_p
 from qv.engine.sequence import Sequence
 from qv.engine.step_feature import StepFeature
 from qv.errors import ConfigError, InvalidRequestError
-from qv.kernels.grouped_delta import DeltaGroups
+from qv.model.delta_bank import DeltaGroups
 from qv.model.delta_bank import DeltaBank
 
 log = logging.getLogger("qv")

@@ -175,21 +175,24 @@ class ModelRunner:
     def enable_decode_graphs(self, scratch_slot: int) -> None:
         """Capture and check the decode graphs, and with speculation the verification graphs (k+1 rows a
         sequence) and the MTP head's; StartupError (graphs left off) where one fails."""
+        slots = self.lora.max_loras + 1 if self.lora else 0  # LoRA rows replay too (fixed-capacity bank slots)
         graphs = DecodeGraphs(self.model, self.cache, self.max_seqs, self.max_blocks, self.max_model_len,
-                              scratch_slot, spec=self.spec)
+                              scratch_slot, spec=self.spec, delta_slots=slots)
         graphs.capture()
         self.graphs = graphs
         if self.spec is not None:
             verify = DecodeGraphs(self.model, self.cache, self.spec.max_seqs, self.max_blocks, self.max_model_len,
-                                  scratch_slot, rows_per_seq=self.spec.k + 1, spec=self.spec, pool=graphs.pool)
+                                  scratch_slot, rows_per_seq=self.spec.k + 1, spec=self.spec, pool=graphs.pool,
+                                  delta_slots=slots)
             verify.capture()
             self.verify_graphs = verify
 
     def _graphs_for(self, st: "_Step") -> DecodeGraphs | None:
         """The graphs that can replay this step's forward: decode steps whose sequences all run one row, or
         all verify k+1 rows (qv/engine/scheduler.py evens a decode step's drafts out for this), with token
-        positions as rotary positions, no vision rows and no Clef deltas."""
-        if self.graphs is None or st.rope is not None or st.embeds is not None or st.batch.delta_rows is not None:
+        positions as rotary positions, no vision rows and no Clef-only delta rows (rows grouped by slot, LoRA's, replay)."""
+        if (self.graphs is None or st.rope is not None or st.embeds is not None
+                or isinstance(st.batch.delta_rows, torch.Tensor)):  # Clef's plain rows: no graph holds them
             return None
         n, rows = len(st.seqs), len(st.host_ids)
         if st.num_spec == 0 and rows == n:
