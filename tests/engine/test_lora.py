@@ -127,3 +127,58 @@ def test_lora_modules_and_levers():
     assert parse_lora_modules('[{"name": "b", "path": "/y", "base_model_name": "m"}]') == {"b": "/y"}
     with pytest.raises(ConfigError, match="name=path"):
         parse_lora_modules("oops")
+
+
+def _cached(engine, rid, ids, name) -> int:
+    engine.add_request(rid, ids, SamplingParams(temperature=0.0, max_tokens=1), lora_name=name)
+    cached = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                cached = out.num_cached_tokens
+    return cached
+
+
+def test_prefix_cache_is_salted_by_adapter(setup, tiny_engine):
+    """A prompt cached for the base (or another adapter) is never reused by an adapter, but is by the same one."""
+    model_dir, paths = setup
+    engine = _engine(tiny_engine, model_dir, paths, block_size=16)
+    ids = [(7 * i + 3) % 250 + 1 for i in range(80)]
+    assert _cached(engine, "b0", ids, None) == 0
+    assert _cached(engine, "b1", ids, None) > 0  # the base reuses its own prefix: the check can see a hit
+    assert _cached(engine, "a0", ids, "attn") == 0
+    assert _cached(engine, "g0", ids, "gdn") == 0
+    assert _cached(engine, "a1", ids, "attn") > 0
+
+
+def test_adapter_slots_are_in_the_memory_plan(setup, tiny_engine):
+    """The device slots are reserved at start and counted with the weights (max_loras x rank x (K + N))."""
+    model_dir, _ = setup
+    plain = tiny_engine(model=str(model_dir)).engine.memory_plan.weight_bytes
+    one = tiny_engine(model=str(model_dir), enable_lora=True, max_loras=1, max_lora_rank=8).engine.memory_plan
+    two = tiny_engine(model=str(model_dir), enable_lora=True, max_loras=2, max_lora_rank=8).engine.memory_plan
+    per_slot = one.weight_bytes - plain
+    assert per_slot > 0 and two.weight_bytes - plain >= 2 * per_slot - 64 * 8
+
+
+def test_speculation_verifies_drafts_with_the_adapter(setup, tiny_engine, tiny_dirs):
+    """Drafts (n-gram: from the tokens, MTP: from the base's head) are verified by the adapter's model: the
+    greedy tokens equal those without speculation."""
+    model_dir, paths = setup
+    mtp_dir = tiny_dirs("tiny", mtp=True)  # same shapes: the adapters fit
+    reqs = {f"{n}-{i}": (ids, n) for n in [None, *paths] for i, ids in enumerate(PROMPTS)}
+    want = _run(_engine(tiny_engine, mtp_dir, paths, spec="off"), reqs)
+    for spec in ("ngram", "mtp"):
+        got = _run(_engine(tiny_engine, mtp_dir, paths, spec=spec, spec_k=2), reqs)
+        assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in want.items()}, spec
+
+
+def test_gptq_int8_weights_mix_adapters(setup, tiny_engine):
+    """With GPTQ-Int8 weights (random, vLLM's dummy format) a mixed batch still equals each request alone."""
+    model_dir, paths = setup
+    engine = _engine(tiny_engine, model_dir, paths, load_format="random", quantization="gptq-int8")
+    reqs = {f"{n}-{i}": (ids, n) for n in [None, *paths] for i, ids in enumerate(PROMPTS[:2])}
+    mixed = _run(engine, reqs)
+    for rid, req in reqs.items():
+        assert _run(engine, {"alone": req})["alone"][0] == mixed[rid][0], rid
+    assert mixed["attn-0"][0] != mixed["None-0"][0] or mixed["every-0"][0] != mixed["None-0"][0]
