@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 from clef.clef_records import make_record, max_dp, run_engine  # noqa: E402
 from clef.test_clef_engine import NMAX, make_engine  # noqa: E402
 from lora_fixtures import write_adapters  # noqa: E402
-from qv.clef.encode import encode_request  # noqa: E402
+from qv.clef.request import encode_request  # noqa: E402
 from qv.engine.request import SamplingParams  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)

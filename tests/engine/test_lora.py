@@ -142,7 +142,7 @@ def _cached(engine, rid, ids, name) -> int:
 def test_prefix_cache_is_salted_by_adapter(setup, tiny_engine):
     """A prompt cached for the base (or another adapter) is never reused by an adapter, but is by the same one."""
     model_dir, paths = setup
-    engine = _engine(tiny_engine, model_dir, paths, block_size=16)
+    engine = _engine(tiny_engine, model_dir, paths, block_size=16, gdn_snapshot_interval=32)
     ids = [(7 * i + 3) % 250 + 1 for i in range(80)]
     assert _cached(engine, "b0", ids, None) == 0
     assert _cached(engine, "b1", ids, None) > 0  # the base reuses its own prefix: the check can see a hit
@@ -182,3 +182,47 @@ def test_gptq_int8_weights_mix_adapters(setup, tiny_engine):
     for rid, req in reqs.items():
         assert _run(engine, {"alone": req})["alone"][0] == mixed[rid][0], rid
     assert mixed["attn-0"][0] != mixed["None-0"][0] or mixed["every-0"][0] != mixed["None-0"][0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [False, True])
+def test_gpu_adapters_equal_transformers_with_graphs(setup, tiny_engine, graphs):
+    """On the GPU with the Triton kernels (fp32: IEEE dots) and CUDA graphs: each adapter's greedy tokens
+    and logprobs equal the merged model's, decode steps holding adapter rows replay a graph, and a batch
+    of three adapters plus the base equals each request alone."""
+    model_dir, paths = setup
+    engine = _engine(tiny_engine, model_dir, paths, device="cuda", dtype="float32", kernels="triton",
+                     cuda_graphs=graphs)
+    replayed = []
+    forward = engine.runner._forward
+
+    def spied(st):
+        out = forward(st)
+        if st.graphs is not None and st.batch.delta_rows is not None:
+            replayed.append(int(st.batch.delta_rows.rows.numel()))
+        return out
+
+    engine.runner._forward = spied
+    reqs = {f"{n}-{i}": (ids, n) for n in [None, *paths] for i, ids in enumerate(PROMPTS)}
+    mixed = _run(engine, reqs)
+    for name, path in paths.items():
+        model = merged_model(model_dir, path)
+        for i, ids in enumerate(PROMPTS):
+            tokens, lps = mixed[f"{name}-{i}"]
+            want, want_lps = _oracle(model, ids, tokens)
+            assert tokens == want and max(abs(a - b) for a, b in zip(lps, want_lps)) < 1e-4, (name, i)
+    for rid, req in reqs.items():
+        assert _run(engine, {"alone": req})["alone"][0] == mixed[rid][0], rid
+    assert bool(replayed) == graphs, "decode steps with adapter rows should replay graphs exactly when they are on"
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_speculation_and_gptq(setup, tiny_engine, tiny_dirs):
+    """bf16, GPTQ-Int8 random weights, MTP speculation and graphs together: tokens equal speculation off."""
+    model_dir, paths = setup
+    mtp_dir = tiny_dirs("tiny", mtp=True)
+    reqs = {f"{n}-{i}": (ids, n) for n in [None, *paths] for i, ids in enumerate(PROMPTS)}
+    levers = dict(device="cuda", dtype="bfloat16", load_format="random", quantization="gptq-int8")
+    want = _run(_engine(tiny_engine, mtp_dir, paths, spec="off", **levers), reqs)
+    got = _run(_engine(tiny_engine, mtp_dir, paths, spec="mtp", spec_k=2, **levers), reqs)
+    assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in want.items()}

@@ -66,6 +66,16 @@ def test_grouped_delta_fewer_groups_than_slots(dtype):
     _check(dtype, bank, 7, [1, -1, 0, 1, 1, -1, 0], 2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_delta_many_rows(dtype):
+    """A prompt chunk's worth of rows in a slot (configs.MANY_ROWS on): the large blocks."""
+    bank = _bank(dtype, 40, [70, 12], [[(0, 40), (1, 40), (0, 1)], [(1, 9)], [(0, 70)]])
+    gen = torch.Generator().manual_seed(7)
+    slot_of_row = (torch.randint(-1, 3, (330,), generator=gen)).tolist()
+    slot_of_row[:140] = [0] * 140  # one slot past MANY_ROWS whatever the draw
+    _check(dtype, bank, len(slot_of_row), slot_of_row, 3)
+
+
 def test_grouped_delta_plain_rows_run_slot_zero():
     bank = _bank(torch.float32, 24, [19, 6], [[(0, 3), (1, 2)], [(1, 4)]])
     y, x = randn(9, 25), randn(9, 24)

@@ -1,6 +1,9 @@
-"""grouped_delta's block sizes: tl.dot needs 16 on every side; a decode row pads its row block."""
+"""grouped_delta's block sizes (tl.dot needs 16 on every side). Few rows a slot (decode: one a sequence):
+small row blocks, the launch is a read of the slots' A and B. Many (a prompt chunk, a Clef record): larger
+row and rank blocks, so each A and B tile is re-read by fewer row blocks (the grid runs a slot's row
+blocks next to each other, sharing the tile in L2). Re-measure: python bench/clef.py"""
 
-BLOCK_ROWS = 16  # rows of one slot per program (a decode step's slot has one row a sequence)
-BLOCK_RANK = 32  # rank rows per shrink program and per expand loop step
-BLOCK_K = 64  # shrink: inputs per loop step
-BLOCK_N = 64  # expand: output columns per program
+MANY_ROWS = 128  # from this many rows in one slot, the large blocks
+# (rows of one slot per program, rank rows per shrink program and expand step, shrink K step, expand columns)
+FEW = (16, 32, 64, 64)
+MANY = (64, 64, 64, 128)

@@ -1,5 +1,5 @@
 """Triton grouped low-rank delta: one shrink launch (t = (x A^T) * scale for every slot's rows and rank
-rows) and one expand launch (y += t B^T), each over (slot, row block, rank or column block). Programs
+rows) and one expand launch (y += t B^T), each over (row block, slot, rank or column block). Programs
 of a slot past its rows exit at once, so the grid may be sized by bounds (CUDA graphs)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qv.kernels.grouped_delta.configs import BLOCK_K, BLOCK_N, BLOCK_RANK, BLOCK_ROWS
+from qv.kernels.grouped_delta.configs import FEW, MANY, MANY_ROWS
 
 
 @triton.jit
@@ -23,9 +23,9 @@ def shrink_kernel(t_ptr, x_ptr, rows_ptr, slot_start_ptr, a_ptr, scale_ptr, slot
                   stride_t, stride_x, stride_a, M1,
                   HAS_SLOTS: tl.constexpr, IEEE: tl.constexpr,
                   BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
-    s = tl.program_id(0)
+    s = tl.program_id(1)
     r0, r1 = _slot_rows(slot_start_ptr, s, num_rows, HAS_SLOTS)
-    m0 = r0 + tl.program_id(1) * BM
+    m0 = r0 + tl.program_id(0) * BM
     lo = tl.load(slot_rows_ptr + s * M1)
     hi = tl.load(slot_rows_ptr + s * M1 + M1 - 1)
     j0 = lo + tl.program_id(2) * BR
@@ -56,9 +56,9 @@ def expand_kernel(y_ptr, t_ptr, rows_ptr, slot_start_ptr, b_ptr, b_off_ptr, col_
                   member_cols_ptr, num_rows, N, stride_y, stride_t,
                   HAS_SLOTS: tl.constexpr, IEEE: tl.constexpr, MEMBERS: tl.constexpr,
                   BM: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr):
-    s = tl.program_id(0)
+    s = tl.program_id(1)
     r0, r1 = _slot_rows(slot_start_ptr, s, num_rows, HAS_SLOTS)
-    m0 = r0 + tl.program_id(1) * BM
+    m0 = r0 + tl.program_id(0) * BM
     n0 = tl.program_id(2) * BN
     base = slot_rows_ptr + s * (MEMBERS + 1)
     lo = tl.load(base)
@@ -111,13 +111,13 @@ def grouped_delta(y, x, rows, slot_start, max_rows, bank):
     ss = slot_start if has_slots else rows  # an unread pointer when every row runs slot 0
     ieee = x.dtype == torch.float32
     m1 = bank.slot_rows.shape[1]
+    bm, br, bk, bn = MANY if max_rows >= MANY_ROWS else FEW
     t = torch.empty(num_rows, bank.max_slot_rank, dtype=torch.float32, device=x.device)
-    row_blocks = triton.cdiv(max_rows, BLOCK_ROWS)
-    shrink_kernel[(slots, row_blocks, triton.cdiv(bank.max_slot_rank, BLOCK_RANK))](
+    row_blocks = triton.cdiv(max_rows, bm)  # grid axis 0: a slot's row blocks run side by side, sharing A/B tiles
+    shrink_kernel[(row_blocks, slots, triton.cdiv(bank.max_slot_rank, br))](
         t, x, rows, ss, bank.a, bank.scale, bank.slot_rows, num_rows, k, t.stride(0), x.stride(0), bank.a.stride(0),
-        m1, HAS_SLOTS=has_slots, IEEE=ieee, BM=BLOCK_ROWS, BR=BLOCK_RANK, BK=BLOCK_K)
-    expand_kernel[(slots, row_blocks, triton.cdiv(n, BLOCK_N))](
+        m1, HAS_SLOTS=has_slots, IEEE=ieee, BM=bm, BR=br, BK=bk)
+    expand_kernel[(row_blocks, slots, triton.cdiv(n, bn))](
         y, t, rows, ss, bank.b, bank.b_off, bank.col, bank.width, bank.slot_rows, bank.member_cols, num_rows, n,
-        y.stride(0), t.stride(0), HAS_SLOTS=has_slots, IEEE=ieee, MEMBERS=m1 - 1,
-        BM=BLOCK_ROWS, BR=BLOCK_RANK, BN=BLOCK_N)
+        y.stride(0), t.stride(0), HAS_SLOTS=has_slots, IEEE=ieee, MEMBERS=m1 - 1, BM=bm, BR=br, BN=bn)
     return y
