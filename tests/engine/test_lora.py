@@ -121,6 +121,22 @@ def test_bad_adapters_are_refused_by_name(setup, tiny_engine, tmp_path):
     assert _run(engine, {"ok": (PROMPTS[0], "attn")})["ok"][0]  # the others keep serving
 
 
+def test_vllm_lora_command_line():
+    """vLLM's flags: --lora-modules repeatable (name=path or JSON objects), the others one lever each."""
+    import shlex
+
+    from qv.cli import _overrides, build_parser
+    from qv.config import EngineConfig
+
+    line = ("serve /m --enable-lora 1 --lora-modules a=/x b=/y --lora-modules '{\"name\": \"c\", \"path\": \"/z\"}' "
+            "--max-loras 4 --max-lora-rank 64 --max-cpu-loras 8 --allow-runtime-lora-updating 1")
+    got = _overrides(build_parser().parse_args(shlex.split(line)))
+    assert parse_lora_modules(got["lora_modules"]) == {"a": "/x", "b": "/y", "c": "/z"}
+    cfg = EngineConfig(**got)
+    assert (cfg.enable_lora, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras, cfg.allow_runtime_lora_updating) == (
+        True, 4, 64, 8, True)
+
+
 def test_lora_modules_and_levers():
     assert parse_lora_modules("a=/x b=/y,c=/z") == {"a": "/x", "b": "/y", "c": "/z"}
     assert parse_lora_modules(json.dumps(["a=/x", json.dumps({"name": "b", "path": "/y"})])) == {"a": "/x", "b": "/y"}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_cases import BOUND, DEV, K, randn, run_reference, run_triton
+from kernel_cases import BOUND, DEV, K, nan_empty, randn, run_reference, run_triton
 from qv.kernels.grouped_delta import DeltaGroups
 from qv.model.delta_bank import DeltaBank
 from util import assert_close
@@ -34,12 +34,17 @@ def _groups(slot_of_row: list[int], num_slots: int) -> DeltaGroups:
     return DeltaGroups(as_t(rows, torch.int64), as_t(starts, torch.int32), most)
 
 
-def _check(dtype, bank, t, slot_of_row, num_slots):
+def _run_sm70(fn, *args):
+    with K.backend("sm70"), nan_empty():
+        return fn(*args)
+
+
+def _check(dtype, bank, t, slot_of_row, num_slots, run=run_triton):
     y = randn(t, sum(bank.member_sizes), dtype=dtype)
     x = randn(t, bank.in_features, dtype=dtype)
     g = _groups(slot_of_row, num_slots)
     ref = run_reference(K.grouped_delta, y.clone(), x, g.rows, g.slot_start, g.max_rows, bank.view(DEV))
-    out = run_triton(K.grouped_delta, y.clone(), x, g.rows, g.slot_start, g.max_rows, bank.view(DEV))
+    out = run(K.grouped_delta, y.clone(), x, g.rows, g.slot_start, g.max_rows, bank.view(DEV))
     assert_close("grouped_delta", out, ref, BOUND[dtype])
     untouched = torch.tensor([s < 0 or s >= num_slots for s in slot_of_row], device=DEV)
     assert torch.equal(out[untouched], y[untouched]), "a row outside the groups changed"
@@ -47,8 +52,10 @@ def _check(dtype, bank, t, slot_of_row, num_slots):
     return out
 
 
+@pytest.mark.parametrize("backend", ["triton", "sm70"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grouped_delta_slots_and_members(dtype):
+def test_grouped_delta_slots_and_members(dtype, backend):
+    """(sm70: the kernels without tl.dot)"""
     members = [37, 9, 20]  # a fused Linear (q | k | v-like), odd widths
     slots = [[(0, 5), (1, 5), (2, 5), (0, 1), (1, 1), (2, 1)],  # Clef-like: a LoRA plus a rank-1 deabl
              [(1, 3)],  # one projection only
@@ -56,7 +63,7 @@ def test_grouped_delta_slots_and_members(dtype):
              [(2, 17), (0, 17)]]  # rank past a block, members given out of order
     bank = _bank(dtype, 45, members, slots)
     slot_of_row = [0, 0, 1, -1, 3, 3, 3, 0, 2, -1, 1, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
-    _check(dtype, bank, len(slot_of_row), slot_of_row, 4)
+    _check(dtype, bank, len(slot_of_row), slot_of_row, 4, run_triton if backend == "triton" else _run_sm70)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -7,3 +7,4 @@ MANY_ROWS = 128  # from this many rows in one slot, the large blocks
 # (rows of one slot per program, rank rows per shrink program and expand step, shrink K step, expand columns)
 FEW = (16, 32, 64, 64)
 MANY = (64, 64, 64, 128)
+NO_DOT = (16, 16, 16, 32)  # sm_70 (no tl.dot): [BM, BR, BK] and [BM, BR, BN] products live in registers

@@ -10,8 +10,8 @@ a multiple of 16, N not a multiple of 8, misaligned tensors, a CUDA graph captur
 built), the weight is dequantized by gptq_dequant_kernel or int4_dequant_kernel (Triton, no tl.dot) and multiplied by
 cuBLAS:
 under the sm70 chain no Triton tl.dot runs (it has no tensor-core path below sm_80, and Triton >= 3.3 has
-computed it wrong there). Dense weights go to cuBLAS. The Clef low-rank rows (lora_delta, CUDA-core Triton
-without tl.dot) are a separate call right after the linear (qv/model/layers.py).
+computed it wrong there). Dense weights go to cuBLAS. The low-rank delta rows (grouped_delta's sm70 form,
+CUDA-core Triton without tl.dot) are a separate call right after the linear (qv/model/layers.py).
 """
 
 from __future__ import annotations
