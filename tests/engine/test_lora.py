@@ -189,10 +189,14 @@ def test_speculation_verifies_drafts_with_the_adapter(setup, tiny_engine, tiny_d
         assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in want.items()}, spec
 
 
-def test_gptq_int8_weights_mix_adapters(setup, tiny_engine):
-    """With GPTQ-Int8 weights (random, vLLM's dummy format) a mixed batch still equals each request alone."""
+def test_gptq_int8_weights_mix_adapters(setup, tiny_engine, tmp_path):
+    """With GPTQ-Int8 weights (`qv quantize`, group 32) a mixed batch still equals each request alone."""
+    from qv.model.quantize import quantize_checkpoint
+
     model_dir, paths = setup
-    engine = _engine(tiny_engine, model_dir, paths, load_format="random", quantization="gptq-int8")
+    quantized = tmp_path / "gptq"
+    quantize_checkpoint(model_dir, quantized, bits=8, group_size=32)
+    engine = _engine(tiny_engine, quantized, paths)
     reqs = {f"{n}-{i}": (ids, n) for n in [None, *paths] for i, ids in enumerate(PROMPTS[:2])}
     mixed = _run(engine, reqs)
     for rid, req in reqs.items():
@@ -233,12 +237,16 @@ def test_gpu_adapters_equal_transformers_with_graphs(setup, tiny_engine, graphs)
 
 
 @pytest.mark.gpu
-def test_gpu_bf16_speculation_and_gptq(setup, tiny_engine, tiny_dirs):
-    """bf16, GPTQ-Int8 random weights, MTP speculation and graphs together: tokens equal speculation off."""
-    model_dir, paths = setup
-    mtp_dir = tiny_dirs("tiny", mtp=True)
+def test_gpu_speculation_and_gptq(setup, tiny_engine, tiny_dirs, tmp_path):
+    """GPTQ-Int8 weights (group 32), MTP speculation and CUDA graphs together: the tokens equal those
+    with speculation off."""
+    from qv.model.quantize import quantize_checkpoint
+
+    _, paths = setup
+    quantized = tmp_path / "gptq-mtp"
+    quantize_checkpoint(tiny_dirs("tiny", mtp=True), quantized, bits=8, group_size=32)
     reqs = {f"{n}-{i}": (ids, n) for n in [None, *paths] for i, ids in enumerate(PROMPTS)}
-    levers = dict(device="cuda", dtype="bfloat16", load_format="random", quantization="gptq-int8")
-    want = _run(_engine(tiny_engine, mtp_dir, paths, spec="off", **levers), reqs)
-    got = _run(_engine(tiny_engine, mtp_dir, paths, spec="mtp", spec_k=2, **levers), reqs)
+    levers = dict(device="cuda", dtype="float32", kernels="triton", max_model_len=1024)  # fp32: no ties from rounding
+    want = _run(_engine(tiny_engine, quantized, paths, spec="off", **levers), reqs)
+    got = _run(_engine(tiny_engine, quantized, paths, spec="mtp", spec_k=2, **levers), reqs)
     assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in want.items()}
