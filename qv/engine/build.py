@@ -206,6 +206,8 @@ def load_rank(cfg: EngineConfig, device: torch.device, tp: TPGroup):
 
         if clef_layout(model_dir) == "adapters":
             load_clef_deltas(model_dir, model, delta_host=cfg.clef_delta_host)
+    if cfg.enable_lora:  # the adapters' device slots, as the driver's (each write comes with a step)
+        reserve_lora_slots(model, cfg.max_loras, cfg.max_lora_rank)
 
     def make_cache(num_blocks: int, num_slots: int) -> HybridCache:
         return allocate_cache(model.cfg, num_blocks, cfg.block_size, num_slots, resolve_kv_dtype(cfg.kv_dtype, dtype),

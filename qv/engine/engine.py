@@ -112,10 +112,12 @@ class LLMEngine:
         self.runner = ModelRunner(parts.model, parts.cache, capacity, self.max_model_len, self.spec, self.media,
                                   self.clef, tp=parts.tp, lora=self.lora)
         # the parts of the step loop that plug in (qv/engine/step_feature.py), in the order their hooks run
-        self.features = [f for f in (self.prefix_cache, self.media, self.clef, self.lora) if f is not None]
+        self.features = [f for f in (self.prefix_cache, self.lora, self.media, self.clef) if f is not None]
         self.tp = parts.tp  # tensor-parallel workers (None at one rank); stopped by shutdown or at exit
         if self.tp and self.prefix_cache:  # its state copies run on every rank
             self.tp.mirror_state(self.prefix_cache.copies)
+        if self.tp and self.lora:  # adapters paged into slots: every rank writes its cut
+            self.tp.mirror_lora(self.lora)
         self._stop_workers = weakref.finalize(self, parts.tp.shutdown) if parts.tp else None
         why_eager = eager_reason(cfg.cuda_graphs, parts.model.device, cfg.kernels)
         if why_eager is None:
@@ -300,7 +302,7 @@ class LLMEngine:
             for rid in f.before_plan(self.scheduler):
                 touched[rid] = self.requests[rid]
         plan = self.scheduler.schedule()
-        for f in self.features:  # the vision budget: chunks stop before media that cannot be encoded this step
+        for f in self.features:  # LoRA slots, then the vision budget: what cannot run this step leaves it
             f.fit_plan(plan)
         for seq in plan.failed:
             touched[seq.request_id] = self.requests[seq.request_id]

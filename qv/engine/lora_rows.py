@@ -105,6 +105,8 @@ class LoraRows(StepFeature):
         self.lock = threading.Lock()
         self._uids = 0
         self.num_swaps = 0  # adapters written into a device slot
+        self.log: list | None = None  # under tensor parallelism: slot writes the workers replay (start_log)
+        self._read_by_uid: dict[int, LoraAdapter] = {}  # a worker's adapters, read on their first write
 
     # -- adapters ------------------------------------------------------------------------------
     def read(self, name: str, path: str) -> LoraAdapter:
@@ -218,11 +220,32 @@ class LoraRows(StepFeature):
             victim = next(n for n in self.resident if n not in wanted)  # exists: len(wanted) <= max_loras
             free = [self.resident.pop(victim)]
         slot = free[0]
-        for linear in self.linears:  # stream-ordered: steps launched before still read the old contents
-            linear.bank.write(slot, adapter.pieces.get(linear, []))
+        self.write_slot(slot, adapter)
         self.resident[name] = slot
         self.slot_uid[slot] = adapter.uid
         self.num_swaps += 1
+        if self.log is not None:
+            self.log.append((slot, adapter.path, adapter.uid))
+
+    def write_slot(self, slot: int, adapter: LoraAdapter) -> None:
+        for linear in self.linears:  # stream-ordered: steps launched before still read the old contents
+            linear.bank.write(slot, adapter.pieces.get(linear, []))
+
+    # -- tensor parallelism: every rank writes its cut of an adapter into the same slot --------------
+    def start_log(self) -> None:
+        self.log = []
+
+    def take_log(self) -> tuple:
+        ops, self.log = tuple(self.log), []
+        return ops
+
+    def replay(self, ops: tuple) -> None:
+        """A worker: the driver's slot writes (slot, folder, load id), each adapter read (this rank's cut) once."""
+        for slot, path, uid in ops:
+            adapter = self._read_by_uid.get(uid)
+            if adapter is None:
+                adapter = self._read_by_uid[uid] = self.read(f"load {uid}", path)
+            self.write_slot(slot, adapter)
 
     # -- the batch -----------------------------------------------------------------------------
     def delta_rows(self, seqs: list[Sequence], cu: np.ndarray, alloc, clef=None) -> torch.Tensor | DeltaGroups | None:
@@ -278,9 +301,6 @@ def check_lora_levers(cfg) -> None:
     """LoRA with levers it does not run under yet, refused by name at start."""
     if not cfg.enable_lora:
         return
-    if cfg.tensor_parallel_size > 1:
-        raise ConfigError("enable_lora with tensor_parallel_size > 1 is not supported yet: the workers would need "
-                          "every adapter load and slot write; serve adapters at tensor_parallel_size 1")
     if cfg.clef_delta_host:
         raise ConfigError("enable_lora with clef_delta_host is not supported: the adapters' slots share the Clef "
                           "deltas' device bank")

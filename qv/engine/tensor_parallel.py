@@ -55,10 +55,12 @@ from datetime import timedelta
 
 import torch
 
+from qv.engine.lora_rows import LoraRows
 from qv.engine.prefix_cache import PrefixPlan, replica_pools
 from qv.engine.step_outputs import OutputShape, StepOutputs
 from qv.errors import ConfigError
 from qv.model.batch import AttentionMeta, GDNMeta, StepBatch
+from qv.model.delta_bank import DeltaGroups
 from qv.model.parallel import TPGroup
 
 log = logging.getLogger("qv")
@@ -139,6 +141,8 @@ class StepMessage:
     spec: SpecStep | None = None  # with speculation: arrays also holds cu_rest (verifying steps) and next_ids
     stop: bool = False
     state_ops: tuple = ()
+    lora_ops: tuple = ()  # LoRA adapters written into device slots since the last step (qv/engine/lora_rows.py)
+    delta_max_rows: int = 0  # rows grouped by delta-bank slot: the most in one slot
 
 
 def describe_step(buf: torch.Tensor, nbytes: int, ids: torch.Tensor, positions: torch.Tensor, batch: StepBatch,
@@ -156,7 +160,9 @@ def describe_step(buf: torch.Tensor, nbytes: int, ids: torch.Tensor, positions: 
         tensors["next_ids"] = next_ids
         if spec.num_spec_seqs:
             tensors["cu_rest"] = batch.gdn.cu_seqlens_rest
-    if batch.delta_rows is not None:  # Clef rows: every rank adds its cut of the deltas to them
+    if isinstance(batch.delta_rows, DeltaGroups):  # rows grouped by slot (LoRA adapters', Clef's)
+        tensors["delta_rows"], tensors["delta_slot_start"] = batch.delta_rows.rows, batch.delta_rows.slot_start
+    elif batch.delta_rows is not None:  # Clef rows: every rank adds its cut of the deltas to them
         tensors["delta_rows"] = batch.delta_rows
     base, arrays = buf.data_ptr(), {}
     for name, t in tensors.items():
@@ -164,7 +170,10 @@ def describe_step(buf: torch.Tensor, nbytes: int, ids: torch.Tensor, positions: 
         if not t.is_contiguous() or off < 0 or off + t.numel() * t.element_size() > nbytes:
             raise TensorParallelError(f"step array {name} is not a contiguous view of the upload buffer (a bug)")
         arrays[name] = (off, t.dtype, tuple(t.shape))
-    return StepMessage(nbytes, arrays, batch.max_query_len, batch.attn.max_seq_len, tuple(logits_calls), spec)
+    msg = StepMessage(nbytes, arrays, batch.max_query_len, batch.attn.max_seq_len, tuple(logits_calls), spec)
+    if isinstance(batch.delta_rows, DeltaGroups):
+        msg = dataclasses.replace(msg, delta_max_rows=batch.delta_rows.max_rows)
+    return msg
 
 
 def array_view(buf: torch.Tensor, msg: StepMessage, name: str) -> torch.Tensor:
@@ -191,8 +200,15 @@ def rebuild_step(buf: torch.Tensor, msg: StepMessage, spec=None) -> tuple[torch.
     batch = StepBatch(cu_seqlens_q=view("cu_seqlens_q"), max_query_len=msg.max_query_len,
                       attn=AttentionMeta(view("slot_mapping"), view("block_tables"), view("seq_lens"), msg.max_seq_len),
                       gdn=gdn, logits_indices=view("logits_indices"),
-                      delta_rows=view("delta_rows") if "delta_rows" in msg.arrays else None)
+                      delta_rows=_delta_rows(buf, msg))
     return view("ids"), view("positions"), batch
+
+
+def _delta_rows(buf: torch.Tensor, msg: StepMessage):
+    if "delta_slot_start" in msg.arrays:
+        return DeltaGroups(array_view(buf, msg, "delta_rows"), array_view(buf, msg, "delta_slot_start"),
+                           msg.delta_max_rows)
+    return array_view(buf, msg, "delta_rows") if "delta_rows" in msg.arrays else None
 
 
 def run_step(model, cache, ids: torch.Tensor, positions: torch.Tensor, batch: StepBatch,
@@ -298,6 +314,7 @@ def worker_main(rank: int, levers: dict, device: torch.device, port: int, errors
         pools = replica_pools(prefix_plan, cache)  # the prefix cache's state pools over this rank's shard
         spec = make_spec(cache)  # the per-position states and MTP head of speculation on this rank's shard
         buf = torch.empty(0, dtype=torch.uint8, device=device)
+        lora = None
         while True:
             msg: StepMessage = _recv_object(control)
             if msg.stop:
@@ -307,6 +324,9 @@ def worker_main(rank: int, levers: dict, device: torch.device, port: int, errors
             dist.broadcast(buf[:msg.nbytes], src=0)
             with torch.inference_mode():
                 replay_state_ops(pools, msg.state_ops)
+                if msg.lora_ops:  # adapters paged into device slots on the driver: this rank's cut, same slots
+                    lora = lora or LoraRows(model, cfg.max_loras, cfg.max_lora_rank)
+                    lora.replay(msg.lora_ops)
                 ids, positions, batch = rebuild_step(buf, msg, spec)
                 hidden = run_step(model, cache, ids, positions, batch, msg.logits_calls)
                 if msg.spec is not None:
@@ -345,6 +365,7 @@ class TPDriver:
         self.error: str | None = None
         self._closed = self._joined = False
         self._state = None  # the prefix cache's RowCopies, logging (mirror_state)
+        self._lora = None  # the LoRA adapters' slot writes, logging (mirror_lora)
         port = _free_port()
         ctx = mp.get_context("spawn")
         self._errors = ctx.Queue()
@@ -373,6 +394,11 @@ class TPDriver:
         copies.start_log()
         self._state = copies
 
+    def mirror_lora(self, lora) -> None:
+        """Log LoRA slot writes (a LoraRows) so that each step carries them to the workers."""
+        lora.start_log()
+        self._lora = lora
+
     def send_step(self, upload: torch.Tensor, nbytes: int, ids, positions, batch, logits_calls,
                   spec: SpecStep | None = None, next_ids: torch.Tensor | None = None) -> None:
         """Before the driver's forward: the step's message, then its upload bytes."""
@@ -381,6 +407,8 @@ class TPDriver:
         msg = describe_step(upload, nbytes, ids, positions, batch, logits_calls, spec, next_ids)
         if self._state is not None:  # the copies made since the last step, replayed before this forward
             msg = dataclasses.replace(msg, state_ops=self._state.take_log())
+        if self._lora is not None:
+            msg = dataclasses.replace(msg, lora_ops=self._lora.take_log())
         self._send_object(msg)
         dist.broadcast(upload[:nbytes], src=0)
 

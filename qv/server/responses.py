@@ -147,7 +147,7 @@ async def create_response(state: ServerState, request: Request) -> Response:
     checked = state.check_request(rendered.token_ids, params, "input", names)
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
     ctx = ChatContext(req, rendered, Qwen3CoderToolParser(tools) if req.tools and req.tool_choice != "none" else None,
-                      random_id("resp", "_"), int(time.time()), state.model_name, "")
+                      random_id("resp", "_"), int(time.time()), state.response_model, "")
     seats = state.admit(1)
     try:
         gen = state.generate(ctx.request_id, checked, prompt=rendered.text,

@@ -157,6 +157,11 @@ class ServerState:
         if req.truncate_prompt_tokens == -1:
             req.truncate_prompt_tokens = self.max_model_len
 
+    @property
+    def response_model(self) -> str:
+        """The `model` a response names: the LoRA adapter the request runs on (as vLLM answers), else the base."""
+        return REQUEST_ADAPTER.get() or self.model_name
+
     def check_model(self, name: str | None, adapters: bool = True) -> None:
         """A served name, or (adapters) a served LoRA adapter, which this request then runs on (qv/server/lora.py)."""
         if adapters and adapter_for(self, name) is not None:

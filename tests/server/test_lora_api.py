@@ -34,6 +34,7 @@ def _complete(c, model: str) -> str:
     r = c.post("/v1/completions", json={"model": model, "prompt": "Hello there", "max_tokens": 8, "temperature": 0,
                                         "ignore_eos": True})
     assert r.status_code == 200, r.text
+    assert r.json()["model"] == model  # vLLM names the adapter
     return r.json()["choices"][0]["text"]
 
 
