@@ -56,7 +56,8 @@ class LLM:
             mp = self._multimodal(prompt, ids)
             rid = str(self._next_id)
             self._next_id += 1
-            self.engine.add_request(rid, mp.token_ids if mp else ids, p, prompt=text, multimodal=mp, lora_name=lora_name)
+            self.engine.add_request(rid, mp.token_ids if mp else ids, p, prompt=text, multimodal=mp,
+                                    lora_name=lora_name)
             order.append(rid)
         done: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():

@@ -11,8 +11,8 @@
 
 Deltas are written into slot 0 of each Linear's DeltaBank (qv/model/delta_bank.py; served LoRA adapters
 take the slots after it): a checkpoint module fused into a bigger Linear (q/k/v, in_proj_qkv+z,
-in_proj_b+a, gate+up) is one member of it. They act only on a batch's `delta_rows`; no base weight is copied or changed. Under tensor
-parallelism every rank attaches its cut of each delta, cut like its weight (qv.model.parallel.delta_shard).
+in_proj_b+a, gate+up) is one member of it. They act only on a batch's `delta_rows`; no base weight is
+copied or changed. Under tensor parallelism every rank attaches its cut of each delta, cut like its weight (qv.model.parallel.delta_shard).
 """
 
 from __future__ import annotations
@@ -163,8 +163,8 @@ def _rank_factors(model, mod: AdapterModule, linear: Linear, start: int, end: in
     return delta_shard(mod.a, mod.b, linear.shard, pieces, tp, mod.name)
 
 
-def place_modules(model, modules: list[AdapterModule]) -> dict[Linear, list[tuple[int, torch.Tensor, torch.Tensor, float]]]:
-    """Each module's (member, A, B, scale) as this rank applies it, per Linear; every module is checked
+def place_modules(model, modules: list[AdapterModule]) -> dict[Linear, list]:
+    """Each module's (member index, A, B, scale) as this rank applies it, per Linear; every module is checked
     before anything is returned (ClefLayoutError naming the module)."""
     placed: dict[Linear, list] = {}
     for mod in modules:

@@ -108,8 +108,9 @@ class DecodeGraphs:
         self.pool = pool
         # LoRA adapters (delta_slots bank slots): every graph launches the grouped deltas over these buffers;
         # a step's rows grouped by slot are copied in, a step without any leaves every slot empty
-        self.deltas = None if not delta_slots else DeltaGroups(
-            torch.zeros(t, dtype=torch.int64, device=dev), torch.zeros(delta_slots + 1, dtype=torch.int64, device=dev), t)
+        self.deltas = None if not delta_slots else DeltaGroups(torch.zeros(t, dtype=torch.int64, device=dev),
+                                                               torch.zeros(delta_slots + 1, dtype=torch.int64,
+                                                                           device=dev), t)
 
     @property
     def label(self) -> str:

@@ -190,7 +190,8 @@ class ModelRunner:
     def _graphs_for(self, st: "_Step") -> DecodeGraphs | None:
         """The graphs that can replay this step's forward: decode steps whose sequences all run one row, or
         all verify k+1 rows (qv/engine/scheduler.py evens a decode step's drafts out for this), with token
-        positions as rotary positions, no vision rows and no Clef-only delta rows (rows grouped by slot, LoRA's, replay)."""
+        positions as rotary positions, no vision rows and no Clef-only delta rows (rows grouped by slot, as
+        LoRA's, replay)."""
         if (self.graphs is None or st.rope is not None or st.embeds is not None
                 or isinstance(st.batch.delta_rows, torch.Tensor)):  # Clef's plain rows: no graph holds them
             return None

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from qv import kernels as K
-from qv.kernels.grouped_delta import DeltaBankView, DeltaGroups  # noqa: F401 - DeltaGroups: the engine names it from here
+from qv.kernels.grouped_delta import DeltaBankView, DeltaGroups  # noqa: F401 - the engine imports DeltaGroups here
 
 
 class DeltaBank:
@@ -66,7 +66,8 @@ class DeltaBank:
     def write(self, slot: int, pieces: list[tuple[int, torch.Tensor, torch.Tensor, float]]) -> None:
         """Make slot `slot` compute these modules (replacing what it held). Shapes are checked here."""
         for m, a, b, _ in pieces:
-            if a.dim() != 2 or b.dim() != 2 or a.shape[1] != self.in_features or b.shape != (self.member_sizes[m], a.shape[0]):
+            if (a.dim() != 2 or b.dim() != 2 or a.shape[1] != self.in_features
+                    or b.shape != (self.member_sizes[m], a.shape[0])):
                 raise ValueError(f"delta for member {m}: A {tuple(a.shape)}, B {tuple(b.shape)}; the Linear has "
                                  f"{self.in_features} inputs and {self.member_sizes[m]} outputs there")
         rows, elems = self.need(pieces)
@@ -137,5 +138,6 @@ class DeltaBank:
     def apply(self, y: torch.Tensor, x: torch.Tensor, delta_rows: torch.Tensor | DeltaGroups) -> torch.Tensor:
         """y += each delta row's slot delta (a plain row tensor: every row runs slot 0, Clef's)."""
         if isinstance(delta_rows, DeltaGroups):
-            return K.grouped_delta(y, x, delta_rows.rows, delta_rows.slot_start, delta_rows.max_rows, self.view(x.device))
+            g = delta_rows
+            return K.grouped_delta(y, x, g.rows, g.slot_start, g.max_rows, self.view(x.device))
         return K.grouped_delta(y, x, delta_rows, None, delta_rows.numel(), self.view(x.device))

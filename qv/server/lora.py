@@ -21,7 +21,8 @@ from qv.server.streaming import read_json_sized
 
 REQUEST_ADAPTER: contextvars.ContextVar[str | None] = contextvars.ContextVar("qv_request_adapter", default=None)
 RUNTIME_OFF = ("Loading and unloading LoRA adapters at run time is off; start the server with "
-               "--allow-runtime-lora-updating 1 (QV_ALLOW_RUNTIME_LORA_UPDATING=1, vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)")
+               "--allow-runtime-lora-updating 1 (QV_ALLOW_RUNTIME_LORA_UPDATING=1, vLLM's "
+               "VLLM_ALLOW_RUNTIME_LORA_UPDATING)")
 
 
 class LoadLoRAAdapterRequest(BaseModel):

@@ -105,7 +105,8 @@ def expand_kernel(y_ptr, t_ptr, rows_ptr, slot_start_ptr, b_ptr, b_off_ptr, col_
 
 
 def grouped_delta(y, x, rows, slot_start, max_rows, bank, dot: bool = True):
-    """In place on y; returns y (dot False: no tl.dot, the sm70 chain's form). fp32 tensors multiply in IEEE fp32 (no TF32), 16-bit ones on tensor cores
+    """In place on y; returns y (dot False: no tl.dot, the sm70 chain's form). fp32 tensors multiply in
+    IEEE fp32 (no TF32), 16-bit ones on tensor cores
     with fp32 accumulation (the shrink's output t stays fp32 and is rounded once, for the expand)."""
     n, k = y.shape[-1], x.shape[-1]
     if y.stride(-1) != 1 or x.stride(-1) != 1 or bank.a.stride(-1) != 1:
