@@ -41,7 +41,8 @@ def _run(engine, requests):
         for out in engine.step():
             if out.finished:
                 c = out.outputs[0]
-                done[out.request_id] = (list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+                lps = [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)] if c.logprobs else None
+                done[out.request_id] = (list(c.token_ids), lps)
     return done
 
 
@@ -119,6 +120,13 @@ def test_bad_adapters_are_refused_by_name(setup, tiny_engine, tmp_path):
         engine.lora.load("wrong", str(wrong))
     assert [n for n, _ in engine.lora.names()] == ["attn", "gdn"]
     assert _run(engine, {"ok": (PROMPTS[0], "attn")})["ok"][0]  # the others keep serving
+    engine.add_request("busy", PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=2), lora_name="gdn")
+    with pytest.raises(LoraError, match="in use by 1 running"):
+        engine.lora.unload("gdn")
+    _run(engine, {})
+    engine.lora.unload("gdn")
+    with pytest.raises(LoraError, match="does not exist"):
+        engine.add_request("gone", PROMPTS[1], SamplingParams(max_tokens=1), lora_name="gdn")
 
 
 def test_vllm_lora_command_line():
