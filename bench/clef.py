@@ -84,7 +84,7 @@ def run_case(eng: LLMEngine, records: list, chats: int, chat_prompt: int, chat_w
     submitted = {}
     for i, rec in enumerate(records):
         rid = f"clef-{i}-{rec.num_tokens}"
-        eng.add_clef(rid, rec, rec.num_tokens, rec.checksum)
+        eng.add_clef(rid, rec)
         submitted[rid] = time.perf_counter()
     latency, restarts, last_token, gaps = {}, 0, {}, []
     while len(latency) < len(records) or (not records and time.perf_counter() - t0 < chat_window_s):
@@ -135,7 +135,7 @@ def profile_mixed(eng: LLMEngine, record, chats: int, chat_prompt: int) -> str:
         for _ in range(4):  # the chats' prompts in, decoding
             eng.step()
         if kind == "clef":
-            eng.add_clef("p-rec", record, record.num_tokens, record.checksum)
+            eng.add_clef("p-rec", record)
         else:
             eng.add_request("p-long", [rng.randrange(3, 250) for _ in range(record.num_tokens)],
                             SamplingParams(temperature=0.0, max_tokens=1))

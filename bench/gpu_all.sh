@@ -2,7 +2,7 @@
 # One device call for the engine-level GPU checks and benchmarks; logs under $OUT.
 #   bash bench/gpu_all.sh SECTION...    sections: tests oracles sm70 specgpu newgpu (side by side: sm70 oracles,
 #   speculation and prompt-logprob GPU tests, graphs, the sm70 engine) engine spec spec27 ngram27 prefix
-#   prefix27 clef clef27 clefmix kernels bench27 top1 plp mask
+#   prefix27 clef clef27 clefmix kernels bench27 fp8_27 w12_27 top1 plp mask hostile27 cutlass
 # BENCH_KERNELS_ARGS passes options to bench/kernels.py (e.g. "--only attn,gdn --sweep attn,gdn");
 # BENCH27_ARGS to `qv bench --preset 27b` (e.g. "--prefill-lengths 32768 --profile").
 # The pytest sections run with OMP_NUM_THREADS=${PYTEST_THREADS:-4}: host-side fits (the MTP head's) crawl when
@@ -42,6 +42,12 @@ for section in "$@"; do
         run sm70engine ${SM70ENGINE_S:-200} env OMP_NUM_THREADS=${PYTEST_THREADS:-4} python3 -m pytest -q -m gpu tests/engine/test_sm70_engine_gpu.py -n 2 \
           -p no:cacheprovider -rfE --durations=5 &
         wait ;;
+    hostile27)  # issue 40's attack suite against the 27B shapes (random weights, a random Clef head)
+        python3 -c "from qv.bench.presets import write_preset; from qv.bench.clef_folder import add_clef; \
+add_clef(write_preset('27b', '/tmp/qv-hostile27'), '27b')"
+        run hostile27 ${HOSTILE27_S:-300} env QV_HOSTILE_MODEL=/tmp/qv-hostile27 python3 -m pytest -q tests/server/test_hostile.py \
+          -p no:cacheprovider -rfE --durations=5 ;;
+    cutlass) run cutlass ${CUTLASS_S:-400} python3 bench/cutlass_probe.py --build-dir /tmp/qv-cutlass ;;  # needs the nvidia-cutlass wheel
     top1) run top1 60 python3 bench/lm_head_top1.py ;;
     mask) run mask 90 python3 bench/structured_mask.py --json "$out/mask.json" ;;
     plp) run plp 90 python3 bench/prompt_logprobs.py ;;
@@ -55,6 +61,20 @@ for section in "$@"; do
         run clefmix-$t 200 python3 bench/clef.py --dir /tmp/qv-clef-models --presets 27b --load-format random \
           --lengths 32768 --counts 4 --long-prefill-token-threshold $t; done ;;
     bench27) run bench27 ${BENCH27_S:-560} python3 -m qv.cli bench --preset 27b --json "$out/bench27.json" ${BENCH27_ARGS:-} ;;
+    fp8_27)  # issue 36: block-FP8 prefill at 32K / 128K beside GPTQ-Int8 in the same call (target: <= 0.65x at 32K)
+        run fp8oracles ${FP8_TESTS_S:-300} env OMP_NUM_THREADS=${PYTEST_THREADS:-4} python3 -m pytest -q -m gpu tests/oracles/test_linear_fp8.py tests/engine/test_fp8_engine_gpu.py \
+          -p no:cacheprovider -rfE
+        for q in gptq-int8 fp8; do
+          run bench27-$q ${FP8_27_S:-280} python3 -m qv.cli bench --preset 27b --quantization $q --batch-sizes 1,16 \
+            --contexts "" --prefill-lengths 32768,131072 --linears --json "$out/bench27-$q.json"; done ;;
+    w12_27)  # issue 36: decode with W12 q/k/v against bf16 q/k/v (GPTQ-Int8 elsewhere, as the original ships it)
+        run w12tests ${W12_TESTS_S:-300} env OMP_NUM_THREADS=${PYTEST_THREADS:-4} python3 -m pytest -q -m gpu \
+          tests/oracles/test_linear_w12.py tests/engine/test_w12_engine_gpu.py -p no:cacheprovider -rfE
+        python3 -c 'import json, sys; from qv.bench.presets import write_preset; d = write_preset("27b", sys.argv[1]); c = json.loads((d / "config.json").read_text()); c["quantization_config"]["dynamic"] = {r"-:.*self_attn\.[qkv]_proj$": {}}; (d / "config.json").write_text(json.dumps(c))' /tmp/qv-w12-27b
+        for w in 0 1; do
+          run bench27-w12-$w ${W12_27_S:-240} python3 -m qv.cli bench /tmp/qv-w12-27b --load-format random --kv-dtype int8 \
+            --w12 $w --batch-sizes 1,16 --contexts 32768 --prefill-lengths 32768 --state-dir /tmp/qv-w12-state \
+            --json "$out/bench27-w12-$w.json"; done ;;
     kernels) run kernels ${KERNELS_S:-240} python3 bench/kernels.py --json "$out/kernels.json" ${BENCH_KERNELS_ARGS:-} ;;
   esac
 done

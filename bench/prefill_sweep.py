@@ -51,7 +51,7 @@ LARGE = {"l256": cfg(256, 128, 64, 8, 3), "w128x256": cfg(256, 128, 64, 8, 3, SW
          "w256x128": cfg(128, 256, 64, 8, 3, SWAP=True), "w128x128": cfg(128, 128, 64, 8, 4, SWAP=True),
          "w128x256bf": cfg(256, 128, 64, 8, 3, SWAP=True, f16=False), "w128x256g16": cfg(256, 128, 64, 8, 3,
                                                                                       SWAP=True, GROUP_M=16)}
-CHUNKS = (2048, 4096, 8192)  # columns a dequantized chunk holds (L2-resident) before cuBLAS reads it
+CHUNKS = (1024, 2048, 4096, 8192)  # columns a dequantized chunk holds (L2-resident) before cuBLAS reads it
 
 
 def t_ms(fn, m):
@@ -205,7 +205,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="16,64,256,512,2048,8192")
     ap.add_argument("--only", default="gemm,attn")
+    ap.add_argument("--configs", default="", help="comma list of GEMM config names to keep (default: all)")
     args = ap.parse_args()
+    if args.configs:
+        keep = set(args.configs.split(","))
+        for table in (SMALL, MID, LARGE):
+            for name in [c for c in table if c not in keep]:
+                del table[name]
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     lim = ceilings()
     if "attn" in args.only or "check" in args.only:

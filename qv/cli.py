@@ -34,7 +34,7 @@ SERVER_LEVERS = {"host", "port", "served_model_name", "api_key", "metrics_public
                  "media_allowed_domains", "media_allowed_networks", "media_local_dir", "media_timeout_s",
                  "media_max_bytes", "api_key_scope", "allowed_origins", "allowed_methods", "allowed_headers",
                  "allow_credentials", "trust_request_chat_template", "header_read_timeout_s", "keep_alive_timeout_s",
-                 "max_connections", "stream_stall_timeout_s", "allow_runtime_lora_updating"}
+                 "max_connections", "stream_stall_timeout_s", "root_path", "allow_runtime_lora_updating"}
 # a lever flag's extra spellings (vLLM's short ones)
 SHORT_FLAGS = {"tensor_parallel_size": ["-tp"]}
 
@@ -176,6 +176,8 @@ def dry_run_text(cfg: EngineConfig, origins: dict[str, str], check) -> str:
                  ", ".join(f"{k}={v}" for k, v in kernel_cache_dirs(cfg.state_dir).items()) + ")")
     if check.plan is not None:
         lines.append(f"{check.plan.summary()} (weights counted from the config)")
+    if check.fit_hint:
+        lines.append(check.fit_hint)
     where = ("free on the planned device (device_memory_bytes)" if cfg.device_memory_bytes else
              "free on the GPU" if check.device.type == "cuda" else "available on the host")
     lines.append(f"needs {gib(check.needed_bytes)} of the {gib(check.free_bytes)} {where}")
@@ -216,6 +218,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
     return 0
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from qv.bench.validate import GATES, ValidateOptions, failed, table, validate, write_json
+
+    gates = tuple(g.strip() for g in args.gates.split(",") if g.strip()) if args.gates else GATES
+    opts = ValidateOptions(gates=gates, retrieval_tokens=args.retrieval_tokens, code_word=args.code_word,
+                           min_acceptance=args.min_acceptance, speed_prefill=args.speed_prefill,
+                           levers={k: v for k, v in _overrides(args).items() if k != "model"})
+    header, results = validate(_model(args), opts, log=lambda line: print(line, file=sys.stderr, flush=True))
+    print(table(header, results))
+    if args.json:
+        write_json(args.json, header, results)
+    return 1 if failed(results) else 0
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
@@ -295,10 +311,13 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
-    from qv.model.quantize import quantize_checkpoint
+    from qv.model.quantize import GPTQOptions, quantize_checkpoint
 
+    gptq = GPTQOptions(args.calibration, args.num_samples, args.seq_len, args.damp, not args.no_act_order,
+                       not args.dynamic_groups, args.device, args.seed)
     quantize_checkpoint(args.src, args.out, bits=args.bits, group_size=args.group_size, sym=not args.asym,
-                        exclude=args.exclude)
+                        exclude=args.exclude, method=args.method, gptq=gptq, lm_head=args.lm_head,
+                        log=lambda m: print(m, file=sys.stderr))
     print(args.out)
     return 0
 
@@ -326,6 +345,53 @@ def _is_user_error(e: BaseException) -> bool:
     if isinstance(e, (ConfigError, StartupError, InvalidRequestError)):
         return True
     return any(isinstance(e, getattr(sys.modules[m], name)) for m, name in USER_ERRORS.items() if m in sys.modules)
+
+
+def _add_validate(command) -> None:
+    """`qv validate`: the gates' options."""
+    v = command("validate", "the original's gates on MODEL: transformers reference, retrieval, MTP acceptance, Clef, "
+                "repeatability, speed; a table, exit status 1 when a gate fails")
+    v.add_argument("model_dir", metavar="MODEL", help="checkpoint folder")
+    v.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)
+    v.add_argument("--gates", default=None, help="comma-separated subset (default: all)")
+    v.add_argument("--json", default=None, metavar="OUT", help="also write the results as JSON")
+    v.add_argument("--retrieval-tokens", type=int, default=0, help="filler prompt length (0: the longest the plan holds, "
+                   "at most 243,173)")
+    v.add_argument("--code-word", default=None, help="the planted code word (default: five seeded digits)")
+    v.add_argument("--min-acceptance", type=float, default=3.6, help="MTP acceptance length the speculation gate needs")
+    v.add_argument("--speed-prefill", type=int, default=8192, help="prompt tokens of the speed gate's prefill row")
+    _add_lever_flags(v)
+    v.set_defaults(fn=cmd_validate)
+
+
+def _add_quantize(command) -> None:
+    """`qv quantize`: format, grouping and the calibration's options."""
+    q = command("quantize", "write a GPTQ-Int8 or GPTQ-Int4 checkpoint (calibrated GPTQ or round-to-nearest)")
+    q.add_argument("src", help="checkpoint folder to quantize")
+    q.add_argument("out", help="folder to write")
+    q.add_argument("--bits", type=int, default=8, choices=(8, 4), help="bits per weight: 8 (GPTQ-Int8) or 4")
+    q.add_argument("--group-size", type=int, default=128, help="input rows per scale group (-1: one group)")
+    sym = q.add_mutually_exclusive_group()
+    sym.add_argument("--sym", action="store_true", default=True, help="symmetric codes (zero 128, or 8 at 4 bits)")
+    sym.add_argument("--asym", action="store_true", help="asymmetric codes (a zero point per group)")
+    q.add_argument("--exclude", action="append", default=[], metavar="REGEX",
+                   help="module name regex to keep unquantized (repeatable)")
+    q.add_argument("--method", default="gptq", choices=("gptq", "rtn"),
+                   help="gptq: calibrated, layer by layer (Hessian error compensation); rtn: round-to-nearest")
+    q.add_argument("--calibration", default=None, metavar="FILE",
+                   help="calibration text: a .jsonl file ({\"text\": ...} a line) or a text file; default: built-in")
+    q.add_argument("--num-samples", type=int, default=128, help="calibration sequences (gptq)")
+    q.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sequence (gptq)")
+    q.add_argument("--damp", type=float, default=0.01, help="damping: share of the mean Hessian diagonal (gptq)")
+    q.add_argument("--no-act-order", action="store_true", help="quantize columns in order, not by activation size")
+    q.add_argument("--dynamic-groups", action="store_true",
+                   help="groups follow the activation order (permuted g_idx, desc_act): a little more accurate, but "
+                   "slower kernels and no tensor-parallel row shards; default: static groups, g_idx k // group")
+    q.add_argument("--device", default="auto", help="where the calibration runs: auto, cpu, cuda, cuda:N")
+    q.add_argument("--seed", type=int, default=0, help="seed of the calibration windows")
+    q.add_argument("--lm-head", action="store_true",
+                   help="also write the lm_head as int8 with one scale per vocabulary row")
+    q.set_defaults(fn=cmd_quantize)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -380,6 +446,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_lever_flags(b)
     b.set_defaults(fn=cmd_bench)
 
+    _add_validate(command)
+
     t = command("make-tiny", "write a deterministic tiny HF-format checkpoint folder")
     t.add_argument("out", help="folder to write")
     t.add_argument("--seed", type=int, default=0, help="seed of the random weights")
@@ -390,17 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--group-size", type=int, default=16, help="GPTQ group size (16 divides every tiny preset's dims)")
     t.set_defaults(fn=cmd_make_tiny)
 
-    q = command("quantize", "write a GPTQ-Int8 or GPTQ-Int4 checkpoint (round-to-nearest)")
-    q.add_argument("src", help="checkpoint folder to quantize")
-    q.add_argument("out", help="folder to write")
-    q.add_argument("--bits", type=int, default=8, choices=(8, 4), help="bits per weight: 8 (GPTQ-Int8) or 4")
-    q.add_argument("--group-size", type=int, default=128, help="input rows per scale group (-1: one group)")
-    sym = q.add_mutually_exclusive_group()
-    sym.add_argument("--sym", action="store_true", default=True, help="symmetric codes (zero 128, or 8 at 4 bits)")
-    sym.add_argument("--asym", action="store_true", help="asymmetric codes (a zero point per group)")
-    q.add_argument("--exclude", action="append", default=[], metavar="REGEX",
-                   help="module name regex to keep unquantized (repeatable)")
-    q.set_defaults(fn=cmd_quantize)
+    _add_quantize(command)
 
     k = command("kernels", "compile every sm70 kernel ahead of time (NVRTC 12 and ptxas, no GPU needed) and print "
                 "its registers, shared memory, spills and m8n8k4 MMAs")

@@ -148,5 +148,3 @@ def add_server_aliases(p: argparse.ArgumentParser) -> None:
     flag("--chat-template", action=NoEquivalent, metavar="FILE",
          reason="qv renders the checkpoint's own template (chat_template.jinja or tokenizer_config.json in the "
                 "model folder): put yours there", help="refused: see the message")
-    flag("--root-path", action=NoEquivalent, metavar="PATH",
-         reason="qv serves at /; let the proxy strip its prefix", help="refused: see the message")

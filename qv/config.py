@@ -72,12 +72,23 @@ class EngineConfig(BaseSettings):
         "auto",
         "auto: read the checkpoint's safetensors; random: make weights on the device in the layout the checkpoint "
         "would load into (vLLM's dummy format, for benchmarks: a folder with only config.json serves).")
-    quantization: Literal["auto", "gptq-int8", "gptq-int4", "awq"] = lever(
+    quantization: Literal["auto", "gptq-int8", "gptq-int4", "awq", "fp8"] = lever(
         "auto",
         "auto: as the checkpoint's quantization_config says; with load_format random, the weights' format in "
         "place of the config's own: gptq-int8 GPTQ-Int8 (symmetric, group 128), gptq-int4 GPTQ-Int4 "
-        "(symmetric, group 128), awq AWQ (4 bits with zero points, group 128); the GDN gates in_proj_a/b stay "
+        "(symmetric, group 128), awq AWQ (4 bits with zero points, group 128), fp8 Qwen's block FP8 (e4m3, "
+        "128x128 block scales; embeddings, lm_head and the GDN gates dense); the GDN gates in_proj_a/b stay "
         "dense at 4 bits.")
+    w12: bool = lever(
+        False,
+        "Pack the attention q/k/v projections that load dense in bf16/fp16 (the checkpoint keeps them out of "
+        "GPTQ/FP8) into 12-bit integers at load (1.5 bytes a weight, 0.75x bf16; representation error in "
+        "docs/VALIDATION.md), cached on GPUs in state_dir/w12 by model, shape and tensor-parallel rank. fp32 runs "
+        "and quantized projections are left as they are. Off until its decode is measured no slower than bf16 "
+        "projections on a GPU (docs/BENCHMARKS.md).")
+    lm_head_int8: bool = lever(
+        False, "Quantize a dense lm_head at load to int8 with one scale per vocabulary row (halves the 2.54 GB the "
+        "27B reads every step; sampler logits and MTP drafts use it; logprobs carry the bound in VALIDATION.md).")
     # -- capacity ------------------------------------------------------------------------------
     max_model_len: int = lever(0, "Longest sequence (prompt + output); 0: the model's max_position_embeddings.", ge=0)
     max_num_seqs: int = lever(64, "Most sequences running in one step.", ge=1)
@@ -113,6 +124,15 @@ class EngineConfig(BaseSettings):
         "waits), a long prefill "
         "(a Clef record or a long chat prompt) takes at most this many tokens of a step; alone it takes the whole "
         "budget (vLLM's name). 0: max_num_batched_tokens // 4.", ge=0)
+    max_preemptions: int = lever(
+        2, "Times a request may be preempted (by recompute) and readmitted as soon as its current length fits; "
+        "preempted more often, it waits until its full length (prompt + max_tokens) fits beside the running "
+        "sequences, then runs to the end, never preempted again (the blocks it still needs are reserved), so "
+        "contexts that outgrow the KV cache cannot thrash it.", ge=0)
+    scheduling_policy: Literal["fcfs", "priority"] = lever(
+        "fcfs", "Order of the waiting queue (vLLM's --scheduling-policy): fcfs, first come first served; priority, a "
+        "request's `priority` (lower first, arrival among equals), which also picks whom a preemption takes (the "
+        "lowest priority, newest among equals). Under fcfs a `priority` other than 0 is a 400.")
     max_long_partial_prefills: int = lever(
         1, "Most long prefills that share one step with decoding sequences (vLLM's name).", ge=1)
     max_step_ms: float = lever(
@@ -127,6 +147,28 @@ class EngineConfig(BaseSettings):
         "max_long_partial_prefills in steps with decodes. 0 (the default): off, until a GPU measurement (qv bench "
         "serve beside records at the 27B shapes) picks the default; 30 is about 2x a decode-only step of the 27B "
         "model on an H100.", ge=0)
+    # -- sparse attention (long contexts; off: exact attention) ---------------------------------
+    sparse_prefill: bool = lever(
+        False, "Prompt chunks attend only to the key blocks that hold the target share of each query tile's softmax "
+        "mass (sparse_mass): blocks ranked by their mean keys with a per-dimension Hoelder correction; sink, window and "
+        "diagonal blocks always kept; prompts shorter than sparse_min_len keys stay dense. Keeps a mean and a spread "
+        "table per KV page, refreshed at every KV write (counted in the memory plan). Triton chain only: refused with "
+        "kernels=sm70.")
+    sparse_mass: float = lever(0.85, "Share of a query tile's softmax mass sparse_prefill keeps; 1: every block "
+                               "(exact).", gt=0, le=1)
+    sparse_rule: Literal["certified", "estimate"] = lever(
+        "certified", "Where sparse_prefill stops adding blocks: certified (a lower bound of the kept mass reaches "
+        "sparse_mass, so the target holds whatever the keys, keeping more blocks) or estimate (the original's: the "
+        "estimated mass reaches it).")
+    sparse_min_len: int = lever(16384, "Keys below which a prompt chunk stays dense under sparse_prefill.", ge=0)
+    sparse_decode: bool = lever(
+        False, "Decode and speculative rows attend, per row and query head, to the best-scored sparse_decode_top "
+        "share of the key blocks they see (at least sparse_decode_min_blocks, so short contexts stay dense), sink "
+        "and recent blocks included; capturable in CUDA graphs. Shares sparse_prefill's tables; Triton chain only.")
+    sparse_decode_top: float = lever(0.15, "Share of key blocks each decode row keeps under sparse_decode.", gt=0, le=1)
+    sparse_decode_min_blocks: int = lever(256, "Fewest key blocks a decode row keeps under sparse_decode.", ge=1)
+    sparse_block_tokens: int = lever(64, "Keys per selection block of sparse attention (a multiple of block_size).",
+                                     ge=1)
     # -- prefix caching ------------------------------------------------------------------------
     prefix_caching: bool = lever(True, "Reuse KV blocks and GDN state snapshots of earlier prompts.")
     gdn_snapshot_interval: int = lever(
@@ -155,9 +197,14 @@ class EngineConfig(BaseSettings):
     api_key: str = lever("", "If set, the routes api_key_scope names require `Authorization: Bearer <key>` "
                          "(vLLM's --api-key).")
     api_key_scope: Literal["v1", "all"] = lever(
-        "v1", "What api_key guards. v1 (vLLM's scope): /v1/*, /invocations and /reset_prefix_cache; /health, /ping, "
-        "/metrics, /version, /tokenize, /detokenize, /openapi.json and /docs stay open. all: every route but /health "
-        "and /ping (and /metrics under metrics_public).")
+        "v1", "What api_key guards. v1 (vLLM's scope): /v1/*, /invocations, /reset_prefix_cache and /server_info; "
+        "/health, /ping, /metrics, /version, /tokenize, /detokenize, /openapi.json and /docs stay open. all: every "
+        "route but /health and /ping (and /metrics under metrics_public). Under both the playground's page (/, "
+        "/playground) and its files (/static/*) stay open: they hold no data, and what they ask for carries the key.")
+    root_path: str = lever(
+        "", "The path prefix a reverse proxy serves qv under and strips before passing requests on (vLLM's "
+        "--root-path, uvicorn's root_path), e.g. /qv: links the server builds and the API docs carry it; routes and "
+        "the API key's scope match the path without it.")
     metrics_public: bool = lever(False, "With api_key_scope all, /metrics answers without the key too (for a "
                                  "scraper).")
     allowed_origins: str = lever(
@@ -174,6 +221,10 @@ class EngineConfig(BaseSettings):
     trust_request_chat_template: bool = lever(
         False, "Render a request's own `chat_template` (transformers' Jinja sandbox, off the event loop) instead of "
         "refusing it with a 400 (vLLM's --trust-request-chat-template); trust the clients: a template may run long.")
+    responses_store_bytes: int = lever(
+        128 << 20, "Bytes of stored Responses API responses (`store`, the default while this is over 0) kept in memory "
+        "for retrieve, cancel, delete and previous_response_id; past it the oldest finished ones are dropped. 0: "
+        "nothing is stored (store=true is a 400).", ge=0)
     enable_thinking: bool = lever(False, "Default enable_thinking for the chat template (per-request override).")
     max_body_bytes: int = lever(32 << 20, "Largest request body; larger gets 413.", ge=1)
     max_waiting: int = lever(1024, "Most sequences waiting (prompts x n, counted at admission); a request that "
@@ -196,8 +247,9 @@ class EngineConfig(BaseSettings):
         512, "Most open connections; a request past it gets 503 (uvicorn's limit_concurrency) and a connection "
         "opened past twice it is answered 503 and closed at once. Keep it under the process's file limit.", ge=1)
     stream_stall_timeout_s: float = lever(
-        30.0, "A streaming client that reads nothing for this long is cut (its engine request aborted); meanwhile "
-        "its output waits in a bounded queue and its generation is paused.", gt=0)
+        30.0, "A streaming client that reads nothing for this long is cut (its engine request aborted, its rows "
+        "freed); meanwhile nothing more is sent to it and its outputs wait merged into one (vLLM's way: memory "
+        "bounded by its max_tokens), while the engine goes on generating it.", gt=0)
     # -- structured outputs ------------------------------------------------------------------------
     grammar_compile_workers: int = lever(
         2, "Processes that compile structured-output grammars (xgrammar), apart from the threads that render chats; "
@@ -256,6 +308,10 @@ class EngineConfig(BaseSettings):
     # -- Clef -----------------------------------------------------------------------------------
     clef: bool = lever(True, "Serve Clef decisions (POST /v1/systemone) when the checkpoint has a Clef head.")
     clef_nmax: int = lever(34816, "Largest Clef record in tokens (images included).", ge=1)
+    clef_max_body_bytes: int = lever(
+        16 << 20, "Largest /v1/systemone body in bytes (JSON or multipart, images included; zstd-decoded), under "
+        "max_body_bytes: a larger one gets 413 as it arrives, its rest discarded unkept, before anything is parsed or "
+        "tokenized (a record's text holds at most clef_nmax tokens).", ge=1)
     clef_slots: int = lever(4, "Clef records in flight at once; others queue.", ge=1)
     clef_delta_host: bool = lever(False, "Keep Clef low-rank deltas in pinned host memory, streamed per layer.")
     # -- LoRA adapters (vLLM's names) -------------------------------------------------------------

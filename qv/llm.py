@@ -71,7 +71,7 @@ class LLM:
         (validated and encoded as POST /v1/systemone does; any model name is accepted). `images`
         entries are PIL images or HxWx3 uint8 arrays here (URLs are not fetched), `assets` carry
         `data_base64`."""
-        from qv.engine.clef_api import decision_response
+        from qv.clef.answers import response as decision_response
 
         single = isinstance(bodies, dict)
         bodies = [bodies] if single else list(bodies)
@@ -81,7 +81,7 @@ class LLM:
             for _, rec in encoded:
                 order.append(f"clef-{self._next_id}")
                 self._next_id += 1
-                self.engine.add_clef(order[-1], rec, rec.num_tokens, rec.checksum)
+                self.engine.add_clef(order[-1], rec)
         except InvalidRequestError:  # one refused: none of this call's records stays queued
             for rid in order:
                 self.engine.abort_request(rid)
@@ -100,14 +100,15 @@ class LLM:
         return self._encode_clef(body)[1]
 
     def _encode_clef(self, body: dict):
-        from qv.engine.clef_api import encode_decision, parse_decision
+        from qv.clef.request import encode_request, validate
 
         clef, mm = self.engine.clef, self.engine.multimodal
         if clef is None:
             raise InvalidRequestError("this model serves no Clef decisions (no Clef head in its folder, or clef=False)")
-        decision = parse_decision(body)
+        decision = validate(body)
         images = [self._clef_image(src, where) for src, where in decision.image_sources()] if mm is not None else []
-        return decision, encode_decision(self.tokenizer, decision, (clef.cap, clef.cap_name), images, mm)
+        return decision, encode_request(self.tokenizer, decision, clef.cap, cap_name=clef.cap_name, images=images,
+                                        multimodal=mm)
 
     def _clef_image(self, source, where: str):
         """One offline record image (a PIL image, an array, or an asset's base64) -> its VisionItem."""

@@ -33,7 +33,7 @@ def read_json_object(path: Path) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """GPTQ or AWQ settings from `quantization_config` (or `quantize_config.json`)."""
+    """GPTQ, AWQ or block-FP8 settings from `quantization_config` (or `quantize_config.json`)."""
 
     bits: int
     group_size: int  # -1: one group over the whole input dim
@@ -43,7 +43,8 @@ class QuantConfig:
     dynamic: dict[str, dict]  # "-:regex" excludes modules; "+:regex"/"regex" overrides
     modules_to_not_convert: tuple[str, ...]
     lm_head: bool
-    method: str = "gptq"  # "gptq" or "awq" (AWQ's GEMM layout: codes packed along N, true zeros)
+    method: str = "gptq"  # "gptq", "awq" (AWQ's GEMM layout: codes packed along N, true zeros) or "fp8"
+    weight_block_size: tuple[int, int] | None = None  # fp8: (bn, bk) of each weight_scale_inv entry
 
 
 @dataclass(frozen=True)
@@ -304,8 +305,10 @@ def _parse_quant(raw: dict) -> QuantConfig:
     method = raw.get("quant_method", "gptq")
     if method == "awq":
         return _parse_awq(raw)
+    if method == "fp8":
+        return _parse_fp8(raw)
     if method != "gptq":
-        raise ConfigError(f"unsupported quant_method {method!r}: qv loads GPTQ and AWQ checkpoints")
+        raise ConfigError(f"unsupported quant_method {method!r}: qv loads GPTQ, AWQ and block-FP8 checkpoints")
     bits = int(raw.get("bits", 8))
     if bits not in (4, 8):
         raise ConfigError(f"GPTQ bits={bits} is not supported: qv loads GPTQ-Int8 and GPTQ-Int4 (bits 8 or 4)")
@@ -344,6 +347,25 @@ def _parse_awq(raw: dict) -> QuantConfig:
     return QuantConfig(bits=4, group_size=group_size, sym=False, desc_act=False, checkpoint_format="gptq_v2",
                        dynamic={}, modules_to_not_convert=tuple(raw.get("modules_to_not_convert") or ()),
                        lm_head=False, method="awq")
+
+
+def _parse_fp8(raw: dict) -> QuantConfig:
+    """Block-FP8 (Qwen's and DeepSeek's FP8 releases): e4m3 weights with one `weight_scale_inv` per
+    `weight_block_size` block, activations scaled at run time (activation_scheme dynamic)."""
+    block = raw.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ConfigError(f"quantization_config.weight_block_size={block!r}: qv loads block-FP8 checkpoints, "
+                          "which give it as two positive integers [bn, bk] (per-tensor FP8 is not built)")
+    scheme = raw.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise ConfigError(f"quantization_config.activation_scheme={scheme!r}: qv scales FP8 activations at run "
+                          "time (dynamic); static input scales are not built")
+    fmt = raw.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ConfigError(f"quantization_config.fmt={fmt!r}: qv loads e4m3 FP8 weights")
+    return QuantConfig(bits=8, group_size=block[1], sym=True, desc_act=False, checkpoint_format="fp8", dynamic={},
+                       modules_to_not_convert=tuple(raw.get("modules_to_not_convert") or ()), lm_head=False,
+                       method="fp8", weight_block_size=(block[0], block[1]))
 
 
 def _json_bool(raw: dict, key: str, default: bool) -> bool:

@@ -52,6 +52,8 @@ SLOW_TESTS = (
     "tests/server/test_tool_calls_constrained.py::test_required_calls_always_parse_and_validate",
     "tests/server/test_shutdown.py::test_sigterm_drains_and_exits_within_the_grace",
     "tests/spec/test_spec_engine.py::test_greedy_identical_with_speculation",
+    "tests/spec/test_validate.py::test_fitted_model_passes_retrieval_and_acceptance",  # qv validate: engines + fit
+    "tests/spec/test_validate.py::test_random_model_fails_retrieval_and_acceptance",
     "tests/oracles/test_paged_attention.py::test_paged_decode_variants",
     "tests/oracles/test_lm_head_top1.py::test_other_dtypes_and_widths",
     "tests/oracles/test_lm_head_top1.py::test_equals_reference",
@@ -61,6 +63,7 @@ SLOW_TESTS = (
     "tests/engine/test_async_scheduling.py",
     "tests/engine/test_prefix_cache.py",
     "tests/engine/test_long_prefill_share.py",
+    "tests/engine/test_preemption_bound.py::test_thrash_reproduced_then_bounded",  # three engine runs to the end
     "tests/engine/test_prompt_logprobs.py::test_chunked_prompt_equals_transformers",
     "tests/engine/test_prompt_logprobs.py::test_preemption_mid_prefill",
     "tests/engine/test_memory_plan.py::test_every_slot_at_its_planned_context_runs_at_once",
@@ -140,11 +143,8 @@ def tiny_engine(tiny_dirs):
     return make
 
 
-@pytest.fixture(autouse=True)
-def _seeded(request):
-    """Every test starts from its own fixed seed (the CRC of its id, plus `--seed`) for `random`, NumPy
-    and torch, so a randomized test draws the same cases in every run and a failure reproduces."""
-    seed = (zlib.crc32(request.node.nodeid.encode()) + request.config.getoption("--seed")) % (1 << 32)
+def _seed_all(nodeid: str, request) -> None:
+    seed = (zlib.crc32(nodeid.encode()) + request.config.getoption("--seed")) % (1 << 32)
     random.seed(seed)
     try:
         import numpy as np
@@ -154,6 +154,21 @@ def _seeded(request):
         pass
     if "torch" in sys.modules:
         sys.modules["torch"].manual_seed(seed)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _seeded_module(request):
+    """A module's own fixed seed before its module-scoped fixtures draw cases (autouse runs first in its
+    scope): without it they would draw from whatever state the test before left, which depends on the
+    tests selected and their order."""
+    _seed_all(request.node.nodeid, request)
+
+
+@pytest.fixture(autouse=True)
+def _seeded(request):
+    """Every test starts from its own fixed seed (the CRC of its id, plus `--seed`) for `random`, NumPy
+    and torch, so a randomized test draws the same cases in every run and a failure reproduces."""
+    _seed_all(request.node.nodeid, request)
     yield
 
 

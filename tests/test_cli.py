@@ -32,7 +32,7 @@ def test_make_tiny_quantize_generate(tmp_path):
     tiny = tmp_path / "tiny"
     assert _ok("make-tiny", str(tiny), "--preset", "gqa3").strip() == str(tiny)
     quant = tmp_path / "gptq"
-    _ok("quantize", str(tiny), str(quant), "--group-size", "16")
+    _ok("quantize", str(tiny), str(quant), "--group-size", "16", "--num-samples", "4", "--seq-len", "32")  # gptq
     assert json.loads((quant / "config.json").read_text())["quantization_config"]["bits"] == 8
     text = _ok("generate", "Hello", "--model", str(quant), "--max-tokens", "4")
     assert text.strip() != ""

@@ -61,7 +61,6 @@ def test_vllm_command_line_sets_the_lever(line, levers):
 # vLLM flags qv has no equivalent of (or values it does not take): refused with the reason
 REFUSED = [
     ("serve /m --chat-template t.jinja", "has no qv equivalent: qv renders the checkpoint's own template"),
-    ("serve /m --root-path /api", "has no qv equivalent: qv serves at /"),
     ("serve /m --kv-cache-dtype fp8", "qv has no fp8 KV cache"),
     ("serve /m --tool-call-parser hermes", "parses Qwen3.5's tool calls ('qwen3_coder') only"),
     ("serve /m --reasoning-parser deepseek_r1", "('qwen3') only"),

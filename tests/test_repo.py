@@ -16,9 +16,9 @@ QV = ROOT / "qv"
 BASE = {"errors", "version"}
 ALLOWED = {
     "kernels": BASE | {"kernels"},
-    "model": BASE | {"kernels", "model", "config", "model_config"},
-    "spec": BASE | {"kernels", "model", "config", "model_config", "spec"},
-    "clef": BASE | {"kernels", "model", "config", "model_config", "clef"},
+    "model": BASE | {"kernels", "model", "model_config"},  # config.json's names, not the engine's levers
+    "spec": BASE | {"kernels", "model", "model_config", "spec"},
+    "clef": BASE | {"kernels", "model", "model_config", "clef"},
     "engine": BASE | {"kernels", "model", "config", "model_config", "spec", "clef", "engine"},
     "server": BASE | {"config", "model_config", "engine", "server"},  # the engine offers what it needs
     "bench": BASE | {"kernels", "model", "config", "model_config", "spec", "clef", "engine", "bench", "llm"},
@@ -33,6 +33,9 @@ ALLOWED = {
     "cli_vllm": set(),  # vLLM's flag spellings: argparse only
     "qv": BASE | {"llm", "engine"},
 }
+# the server parses Clef decisions and formats their answers with qv.clef itself; the rest of qv.clef (head,
+# adapters, the record encoder's internals) is the engine's
+SERVER_CLEF_MODULES = {"qv.clef.request", "qv.clef.answers", "qv.clef.limits"}
 # the engine reaches kernels only to sample and to choose kernels at start-up
 ENGINE_KERNEL_USERS = {"sampler.py", "build.py"}
 SOFT_LINES, HARD_LINES, MAX_FUNCTION_LINES = 400, 600, 100
@@ -89,7 +92,7 @@ def test_layering():
         unit = _unit(module)
         assert unit in ALLOWED, f"{module}: add its unit {unit!r} to ALLOWED (which layers it may import)"
         for used in sorted(_imports(module)):
-            if _unit(used) not in ALLOWED[unit]:
+            if _unit(used) not in ALLOWED[unit] and not (unit == "server" and used in SERVER_CLEF_MODULES):
                 bad.append(f"{MODULES[module].relative_to(ROOT)} imports {used}")
     assert not bad, "upward imports:\n" + "\n".join(bad)
 

@@ -46,7 +46,10 @@ def run_bench(cfg: EngineConfig, spec: BenchSpec, label: str) -> dict:
     floors = ModelFloors.from_levers(engine.model_config, act_dtype, cfg.kv_dtype, cfg.gdn_state_dtype)
     if engine.model_config.quant is not None:
         q = engine.model_config.quant
-        label += f", {'AWQ' if q.method == 'awq' else f'GPTQ-Int{q.bits}'} group {q.group_size}"
+        if q.method == "fp8":
+            label += f", FP8 blocks {q.weight_block_size[0]}x{q.weight_block_size[1]}"
+        else:
+            label += f", {'AWQ' if q.method == 'awq' else f'GPTQ-Int{q.bits}'} group {q.group_size}"
     bench_run = BenchRun(engine, spec)
     rows = [row_record(m, floors, ceilings) for m in bench_run.run()]
     report = build_report(label=label, device=device, cfg=cfg, ceilings=ceilings, start_s=start_s,

@@ -99,6 +99,8 @@ def text_linears(cfg: ModelConfig) -> list[LinearShape]:
         mq = rules.resolve(name) if quantized else None
         quantized = mq is not None and mq.excluded_by is None
         group = (k if mq.group_size == -1 else mq.group_size) if quantized else 0
+        if quantized and cfg.quant.method == "fp8":  # one scale per 128x128 block: about one per output row
+            group = k
         out.append(LinearShape(name, n, k, quantized, group, cfg.quant.sym if quantized else True,
                                mq.bits if quantized else 8))
     return out

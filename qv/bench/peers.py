@@ -2,8 +2,9 @@
 floors, measured in one run at the model's own shapes.
 
 - linears: every GPTQ-Int8 linear of a decoder layer (GDN in/out projections, attention QKV, MLP gate/up
-  and down) at M rows, beside cuBLAS on dense bf16 weights of the same shape (twice the bytes) and the
-  weight-read floor (codes + scales over the measured copy rate); per M, the sums over the five.
+  and down) at M rows, beside qv's block-FP8 linear (128x128 blocks, Qwen's FP8 layout) and cuBLAS on dense
+  bf16 weights of the same shape (twice the bytes), and the int8 weight-read floor (codes + scales over the
+  measured copy rate); per M, the sums over the five.
 - attention: one prompt chunk attending to a cached prefix over the int8 paged cache, beside torch's SDPA on
   bf16 contiguous keys (the prefix without a mask, the chunk's own keys causally: two calls) and the FLOP
   floor (over the measured matmul rate).
@@ -71,26 +72,34 @@ def _gptq(k: int, n: int, device, dtype):
                       torch.arange(k, dtype=torch.int32, device=device) // GROUP, GROUP)
 
 
+def _fp8(k: int, n: int, device):
+    from qv.kernels.linear import FP8Weight
+
+    weight = torch.randn(n, k, device=device).to(torch.float8_e4m3fn)
+    return FP8Weight(weight, torch.rand(-(-n // GROUP), -(-k // GROUP), device=device) * 1e-3 + 1e-4, (GROUP, GROUP))
+
+
 def linear_table(cfg: ModelConfig, device, dtype, ceilings: Ceilings, rows=None) -> list[dict]:
     """One record per (linear, M) and one per M summing the five ("linear": "sum")."""
     rows = rows or (LINEAR_ROWS if device.type == "cuda" else CPU_LINEAR_ROWS)
     records = []
     for m in rows:
-        total = dict(linear="sum", m=m, qv_ms=0.0, cublas_ms=0.0, floor_ms=0.0)
+        total = dict(linear="sum", m=m, qv_ms=0.0, fp8_ms=0.0, cublas_ms=0.0, floor_ms=0.0)
         for name, k, n in layer_linears(cfg):
-            w = _gptq(k, n, device, dtype)
+            w, w8 = _gptq(k, n, device, dtype), _fp8(k, n, device)
             dense = torch.randn(n, k, device=device, dtype=dtype)
             x = torch.randn(m, k, device=device, dtype=dtype)
             graphs = device.type == "cuda" and m <= 512
             rec = dict(linear=name, m=m, k=k, n=n,
                        qv_ms=_median_ms(lambda: K.linear(x, w), device, graphs),
+                       fp8_ms=_median_ms(lambda: K.linear(x, w8), device, graphs),
                        cublas_ms=_median_ms(lambda: F.linear(x, dense), device, graphs),
                        floor_ms=(k * n + w.scales.numel() * w.scales.element_size())
                        / ceilings.copy_bytes_per_s * 1e3)
             records.append(rec)
-            for key in ("qv_ms", "cublas_ms", "floor_ms"):
+            for key in ("qv_ms", "fp8_ms", "cublas_ms", "floor_ms"):
                 total[key] += rec[key]
-            del w, dense, x
+            del w, w8, dense, x
         records.append(total)
     return records
 
@@ -134,12 +143,14 @@ def attention_table(cfg: ModelConfig, device, dtype, ceilings: Ceilings, context
 
 
 def linear_markdown(records: list[dict]) -> str:
-    lines = ["| linear | M | qv GPTQ-Int8 ms | cuBLAS bf16 ms | weight-read floor ms | qv / cuBLAS | qv / floor |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| linear | M | qv GPTQ-Int8 ms | qv FP8 ms | cuBLAS bf16 ms | weight-read floor ms | qv / cuBLAS | "
+             "FP8 / cuBLAS | qv / floor |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in records:
         name = f"**{r['linear']}**" if r["linear"] == "sum" else r["linear"]
-        lines.append(f"| {name} | {r['m']} | {r['qv_ms']:.3f} | {r['cublas_ms']:.3f} | {r['floor_ms']:.3f} | "
-                     f"{r['qv_ms'] / r['cublas_ms']:.2f} | {r['qv_ms'] / r['floor_ms']:.2f} |")
+        lines.append(f"| {name} | {r['m']} | {r['qv_ms']:.3f} | {r['fp8_ms']:.3f} | {r['cublas_ms']:.3f} | "
+                     f"{r['floor_ms']:.3f} | {r['qv_ms'] / r['cublas_ms']:.2f} | {r['fp8_ms'] / r['cublas_ms']:.2f} | "
+                     f"{r['qv_ms'] / r['floor_ms']:.2f} |")
     return "\n".join(lines)
 
 

@@ -140,7 +140,7 @@ def markdown(r: dict) -> str:
     if r.get("spec") or r.get("spec_prefill"):
         parts += ["", spec_table(r.get("spec", []), r.get("spec_prefill", []))]
     if r.get("linears"):
-        parts += ["", "GPTQ-Int8 linears beside cuBLAS bf16 on dense weights (`--linears`):", "",
+        parts += ["", "GPTQ-Int8 and block-FP8 linears beside cuBLAS bf16 on dense weights (`--linears`):", "",
                   peers.linear_markdown(r["linears"])]
     if r.get("attention"):
         parts += ["", "A prompt chunk over the int8 paged cache beside SDPA on bf16 keys (`--attention`):", "",

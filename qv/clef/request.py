@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from pydantic_core import PydanticCustomError
 
 from qv.clef.encode import (DEFAULT_MAX_LENGTH, QUESTION_TYPES, EncodedRecord, SchemaTooLong, Tokenize,
-                            batch_tokenizer, encode_record, media_text)
+                            batch_tokenizer, encode_record, media_text, render)
 from qv.clef.limits import (MAX_IMAGES, MAX_JSON_CONTAINERS, MAX_JSON_DEPTH, MAX_OPTIONS_PER_QUESTION,
                             MAX_OPTIONS_TOTAL, MAX_QUESTIONS)
 from qv.errors import InvalidRequestError
@@ -39,6 +39,11 @@ __all__ = ["MAX_IMAGES", "MAX_OPTIONS_PER_QUESTION", "MAX_OPTIONS_TOTAL", "MAX_Q
 TOP_LEVEL_FIELDS = ("model", "state", "questions", "images", "assets", "videos", "max_length")
 QUESTION_FIELDS = ("type", "instructions", "criteria")
 ASSET_FIELDS = ("type", "format", "data_base64", "part")
+
+
+# the model names a decision may carry beside the served ones: the original stack's, and the TypeSafe
+# SDK's default
+CLEF_MODEL_NAMES = ("clef", "jev-latest")
 
 
 class ClefRequestError(InvalidRequestError):
@@ -421,8 +426,10 @@ def _refusal(exc: ValidationError) -> ClefRequestError:
 
 
 def validate(body: Any, parts: Mapping[str, bytes] | None = None) -> SystemOneRequest:
-    """A decoded body (and the names of its multipart parts, if it came as multipart) -> the request;
-    ClefRequestError on refusal."""
+    """A body (JSON text, or already decoded) and its multipart parts, if it came as multipart (name ->
+    bytes, the `request` part removed) -> the request; ClefRequestError on refusal."""
+    if isinstance(body, (bytes, bytearray, str)):
+        body = decode_json(body)
     try:
         return SystemOneRequest.model_validate(body, context={"parts": set(parts or ())})
     except ValidationError as exc:
@@ -441,14 +448,23 @@ def effective_max_length(requested: int | None, nmax: int, cap_name: str = "QV_C
 
 
 def encode_request(tokenizer: Any, body: SystemOneRequest | Mapping, nmax: int, tokenize: Tokenize | None = None,
-                   cap_name: str = "QV_CLEF_NMAX", images: Sequence = (), multimodal: Any = None) -> EncodedRecord:
+                   cap_name: str = "QV_CLEF_NMAX", images: Sequence = (), multimodal: Any = None,
+                   max_chars_per_token: int | None = None) -> EncodedRecord:
     """Encode a request (a body is validated first): the record the engine will run. `nmax` is the
     server's record cap and `cap_name` what sets it (named in the messages).
 
     A request with images needs them preprocessed, in record order (`images`: VisionItems from the
     checkpoint's processor), and `multimodal`, the engine's prompt builder
-    (qv.engine.multimodal.MultimodalInputs); the record then carries its MultimodalPrompt."""
+    (qv.engine.multimodal.MultimodalInputs); the record then carries its MultimodalPrompt.
+    `max_chars_per_token`: the most characters one token can stand for (the server's TextBound:
+    max_token_bytes * shrink); with it, questions too long for the cap are refused by their size."""
     request = body if isinstance(body, SystemOneRequest) else validate(body)
+    if max_chars_per_token is not None:  # before any of it is tokenized: a schema may be megabytes
+        chars = sum(len(render(q.instructions)) + len(render(q.criteria)) for q in request.questions.values())
+        if chars // max_chars_per_token > nmax:
+            raise ClefRequestError(f"record too long: the questions' text ({chars} characters) makes at least "
+                                   f"{chars // max_chars_per_token} tokens, more than the {nmax}-token Clef record "
+                                   f"cap ({cap_name})", "questions")
     n_images = request.num_images
     if n_images and multimodal is None:
         raise ClefRequestError("this model takes no images (it has no vision tower): send the record without "

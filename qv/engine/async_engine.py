@@ -31,6 +31,7 @@ class _Add:
     cache_salt: str | None
     mm_hashes: list[tuple[int, str]] | None
     multimodal: MultimodalPrompt | None
+    priority: int = 0
     lora_name: str | None = None
 
 
@@ -38,8 +39,6 @@ class _Add:
 class _AddClef:
     request_id: str
     record: object
-    num_tokens: int
-    checksum: str
 
 
 @dataclass(frozen=True)
@@ -106,21 +105,22 @@ class AsyncLLMEngine:
     async def generate(self, request_id: str, prompt_token_ids: list[int] | CheckedRequest,
                        params: SamplingParams | None = None, prompt: str | None = None, cache_salt: str | None = None,
                        mm_hashes: list[tuple[int, str]] | None = None, multimodal: MultimodalPrompt | None = None,
-                       lora_name: str | None = None):
+                       priority: int = 0, lora_name: str | None = None):
         """A CheckedRequest, or the prompt's ids and params (checked on the engine thread);
-        multimodal: the prompt's images/videos, lora_name: a served LoRA adapter (LLMEngine.add_request)."""
-        command = _Add(request_id, prompt_token_ids, params, prompt, cache_salt, mm_hashes, multimodal, lora_name)
+        multimodal: the prompt's images/videos; priority: vLLM's; lora_name: a served LoRA adapter
+        (LLMEngine.add_request)."""
+        command = _Add(request_id, prompt_token_ids, params, prompt, cache_salt, mm_hashes, multimodal, priority,
+                       lora_name)
         async with contextlib.aclosing(self._outputs(request_id, command)) as outputs:
             async for out in outputs:
                 yield out
 
-    async def decide(self, request_id: str, record, num_tokens: int, checksum: str) -> ClefResult:
+    async def decide(self, request_id: str, record) -> ClefResult:
         """Run one Clef record (LLMEngine.add_clef) on the engine thread; returns its ClefResult
         (answers in systemone's format). InvalidRequestError: the engine refused the record;
         RuntimeError: it failed. Cancelling the await aborts the record and frees its cache."""
         out = None
-        async with contextlib.aclosing(self._outputs(request_id, _AddClef(request_id, record, num_tokens,
-                                                                           checksum))) as outputs:
+        async with contextlib.aclosing(self._outputs(request_id, _AddClef(request_id, record))) as outputs:
             async for out in outputs:
                 pass
         if out.clef is None:
@@ -193,12 +193,13 @@ class AsyncLLMEngine:
             case _Add():
                 try:
                     self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.prompt,
-                                            cmd.cache_salt, cmd.mm_hashes, cmd.multimodal, cmd.lora_name)
+                                            cmd.cache_salt, cmd.mm_hashes, cmd.multimodal, cmd.priority,
+                                            cmd.lora_name)
                 except InvalidRequestError as exc:
                     self._deliver(cmd.request_id, exc)
             case _AddClef():
                 try:
-                    self.engine.add_clef(cmd.request_id, cmd.record, cmd.num_tokens, cmd.checksum)
+                    self.engine.add_clef(cmd.request_id, cmd.record)
                 except InvalidRequestError as exc:
                     self._deliver(cmd.request_id, exc)
             case _Abort():

@@ -19,9 +19,11 @@ from qv.engine.lora_rows import check_lora_levers, reserve_lora_slots
 from qv.engine.memory_plan import MemoryPlan
 from qv.engine.prefix_cache import PrefixPlan, plan_prefix_cache
 from qv.engine.tensor_parallel import TPDriver, check_levers, rank_device
+from qv.kernels.paged_attention.sparse import SparsePolicy
 from qv.model.cache import (KV_DTYPES, STATE_DTYPES, HybridCache, allocate_cache, gdn_bytes_per_slot,
                             kv_bytes_per_block, prefill_workspace_bytes, warm_prefill_attention)
 from qv.model.parallel import TPGroup
+from qv.model.lm_head_int8 import lm_head_int8
 from qv.model.qwen3_5 import Qwen3_5TextModel, held_bytes, load_text_model, read_output_embedding
 from qv.model.random_weights import checkpoint_reader, with_quantization
 from qv.model.vision_processor import missing_processor_config
@@ -159,6 +161,7 @@ def build_engine_parts(cfg: EngineConfig) -> EngineParts:
     use_state_dir(cfg.state_dir)  # before Triton or CuPy compiles anything
     device = resolve_device(cfg.device)
     check_lora_levers(cfg)
+    sparse_policy(cfg, device)  # a sparse lever the kernel chain cannot run stops the start before loading
     tp = start_tensor_parallel(cfg, device) if cfg.tensor_parallel_size > 1 else None
     try:
         return _build(cfg, rank_device(device, 0) if tp else device, tp)
@@ -194,12 +197,15 @@ def load_rank(cfg: EngineConfig, device: torch.device, tp: TPGroup):
     use_state_dir(cfg.state_dir)
     model_dir, dtype, mcfg, reader = _checkpoint(cfg, device)
     model = load_text_model(str(model_dir), mcfg, dtype=dtype, device=device, reader=reader, tp=tp)
+    if cfg.lm_head_int8:
+        lm_head_int8(model.lm_head)
     head = None
     if wants_mtp(cfg, mcfg):
         from qv.spec.mtp import load_mtp_head
 
         head = load_mtp_head(str(model_dir), mcfg, model, dtype, device, reader=reader,
                              draft_top1=cfg.spec_draft_top1, tp=tp)
+    pack_w12_projections(cfg, model, head, model_dir, device, tp.rank, tp.world_size)
     mtp_layers = (mcfg.num_hidden_layers,) if head else ()
     if cfg.clef:  # the rank's cut of Clef's deltas; the head and its state live on the driver only
         from qv.clef.adapters import clef_layout, load_clef_deltas
@@ -211,7 +217,8 @@ def load_rank(cfg: EngineConfig, device: torch.device, tp: TPGroup):
 
     def make_cache(num_blocks: int, num_slots: int) -> HybridCache:
         return allocate_cache(model.cfg, num_blocks, cfg.block_size, num_slots, resolve_kv_dtype(cfg.kv_dtype, dtype),
-                              STATE_DTYPES[cfg.gdn_state_dtype], dtype, device, extra_attention_layers=mtp_layers)
+                              STATE_DTYPES[cfg.gdn_state_dtype], dtype, device, extra_attention_layers=mtp_layers,
+                              sparse=sparse_policy(cfg, device))
 
     def make_spec(cache: HybridCache) -> Speculator | None:
         return Speculator.for_engine(cfg, head, model.cfg, cache, device) if cfg.spec != "off" else None
@@ -232,6 +239,8 @@ def _build(cfg: EngineConfig, device: torch.device, tp: TPDriver | None) -> Engi
     else:
         model = load_text_model(str(model_dir), mcfg, dtype=dtype, device=device, reader=reader,
                                 tp=tp.group if tp else None)
+    if cfg.lm_head_int8:  # before the MTP head: its fused top-1 ranks the int8 rows
+        lm_head_int8(model.lm_head)
     tokenizer = load_tokenizer(model_dir, cfg.state_dir)
     gen = read_generation_config(model_dir)
     eos = gen.get("eos_token_id", list(mcfg.eos_token_ids))
@@ -243,6 +252,7 @@ def _build(cfg: EngineConfig, device: torch.device, tp: TPDriver | None) -> Engi
 
         mtp_head = load_mtp_head(str(model_dir), mcfg, model, dtype, device, reader=reader,
                                  draft_top1=cfg.spec_draft_top1, tp=tp.group if tp else None)
+    pack_w12_projections(cfg, model, mtp_head, model_dir, device, 0, tp.world if tp else 1)
     clef = None
     if cfg.clef:  # Clef's head and low-rank deltas, before the memory plan (qv/clef/adapters.py)
         from qv.clef.adapters import load_clef
@@ -277,12 +287,49 @@ def _build(cfg: EngineConfig, device: torch.device, tp: TPDriver | None) -> Engi
                        clef=clef, memory_plan=plan, media_off=media_off, tp=tp)
 
 
+def pack_w12_projections(cfg: EngineConfig, model, mtp_head, model_dir: Path, device: torch.device, rank: int,
+                         world: int) -> None:
+    """The w12 lever: the attention q/k/v projections (the MTP head's too) loaded dense in bf16/fp16 packed to
+    12 bits (qv/model/w12.py), the packs cached in the state directory on GPUs."""
+    if not cfg.w12:
+        return
+    from qv.model.w12 import PackCache, apply_w12, model_key
+
+    root = state_path(cfg.state_dir) if device.type == "cuda" else None
+    cache = PackCache(root, model_key(model_dir, cfg.load_format, cfg.seed), rank, world)
+    packed = apply_w12(list(model.layers) + ([mtp_head.layer] if mtp_head is not None else []), cache)
+    if packed:
+        log.info("W12: %d attention projection weights packed to 12 bits (%d from the cache, %d stale packs "
+                 "rejected)", packed, cache.hits, cache.rejected)
+
+
 def host_copy(w):
     """A dense tensor or GPTQWeight in host memory (read where the model lives: random weights are made there)."""
     if isinstance(w, torch.Tensor):
         return w.cpu()
     return dataclasses.replace(w, **{f: None if getattr(w, f) is None else getattr(w, f).cpu()
                                      for f in ("qweight", "scales", "zeros", "g_idx")})
+
+
+def sparse_policy(cfg: EngineConfig, device: torch.device) -> SparsePolicy | None:
+    """The sparse attention levers as the attention layers use them; None when both are off. ConfigError
+    naming the lever where the kernel chain has no sparse kernel (sm70) or the blocks do not tile the pages."""
+    if not (cfg.sparse_prefill or cfg.sparse_decode):
+        return None
+    on = "sparse_prefill" if cfg.sparse_prefill else "sparse_decode"
+    volta = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 7
+    if cfg.kernels == "sm70" or (cfg.kernels == "auto" and volta):
+        raise ConfigError(f"{on}: sparse attention is not built for the sm70 kernel chain (its m8n8k4 attention "
+                          f"kernels take no block lists): turn {on} off, or use kernels=triton")
+    if cfg.kv_offload_bytes:
+        raise ConfigError(f"{on} with kv_offload_bytes is not built: KV blocks restored from the host tier would not "
+                          "refresh sparse attention's page tables; set kv_offload_bytes=0")
+    if cfg.sparse_block_tokens % cfg.block_size:
+        raise ConfigError(f"sparse_block_tokens={cfg.sparse_block_tokens} must be a multiple of block_size="
+                          f"{cfg.block_size}")
+    return SparsePolicy(prefill=cfg.sparse_prefill, decode=cfg.sparse_decode, mass=cfg.sparse_mass,
+                        rule=cfg.sparse_rule, min_len=cfg.sparse_min_len, top=cfg.sparse_decode_top,
+                        min_blocks=cfg.sparse_decode_min_blocks, block_tokens=cfg.sparse_block_tokens)
 
 
 def plan_cache(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_model_len: int,
@@ -301,7 +348,8 @@ def plan_cache(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device, dtype
     prefix, plan = plan_memory(cfg, mcfg, dtype, max_model_len, room, total, mtp_layers, reserve_bytes, weight_bytes)
     # one slot more than sequences: the last is scratch for the padding rows of captured decode graphs
     cache = allocate_cache(mcfg, plan.kv_blocks, cfg.block_size, plan.gdn_slots + 1, resolve_kv_dtype(cfg.kv_dtype, dtype),
-                           STATE_DTYPES[cfg.gdn_state_dtype], dtype, device, extra_attention_layers=mtp_layers)
+                           STATE_DTYPES[cfg.gdn_state_dtype], dtype, device, extra_attention_layers=mtp_layers,
+                           sparse=sparse_policy(cfg, device))
     return cache, prefix, plan
 
 
@@ -328,7 +376,8 @@ def plan_memory(cfg: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, max_mo
     kv_dtype = resolve_kv_dtype(cfg.kv_dtype, dtype)
     state_dtype = STATE_DTYPES[cfg.gdn_state_dtype]
     num_slots = cfg.max_gdn_slots or cfg.max_num_seqs
-    per_block = max(1, kv_bytes_per_block(mcfg, cfg.block_size, kv_dtype, len(mtp_layers)))
+    per_block = max(1, kv_bytes_per_block(mcfg, cfg.block_size, kv_dtype, len(mtp_layers),
+                                          sparse=cfg.sparse_prefill or cfg.sparse_decode))
     slot_bytes = gdn_bytes_per_slot(mcfg, dtype, state_dtype)
     spec_bytes = 0
     if cfg.spec != "off":  # per-position states of the verified sequences (qv/engine/speculator.py)
@@ -351,5 +400,6 @@ def plan_memory(cfg: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, max_mo
                           f"lower max_num_seqs / max_gdn_slots or raise kv_cache_bytes")
     planned = num_blocks * per_block + (num_slots + 1 + prefix.num_snapshots) * slot_bytes + spec_bytes + reserve_bytes
     plan = MemoryPlan(total, cfg.gpu_memory_utilization, weight_bytes, int(num_blocks), cfg.block_size, per_block, num_slots,
-                      slot_bytes, prefix.num_snapshots, spec_bytes, reserve_bytes, max(0, room - planned), max_model_len)
+                      slot_bytes, prefix.num_snapshots, spec_bytes, reserve_bytes, max(0, room - planned), max_model_len,
+                      cfg.tensor_parallel_size)
     return prefix, plan

@@ -55,9 +55,9 @@ class ClefResult:
 
 
 class _Job:
-    def __init__(self, seq: Sequence, record: EncodedRecord, num_tokens: int, checksum: str):
+    def __init__(self, seq: Sequence, record: EncodedRecord):
         self.seq, self.record = seq, record
-        self.expected = (num_tokens, checksum)  # what the endpoint encoded
+        self.expected = (record.num_tokens, record.checksum)  # what was encoded, hashed before anything ran
         self.state: HeadState | None = None  # allocated at admission, dropped at the end
         self.ran = TokenChecksum()  # the token ids that ran, chunk by chunk
         self.restarts = 0
@@ -70,6 +70,7 @@ class ClefRows(StepFeature):
         self.head, self.output_embedding = head, output_embedding
         self.slots, self.cap, self.cap_name = slots, cap, cap_name
         self.has_deltas = has_deltas
+        self.rows_grouped = False  # served LoRA adapters group every delta row by bank slot (LoraRows.fill_inputs)
         self.jobs: dict[Sequence, _Job] = {}
         self.by_request: dict[str, _Job] = {}
         self.pending: deque[_Job] = deque()  # records waiting for a Clef slot
@@ -77,12 +78,9 @@ class ClefRows(StepFeature):
         self.num_restarts = 0
 
     # -- requests ------------------------------------------------------------------------------
-    def check(self, record: EncodedRecord, num_tokens: int, capacity_tokens: int) -> None:
+    def check(self, record: EncodedRecord, capacity_tokens: int) -> None:
         """Refuse a record the engine cannot run (InvalidRequestError, with the counts)."""
         n = record.num_tokens
-        if n != num_tokens:
-            raise InvalidRequestError(f"Clef record refused: the endpoint encoded {num_tokens} tokens but the "
-                                      f"engine received {n}")
         if n > self.cap:
             raise InvalidRequestError(f"Clef record has {n} tokens, over the Clef record cap of {self.cap} "
                                       f"({self.cap_name})")
@@ -90,8 +88,8 @@ class ClefRows(StepFeature):
             raise InvalidRequestError(f"Clef record has {n} tokens but the KV cache holds {capacity_tokens} tokens "
                                       "for Clef rows; raise kv_cache_bytes or lower prefix_cache_chat_reserve")
 
-    def add(self, seq: Sequence, record: EncodedRecord, num_tokens: int, checksum: str) -> None:
-        job = _Job(seq, record, num_tokens, checksum)
+    def add(self, seq: Sequence, record: EncodedRecord) -> None:
+        job = _Job(seq, record)
         self.jobs[seq] = job
         self.by_request[seq.request_id] = job
         self.pending.append(job)
@@ -114,6 +112,22 @@ class ClefRows(StepFeature):
 
     def holds_next_step(self, scheduler) -> bool:
         return bool(self.pending) or any(not j.seq.finished for j in self.active)
+
+    def finished_output(self, request_id: str) -> dict:
+        return {"clef": self.pop_result(request_id)}
+
+    # -- StepFeature, the runner's side: records never sample, their rows take the deltas (no graph replays
+    # them then) and feed the joint head
+    def samples(self, seq: Sequence) -> bool:
+        return seq not in self.jobs
+
+    def replayable(self, seqs: list[Sequence]) -> bool:
+        return not (self.has_deltas and any(s in self.jobs for s in seqs))
+
+    def fill_inputs(self, seqs: list[Sequence], cu: np.ndarray, host: dict) -> dict[str, int]:
+        if self.rows_grouped:  # LoraRows writes the step's delta rows, these in slot 0
+            return {}
+        return {"delta_rows": self.delta_rows(seqs, cu, host["delta_rows"])}
 
     def admit(self, scheduler) -> list[str]:
         """Move waiting records into the scheduler while fewer than `slots` are in it. Returns the
@@ -148,19 +162,18 @@ class ClefRows(StepFeature):
         return job.result
 
     # -- the step ------------------------------------------------------------------------------
-    def delta_rows(self, seqs: list[Sequence], cu: np.ndarray, alloc) -> torch.Tensor | None:
-        """Flat rows of the step's records (batch order `seqs`, row offsets `cu`), in the step's
-        upload (`alloc`, the runner's); None when the step has none or there are no deltas (the
-        release layout: Clef's weights are the served ones)."""
+    def delta_rows(self, seqs: list[Sequence], cu: np.ndarray, out: np.ndarray) -> int:
+        """Write the flat rows of the step's records (batch order `seqs`, row offsets `cu`) into `out` (the
+        step's `delta_rows` input field) and return how many; 0 when the step has none or there are no
+        deltas (the release layout: Clef's weights are the served ones)."""
         if not self.has_deltas:
-            return None
+            return 0
         parts = [np.arange(cu[i], cu[i + 1]) for i, s in enumerate(seqs) if s in self.jobs]
         if not parts:
-            return None
+            return 0
         rows = np.concatenate(parts)
-        host, device = alloc(rows.size, torch.int64)
-        host[:] = rows
-        return device
+        out[:rows.size] = rows
+        return rows.size
 
     def take_hidden(self, seqs: list[Sequence], cu: np.ndarray, hidden: torch.Tensor, ids: np.ndarray) -> None:
         """Feed each record's final-norm hidden rows (and the token ids that ran) to its head."""

@@ -2,10 +2,13 @@
 batch size and replayed, so a decode step costs one graph launch instead of a Python walk over
 every layer's ops.
 
-Captured graphs read only static buffers, allocated here once and never reallocated. Padding rows
-are inert: their KV writes are skipped (slot -1) and their GDN state lives in a scratch slot.
-Kernel launch shapes may depend only on values fixed at capture (B, max_query_len 1, max_seq_len =
-max_model_len), so the attention kernels early-exit per row on the device's seq_lens.
+Captured graphs read the step's own input fields (qv/engine/step_inputs.py: persistent device
+buffers, never reallocated), so a replay copies nothing in: the step's upload has already written
+them, padded to the graph's size with inert rows (StepInputs.pad: KV writes skipped with slot -1,
+GDN state in a scratch slot). The few tensors made on the device after the forward (the MTP head's
+draft rows, verification's accepted counts) are copied into the graph's own buffers. Kernel launch
+shapes may depend only on values fixed at capture (B, max_query_len 1, max_seq_len = max_model_len),
+so the attention kernels early-exit per row on the device's seq_lens.
 
 At start-up, once every size is captured, each graph is replayed on inputs other than the capture's
 (token ids, positions, per-row seq_lens) and compared with the eager forward on the same buffers,
@@ -23,7 +26,7 @@ import math
 import torch
 
 from qv.errors import StartupError
-from qv.model.delta_bank import DeltaGroups
+from qv.engine.step_inputs import StepInputs
 from qv.model.batch import AttentionMeta, GDNMeta, StepBatch
 
 log = logging.getLogger("qv")
@@ -75,8 +78,8 @@ class DecodeGraphs:
     size also holds the head's work after the forward ("draft": catch-up plus the k-step walk; for plain
     decode also "catch_up" alone), replayed on the forward's output states."""
 
-    def __init__(self, model, cache, max_num_seqs: int, max_blocks: int, max_model_len: int, scratch_slot: int,
-                 rows_per_seq: int = 1, spec=None, pool=None, delta_slots: int = 0):
+    def __init__(self, model, cache, inputs: StepInputs, max_num_seqs: int, max_model_len: int, scratch_slot: int,
+                 rows_per_seq: int = 1, spec=None, pool=None):
         self.model, self.cache, self.spec = model, cache, spec
         self.q = rows_per_seq
         self.max_seq_len = max_model_len
@@ -86,31 +89,29 @@ class DecodeGraphs:
             self.sizes.append(max_num_seqs)
         dev, n = model.device, self.sizes[-1]
         t = n * self.q
-        self.ids = torch.zeros(t, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(t, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.full((t,), -1, dtype=torch.int64, device=dev)
-        self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=dev)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
-        self.state_slots = torch.full((n,), scratch_slot, dtype=torch.int64, device=dev)
-        self.has_init = torch.zeros(n, dtype=torch.bool, device=dev)
+        if t > inputs.capacity.rows or n > inputs.capacity.seqs:
+            raise StartupError(f"a {self.label} CUDA graph of {n} sequences needs {t} rows, more than a step holds "
+                               f"({inputs.capacity.rows} rows, {inputs.capacity.seqs} sequences)")
+        # the step's input fields, whole: each size's graph reads their first b sequences' part
+        f = inputs.device_fields
+        self.ids, self.positions, self.slot_mapping, self.next_ids = f["ids"], f["positions"], f["slot_mapping"], \
+            f["next_ids"]
+        self.block_tables, self.seq_lens = f["block_tables"], f["seq_lens"]
+        self.state_slots, self.has_init = f["state_slots"], f["has_initial_state"]
+        # the graph's constants: every sequence runs q rows, each of them with logits where q > 1
         self.cu = torch.arange(0, t + 1, self.q, dtype=torch.int32, device=dev)
         self.rows = torch.arange(t, device=dev)
         self.no_rest = torch.zeros(1, dtype=torch.int32, device=dev)
-        # the MTP head's inputs: the token after each row, each drafting sequence's last valid row
-        self.next_ids = torch.zeros(t, dtype=torch.int64, device=dev)
+        # made on the device after the forward: each drafting sequence's last valid row, verification's counts
         self.draft_rows = torch.zeros(n, dtype=torch.int64, device=dev)
         self.draft_valid = torch.zeros(n, dtype=torch.bool, device=dev)
-        self.num_accepted = torch.zeros(n, dtype=torch.int64, device=dev)  # verification: each sequence's accepted drafts
+        self.num_accepted = torch.zeros(n, dtype=torch.int64, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.commit_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # verification: the GDN state commit
         self.mtp_graphs: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
         self.errors: dict[int, float] = {}  # batch size -> replay_error at the start-up check
         self.pool = pool
-        # LoRA adapters (delta_slots bank slots): every graph launches the grouped deltas over these buffers;
-        # a step's rows grouped by slot are copied in, a step without any leaves every slot empty
-        self.deltas = None if not delta_slots else DeltaGroups(torch.zeros(t, dtype=torch.int64, device=dev),
-                                                               torch.zeros(delta_slots + 1, dtype=torch.int64,
-                                                                           device=dev), t)
+        self.inputs = inputs  # with LoRA's delta slots, every graph launches the grouped deltas over its fields
 
     @property
     def label(self) -> str:
@@ -124,7 +125,8 @@ class DecodeGraphs:
             gdn = self.spec.gdn_meta(self.state_slots[:b], self.has_init[:b], b, t, self.no_rest)
         return StepBatch(self.cu[:b + 1], self.q,
                          AttentionMeta(self.slot_mapping[:t], self.block_tables[:b], self.seq_lens[:b], self.max_seq_len),
-                         gdn, self.rows[:t] if self.q > 1 else self.cu[:b].long(), delta_rows=self.deltas)
+                         gdn, self.rows[:t] if self.q > 1 else self.cu[:b].long(),
+                         delta_rows=self.inputs.graph_delta_rows(t))
 
     def mtp_kinds(self, b: int) -> tuple[str, ...]:
         """The head's graphs size b holds: "draft" where a batch that can verify next step (at most
@@ -184,7 +186,7 @@ class DecodeGraphs:
         return graph, out
 
     def _capture_one(self, b: int) -> None:
-        self._reset_pad_rows(0, 0)
+        self._make_inert()
         self.graphs[b] = self._captured(lambda: self._eager(b))
         for kind in self.mtp_kinds(b):
             self.mtp_graphs[(b, kind)] = self._captured(lambda: self._eager_mtp(b, kind))
@@ -223,7 +225,7 @@ class DecodeGraphs:
         replay = out.clone()
         eager = self._eager(b)
         torch.cuda.synchronize()
-        self._reset_pad_rows(0, 0)
+        self._make_inert()
         return replay, eager
 
     def mtp_replay_and_eager(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -237,64 +239,48 @@ class DecodeGraphs:
         replay = drafts.clone()
         eager = self._eager_mtp(b, "draft")
         torch.cuda.synchronize()
-        self._reset_pad_rows(0, 0)
+        self._make_inert()
         return replay, eager
 
-    def _reset_pad_rows(self, start: int, row_start: int) -> None:
-        self.slot_mapping[row_start:] = -1
-        self.ids[row_start:] = 0
-        self.positions[row_start:] = 0
-        self.next_ids[row_start:] = 0
-        self.seq_lens[start:] = 1
-        self.state_slots[start:] = self.scratch_slot
-        self.has_init[start:] = False
-        self.draft_rows[start:] = 0
-        self.draft_valid[start:] = False
-        self.num_accepted[start:] = 0
+    def _make_inert(self) -> None:
+        """Start-up only (captures and checks): every row of the largest size inert, as StepInputs.pad makes
+        a step's padding."""
+        t, n = self.sizes[-1] * self.q, self.sizes[-1]
+        self.slot_mapping[:t] = -1
+        self.ids[:t] = 0
+        self.positions[:t] = 0
+        self.next_ids[:t] = 0
+        self.seq_lens[:n] = 1
+        self.state_slots[:n] = self.scratch_slot
+        self.has_init[:n] = False
+        self.draft_rows.zero_()
+        self.draft_valid.zero_()
+        self.num_accepted.zero_()
 
     def bucket(self, b: int) -> int | None:
         return next((s for s in self.sizes if s >= b), None) if self.graphs else None
 
-    def run(self, batch: StepBatch, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Replay for a batch of b sequences of rows_per_seq rows each; returns hidden states [b * q, H]."""
-        t = ids.shape[0]
-        b = t // self.q
-        size = self.bucket(b)
-        a = batch.attn
-        self.ids[:t].copy_(ids)
-        self.positions[:t].copy_(positions)
-        self.slot_mapping[:t].copy_(a.slot_mapping)
-        self.block_tables[:b, :a.block_tables.shape[1]].copy_(a.block_tables)
-        self.seq_lens[:b].copy_(a.seq_lens)
-        self.state_slots[:b].copy_(batch.gdn.state_slots)
-        self.has_init[:b].copy_(batch.gdn.has_initial_state)
-        if self.deltas is not None:
-            groups = batch.delta_rows
-            if groups is None:
-                self.deltas.slot_start.zero_()
-            else:
-                self.deltas.rows[:groups.rows.shape[0]].copy_(groups.rows)
-                self.deltas.slot_start.copy_(groups.slot_start)
-        if size > b:
-            self._reset_pad_rows(b, t)
-        graph, out = self.graphs[size]
+    def run(self, num_rows: int) -> torch.Tensor:
+        """Replay the forward of a step of num_rows rows (rows_per_seq a sequence) whose upload filled the
+        input fields, padded to its size (StepInputs.pad); returns the hidden states [num_rows, H]."""
+        graph, out = self.graphs[self.bucket(num_rows // self.q)]
         graph.replay()
-        return out[:t]
+        return out[:num_rows]
 
     def can_run_mtp(self, b: int, kind: str) -> bool:
         size = self.bucket(b)
         return size is not None and (size, kind) in self.mtp_graphs
 
-    def run_mtp(self, kind: str, next_ids: torch.Tensor, draft_rows: torch.Tensor | None) -> torch.Tensor | None:
-        """Replay the head's work after `run` (same batch): next_ids [b * q]; draft_rows [b] (kind "draft").
-        Returns the drafts [b, k] or None (catch_up)."""
-        t = next_ids.shape[0]
-        b = t // self.q
+    def run_mtp(self, kind: str, b: int, draft_rows: torch.Tensor | None) -> torch.Tensor | None:
+        """Replay the head's work after `run` (same step, b sequences; its next_ids are the step's input
+        field): draft_rows [b] (kind "draft"). Returns the drafts [b, k] or None (catch_up)."""
         size = self.bucket(b)
-        self.next_ids[:t].copy_(next_ids)
         if draft_rows is not None:
             self.draft_rows[:b].copy_(draft_rows)
             self.draft_valid[:b] = True
+            if size > b:  # padding sequences draft nothing, from row 0 (a stale row may lie past this size)
+                self.draft_rows[b:size] = 0
+                self.draft_valid[b:size] = False
         graph, drafts = self.mtp_graphs[(size, kind)]
         graph.replay()
         return None if drafts is None else drafts[:b]

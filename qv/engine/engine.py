@@ -7,7 +7,6 @@ from __future__ import annotations
 import itertools
 import logging
 import random
-import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -16,26 +15,28 @@ from qv.config import EngineConfig
 from qv.engine.bad_words import depends_on_output
 from qv.engine.build import build_engine_parts
 from qv.engine.clef_rows import clef_sequence, make_clef_rows
-from qv.engine.lora_rows import make_lora_rows
 from qv.engine.cuda_graphs import eager_reason
 from qv.engine.detokenizer import IncrementalDetokenizer
 from qv.engine.kv_cache import KVBlockPool
+from qv.engine.lora_rows import make_lora_rows
 from qv.engine.multimodal import MultimodalInputs, MultimodalPrompt, VisionSteps, check_multimodal
 from qv.engine.prefix_cache import make_prefix_cache
 from qv.engine.prompt_logprobs import finished_prompt_logprobs, new_prompt_logprobs
-from qv.engine.request import (CompletionOutput, InvalidRequestError, Logprob, RequestMetrics,
+from qv.engine.request import (CompletionOutput, InvalidFieldError, InvalidRequestError, Logprob, RequestMetrics,
                                RequestOutput, SamplingParams)
 from qv.engine.request_check import CheckedRequest, RequestLimits, check_request
-from qv.engine.runner import ModelRunner, StepCapacity, StepHandle, StepResult
+from qv.engine.runner import ModelRunner, StepHandle, StepResult
 from qv.engine.scheduler import Scheduler, StepPlan
 from qv.engine.sequence import PENDING, SeqStatus, Sequence
-from qv.engine.structured import Grammar, GrammarCompiler, GrammarLimits
+from qv.engine.structured import Grammar, GrammarLimits
 from qv.spec.speculator import Speculator
 from qv.engine.state_pool import GDNStatePool
 from qv.engine.step_cost import StepCostModel, StepTimer
+from qv.engine.step_inputs import StepCapacity
+from qv.engine.step_speculation import SpeculationSteps
+from qv.engine.step_structured import StructuredOutputs
 
 log = logging.getLogger("qv")
-SPEC_LOG_EVERY = 500  # steps between speculation summaries in the log
 
 
 @dataclass
@@ -47,6 +48,7 @@ class EngineStats:
     num_gpu_blocks: int = 0  # KV blocks on the device
     step_tokens: dict[int, int] = field(default_factory=dict)  # tokens scheduled in a step -> steps
     num_preemptions: int = 0
+    num_deferred_readmissions: int = 0  # preempted past max_preemptions, waiting for room for their full length
     prompt_tokens: int = 0
     generation_tokens: int = 0
     prefix_cache_queries: int = 0  # tokens looked up at admission (vLLM counts tokens, not requests)
@@ -87,38 +89,51 @@ class LLMEngine:
                                     cfg.max_stop_strings)
         self.blocks = KVBlockPool(parts.cache.num_blocks, cfg.block_size, parts.prefix_plan.reserve_blocks)
         self.prefix_cache = make_prefix_cache(parts.prefix_plan, self.blocks, parts.cache)
-        self.spec = None
+        self.spec = speculation = None
+        lookahead = max_spec_seqs = 0  # draft rows a sequence may add to a step; sequences that may verify
+        # async scheduling (step): off with speculative decoding, whose next step needs this one's drafts
+        self._async = cfg.async_scheduling
         if cfg.spec != "off":
             # the model's own view: under tensor parallelism the per-position states hold the rank's GDN heads
             self.spec = Speculator.for_engine(cfg, parts.mtp_head, parts.model.cfg, parts.cache, parts.model.device)
+            lookahead, max_spec_seqs = self.spec.k, self.spec.max_seqs
+            speculation = SpeculationSteps(self.spec, self.max_model_len)  # drafts and their outcomes, per sequence
+            if self._async:
+                log.info("async scheduling is off with speculative decoding: each step needs the last one's drafts")
+                self._async = False
         scratch_slot = parts.cache.num_slots - 1  # never handed out (qv/engine/build.py)
         self.step_timer = StepTimer(StepCostModel())  # the step cost max_step_ms plans with, fitted to these steps
         self.scheduler = Scheduler(self.blocks, GDNStatePool(scratch_slot), cfg.max_num_seqs,
-                                   cfg.max_num_batched_tokens, lookahead=cfg.spec_k if self.spec else 0,
+                                   cfg.max_num_batched_tokens, lookahead=lookahead,
                                    prefix_cache=self.prefix_cache,
                                    long_prefill_token_threshold=cfg.long_prefill_token_threshold,
                                    max_long_partial_prefills=cfg.max_long_partial_prefills,
-                                   max_spec_seqs=self.spec.max_seqs if self.spec else 0,
-                                   max_step_ms=cfg.max_step_ms, step_cost=self.step_timer.model)
+                                   max_spec_seqs=max_spec_seqs,
+                                   max_step_ms=cfg.max_step_ms, step_cost=self.step_timer.model,
+                                   max_preemptions=cfg.max_preemptions, policy=cfg.scheduling_policy)
+        # LoRA: delta rows grouped by bank slot (Clef's slot 0, the adapters' 1..max_loras)
         capacity = StepCapacity.of(cfg.max_num_batched_tokens, cfg.max_num_seqs, self.max_model_len, cfg.block_size,
-                                   cfg.spec_k if self.spec else 0)
+                                   lookahead, delta_slots=cfg.max_loras + 1 if cfg.enable_lora else 0)
         self.multimodal = self.media = None  # images/videos: prompt building and in-step encoding
         self.media_off = parts.media_off  # why they are off, for the 400 a request with media gets
         if parts.vision is not None:
             self.multimodal = MultimodalInputs(parts.model_dir, parts.model_config, parts.tokenizer)
             self.media = VisionSteps(parts.vision, cfg.vision_max_patches_per_step, capacity.rows, parts.model.device)
         self.clef = make_clef_rows(parts.clef, parts.model, cfg.clef_slots, cfg.clef_nmax, self.max_model_len)
-        self.lora = make_lora_rows(cfg, parts.model, parts.tp)  # served LoRA adapters (None: enable_lora off)
-        self.runner = ModelRunner(parts.model, parts.cache, capacity, self.max_model_len, self.spec, self.media,
-                                  self.clef, tp=parts.tp, lora=self.lora)
-        # the parts of the step loop that plug in (qv/engine/step_feature.py), in the order their hooks run
-        self.features = [f for f in (self.prefix_cache, self.lora, self.media, self.clef) if f is not None]
-        self.tp = parts.tp  # tensor-parallel workers (None at one rank); stopped by shutdown or at exit
-        if self.tp and self.prefix_cache:  # its state copies run on every rank
+        self.lora = make_lora_rows(cfg, parts.model, self.clef)  # served LoRA adapters (None: enable_lora off)
+        self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
+                                            GrammarLimits.of(cfg))
+        # the parts of the step that plug in (qv/engine/step_feature.py), in the order their hooks run
+        self.features = [f for f in (self.prefix_cache, self.lora, self.media, self.clef, speculation,
+                                     self.structured) if f is not None]
+        self.runner = ModelRunner(parts.model, parts.cache, capacity, self.max_model_len, self.features, self.spec,
+                                  self.media, self.structured, tp=parts.tp)
+        self.tp = self.runner.tp  # tensor-parallel workers (SingleRank at one rank); stopped by shutdown or at exit
+        if self.prefix_cache:  # its state copies run on every rank
             self.tp.mirror_state(self.prefix_cache.copies)
-        if self.tp and self.lora:  # adapters paged into slots: every rank writes its cut
+        if self.lora:  # adapters paged into slots: every rank writes its cut
             self.tp.mirror_lora(self.lora)
-        self._stop_workers = weakref.finalize(self, parts.tp.shutdown) if parts.tp else None
+        self._stop_workers = weakref.finalize(self, self.tp.shutdown)
         why_eager = eager_reason(cfg.cuda_graphs, parts.model.device, cfg.kernels)
         if why_eager is None:
             self.runner.enable_decode_graphs(scratch_slot)  # StartupError where a graph disagrees with eager
@@ -130,20 +145,12 @@ class LLMEngine:
         self.stats = EngineStats(num_gpu_blocks=self.blocks.num_blocks,
                                  cuda_graph_sizes=tuple(self.runner.graphs.sizes) if self.runner.graphs else ())
         self._steps = 0
-        # async scheduling (step): off with speculative decoding, whose next step needs this one's drafts
-        self._async = cfg.async_scheduling and self.spec is None
-        if cfg.async_scheduling and self.spec is not None:
-            log.info("async scheduling is off with speculative decoding: each step needs the last one's drafts")
         self._inflight: StepHandle | None = None  # the step launched but not yet applied (async only)
-        self._grammars: GrammarCompiler | None = None  # structured outputs: built on first use
-        self._grammars_lock = threading.Lock()
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (nothing to do at one rank); the engine takes no steps after."""
-        if self._stop_workers is not None:
-            self._stop_workers()
-        if self._grammars is not None:
-            self._grammars.close()
+        self._stop_workers()
+        self.structured.close()
 
     def compile_grammar(self, kind: str, spec: str, param: str = "response_format", cancel=None) -> Grammar:
         """A structured-output constraint compiled for this model's tokenizer, for SamplingParams.grammar
@@ -151,11 +158,7 @@ class LLMEngine:
         as text), json_object, regex, choice (a JSON list of strings), grammar (EBNF), structural_tag
         (xgrammar's, as JSON). A bad spec raises InvalidFieldError naming `param`; `cancel` (a
         threading.Event) set by the caller stops the compile (GrammarCancelled)."""
-        with self._grammars_lock:
-            if self._grammars is None:
-                self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
-                                                 limits=GrammarLimits.of(self.cfg))
-        return self._grammars.compile(kind, spec, param, cancel)
+        return self.structured.compile(kind, spec, param, cancel)
 
     # -- requests ------------------------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> CheckedRequest:
@@ -166,9 +169,10 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int] | CheckedRequest,
                     params: SamplingParams | None = None, prompt: str | None = None, cache_salt: str | None = None,
                     mm_hashes: list[tuple[int, str]] | None = None, multimodal: MultimodalPrompt | None = None,
-                    lora_name: str | None = None) -> None:
+                    priority: int = 0, lora_name: str | None = None) -> None:
         """Queue a request: a CheckedRequest from check_request (not checked again), or the prompt's
         ids and its params (checked here).
+        priority: vLLM's, lower first; other than 0 only under scheduling_policy priority.
         cache_salt: prefixes are shared only under the same salt ("clef:..." never shares);
         mm_hashes: (position, content hash) of each media item, part of the prefix key;
         multimodal: the prompt's images/videos (`self.multimodal.prompt(...)`); prompt_token_ids are its
@@ -176,6 +180,8 @@ class LLMEngine:
         lora_name: a served LoRA adapter the request runs on (qv/engine/lora_rows.py; its own prefix salt)."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if priority != 0 and self.scheduler.policy != "priority":
+            raise InvalidFieldError(f"Got priority {priority} but Priority scheduling is not enabled.", "priority")
         adapter = None
         if lora_name is not None:
             if self.lora is None:
@@ -194,10 +200,11 @@ class LLMEngine:
                                            params.include_stop_str_in_output)
             seq = Sequence(next(self._seq_ids), request_id, i, list(prompt_token_ids), params, max_tokens,
                            base_seed + i, detok, arrival_order=next(self._seq_ids),
-                           eos_token_ids=self.eos_token_ids, cache_salt=cache_salt, mm_hashes=mm_hashes, media=media,
-                           matcher=params.grammar.matcher() if params.grammar is not None else None,
+                           eos_token_ids=self.eos_token_ids, cache_salt=cache_salt, priority=priority,
+                           mm_hashes=mm_hashes, media=media,
                            prompt_logprobs=new_prompt_logprobs(params, prompt_token_ids, self.tokenizer) if i == 0 else None)
             seqs.append(seq)
+            self.structured.add(seq, params.grammar)
             if media is not None:
                 media.seqs.append(seq)
             if adapter is not None:
@@ -207,25 +214,25 @@ class LLMEngine:
         self.stats.prompt_tokens += len(prompt_token_ids)
         self._refresh_stats()
 
-    def add_clef(self, request_id: str, record, num_tokens: int, checksum: str) -> None:
+    def add_clef(self, request_id: str, record) -> None:
         """Queue a Clef record (qv.clef.encode.EncodedRecord): a prefill-only request whose rows run
         Clef's weights and feed the joint head (qv/engine/clef_rows.py). Its finished RequestOutput
-        carries `clef`, a ClefResult. num_tokens/checksum: what the endpoint encoded; the record
-        that runs must match them or it is refused."""
+        carries `clef`, a ClefResult; a record whose tokens that ran hash otherwise than the encoded
+        ones is refused then."""
         if self.clef is None:
             raise InvalidRequestError("this model serves no Clef decisions: its folder has no Clef head "
                                       "(joint_head.safetensors or clef/) or QV_CLEF is off")
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         room = self.blocks.capacity(True) * self.blocks.block_size - self.scheduler.lookahead
-        self.clef.check(record, num_tokens, room)
+        self.clef.check(record, room)
         media = check_multimodal(self.media is not None, record.input_ids, None, record.multimodal)
         detok = IncrementalDetokenizer(self.tokenizer, [])
         seq = clef_sequence(next(self._seq_ids), request_id, record, SamplingParams(temperature=0.0, max_tokens=1),
                             detok, next(self._seq_ids), media)
         if media is not None:
             media.seqs.append(seq)
-        self.clef.add(seq, record, num_tokens, checksum)
+        self.clef.add(seq, record)
         self.requests[request_id] = _Request(request_id, None, seq.prompt_token_ids, [seq], RequestMetrics())
         self.stats.prompt_tokens += record.num_tokens
         self._refresh_stats()
@@ -265,10 +272,6 @@ class LLMEngine:
         while a step is in flight, or a seat freed by a stop, is used one step later) logprobs may
         differ by the fp32 rounding of sums over another batch shape, as they do with arrival times."""
         self._steps += 1
-        if self.spec and self._steps % SPEC_LOG_EVERY == 0 and self.spec.stats.num_drafts:
-            st = self.spec.stats
-            log.info("speculation (%s, k=%d): mean acceptance length %.2f over %d drafts", self.spec.mode,
-                     self.spec.k, st.mean_acceptance_length, st.num_drafts)
         touched: dict[str, _Request] = {}
         cur, self._inflight = self._inflight, None
         if cur is None:
@@ -363,7 +366,7 @@ class LLMEngine:
         if any(f.holds_next_step(s) for f in self.features):
             return False  # Clef records (admission, head rows, answers) and images/videos stay synchronous
         going_on = set(self._continuing(h))
-        if any(q.matcher is not None for q in going_on):
+        if any(self.structured.constrains(q) for q in going_on):
             return False  # structured outputs: the next mask needs this step's tokens in the matcher
         if any(_penalized(q.params) for q in going_on):
             return False  # presence/frequency/repetition penalties count the output tokens on the host
@@ -379,22 +382,13 @@ class LLMEngine:
         return outputs
 
     def _apply_result(self, seq: Sequence, res: StepResult) -> None:
-        if res.num_accepted is not None:
-            self.spec.record(seq, seq.draft_source, res.num_accepted)
-        seq.draft_token_ids, seq.draft_source = [], None
+        source, seq.draft_token_ids, seq.draft_source = seq.draft_source, [], None
         for j, tok in enumerate(res.token_ids):  # stops and limits apply inside an accepted run too
             self._append(seq, tok, res.logprobs[j] if res.logprobs else None)
             if seq.finished:
-                return
-        if self.spec and self._room_for_drafts(seq):  # a structured output's drafts are checked by its grammar
-            seq.draft_token_ids, seq.draft_source = self.spec.next_drafts(seq, res.next_mtp_drafts)
-        else:
-            seq.spare_drafts = []
-
-    def _room_for_drafts(self, seq: Sequence) -> bool:
-        """Room for k draft rows and the head's lookahead before max_model_len (tokens accepted past
-        max_tokens are cut when appended, so the output limit needs no room)."""
-        return seq.num_tokens + 2 * self.spec.k + 1 < self.max_model_len
+                break
+        for f in self.features:  # speculation: the drafts' outcome, the next drafts
+            f.after_result(seq, res, source)
 
     def _append(self, seq: Sequence, token_id: int, logprob=None) -> None:
         seq.output_token_ids.append(token_id)
@@ -406,7 +400,7 @@ class LLMEngine:
                 entry.setdefault(tid, Logprob(tlp, r, seq.detok.decode_token(tid)))
             seq.output_logprobs.append(entry)
         stop_str = seq.detok.add_token(token_id)
-        if seq.matcher is not None and self._grammar_done(seq, token_id):
+        if any(f.on_token(seq, token_id, self.scheduler) for f in self.features):  # a grammar's end
             return
         t, p, n_out = token_id, seq.params, len(seq.output_token_ids)
         if n_out >= p.min_tokens and not p.ignore_eos and t in self.eos_token_ids:
@@ -417,17 +411,6 @@ class LLMEngine:
             self.scheduler.finish(seq, "stop", stop_reason=stop_str)
         elif n_out >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             self.scheduler.finish(seq, "length")
-
-    def _grammar_done(self, seq: Sequence, token_id: int) -> bool:
-        """Advance a structured output's matcher; True when that finished the sequence."""
-        if not seq.matcher.accept_token(token_id):  # the mask allowed only tokens it accepts
-            self.scheduler.finish(seq, "abort", error=seq.matcher.failure
-                                  or f"token {token_id} is outside the request's grammar (a qv bug)")
-            return True
-        if seq.matcher.is_terminated():  # it took a stop token where the grammar is complete
-            self.scheduler.finish(seq, "stop")
-            return True
-        return False
 
     def _output(self, req: _Request) -> RequestOutput:
         outs = []
@@ -449,29 +432,26 @@ class LLMEngine:
             self.requests.pop(req.request_id, None)
             for s in req.seqs:
                 self.stats.finished[s.finish_reason] = self.stats.finished.get(s.finish_reason, 0) + 1
-        clef = self.clef.pop_result(req.request_id) if self.clef and finished else None
+        extra = {k: v for f in self.features for k, v in f.finished_output(req.request_id).items()} if finished else {}
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished,
                              num_cached_tokens=min(s.num_cached_tokens for s in req.seqs), metrics=m, error=error,
-                             clef=clef, prompt_logprobs=finished_prompt_logprobs(req.seqs[0]))
+                             prompt_logprobs=finished_prompt_logprobs(req.seqs[0]), **extra)
 
     def _refresh_stats(self) -> None:
         s = self.stats
         s.num_running = len(self.scheduler.running)
         s.num_waiting = len(self.scheduler.waiting) + sum(f.num_queued for f in self.features)
         s.kv_cache_usage = self.blocks.usage
-        host = self.prefix_cache.host if self.prefix_cache else None
-        if host is not None and host.num_blocks:
-            s.host_cache_usage = 1 - len(host.blocks.free) / host.num_blocks
         s.num_preemptions = self.scheduler.num_preemptions
-        if self.spec:
-            sp = self.spec.stats
-            s.spec_num_drafts, s.spec_num_draft_tokens = sp.num_drafts, sp.num_draft_tokens
-            s.spec_num_accepted_tokens, s.spec_num_accepted_tokens_per_pos = sp.num_accepted_tokens, list(
-                sp.accepted_per_pos)
+        s.num_deferred_readmissions = self.scheduler.num_deferred_readmissions
+        for f in self.features:  # speculation's counters
+            f.report(s)
         if self.prefix_cache:
-            pc = self.prefix_cache.stats
+            pc, host = self.prefix_cache.stats, self.prefix_cache.host
             s.prefix_cache_queries, s.prefix_cache_hits = pc.queries, pc.hits
             s.prompt_tokens_cached, s.prefix_cache_host_hits = pc.prompt_tokens_cached, pc.host_hits
+            if host is not None and host.num_blocks:
+                s.host_cache_usage = 1 - len(host.blocks.free) / host.num_blocks
 
 
 def _penalized(p: SamplingParams) -> bool:

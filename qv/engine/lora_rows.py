@@ -12,7 +12,9 @@ adapters, Clef records and plain chats share one step and one grouped launch per
 - a step (StepFeature.fit_plan): every scheduled sequence's adapter is made resident, evicting the
   least recently used adapter no scheduled sequence needs; a step holds rows of at most max_loras
   adapters, the sequences of the others wait for a later step.
-- the batch (`delta_rows`): rows grouped by slot (Clef's records in slot 0), one small upload.
+- the step's inputs (StepFeature.fill_inputs): every delta row grouped by slot (Clef's records in slot 0)
+  into the `delta_rows` field and all max_loras + 2 slot starts into `delta_slot_start`
+  (qv/engine/step_inputs.py), every step: a replayed decode graph reads every slot's start.
 """
 
 from __future__ import annotations
@@ -24,13 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from qv.clef.adapters import ClefLayoutError, all_linears, place_modules, read_peft_adapter
 from qv.engine.sequence import Sequence
 from qv.engine.step_feature import StepFeature
 from qv.errors import ConfigError, InvalidRequestError
-from qv.model.delta_bank import DeltaGroups
 from qv.model.delta_bank import DeltaBank
 
 log = logging.getLogger("qv")
@@ -94,8 +94,12 @@ def reserve_lora_slots(model, max_loras: int, max_lora_rank: int) -> int:
 
 
 class LoraRows(StepFeature):
-    def __init__(self, model, max_loras: int, max_lora_rank: int, max_cpu_loras: int = 0):
+    def __init__(self, model, max_loras: int, max_lora_rank: int, max_cpu_loras: int = 0, clef=None):
+        """clef: the engine's ClefRows, whose records' delta rows go into slot 0 of the step's groups."""
         self.model, self.max_loras, self.max_lora_rank = model, max_loras, max_lora_rank
+        self.clef = clef
+        if clef is not None:
+            clef.rows_grouped = True
         self.max_cpu_loras = max_cpu_loras
         self.linears = all_linears(model)
         self.adapters: dict[str, LoraAdapter] = {}
@@ -247,48 +251,47 @@ class LoraRows(StepFeature):
                 adapter = self._read_by_uid[uid] = self.read(f"load {uid}", path)
             self.write_slot(slot, adapter)
 
-    # -- the batch -----------------------------------------------------------------------------
-    def delta_rows(self, seqs: list[Sequence], cu: np.ndarray, alloc, clef=None) -> torch.Tensor | DeltaGroups | None:
-        """The step's delta rows: Clef's plain rows when no sequence runs an adapter, else every delta row
-        grouped by bank slot (slot 0: Clef's records) in one upload: slot starts, then rows."""
+    # -- the step's inputs ----------------------------------------------------------------------
+    def fill_inputs(self, seqs: list[Sequence], cu: np.ndarray, host: dict) -> dict[str, int]:
+        """Every delta row of the step grouped by bank slot (slot 0: Clef's records, s: the adapter resident
+        there) into `delta_rows`, and the max_loras + 2 starts of the slots' groups into `delta_slot_start`,
+        written every step (a step without delta rows leaves every slot empty)."""
+        num_slots = self.max_loras + 1
         slot_of = np.full(len(seqs), -1, dtype=np.int64)
         with self.lock:
             for i, s in enumerate(seqs):
                 a = self.seq_adapter.get(s)
                 if a is not None:
                     slot_of[i] = self.resident[a.name]
-        if (slot_of < 0).all():
-            return clef.delta_rows(seqs, cu, alloc) if clef is not None else None
+        clef = self.clef
         if clef is not None and clef.has_deltas:
             for i, s in enumerate(seqs):
                 if clef.owns(s):
                     slot_of[i] = 0
-        num_slots = self.max_loras + 1
+        starts = host["delta_slot_start"][:num_slots + 1]
+        grouped = slot_of >= 0
+        if not grouped.any():
+            starts[:] = 0
+            return {"delta_rows": 0, "delta_slot_start": num_slots + 1}
         lens = np.diff(cu[:len(seqs) + 1]).astype(np.int64)
-        per_slot = np.bincount(slot_of[slot_of >= 0], weights=lens[slot_of >= 0], minlength=num_slots).astype(np.int64)
+        starts[0] = 0
+        np.cumsum(np.bincount(slot_of[grouped], weights=lens[grouped], minlength=num_slots).astype(np.int64),
+                  out=starts[1:])
         order = np.argsort(slot_of, kind="stable")
         order = order[slot_of[order] >= 0]
         rows = np.concatenate([np.arange(cu[i], cu[i + 1]) for i in order])
-        host, device = alloc(num_slots + 1 + rows.size, torch.int64)
-        host[0] = 0
-        np.cumsum(per_slot, out=host[1:num_slots + 1])
-        host[num_slots + 1:] = rows
-        return DeltaGroups(device[num_slots + 1:], device[:num_slots + 1], int(per_slot.max()))
-
-    @property
-    def upload_bytes(self) -> int:
-        """What delta_rows adds to a step's upload beyond one int64 per row (the slot starts, aligned)."""
-        return 8 * (self.max_loras + 2) + 16
+        host["delta_rows"][:rows.size] = rows
+        return {"delta_rows": int(rows.size), "delta_slot_start": num_slots + 1}
 
 
-def make_lora_rows(cfg, model, tp) -> LoraRows | None:
+def make_lora_rows(cfg, model, clef=None) -> LoraRows | None:
     """LoraRows for enable_lora (slots reserved before the memory plan by reserve_lora_slots), with the
-    adapters of lora_modules loaded; a bad one stops the start with its reason."""
+    adapters of lora_modules loaded; a bad one stops the start with its reason. clef: the engine's ClefRows."""
     if not cfg.enable_lora:
         if cfg.lora_modules:
             raise ConfigError("lora_modules is set but enable_lora is off")
         return None
-    lora = LoraRows(model, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras)
+    lora = LoraRows(model, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras, clef)
     for name, path in parse_lora_modules(cfg.lora_modules).items():
         try:
             lora.load(name, path)

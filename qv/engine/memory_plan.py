@@ -1,6 +1,8 @@
 """The start-up memory plan in one record: where the device's bytes go (weights, KV blocks, GDN state
 slots, prefix snapshots, speculation buffers, the share kept for activations and CUDA graphs) and what
-that buys: the longest context and how many sequences of it fit. Logged at start and shown by `qv bench`."""
+that buys: the longest context and how many sequences of it fit. Logged at start and shown by `qv bench`.
+Under tensor parallelism every figure is one rank's (its shard of the weights, its KV and GDN heads): the
+ranks allocate the same blocks and slots, so the context figures hold for the whole group."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ class MemoryPlan:
     other_bytes: int  # Clef head states and other reserves
     reserve_bytes: int  # left for activations and CUDA graph pools
     max_model_len: int
+    tensor_parallel_size: int = 1  # > 1: the byte figures are each rank's
 
     @property
     def kv_tokens(self) -> int:
@@ -69,6 +72,8 @@ class MemoryPlan:
         """One paragraph for the start-up log."""
         gib = lambda b: f"{b / GIB:.2f} GiB" if b >= GIB else f"{b / (1 << 20):.1f} MiB"  # noqa: E731
         head = f"of {gib(self.device_bytes)} x {self.utilization:.2f}: " if self.device_bytes else ""
+        if self.tensor_parallel_size > 1:
+            head = f"per rank (tensor parallel {self.tensor_parallel_size}) {head}"
         return (f"memory plan {head}weights {gib(self.weight_bytes)}, KV {gib(self.kv_bytes)} ({self.kv_blocks} "
                 f"blocks = {self.kv_tokens:,} tokens), GDN states {gib(self.gdn_bytes)} ({self.gdn_slots} slots + "
                 f"1 scratch), prefix snapshots {gib(self.snapshot_bytes)} ({self.snapshots}), speculation "

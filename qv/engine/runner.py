@@ -1,16 +1,18 @@
-"""One step: a StepPlan becomes flat tensors (built with NumPy in preallocated pinned buffers and
-copied to the device once), the model runs one forward over all rows, the rows that caught up
-with their tokens are sampled (or, for speculative rows, verified), and the next drafts are made.
-Everything comes back in one transfer (a StepOutputs, qv/engine/step_outputs.py): the only
-device-to-host sync of the step (prompt logprobs, when a request asks for them, come in a bounded
-copy of their own: qv/engine/prompt_logprobs.py).
+"""One step: a StepPlan becomes the step's inputs (named persistent buffers, qv/engine/step_inputs.py:
+filled with NumPy in pinned host memory and sent in one upload; the batch is views of them), the
+model runs one forward over all rows (eagerly, replayed from a CUDA graph that captured those same
+buffers, or with the tensor-parallel workers), the rows that caught up with their tokens are sampled
+(or, for speculative rows, verified), and the next drafts are made. Everything comes back in one
+transfer (a StepOutputs, qv/engine/step_outputs.py): the only device-to-host sync of the step (prompt
+logprobs, when a request asks for them, come in a bounded copy of their own:
+qv/engine/prompt_logprobs.py).
 
 `execute` launches a step and returns its StepHandle (the results' copy to pinned host memory is
 queued right behind the step's kernels); `collect` waits for that copy and unpacks it. Between
 the two the host may launch the next step (async scheduling, qv/engine/engine.py): a row whose
 input token is still PENDING (the last step's sampled id, not on the host yet) takes it from that
 step's sampled-id tensor on the device, copied into the step's ids right after the upload, in
-stream order, before any kernel (or CUDA graph input copy) reads them."""
+stream order, before any kernel (or graph replay) reads them."""
 
 from __future__ import annotations
 
@@ -21,18 +23,18 @@ import torch
 
 from qv.engine.bad_words import batch_bans
 from qv.engine.sampler import SamplingBatch, apply_grammar, logprobs_of, process, sample, token_bias
-from qv.engine.clef_rows import ClefRows
-from qv.engine.lora_rows import LoraRows
 from qv.engine.cuda_graphs import DecodeGraphs
 from qv.engine.multimodal import VisionSteps
-from qv.engine.prompt_logprobs import PromptLogprobRows, launch_prompt_logprobs, prompt_logits_calls
+from qv.engine.prompt_logprobs import PromptLogprobRows, launch_prompt_logprobs
 from qv.engine.scheduler import StepPlan
 from qv.engine.sequence import Sequence
+from qv.engine.step_inputs import StepCapacity, StepInputs, StepShape
 from qv.engine.step_outputs import OutputShape, StepOutputs
-from qv.engine.structured import grammar_bitmask
-from qv.engine.tensor_parallel import SpecStep, TPDriver
+from qv.engine.step_feature import StepFeature
+from qv.engine.step_structured import StructuredOutputs
+from qv.engine.tensor_parallel import SingleRank, SpecStep, TPDriver
 from qv.spec.speculator import Speculator
-from qv.model.batch import AttentionMeta, GDNMeta, StepBatch
+from qv.model.batch import StepBatch
 from qv.model.cache import HybridCache
 from qv.spec.verify import verify
 
@@ -47,95 +49,37 @@ class StepResult:
     next_mtp_drafts: list[int] | None = None
 
 
-@dataclass(frozen=True)
-class StepCapacity:
-    """The most one step holds: the one declaration that sizes the step's buffers (the runner's upload,
-    the vision steps' rows)."""
-
-    rows: int  # token rows: the token budget, plus k draft rows a sequence with speculation
-    seqs: int
-    blocks: int  # block-table width: max_model_len and the speculative lookahead, in blocks
-    k1: int  # rows of a verifying sequence (1 without speculation)
-
-    @classmethod
-    def of(cls, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int,
-           spec_k: int = 0) -> "StepCapacity":
-        lookahead = 2 * spec_k + 2 if spec_k else 1
-        return cls(rows=max_num_batched_tokens + spec_k * max_num_seqs, seqs=max_num_seqs,
-                   blocks=-(-(max_model_len + lookahead) // block_size) + 1, k1=spec_k + 1)
-
-    @property
-    def upload_bytes(self) -> int:
-        """per token (int64): ids, next ids, positions, slots, logits rows, Clef delta rows; per sequence:
-        cu/rest/lens/slots/init, drafts and the pending-input rows, plus up to 10 sampling settings per
-        logits row (k+1 rows for a verified sequence); the block tables; alignment slack"""
-        return 6 * 8 * self.rows + (96 * self.k1 + 80) * (self.seqs + 1) + 4 * self.seqs * self.blocks + 16 * 64
-
-
-_NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32, torch.bool: np.bool_}
-
-
-class _Upload:
-    """All of a step's host-to-device traffic in one copy. `alloc` lays the step's arrays out one
-    after another (16-byte aligned) in a pinned host byte buffer and returns the NumPy view to fill
-    and the device view to read once `send` has run (stream order puts the copy before the step's
-    kernels). A step without a device-to-host sync (a prefill chunk that samples nothing) can leave
-    its copy queued behind the GPU's work, so `begin` waits for the event `mark` recorded after the
-    step's last copy (the vision steps' own pinned buffers included) before any of them is written
-    again."""
-
-    def __init__(self, nbytes: int, device: torch.device):
-        cuda = device.type == "cuda"
-        self.host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=cuda)
-        self._host_np = self.host.numpy()
-        self.dev = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-        self.copied = torch.cuda.Event() if cuda else None
-        self.used = 0
-
-    def begin(self) -> None:
-        if self.copied is not None:
-            self.copied.synchronize()
-        self.used = 0
-
-    def alloc(self, n: int, dtype: torch.dtype) -> tuple[np.ndarray, torch.Tensor]:
-        off = self.used
-        end = off + n * dtype.itemsize
-        if end > self.host.numel():
-            raise RuntimeError(f"a step needs more than the {self.host.numel()}-byte upload buffer (a sizing bug)")
-        self.used = -(-end // 16) * 16  # Triton specializes kernels on 16-byte aligned pointers
-        return self._host_np[off:end].view(_NUMPY[dtype]), self.dev[off:end].view(dtype)
-
-    def send(self) -> None:
-        self.dev[:self.used].copy_(self.host[:self.used], non_blocking=True)
-
-    def mark(self) -> None:
-        """After the step's last host-to-device copy (media positions come after `send`): what the
-        next `begin` waits for."""
-        if self.copied is not None:
-            self.copied.record(torch.cuda.current_stream(self.dev.device))
-
-
 @dataclass
 class _Step:
     ids: torch.Tensor
     positions: torch.Tensor
     batch: StepBatch
+    shape: StepShape  # its sizes: what cut the persistent input fields into the views here
     seqs: list[Sequence]
     q_lens: np.ndarray
     cu: np.ndarray
-    num_spec: int  # the first num_spec sequences verify drafts (k+1 rows each, all with logits)
-    samplers: list[int]  # indices of the other sequences that sample one token this step
+    samplers: list[int]  # indices of the sequences (after the shape.num_spec verifying ones) that sample one token
     host_ids: np.ndarray  # the step's token ids as uploaded (Clef checks what ran; valid until the next step)
     next_ids: torch.Tensor  # [T] the token after each row (MTP input; sampled rows' filled in on the device)
     sample_batch: SamplingBatch | None  # settings of the `samplers` rows
     verify_batch: SamplingBatch | None  # settings of the verification rows (k+1 per sequence)
     drafts: torch.Tensor | None  # [num_spec, k] the drafts being verified
+    graphs: DecodeGraphs | None = None  # the graphs that replay the forward (None: it runs eagerly)
     rope: torch.Tensor | None = None  # rotary positions when they are not the token indices (images: mRoPE)
     embeds: torch.Tensor | None = None  # input embeddings with vision rows, when a chunk holds media pads
     prompt_logprobs: PromptLogprobRows | None = None  # prompt rows' logprobs, in their own bounded copy
-    graphs: DecodeGraphs | None = None  # the graphs that replayed the forward (None: it ran eagerly)
     mtp: str | None = None  # the MTP head's work after the forward (Speculator.mtp_work)
     tp_spec: SpecStep | None = None  # under tensor parallelism with speculation: the workers' view of it
+
+    @property
+    def draft_max_len(self) -> int:
+        """The longest sequence's length after the step: what the MTP walk's attention bounds its keys by."""
+        return int(max(s.num_computed_tokens for s in self.seqs) + self.q_lens.max())
+
+    @property
+    def num_spec(self) -> int:
+        """The first num_spec sequences verify drafts (k+1 rows each, all with logits)."""
+        return self.shape.num_spec
 
 
 @dataclass
@@ -156,73 +100,69 @@ class StepHandle:
 
 class ModelRunner:
     def __init__(self, model, cache: HybridCache, capacity: StepCapacity, max_model_len: int,
-                 speculator: Speculator | None = None, media: VisionSteps | None = None,
-                 clef: ClefRows | None = None, tp: TPDriver | None = None, lora: LoraRows | None = None):
+                 features: list[StepFeature], speculator: Speculator | None, media: VisionSteps | None,
+                 structured: StructuredOutputs, tp: TPDriver | None = None):
         self.model, self.cache, self.spec, self.media = model, cache, speculator, media
-        self.tp = tp  # tensor parallelism: each step goes to the workers first (qv/engine/tensor_parallel.py)
-        self.clef = clef  # Clef records' rows: their low-rank deltas and joint-head inputs
+        self.features = features  # what plugs into the step (qv/engine/step_feature.py): Clef rows' hooks run here
+        self.structured = structured  # grammar masks of the sampling rows
+        self.tp = tp or SingleRank()  # tensor parallelism: each step goes to the workers first
         self.device = model.device
         self.block_size = cache.block_size
         self.capacity = capacity
-        self.lora = lora  # served LoRA adapters: their rows join Clef's in the step's grouped deltas
-        self.upload = _Upload(capacity.upload_bytes + (lora.upload_bytes if lora else 0), self.device)
+        self.inputs = StepInputs(capacity, self.device)  # the step's named input buffers, allocated once
         self.vocab_size = model.cfg.vocab_size
-        self.max_seqs, self.max_blocks, self.max_model_len = capacity.seqs, capacity.blocks, max_model_len
+        self.max_seqs, self.max_model_len = capacity.seqs, max_model_len
         self.graphs: DecodeGraphs | None = None
         self.verify_graphs: DecodeGraphs | None = None
+        self.scratch_slot = -1  # the GDN slot padding rows of a replayed graph use (enable_decode_graphs)
         self.last: StepHandle | None = None  # the last step launched: where PENDING input tokens come from
 
     def enable_decode_graphs(self, scratch_slot: int) -> None:
         """Capture and check the decode graphs, and with speculation the verification graphs (k+1 rows a
-        sequence) and the MTP head's; StartupError (graphs left off) where one fails."""
-        slots = self.lora.max_loras + 1 if self.lora else 0  # LoRA rows replay too (fixed-capacity bank slots)
-        graphs = DecodeGraphs(self.model, self.cache, self.max_seqs, self.max_blocks, self.max_model_len,
-                              scratch_slot, spec=self.spec, delta_slots=slots)
+        sequence) and the MTP head's; StartupError (graphs left off) where one fails. They capture views
+        of the step's input fields: a replay reads what the step's upload wrote."""
+        self.scratch_slot = scratch_slot
+        graphs = DecodeGraphs(self.model, self.cache, self.inputs, self.max_seqs, self.max_model_len, scratch_slot,
+                              spec=self.spec)
         graphs.capture()
         self.graphs = graphs
         if self.spec is not None:
-            verify = DecodeGraphs(self.model, self.cache, self.spec.max_seqs, self.max_blocks, self.max_model_len,
-                                  scratch_slot, rows_per_seq=self.spec.k + 1, spec=self.spec, pool=graphs.pool,
-                                  delta_slots=slots)
+            verify = DecodeGraphs(self.model, self.cache, self.inputs, self.spec.max_seqs, self.max_model_len,
+                                  scratch_slot, rows_per_seq=self.spec.k + 1, spec=self.spec, pool=graphs.pool)
             verify.capture()
             self.verify_graphs = verify
 
-    def _graphs_for(self, st: "_Step") -> DecodeGraphs | None:
-        """The graphs that can replay this step's forward: decode steps whose sequences all run one row, or
+    def _graphs_for(self, seqs: list[Sequence], num_spec: int, rows: int) -> DecodeGraphs | None:
+        """The graphs that can replay a step's forward: decode steps whose sequences all run one row, or
         all verify k+1 rows (qv/engine/scheduler.py evens a decode step's drafts out for this), with token
-        positions as rotary positions, no vision rows and no Clef-only delta rows (rows grouped by slot, as
-        LoRA's, replay)."""
-        if (self.graphs is None or st.rope is not None or st.embeds is not None
-                or isinstance(st.batch.delta_rows, torch.Tensor)):  # Clef's plain rows: no graph holds them
+        positions as rotary positions, no vision rows and no Clef record's delta rows (LoRA adapters' rows
+        replay: the graphs capture the grouped deltas over the step's delta fields)."""
+        if self.graphs is None or any(s.media is not None for s in seqs) or \
+                not all(f.replayable(seqs) for f in self.features):
             return None
-        n, rows = len(st.seqs), len(st.host_ids)
-        if st.num_spec == 0 and rows == n:
+        n = len(seqs)
+        if num_spec == 0 and rows == n:
             graphs = self.graphs
-        elif st.num_spec == n and self.verify_graphs is not None and rows == n * self.verify_graphs.q:
+        elif num_spec == n and self.verify_graphs is not None and rows == n * self.verify_graphs.q:
             graphs = self.verify_graphs
         else:
             return None
         return graphs if graphs.bucket(n) is not None else None
 
-    def _forward(self, st: "_Step") -> torch.Tensor:
-        """Replay a captured graph where one fits the step (st.graphs); run eagerly otherwise."""
-        if self.tp is not None:  # the workers run the same forward, compute_logits calls and speculation
-            st.tp_spec = None if self.spec is None else SpecStep(
-                st.num_spec, st.batch.gdn.num_spec_tokens, self.spec.k + 1, tuple(st.samplers), st.mtp,
-                _draft_max_len(st))
-            self.tp.send_step(self.upload.dev, self.upload.used, st.ids, st.positions, st.batch,
-                              prompt_logits_calls(st.seqs, st.cu, self.vocab_size), spec=st.tp_spec,
-                              next_ids=st.next_ids)
-        st.graphs = self._graphs_for(st)
+    def _forward(self, st: _Step) -> torch.Tensor:
+        """The step's forward: with the tensor-parallel workers, replayed from a graph, or eagerly."""
+        self.tp.send_step(self.inputs, st, self.vocab_size)  # the workers run the same forward (one rank: nothing)
         if st.graphs is not None:
-            return st.graphs.run(st.batch, st.ids, st.positions)
+            return st.graphs.run(st.shape.rows)
         pos = st.positions if st.rope is None else st.rope
         return self.model.forward(st.ids, pos, st.batch, self.cache, inputs_embeds=st.embeds)
 
-    # -- batch construction --------------------------------------------------------------------
+    # -- the step's inputs ----------------------------------------------------------------------
     def prepare(self, plan: StepPlan) -> _Step:
-        up = self.upload
-        up.begin()
+        """Fill the step's host fields (qv/engine/step_inputs.py), padded to a graph's size where one will
+        replay the forward, and send them in the step's one upload; the batch is views of the device fields."""
+        inp, h = self.inputs, self.inputs.host
+        inp.begin()
         # verification rows first, so the GDN layers can keep their per-position states as a prefix
         sched = sorted(plan.scheduled, key=lambda sn: not sn[0].draft_token_ids)
         seqs = [s for s, _ in sched]
@@ -230,28 +170,21 @@ class ModelRunner:
         q_lens = np.fromiter((n for _, n in sched), dtype=np.int64, count=len(seqs))
         starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=len(seqs))
         nseq, ntok = len(seqs), int(q_lens.sum())
+        graphs = self._graphs_for(seqs, num_spec, ntok)
+        pad_seqs = graphs.bucket(nseq) if graphs is not None else 0
         width = max(1, max(len(s.block_ids) for s in seqs))
-        cu, cu_d = up.alloc(nseq + 1, torch.int32)
-        seq_lens, seq_lens_d = up.alloc(nseq, torch.int32)
-        has_init, has_init_d = up.alloc(nseq, torch.bool)
-        slots, slots_d = up.alloc(nseq, torch.int64)
-        tables, tables_d = up.alloc(nseq * width, torch.int32)
-        tables, tables_d = tables.reshape(nseq, width), tables_d.view(nseq, width)
-        ids, ids_d = up.alloc(ntok, torch.int64)
-        next_ids, next_ids_d = up.alloc(ntok, torch.int64)
-        positions, positions_d = up.alloc(ntok, torch.int64)
-        slot_mapping, slot_mapping_d = up.alloc(ntok, torch.int64)
-        logits_idx, logits_idx_d = up.alloc(ntok, torch.int64)
+        tables = inp.host_table(self.capacity.blocks if graphs is not None else width)  # as the graph captured it
+        cu, ids, next_ids, logits_idx = h["cu_seqlens_q"][:nseq + 1], h["ids"], h["next_ids"], h["logits_indices"]
         cu[0] = 0
         np.cumsum(q_lens, out=cu[1:])
         ends = starts + q_lens
-        seq_lens[:] = ends
-        has_init[:] = starts > 0
+        h["seq_lens"][:nseq] = ends
+        h["has_initial_state"][:nseq] = starts > 0
         samplers, pending, n_logits = [], [], 0
         for i, (seq, n) in enumerate(sched):
             tables[i, :len(seq.block_ids)] = seq.block_ids
-            tables[i, len(seq.block_ids):] = 0
-            slots[i] = seq.state_slot
+            tables[i, len(seq.block_ids):width] = 0
+            h["state_slots"][i] = seq.state_slot
             start, c0 = int(starts[i]), int(cu[i])
             known = min(n, seq.num_tokens - start)
             ids[c0:c0 + known] = seq.token_slice(start, start + known)
@@ -264,73 +197,63 @@ class ModelRunner:
             if seq.draft_token_ids:
                 logits_idx[n_logits:n_logits + n] = np.arange(c0, c0 + n)
                 n_logits += n
-            elif start + n == seq.num_tokens and not (self.clef and self.clef.owns(seq)):  # records never sample
+            elif start + n == seq.num_tokens and all(f.samples(seq) for f in self.features):  # Clef records never do
                 samplers.append(i)
         for i in samplers:
             logits_idx[n_logits] = cu[i + 1] - 1
             n_logits += 1
         row_of = np.repeat(np.arange(nseq), q_lens)
         pos = np.arange(ntok) - cu[row_of] + starts[row_of]
-        positions[:] = pos
-        slot_mapping[:] = tables[row_of, pos // self.block_size] * self.block_size + pos % self.block_size
+        h["positions"][:ntok] = pos
+        h["slot_mapping"][:ntok] = tables[row_of, pos // self.block_size] * self.block_size + pos % self.block_size
+        k = self.capacity.k1 - 1
         if num_spec:
-            rest, rest_d = up.alloc(nseq - num_spec + 1, torch.int32)
-            rest[:] = cu[num_spec:nseq + 1] - cu[num_spec]
-            gdn = self.spec.gdn_meta(slots_d, has_init_d, num_spec, int(cu[num_spec]), rest_d)
-        else:
-            gdn = GDNMeta(slots_d, has_init_d)
-        k1 = self.spec.k + 1 if self.spec else 1
-        specs = seqs[:num_spec]
-        verify_batch = self.sampling_batch([(s, j) for s in specs for j in range(k1)]) if num_spec else None
-        drafts = None
-        if num_spec:
-            drafts_h, drafts = up.alloc(num_spec * (k1 - 1), torch.int64)
-            drafts_h[:] = [t for s in specs for t in s.draft_token_ids]
-            drafts = drafts.view(num_spec, k1 - 1)
+            h["cu_seqlens_rest"][:nseq - num_spec + 1] = cu[num_spec:nseq + 1] - cu[num_spec]
+            h["drafts"][:num_spec * k] = [t for s in seqs[:num_spec] for t in s.draft_token_ids]
+        # the low-rank delta rows: Clef's records' (plain), or every delta row grouped by bank slot (LoRA)
+        filled = {name: n for f in self.features for name, n in f.fill_inputs(seqs, cu, h).items()}
+        slot_starts = filled.get("delta_slot_start", 0)
+        if pending:
+            self._pending_rows(pending)
+        shape = StepShape(seqs=nseq, rows=ntok, logits=n_logits, width=width, max_query_len=int(q_lens.max()),
+                          max_seq_len=int(ends.max()), num_spec=num_spec, spec_rows=int(cu[num_spec]), draft_k=k,
+                          delta_rows=filled.get("delta_rows", 0), delta_slot_starts=slot_starts,
+                          delta_max_rows=int(np.diff(h["delta_slot_start"][:slot_starts]).max()) if slot_starts else 0,
+                          pending=len(pending), pad_seqs=pad_seqs,
+                          pad_rows=pad_seqs * graphs.q if graphs is not None else 0)
+        if graphs is not None:
+            inp.pad(shape, self.scratch_slot)
+        k1 = k + 1
+        verify_batch = self.sampling_batch([(s, j) for s in seqs[:num_spec] for j in range(k1)]) if num_spec else None
         sample_batch = self.sampling_batch([(seqs[i], 0) for i in samplers]) if samplers else None
-        batch = StepBatch(
-            cu_seqlens_q=cu_d, max_query_len=int(q_lens.max()),
-            attn=AttentionMeta(slot_mapping=slot_mapping_d, block_tables=tables_d, seq_lens=seq_lens_d,
-                               max_seq_len=int(ends.max())),
-            gdn=gdn, logits_indices=logits_idx_d[:n_logits],
-            delta_rows=self._delta_rows(seqs, cu))
-        fill = self._pending_rows(pending) if pending else None
-        up.send()  # the step's one host-to-device copy
-        if fill is not None:  # in stream order after the copy, before anything reads the ids
-            ids_d.index_copy_(0, fill[0], self.last.sampled.index_select(0, fill[1]))
-        st = _Step(ids=ids_d, positions=positions_d, batch=batch, seqs=seqs, q_lens=q_lens, cu=cu.copy(),
-                   num_spec=num_spec, samplers=samplers, host_ids=ids, next_ids=next_ids_d, sample_batch=sample_batch,
-                   verify_batch=verify_batch, drafts=drafts)
+        inp.send(shape)  # the step's one upload
+        ids_d = inp.field("ids", ntok)
+        if pending:  # in stream order after the upload, before anything reads the ids
+            ids_d.index_copy_(0, inp.field("pending_rows", len(pending)),
+                              self.last.sampled.index_select(0, inp.field("pending_src", len(pending))))
+        st = _Step(ids=ids_d, positions=inp.field("positions", ntok), batch=inp.batch(shape, self.spec), shape=shape,
+                   seqs=seqs, q_lens=q_lens, cu=cu.copy(), samplers=samplers, host_ids=ids[:ntok],
+                   next_ids=inp.field("next_ids", ntok), sample_batch=sample_batch, verify_batch=verify_batch,
+                   drafts=inp.field("drafts", num_spec * k).view(num_spec, k) if num_spec else None, graphs=graphs)
         if self.media is not None:  # images/videos: encode what the step needs, mRoPE positions, vision rows
             st.rope, st.embeds = self.media.step_inputs(self.model, seqs, starts, q_lens, cu, pos, st.ids)
-        up.mark()  # the media's pinned buffers are rewritten next step too: one event covers both
+        inp.mark()  # the media's pinned buffers are rewritten next step too: one event covers both
         return st
 
-    def _delta_rows(self, seqs: list[Sequence], cu: np.ndarray):
-        """The rows that run low-rank deltas: Clef records' and LoRA adapters' (grouped by bank slot)."""
-        if self.lora is not None:
-            return self.lora.delta_rows(seqs, cu, self.upload.alloc, self.clef)
-        return self.clef.delta_rows(seqs, cu, self.upload.alloc) if self.clef else None
-
-    def _pending_rows(self, pending: list[tuple[int, Sequence]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows of the step's ids, their indices in the last step's sampled ids) on the device."""
+    def _pending_rows(self, pending: list[tuple[int, Sequence]]) -> None:
+        """Rows of the step's ids whose token the last step sampled, and their indices in its sampled ids."""
         last = self.last
         index = {s: j for j, s in enumerate(last.sampler_seqs)} if last is not None and last.sampled is not None else {}
         missing = [s.request_id for _, s in pending if s not in index]
         if missing:
             raise RuntimeError(f"requests {missing} have a pending token the last step did not sample (a bug)")
-        rows, rows_d = self.upload.alloc(len(pending), torch.int64)
-        src, src_d = self.upload.alloc(len(pending), torch.int64)
-        rows[:] = [r for r, _ in pending]
-        src[:] = [index[s] for _, s in pending]
-        return rows_d, src_d
+        self.inputs.host["pending_rows"][:len(pending)] = [r for r, _ in pending]
+        self.inputs.host["pending_src"][:len(pending)] = [index[s] for _, s in pending]
 
     # -- the step ------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepHandle:
         """Launch the step; its results come from `collect`. With nothing in flight this is the whole step."""
-        if self.tp is None:
-            return self._execute(plan)
-        with self.tp.guard():  # a dead worker: TensorParallelError, not a hang
+        with self.tp.guard():  # a dead tensor-parallel worker: TensorParallelError, not a hang
             return self._execute(plan)
 
     def _execute(self, plan: StepPlan) -> StepHandle:
@@ -340,8 +263,8 @@ class ModelRunner:
         st.mtp = self.spec.mtp_work(st.seqs) if self.spec else None  # before the forward: the workers' message says it
         hidden = self._forward(st)
         st.prompt_logprobs = launch_prompt_logprobs(self.model, st.seqs, st.cu, hidden, st.next_ids, self.vocab_size)
-        if self.clef is not None:  # Clef records: their rows into the joint head, chunk by chunk
-            self.clef.take_hidden(st.seqs, st.cu, hidden, st.host_ids)
+        for f in self.features:  # Clef records: their rows into the joint head, chunk by chunk
+            f.take_hidden(st.seqs, st.cu, hidden, st.host_ids)
         o, shape = self._outputs(st, hidden)
         host, copied = _to_host(o.pack(shape, self.device)) if shape is not None else (None, None)
         self.last = StepHandle(plan=plan, st=st, host=host, shape=shape, copied=copied, sampled=o.sampled)
@@ -356,7 +279,7 @@ class ModelRunner:
                 self._mtp(st, hidden, None, None, None, "catch_up")
             return o, None
         logits = self.model.compute_logits(hidden[st.batch.logits_indices])[:, :self.vocab_size]
-        k1 = self.spec.k + 1 if self.spec else 1
+        k1 = self.capacity.k1
         n_spec_rows = st.num_spec * k1
         if st.samplers:
             sb = st.sample_batch
@@ -367,13 +290,12 @@ class ModelRunner:
                 o.sample_top_ids, o.sample_top_logprobs = out.top_ids, out.top_logprobs
         if st.num_spec:
             self._verify(st, logits[:n_spec_rows], k1, o)
-        if self.tp is not None and (st.num_spec or st.mtp):  # the workers commit and draft from the same outcome
-            self.tp.send_outcome(st.tp_spec, o.sampled, o.verified, o.accepted)
+        self.tp.send_outcome(st.tp_spec, o.sampled, o.verified, o.accepted)  # the workers commit and draft from it
         o.drafts = self._mtp(st, hidden, o.sampled, o.verified, o.accepted, st.mtp) if st.mtp else None
         return o, OutputShape(samplers=len(st.samplers), verified=st.num_spec, k1=k1,
                               sample_top=st.sample_batch.max_logprobs if st.samplers else -1,
                               verify_top=st.verify_batch.max_logprobs if st.num_spec else -1,
-                              draft_k=self.spec.k if o.drafts is not None else 0)
+                              draft_k=k1 - 1 if o.drafts is not None else 0)
 
     def collect(self, h: StepHandle) -> dict[Sequence, StepResult]:
         """Wait for a launched step's results (the step's one device-to-host sync) and unpack them."""
@@ -409,20 +331,20 @@ class ModelRunner:
         draft_rows = self.spec.mtp_inputs(next_ids, st.batch.logits_indices, st.num_spec, tokens, n_acc, sampled, kind)
         kind = "draft" if draft_rows is not None else "catch_up"  # no sequence got a token: nothing to draft from
         if st.graphs is not None and st.graphs.can_run_mtp(len(st.seqs), kind):
-            return st.graphs.run_mtp(kind, next_ids, draft_rows)
+            return st.graphs.run_mtp(kind, len(st.seqs), draft_rows)
         draft_seqs = self.spec.drafting_seqs(st.num_spec, st.samplers)
         deltas = None
         if st.rope is not None and draft_rows is not None:
             deltas = self.media.draft_deltas(st.seqs, draft_seqs, self.device)
-        return self.spec.mtp_eager(st.positions, hidden, st.batch, next_ids, draft_rows, draft_seqs, _draft_max_len(st),
+        return self.spec.mtp_eager(st.positions, hidden, st.batch, next_ids, draft_rows, draft_seqs, st.draft_max_len,
                                    rope=st.rope, rope_delta=deltas)
 
     # -- sampling settings ---------------------------------------------------------------------
     def sampling_batch(self, rows: list[tuple[Sequence, int]]) -> SamplingBatch:
-        """Settings per logits row, in the step's upload; row (seq, j) decides the seq's output token
+        """Settings per logits row, in the step's `sampling` input field; row (seq, j) decides the seq's output token
         number len(outputs) + j, with drafts d_1..d_j counted as already generated (penalties,
         min_tokens). The rare [rows, vocab] penalty and min_tokens masks are built on the device."""
-        dev, vocab, alloc = self.device, self.vocab_size, self.upload.alloc
+        dev, vocab, alloc = self.device, self.vocab_size, self.inputs.alloc
         ps = [s.params for s, _ in rows]
 
         def t(xs, dtype):
@@ -432,7 +354,8 @@ class ModelRunner:
 
         outputs = [s.output_token_ids + s.draft_token_ids[:j] for s, j in rows]
         # a grammar row's end is its grammar's: min_tokens would mask the only token it may take
-        under_min = [len(o) < s.params.min_tokens and s.matcher is None for o, (s, _) in zip(outputs, rows)]
+        under_min = [len(o) < s.params.min_tokens and not self.structured.constrains(s)
+                     for o, (s, _) in zip(outputs, rows)]
         b = SamplingBatch(
             temperature=t([0.0 if p.greedy else p.temperature for p in ps], torch.float32),
             top_p=t([p.top_p for p in ps], torch.float32), top_k=t([p.top_k for p in ps], torch.int64),
@@ -445,8 +368,7 @@ class ModelRunner:
             b.repetition = t([p.repetition_penalty for p in ps], torch.float32)
             b.output_counts = _counts(outputs, vocab, dev)
             b.prompt_mask = _counts([s.prompt_token_ids for s, _ in rows], vocab, dev) > 0
-        if any(s.matcher is not None for s, _ in rows):  # row j of a verified sequence: after its first j drafts
-            b.grammar = grammar_bitmask([(s.matcher, s.draft_token_ids[:j]) for s, j in rows], vocab, dev)
+        b.grammar = self.structured.bitmask(rows, vocab, dev)  # row j of a verified sequence: after j drafts
         if any(under_min):
             b.stop_mask_rows = t(under_min, torch.bool)
             b.stop_token_mask = _counts([s.stop_ids_for_min_tokens for s, _ in rows], vocab, dev) > 0
@@ -457,11 +379,6 @@ class ModelRunner:
         if bans is not None:
             b.ban_rows, b.ban_ids = t(bans[0], torch.int64), t(bans[1], torch.int64)
         return b
-
-
-def _draft_max_len(st: _Step) -> int:
-    """The longest sequence's length after the step: what the MTP walk's attention bounds its keys by."""
-    return int(max(s.num_computed_tokens for s in st.seqs) + st.q_lens.max())
 
 
 def _to_host(packed: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:

@@ -16,14 +16,25 @@ predicted step time under the target, and at least a small floor each, so none s
 When the KV pool runs out, the newest running sequence is preempted by recompute (its blocks and
 slot are freed, it goes back to the front of the queue). A preempted sequence is readmitted only
 when its whole current length plus one growth block per running sequence fits, so it is not
-admitted just to be preempted again on the next step (the original stack's thrash). A sequence
+admitted just to be preempted again on the next step. That alone does not stop the original stack's
+thrash: contexts that outgrow the pool keep preempting the newest sequence, which is readmitted,
+recomputes its whole context and is preempted again. So a sequence preempted more than
+`max_preemptions` times is readmitted only when its full length (prompt + max_tokens) fits beside
+the running set, and then runs protected: it is never chosen as a victim, and the blocks it will
+still need are reserved (other sequences grow and are admitted only into what is left), so it
+finishes after at most max_preemptions + 1 recomputes while the others go on. A sequence
 that cannot fit even alone fails with a clear error. With prefix caching (qv/engine/prefix_cache.py)
 an admitted sequence resumes from its cached prefix, and a preempted one's blocks stay cached, so
 its readmission usually resumes from its last snapshot.
+
+Under vLLM's priority policy (`scheduling_policy` priority) the queue is ordered by (priority,
+arrival), lower values first; running sequences are served in that order and a preemption takes
+the lowest-priority (then newest) sequence not yet planned this step.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -54,8 +65,9 @@ class Scheduler:
     def __init__(self, blocks: KVBlockPool, slots: GDNStatePool, max_num_seqs: int, max_num_batched_tokens: int,
                  lookahead: int = 0, prefix_cache: PrefixCache | None = None, long_prefill_token_threshold: int = 0,
                  max_long_partial_prefills: int = 1, max_spec_seqs: int = 0, max_step_ms: float = 0.0,
-                 step_cost: StepCostModel | None = None):
+                 step_cost: StepCostModel | None = None, max_preemptions: int = 2, policy: str = "fcfs"):
         self.blocks, self.slots = blocks, slots
+        self.policy = policy  # "fcfs" | "priority" (vLLM's --scheduling-policy)
         self.prefix_cache = prefix_cache  # None: prefix caching off
         self.lookahead = lookahead  # extra KV positions a step may write past its tokens (the MTP head's drafts)
         self.max_num_seqs = max_num_seqs
@@ -68,10 +80,22 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.max_preemptions = max_preemptions  # beyond it, readmitted only when the full length fits
+        self.protected: set[Sequence] = set()  # readmitted past the limit: never preempted, blocks reserved
+        self.deferred: set[Sequence] = set()  # past the limit, waiting for room for their full length
+        self.num_deferred_readmissions = 0  # times a sequence past the limit started waiting for that room
 
     # -- queue management ----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        if self.policy == "priority":
+            self._insert_by_priority(seq)
+        else:
+            self.waiting.append(seq)
+
+    def _insert_by_priority(self, seq: Sequence) -> None:
+        """Into the queue after every sequence that ranks before it ((priority, arrival): vLLM's order)."""
+        keys = [_rank(s) for s in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, _rank(seq)), seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -94,6 +118,8 @@ class Scheduler:
         self._free(seq)
 
     def _free(self, seq: Sequence) -> None:
+        self.protected.discard(seq)
+        self.deferred.discard(seq)
         self.blocks.release(seq.block_ids)
         self.slots.release(seq.state_slot)
         seq.state_slot = -1
@@ -132,8 +158,13 @@ class Scheduler:
     def _schedule_running(self, plan: StepPlan, budget: int, shares: "_LongPrefillShare") -> int:
         self._even_drafts(budget)
         verifying = 0
-        # decodes first, then prefills short before long; admission order within each
-        for seq in sorted(self.running, key=lambda s: 0 if _decoding(s) else 1 + shares.is_long(s)):
+        # decodes first, then prefills short before long; admission order within each (under priority: by
+        # priority first)
+        def order(s: Sequence):
+            kind = 0 if _decoding(s) else 1 + shares.is_long(s)
+            return (s.priority, kind) if self.policy == "priority" else kind
+
+        for seq in sorted(self.running, key=order):
             if seq not in self.running:  # preempted earlier in this loop to make room
                 continue
             if seq.draft_token_ids and verifying == self.max_spec_seqs:  # beyond it: a plain decode this step
@@ -161,20 +192,50 @@ class Scheduler:
         end = seq.num_computed_tokens + n
         return end + self.lookahead if end >= seq.num_tokens else end
 
+    def _full_blocks(self, seq: Sequence) -> int:
+        """Blocks `seq` holds at its full length (prompt + max_tokens, the drafts' lookahead), at most the
+        whole cache (a sequence that would outgrow it fails when it gets there)."""
+        full = self.blocks.blocks_for(seq.num_prompt_tokens + seq.max_tokens + self.lookahead)
+        return min(full, self.blocks.capacity(is_isolated(seq)))
+
+    def _reserved(self, but: Sequence | None = None) -> int:
+        """Blocks the protected sequences (but `but`) will still take on their way to their full length."""
+        return sum(max(0, self._full_blocks(p) - len(p.block_ids)) for p in self.protected if p is not but)
+
+    def _available(self, seq: Sequence) -> int:
+        """Blocks `seq` may take now: the pool's, less what the other protected sequences will need."""
+        return self.blocks.num_available(is_isolated(seq)) - self._reserved(but=seq)
+
     def _make_room(self, seq: Sequence, n: int, plan: StepPlan) -> bool:
-        """Preempt newest-first until `seq` can grow by n tokens; False if `seq` itself gave way."""
-        while not self.blocks.can_grow(len(seq.block_ids), self._covered(seq, n), is_isolated(seq)):
-            victim = self.running[-1]
+        """Preempt (the newest first, or under priority the least urgent: _victim; never a protected sequence)
+        until `seq` can grow by n tokens; False if `seq` itself gave way, or (protected) waits for room this step."""
+        while self.blocks.blocks_for(self._covered(seq, n)) - len(seq.block_ids) > self._available(seq):
+            victim = self._victim(seq, plan)
             if victim is seq and len(self.running) == 1:
                 self._fail_too_large(seq, plan)
                 return False
             if victim is seq or any(victim is s for s, _ in plan.scheduled):
                 # never undo work already planned this step: preempt seq itself instead
                 victim = seq
+            if victim is seq and seq in self.protected:
+                return False  # its reservation fell short (a shared prefix block let go): it waits, others go on
             self._preempt(victim, plan)
             if victim is seq:
                 return False
         return True
+
+    def _victim(self, seq: Sequence, plan: StepPlan) -> Sequence:
+        """The sequence to preempt so that `seq` can grow, never another protected one (`seq` itself when no
+        other is left): the newest (fcfs), or the lowest priority, newest among equals, of `seq` and those not
+        planned this step (priority; the newest when all are planned)."""
+        others = [s for s in self.running if s is not seq and s not in self.protected]
+        if not others:
+            return seq
+        if self.policy != "priority":
+            return others[-1]
+        planned = {id(s) for s, _ in plan.scheduled}
+        free = [s for s in others + [seq] if id(s) not in planned]  # seq itself when it is the least urgent
+        return max(free, key=_rank) if free else others[-1]
 
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         self.running.remove(seq)
@@ -183,7 +244,10 @@ class Scheduler:
         seq.draft_token_ids = []
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
-        self.waiting.appendleft(seq)
+        if self.policy == "priority":
+            self._insert_by_priority(seq)
+        else:
+            self.waiting.appendleft(seq)
         self.num_preemptions += 1
         plan.preempted.append(seq)
 
@@ -212,12 +276,20 @@ class Scheduler:
             hit = self.prefix_cache.match(seq) if self.prefix_cache else None
             shared = hit.num_in_use if hit else 0  # blocks other sequences hold already cost nothing
             # Admit only if the whole current sequence (not just this chunk) fits with one block of
-            # growth headroom per running sequence; otherwise it would be preempted again soon.
+            # growth headroom per running sequence; otherwise it would be preempted again soon. Past
+            # max_preemptions, only if its full length fits: then it runs to the end.
             headroom = len(self.running) if self.running else 0
-            if self.blocks.blocks_for(seq.num_tokens + self.lookahead) - shared + headroom > \
-                    self.blocks.num_available(iso):
+            past_limit = seq.num_preemptions > self.max_preemptions
+            needed = self._full_blocks(seq) if past_limit else self.blocks.blocks_for(seq.num_tokens + self.lookahead)
+            if needed - shared + headroom > self._available(seq):
+                if past_limit and seq not in self.deferred:
+                    self.deferred.add(seq)
+                    self.num_deferred_readmissions += 1
                 break
             self.waiting.popleft()
+            if past_limit:
+                self.deferred.discard(seq)
+                self.protected.add(seq)
             seq.state_slot = self.slots.acquire()
             seq.status = SeqStatus.RUNNING
             if self.prefix_cache:  # resume from the hit
@@ -231,6 +303,10 @@ class Scheduler:
             shares.took(seq)
             budget -= n
         self.waiting.extendleft(reversed(skipped))
+
+
+def _rank(seq: Sequence) -> tuple[int, int]:
+    return seq.priority, seq.arrival_order
 
 
 def _decoding(seq: Sequence) -> bool:

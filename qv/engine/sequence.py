@@ -42,6 +42,7 @@ class Sequence:
     arrival_order: int
     eos_token_ids: tuple[int, ...] = ()
     cache_salt: str | None = None
+    priority: int = 0  # vLLM's: lower first under the priority scheduling policy
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -60,7 +61,6 @@ class Sequence:
     # k tokens a decode-only step may verify for this sequence when it makes no drafts of its own, so that the
     # step verifies every sequence and replays one CUDA graph (the MTP head's guess, or the last token repeated)
     spare_drafts: list[int] = field(default_factory=list)
-    matcher: object | None = None  # xgrammar.GrammarMatcher of a structured output (qv/engine/structured.py)
     prompt_logprobs: object | None = None  # qv.engine.prompt_logprobs.PromptLogprobs (sample 0, when asked)
     _array: np.ndarray | None = field(default=None, repr=False)  # token_array's buffer
     _array_len: int = field(default=0, repr=False)

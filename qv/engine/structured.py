@@ -5,8 +5,9 @@ request's constraint into a `Grammar` once per (kind, spec) string, cached. A sp
 (`GrammarLimits`, the grammar_* levers) is refused before compiling; compiles run in worker processes
 (grammar_worker.py: xgrammar's C++ cannot be interrupted in a thread), killed past the time budget or
 when the caller cancels; each matcher is timed (`BudgetedMatcher`). SamplingParams.grammar
-carries it; add_request gives each of the request's sequences a `GrammarMatcher`. Each step the
-runner fills the constrained rows' token bitmasks on the host (`grammar_bitmask`), the sampler
+carries it; add_request gives each of the request's sequences a `GrammarMatcher`, which the
+StructuredOutputs step feature keeps (qv/engine/step_structured.py). Each step the runner fills the
+constrained rows' token bitmasks on the host (`grammar_bitmask`), the sampler
 applies them to those rows of the logits on the logits' device (qv/engine/sampler.py), the engine
 advances the matcher with the accepted token and finishes the sequence ("stop") when the grammar
 has terminated. Steps with constrained rows wait for the previous step's tokens (no async overlap).

@@ -4,12 +4,13 @@ one per GPU: NCCL with rank r on cuda:r; gloo on the CPU) that load their shard 
 same levers, allocate their caches from the driver's plan (so every block and slot id means the same
 on every rank) and then follow the driver step by step.
 
-Each step the driver broadcasts a StepMessage (where each array of the step lies in the runner's
-packed upload buffer, the batch's two host ints, and the rows of every compute_logits call) on a gloo
-control group, then the upload bytes themselves on the default group (on CUDA, in stream order after
-the device fills async scheduling's pending ids). A worker rebuilds the StepBatch views from them,
-runs model.forward and the same compute_logits calls (their all-reduces and all-gathers are the
-collectives the driver joins) and discards the results.
+Each step the driver broadcasts a StepMessage (the step's StepShape and capacity, and the rows of
+every compute_logits call) on a gloo control group, then the leading bytes of its input buffer on the
+default group (on CUDA, in stream order after the device fills async scheduling's pending ids). A
+worker holds the same named input fields (qv/engine/step_inputs.py, allocated from the same
+StepCapacity, so every field lies where the driver's does), cuts the same StepBatch views from the
+shape, runs model.forward and the same compute_logits calls (their all-reduces and all-gathers are
+the collectives the driver joins) and discards the results.
 
 Prefix caching keeps its bookkeeping (digests, LRU, reference counts, which block or snapshot row
 holds what) on the driver only, but its copies of device state (GDN snapshot save and load, host-tier
@@ -20,8 +21,8 @@ rows, pool, rows); the next StepMessage carries the log, and each worker replays
 forward: the same copies in the same order between the same forwards as on the driver. Each rank's
 host tier holds its own shard, so kv_offload_bytes (like kv_cache_bytes) is per rank.
 
-Speculative decoding (spec=ngram, mtp, auto) runs the same way: the message's SpecStep carries a
-verifying step's GDN metadata (its cu_rest array in the upload), and every rank keeps its own
+Speculative decoding (spec=ngram, mtp, auto) runs the same way: the step's shape says which rows
+verify (their cu_seqlens_rest is an input field like the others), and every rank keeps its own
 per-position states (its Speculator, over its shard's GDN heads). Sampling and verification happen
 once, on the driver; their outcome (sampled ids, verified tokens, accepted counts) is broadcast on the
 device right after, and each worker commits the accepted states and runs the MTP head's catch-up and
@@ -29,10 +30,15 @@ walk from it, on its shard of the head (drafts come from the gathered vocabulary
 every rank drafts the same ids). N-gram drafts are host data of the driver's, in the step's ids.
 
 Clef records: every rank attaches its cut of the low-rank deltas (qv/model/parallel.py, delta_shard)
-and the step's `delta_rows` travel as one more array of the upload. The joint head and its per-record
+and the step's `delta_rows` are one more input field. The joint head and its per-record
 state live on the driver only: it reads the driver's final-norm hidden rows, which the row-parallel
 all-reduces leave whole on every rank, and runs no collective; its lexical vectors read a host copy of
 the whole output embedding (rank 0's lm_head is a vocabulary slice). Workers load no head.
+
+Served LoRA adapters: every rank reserves the same delta-bank slots; the driver's slot writes (slot,
+adapter folder, load id) ride the next StepMessage (lora_ops) and each worker writes its own cut of the
+adapter into the same slot before that forward. The rows grouped by slot are the input fields
+`delta_rows` and `delta_slot_start`, received by name like the others.
 
 A worker that dies breaks the next collective (gloo and NCCL see the closed connection; a hung rank
 hits the process group's timeout), and the driver then raises TensorParallelError naming the rank, its
@@ -42,13 +48,13 @@ engine's finalizer, interpreter exit) stops the workers.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import queue
 import socket
 import sys
 import traceback
+import contextlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -57,19 +63,17 @@ import torch
 
 from qv.engine.lora_rows import LoraRows
 from qv.engine.prefix_cache import PrefixPlan, replica_pools
+from qv.engine.prompt_logprobs import prompt_logits_calls
+from qv.engine.step_inputs import StepCapacity, StepInputs, StepShape
 from qv.engine.step_outputs import OutputShape, StepOutputs
 from qv.errors import ConfigError
-from qv.model.batch import AttentionMeta, GDNMeta, StepBatch
-from qv.model.delta_bank import DeltaGroups
+from qv.model.batch import StepBatch
 from qv.model.parallel import TPGroup
 
 log = logging.getLogger("qv")
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=600)  # a rank silent this long (hung, or still loading) fails the step
 DEATH_WAIT_S = 5.0  # after a failed collective, how long the driver waits for a dying worker's exit code
-# the arrays of a step a worker needs, each a view of the upload buffer
-STEP_ARRAYS = ("ids", "positions", "cu_seqlens_q", "slot_mapping", "block_tables", "seq_lens", "state_slots",
-               "has_initial_state", "logits_indices")
 
 
 class TensorParallelError(RuntimeError):
@@ -128,87 +132,18 @@ class SpecStep:
 
 @dataclass(frozen=True)
 class StepMessage:
-    """One step for the workers; `stop` ends their loop. arrays: name -> (byte offset in the upload
-    buffer, dtype, shape); logits_calls: hidden rows [a, b) of each compute_logits call before the
-    step's logits rows (prompt logprobs); state_ops: the prefix cache's state-row copies since the last
-    step, to replay before this one's forward (qv/engine/state_pool.py RowCopies)."""
+    """One step for the workers; `stop` ends their loop. shape: the step's sizes, which cut the input
+    fields (of `capacity`) into its views; logits_calls: hidden rows [a, b) of each compute_logits call
+    before the step's logits rows (prompt logprobs); state_ops: the prefix cache's state-row copies since
+    the last step, to replay before this one's forward (qv/engine/state_pool.py RowCopies)."""
 
-    nbytes: int = 0
-    arrays: dict | None = None
-    max_query_len: int = 0
-    max_seq_len: int = 0
+    shape: StepShape | None = None
+    capacity: StepCapacity | None = None
     logits_calls: tuple[tuple[int, int], ...] = ()
-    spec: SpecStep | None = None  # with speculation: arrays also holds cu_rest (verifying steps) and next_ids
+    spec: SpecStep | None = None  # with speculation
     stop: bool = False
     state_ops: tuple = ()
     lora_ops: tuple = ()  # LoRA adapters written into device slots since the last step (qv/engine/lora_rows.py)
-    delta_max_rows: int = 0  # rows grouped by delta-bank slot: the most in one slot
-
-
-def describe_step(buf: torch.Tensor, nbytes: int, ids: torch.Tensor, positions: torch.Tensor, batch: StepBatch,
-                  logits_calls: list[tuple[int, int]], spec: SpecStep | None = None,
-                  next_ids: torch.Tensor | None = None) -> StepMessage:
-    """Where a step's arrays lie in `buf` (they must all be views of it: the engine's runner lays them out there).
-    spec: the step's speculation (None: speculation off); next_ids: the MTP head's input ids, with spec."""
-    if batch.gdn.num_spec_seqs and (spec is None or spec.num_spec_seqs != batch.gdn.num_spec_seqs):
-        raise TensorParallelError("a step's speculative rows do not match its SpecStep (a bug)")
-    tensors = dict(ids=ids, positions=positions, cu_seqlens_q=batch.cu_seqlens_q, slot_mapping=batch.attn.slot_mapping,
-                   block_tables=batch.attn.block_tables, seq_lens=batch.attn.seq_lens,
-                   state_slots=batch.gdn.state_slots, has_initial_state=batch.gdn.has_initial_state,
-                   logits_indices=batch.logits_indices)
-    if spec is not None:
-        tensors["next_ids"] = next_ids
-        if spec.num_spec_seqs:
-            tensors["cu_rest"] = batch.gdn.cu_seqlens_rest
-    if isinstance(batch.delta_rows, DeltaGroups):  # rows grouped by slot (LoRA adapters', Clef's)
-        tensors["delta_rows"], tensors["delta_slot_start"] = batch.delta_rows.rows, batch.delta_rows.slot_start
-    elif batch.delta_rows is not None:  # Clef rows: every rank adds its cut of the deltas to them
-        tensors["delta_rows"] = batch.delta_rows
-    base, arrays = buf.data_ptr(), {}
-    for name, t in tensors.items():
-        off = t.data_ptr() - base if t.numel() else 0  # an empty view may not point into the buffer
-        if not t.is_contiguous() or off < 0 or off + t.numel() * t.element_size() > nbytes:
-            raise TensorParallelError(f"step array {name} is not a contiguous view of the upload buffer (a bug)")
-        arrays[name] = (off, t.dtype, tuple(t.shape))
-    msg = StepMessage(nbytes, arrays, batch.max_query_len, batch.attn.max_seq_len, tuple(logits_calls), spec)
-    if isinstance(batch.delta_rows, DeltaGroups):
-        msg = dataclasses.replace(msg, delta_max_rows=batch.delta_rows.max_rows)
-    return msg
-
-
-def array_view(buf: torch.Tensor, msg: StepMessage, name: str) -> torch.Tensor:
-    """The message's array `name` as a view of a worker's copy of the upload bytes."""
-    off, dtype, shape = msg.arrays[name]
-    n = 1
-    for d in shape:
-        n *= d
-    return buf[off:off + n * dtype.itemsize].view(dtype).view(shape)
-
-
-def rebuild_step(buf: torch.Tensor, msg: StepMessage, spec=None) -> tuple[torch.Tensor, torch.Tensor, StepBatch]:
-    """(ids, positions, batch): views of a worker's copy of the upload bytes. spec: the worker's
-    Speculator, whose per-position state buffers a verifying step's GDN layers fill."""
-    def view(name):
-        return array_view(buf, msg, name)
-
-    s = msg.spec
-    if s is not None and s.num_spec_seqs:
-        gdn = spec.gdn_meta(view("state_slots"), view("has_initial_state"), s.num_spec_seqs, s.num_spec_tokens,
-                            view("cu_rest"))
-    else:
-        gdn = GDNMeta(view("state_slots"), view("has_initial_state"))
-    batch = StepBatch(cu_seqlens_q=view("cu_seqlens_q"), max_query_len=msg.max_query_len,
-                      attn=AttentionMeta(view("slot_mapping"), view("block_tables"), view("seq_lens"), msg.max_seq_len),
-                      gdn=gdn, logits_indices=view("logits_indices"),
-                      delta_rows=_delta_rows(buf, msg))
-    return view("ids"), view("positions"), batch
-
-
-def _delta_rows(buf: torch.Tensor, msg: StepMessage):
-    if "delta_slot_start" in msg.arrays:
-        return DeltaGroups(array_view(buf, msg, "delta_rows"), array_view(buf, msg, "delta_slot_start"),
-                           msg.delta_max_rows)
-    return array_view(buf, msg, "delta_rows") if "delta_rows" in msg.arrays else None
 
 
 def run_step(model, cache, ids: torch.Tensor, positions: torch.Tensor, batch: StepBatch,
@@ -313,24 +248,26 @@ def worker_main(rank: int, levers: dict, device: torch.device, port: int, errors
         cache = make_cache(num_blocks, num_slots)
         pools = replica_pools(prefix_plan, cache)  # the prefix cache's state pools over this rank's shard
         spec = make_spec(cache)  # the per-position states and MTP head of speculation on this rank's shard
-        buf = torch.empty(0, dtype=torch.uint8, device=device)
-        lora = None
+        inputs = None  # the step's input fields, as the driver's (allocated at the first step's capacity)
+        lora = None  # the LoRA adapters this rank wrote into its slots (the driver's lora_ops)
         while True:
             msg: StepMessage = _recv_object(control)
             if msg.stop:
                 break
-            if buf.numel() < msg.nbytes:
-                buf = torch.empty(msg.nbytes, dtype=torch.uint8, device=device)
-            dist.broadcast(buf[:msg.nbytes], src=0)
+            if inputs is None or inputs.capacity != msg.capacity:
+                inputs = StepInputs(msg.capacity, device)
+            shape = msg.shape
+            dist.broadcast(inputs.worker_buffer[:inputs.worker_bytes(shape)], src=0)
             with torch.inference_mode():
                 replay_state_ops(pools, msg.state_ops)
                 if msg.lora_ops:  # adapters paged into device slots on the driver: this rank's cut, same slots
                     lora = lora or LoraRows(model, cfg.max_loras, cfg.max_lora_rank)
                     lora.replay(msg.lora_ops)
-                ids, positions, batch = rebuild_step(buf, msg, spec)
+                ids, positions, batch = inputs.field("ids", shape.rows), inputs.field("positions", shape.rows), \
+                    inputs.batch(shape, spec)
                 hidden = run_step(model, cache, ids, positions, batch, msg.logits_calls)
                 if msg.spec is not None:
-                    follow_spec(spec, msg.spec, hidden, positions, batch, array_view(buf, msg, "next_ids"))
+                    follow_spec(spec, msg.spec, hidden, positions, batch, inputs.field("next_ids", shape.rows))
         dist.destroy_process_group()
     except BaseException:
         errors.put((rank, traceback.format_exc()))
@@ -342,6 +279,28 @@ def worker_main(rank: int, levers: dict, device: torch.device, port: int, errors
 # ---------------------------------------------------------------------------------------------
 # the driver
 # ---------------------------------------------------------------------------------------------
+
+
+class SingleRank:
+    """The runner's tensor parallelism at one rank: no workers, nothing to send."""
+
+    def guard(self):
+        return contextlib.nullcontext()
+
+    def send_step(self, inputs, st, vocab_size: int) -> None:
+        pass
+
+    def send_outcome(self, s, sampled, tokens, n_acc) -> None:
+        pass
+
+    def mirror_state(self, copies) -> None:
+        pass
+
+    def mirror_lora(self, lora) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
 
 
 def _free_port() -> int:
@@ -399,23 +358,27 @@ class TPDriver:
         lora.start_log()
         self._lora = lora
 
-    def send_step(self, upload: torch.Tensor, nbytes: int, ids, positions, batch, logits_calls,
-                  spec: SpecStep | None = None, next_ids: torch.Tensor | None = None) -> None:
-        """Before the driver's forward: the step's message, then its upload bytes."""
+    def send_step(self, inputs: StepInputs, st, vocab_size: int) -> None:
+        """Before the driver's forward (st: the runner's step): the step's message, then the leading bytes of
+        its input fields. With speculation, st.tp_spec: the workers' view of it, for send_outcome."""
         import torch.distributed as dist
 
-        msg = describe_step(upload, nbytes, ids, positions, batch, logits_calls, spec, next_ids)
-        if self._state is not None:  # the copies made since the last step, replayed before this forward
-            msg = dataclasses.replace(msg, state_ops=self._state.take_log())
-        if self._lora is not None:
-            msg = dataclasses.replace(msg, lora_ops=self._lora.take_log())
-        self._send_object(msg)
-        dist.broadcast(upload[:nbytes], src=0)
+        shape = st.shape
+        st.tp_spec = SpecStep(shape.num_spec, shape.spec_rows, inputs.capacity.k1, tuple(st.samplers), st.mtp,
+                              st.draft_max_len) if inputs.capacity.k1 > 1 else None
+        state_ops = self._state.take_log() if self._state is not None else ()  # replayed before this forward
+        lora_ops = self._lora.take_log() if self._lora is not None else ()  # slot writes, before this forward
+        self._send_object(StepMessage(shape, inputs.capacity, tuple(prompt_logits_calls(st.seqs, st.cu, vocab_size)),
+                                      st.tp_spec, state_ops=state_ops, lora_ops=lora_ops))
+        dist.broadcast(inputs.worker_buffer[:inputs.worker_bytes(shape)], src=0)
 
-    def send_outcome(self, s: SpecStep, sampled, tokens, n_acc) -> None:
+    def send_outcome(self, s: SpecStep | None, sampled, tokens, n_acc) -> None:
         """After sampling and verification, before the MTP head (a step whose SpecStep has_outcome): what
         the workers commit and draft from. On the device, in stream order: no host sync."""
         import torch.distributed as dist
+
+        if s is None or not s.has_outcome:
+            return
 
         device = next(t.device for t in (sampled, tokens, n_acc) if t is not None)
         outcome = StepOutputs(sampled=sampled, verified=tokens, accepted=n_acc)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from qv.kernels.gated_delta_rule import INT16_MAX  # noqa: F401  (the int16 state grid of GDNState.ssm)
+from qv.kernels.paged_attention.sparse import SparseKV, SparsePolicy
 from qv.model_config import ModelConfig
 
 KV_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8, "fp32": torch.float32}
@@ -21,6 +22,7 @@ class KVCache:
     v: torch.Tensor
     k_scale: torch.Tensor | None  # [num_blocks, block_size, Hkv] fp32 (int8 caches only)
     v_scale: torch.Tensor | None
+    sparse: SparseKV | None = None  # sparse attention's page tables and policy (None: exact attention)
 
 
 @dataclass
@@ -45,13 +47,18 @@ class HybridCache:
         return next(iter(self.gdn.values())).ssm.shape[0] if self.gdn else 0
 
 
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_dtype: torch.dtype, extra_layers: int = 0) -> int:
-    """Bytes of one block across all attention layers (plus `extra_layers`, e.g. the MTP head's)."""
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_dtype: torch.dtype, extra_layers: int = 0,
+                       sparse: bool = False) -> int:
+    """Bytes of one block across all attention layers (plus `extra_layers`, e.g. the MTP head's); `sparse`:
+    with the model's layers' sparse attention page tables (a mean and a spread key per page and KV head)."""
     per_token_head = cfg.head_dim * torch.tensor([], dtype=kv_dtype).element_size()
     if kv_dtype == torch.int8:
         per_token_head += 4  # the fp32 scale
     layers = len(cfg.attention_layer_ids) + extra_layers
-    return 2 * layers * block_size * cfg.num_key_value_heads * per_token_head
+    tables = 0
+    if sparse:
+        tables = len(cfg.attention_layer_ids) * SparseKV.bytes_per_page(cfg.num_key_value_heads, cfg.head_dim)
+    return 2 * layers * block_size * cfg.num_key_value_heads * per_token_head + tables
 
 
 def prefill_workspace_bytes(cfg: ModelConfig, chunk_rows: int) -> int:
@@ -90,11 +97,13 @@ def gdn_bytes_per_slot(cfg: ModelConfig, conv_dtype: torch.dtype, state_dtype: t
 
 def allocate_cache(cfg: ModelConfig, num_blocks: int, block_size: int, num_slots: int,
                    kv_dtype: torch.dtype, state_dtype: torch.dtype, conv_dtype: torch.dtype,
-                   device: torch.device | str, extra_attention_layers: tuple[int, ...] = ()) -> HybridCache:
+                   device: torch.device | str, extra_attention_layers: tuple[int, ...] = (),
+                   sparse: SparsePolicy | None = None) -> HybridCache:
     """Zeroed caches for every layer. Block 0.. num_blocks-1 and slots 0..num_slots-1 are usable.
     Under tensor parallelism `cfg` is the rank's view (model.cfg): its KV heads and GDN heads only.
     `extra_attention_layers` adds KV caches under those layer indices (the MTP head's layer), sharing
-    the block tables of the model's own layers."""
+    the block tables of the model's own layers. `sparse` (enabled): the model's own attention layers get
+    page tables for sparse attention (the MTP head's layer attends exactly)."""
     kv: dict[int, KVCache] = {}
     for i in list(cfg.attention_layer_ids) + list(extra_attention_layers):
         shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
@@ -104,6 +113,8 @@ def allocate_cache(cfg: ModelConfig, num_blocks: int, block_size: int, num_slots
             v=torch.zeros(shape, dtype=kv_dtype, device=device),
             k_scale=torch.zeros(shape[:3], dtype=torch.float32, device=device) if scales else None,
             v_scale=torch.zeros(shape[:3], dtype=torch.float32, device=device) if scales else None,
+            sparse=SparseKV.allocate(sparse, num_blocks, cfg.num_key_value_heads, cfg.head_dim, device)
+            if sparse is not None and sparse.enabled and i in cfg.attention_layer_ids else None,
         )
     gdn: dict[int, GDNState] = {}
     hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim

@@ -1,4 +1,4 @@
-"""Qwen3.5 building blocks: Linear (dense or GPTQ at 8 or 4 bits, with optional low-rank row deltas),
+"""Qwen3.5 building blocks: Linear (dense, GPTQ at 8 or 4 bits or block FP8, with optional low-rank row deltas),
 gated full attention, Gated DeltaNet and the SwiGLU MLP. Math goes through qv.kernels only."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import torch
 
 from qv import kernels as K
 from qv.kernels.grouped_delta import DeltaGroups
-from qv.kernels.linear import GPTQWeight
+from qv.kernels.linear import FP8Weight, GPTQWeight
 from qv.model.batch import StepBatch
 from qv.model.cache import GDNState, KVCache
 from qv.model.delta_bank import DeltaBank
@@ -15,14 +15,14 @@ from qv.model_config import ModelConfig
 
 
 class Linear:
-    """y = x W^T (+ b). `weight` is a dense [N, K] tensor or a GPTQWeight; several checkpoint
+    """y = x W^T (+ b). `weight` is a dense [N, K] tensor, a GPTQWeight or an FP8Weight; several checkpoint
     modules may be fused along N (q/k/v, gate/up, ...): `member_sizes` are their output widths, which
     the low-rank deltas of `bank` (Clef's, served LoRA adapters': qv/model/delta_bank.py) address.
     Under tensor parallelism `shard` says how the weight is cut ("column", "row", "vocab"), and a
     row-parallel Linear sums its partial outputs over `reduce`, its deltas' partial outputs with them
     (qv/model/parallel.py, delta_shard: each rank's deltas are cut like its weight)."""
 
-    def __init__(self, weight: torch.Tensor | GPTQWeight, bias: torch.Tensor | None = None,
+    def __init__(self, weight: torch.Tensor | GPTQWeight | FP8Weight, bias: torch.Tensor | None = None,
                  reduce=None):  # a qv.model.parallel.TPGroup (that module builds on this one)
         self.weight = weight
         self.bias = bias
@@ -46,7 +46,8 @@ class Linear:
 
 def _fusable(a: Linear, b: Linear) -> bool:
     """Whether two linears over the same input concatenate along N into one weight: one format (dense
-    of one dtype, or GPTQ with the same groups and zero kind), no bias, no deltas."""
+    of one dtype, GPTQ with the same groups and zero kind, or FP8 with the same blocks, the first's rows ending
+    on a scale block), no bias, no deltas."""
     if (a.bias is not None or b.bias is not None or a.bank is not None or b.bank is not None
             or a.reduce is not None or b.reduce is not None):
         return False
@@ -56,6 +57,8 @@ def _fusable(a: Linear, b: Linear) -> bool:
     if isinstance(wa, GPTQWeight) and isinstance(wb, GPTQWeight):
         return (wa.bits == wb.bits and wa.scales.shape[0] == wb.scales.shape[0] and (wa.zeros is None) == (wb.zeros is None)
                 and torch.equal(wa.g_idx, wb.g_idx))
+    if isinstance(wa, FP8Weight) and isinstance(wb, FP8Weight):
+        return wa.block == wb.block and wa.out_features % wa.block[0] == 0
     return False
 
 
@@ -65,6 +68,8 @@ def _concat(run: list[Linear]) -> Linear:
         return run[0]
     if isinstance(ws[0], torch.Tensor):
         out = Linear(torch.cat(ws, dim=0))
+    elif isinstance(ws[0], FP8Weight):
+        out = Linear(FP8Weight(torch.cat([w.weight for w in ws]), torch.cat([w.scale_inv for w in ws]), ws[0].block))
     else:
         zeros = None if ws[0].zeros is None else torch.cat([w.zeros for w in ws], dim=1)
         out = Linear(GPTQWeight(torch.cat([w.qweight for w in ws], dim=1), torch.cat([w.scales for w in ws], dim=1),
@@ -141,8 +146,13 @@ class GatedAttention:
         q, k = K.rope(q, k, positions, cfg.rotary_dim, cfg.rope_theta, cfg.mrope_section, cfg.mrope_interleaved)
         a = batch.attn
         K.write_kv(k, v, kv.k, kv.v, a.slot_mapping, kv.k_scale, kv.v_scale)
-        o = K.paged_attention(q, kv.k, kv.v, a.block_tables, batch.cu_seqlens_q, a.seq_lens, self.scale,
-                              kv.k_scale, kv.v_scale, batch.max_query_len, a.max_seq_len, k_new=k, v_new=v)
+        o = None
+        if kv.sparse is not None:  # sparse attention levers: refresh the page tables, attend to kept blocks
+            o = kv.sparse.attend(q, kv.k, kv.v, kv.k_scale, kv.v_scale, a.slot_mapping, a.block_tables,
+                                 batch.cu_seqlens_q, a.seq_lens, batch.max_query_len, a.max_seq_len, self.scale)
+        if o is None:
+            o = K.paged_attention(q, kv.k, kv.v, a.block_tables, batch.cu_seqlens_q, a.seq_lens, self.scale,
+                                  kv.k_scale, kv.v_scale, batch.max_query_len, a.max_seq_len, k_new=k, v_new=v)
         return self.o_proj(K.sigmoid_mul(o.view(t, hq * d), gate), batch.delta_rows)
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from qv.errors import ConfigError
-from qv.kernels.linear import GPTQWeight
+from qv.kernels.linear import FP8Weight, GPTQWeight
 from qv.model.layers import Linear
 from qv.model_config import ModelConfig
 
@@ -121,12 +121,32 @@ def shard_rows(t: torch.Tensor, pieces: list[int], tp: TPGroup, what: str) -> to
     return _take(t, _piece_blocks(pieces, tp, what), 0)
 
 
-def column_shard(w: torch.Tensor | GPTQWeight, pieces: list[int], tp: TPGroup, what: str):
+def _fp8_blocks(blocks: list[slice], size: int, block: int, dim: int, what: str, tp: TPGroup) -> list[slice]:
+    """The scale rows (dim 0) or columns (dim 1) of an FP8 weight's slices `blocks` along a `size`-long dim cut
+    in `block`s: each slice must start on a scale block and end on one or at the dim's end."""
+    out = []
+    for s in blocks:
+        if s.start % block or (s.stop % block and s.stop != size):
+            raise ConfigError(f"{what}: tensor parallel size {tp.world_size} cuts its FP8 weight at "
+                              f"{'row' if dim == 0 else 'input'} {s.start if s.start % block else s.stop}, inside a "
+                              f"{block}-wide scale block; each rank must hold whole blocks")
+        out.append(slice(s.start // block, -(-s.stop // block)))
+    return out
+
+
+def _fp8_rows(w: FP8Weight, blocks: list[slice], what: str, tp: TPGroup) -> FP8Weight:
+    scale_rows = _fp8_blocks(blocks, w.out_features, w.block[0], 0, what, tp)
+    return FP8Weight(_take(w.weight, blocks, 0), _take(w.scale_inv, scale_rows, 0), w.block)
+
+
+def column_shard(w: torch.Tensor | GPTQWeight | FP8Weight, pieces: list[int], tp: TPGroup, what: str):
     """Rank's output columns of a linear: its block of each piece of N (dense [N, K] rows, GPTQ
-    qweight/scales/zeros columns; g_idx is over K and stays whole)."""
+    qweight/scales/zeros columns, g_idx over K staying whole; FP8 rows and their scale blocks' rows)."""
     if tp.world_size == 1:
         return w
     blocks = _piece_blocks(pieces, tp, what)
+    if isinstance(w, FP8Weight):
+        return _fp8_rows(w, blocks, what, tp)
     if isinstance(w, GPTQWeight):
         zeros = None if w.zeros is None else _take(w.zeros, blocks, 1)
         return GPTQWeight(_take(w.qweight, blocks, 1), _take(w.scales, blocks, 1), zeros, w.g_idx.clone(),
@@ -141,6 +161,9 @@ def row_shard(w: torch.Tensor | GPTQWeight, tp: TPGroup, what: str):
     if tp.world_size == 1:
         return w
     s = rank_block(w.shape[1], tp, what)
+    if isinstance(w, FP8Weight):
+        cols = _fp8_blocks([s], w.in_features, w.block[1], 1, what, tp)[0]
+        return FP8Weight(w.weight[:, s].contiguous(), w.scale_inv[:, cols].contiguous(), w.block)
     if not isinstance(w, GPTQWeight):
         return w[:, s].contiguous()
     here = w.g_idx[s].long()
@@ -212,6 +235,8 @@ def vocab_range(vocab_size: int, tp: TPGroup) -> tuple[int, int]:
 def vocab_shard(w: torch.Tensor | GPTQWeight, tp: TPGroup) -> torch.Tensor | GPTQWeight:
     """Rank's rows of an embedding table [V, H], or its output columns of an lm_head weight."""
     start, end = vocab_range(w.shape[0], tp)
+    if isinstance(w, FP8Weight):
+        return _fp8_rows(w, [slice(start, end)], "lm_head", tp)
     if isinstance(w, GPTQWeight):
         block = [slice(start, end)]
         zeros = None if w.zeros is None else _take(w.zeros, block, 1)

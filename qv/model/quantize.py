@@ -1,7 +1,9 @@
-"""`qv quantize`: write a GPTQ-Int8 or GPTQ-Int4 checkpoint (round-to-nearest) in the standard layout
-that vLLM, transformers/GPTQModel and exllama read: checkpoint_format "gptq" (v1, zero stored minus
-one), P = 32 / bits codes per int32: qweight int32 [K/P, N], qzeros int32 [K/g, N/P], scales fp16
-[K/g, N], g_idx int32 [K]. (Calibrated GPTQ is not built: qv has no calibration pass.)
+"""`qv quantize`: write a GPTQ-Int8 or GPTQ-Int4 checkpoint in the standard layout that vLLM,
+transformers/GPTQModel and exllama read: checkpoint_format "gptq" (v1, zero stored minus one), P = 32 / bits
+codes per int32: qweight int32 [K/P, N], qzeros int32 [K/g, N/P], scales fp16 [K/g, N], g_idx int32 [K].
+method "gptq" (the default) calibrates the decoder layers' linears layer by layer (qv/model/gptq.py);
+"rtn" rounds every weight to nearest. lm_head=True also writes the lm_head as int8 with one scale per
+vocabulary row (a `+:` dynamic rule: bits 8, group_size -1), the layout qv's QV_LM_HEAD_INT8 makes at load.
 
 Which modules are quantized: every 2-D `<module>.weight` whose HF module name (e.g.
 `model.language_model.layers.3.mlp.down_proj`) is not matched (`re.match`) by DEFAULT_EXCLUDE or
@@ -17,6 +19,7 @@ import json
 import re
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,25 +29,48 @@ from tqdm import tqdm
 
 from qv.errors import ConfigError
 from qv.kernels.linear import pack_nibbles
+from qv.model.gptq import QuantizedWeight, quant_params
+from qv.model.lm_head_int8 import quantize_rows_int8
 from qv.model.weights import FUSED, index_checkpoint, vllm_names
 from qv.model_config import ModelConfig
 
 # Kept dense by default (re.match against the HF module name), and why:
 DEFAULT_EXCLUDE = (
     r".*embed_tokens$",  # embeddings are a row gather, not a matmul
-    r"(.*\.)?lm_head$",  # logits stay full precision (vLLM's quantization_config.lm_head=false)
+    r"(.*\.)?lm_head$",  # logits stay full precision unless --lm-head (vLLM's quantization_config.lm_head)
     r".*\.linear_attn\.in_proj_[ab]$",  # GDN beta/decay gates: [Hv, H], too small to pay, precision-critical
     r".*\.linear_attn\.conv1d$",  # depthwise conv, not a linear
     r".*norm$",  # RMSNorm weights (1-D anyway)
     r"model\.visual\.",  # the vision tower stays dense, like Qwen's own GPTQ releases
 )
+LM_HEAD_EXCLUDE = DEFAULT_EXCLUDE[1]
 SHARD_BYTES = 4 << 30
-_SCALE_MIN = 2.0**-24  # smallest fp16 subnormal: a scale that underflows to 0 would divide by zero
+
+
+METHODS = ("gptq", "rtn")
+
+
+@dataclass
+class GPTQOptions:
+    """Calibrated GPTQ's settings (qv/model/gptq.py): calibration text (a .txt/.jsonl file or None for the
+    built-in text), samples x tokens, damping, activation order, static groups, device and seed."""
+
+    calibration: str | None = None
+    num_samples: int = 128
+    seq_len: int = 512
+    damp: float = 0.01
+    act_order: bool = True
+    static_groups: bool = True  # g_idx k // group_size: the kernels' fast paths and tensor-parallel row shards
+    device: str = "auto"
+    seed: int = 0
 
 
 def quantize_checkpoint(src: str | Path, out: str | Path, bits: int = 8, group_size: int = 128, sym: bool = True,
-                        exclude=(), in_place: bool = False, shard_bytes: int = SHARD_BYTES) -> Path:
+                        exclude=(), in_place: bool = False, shard_bytes: int = SHARD_BYTES, method: str = "rtn",
+                        gptq: GPTQOptions | None = None, lm_head: bool = False, log=print) -> Path:
     """Quantize the dense checkpoint folder `src` into `out` (or rewrite `src` when in_place)."""
+    if method not in METHODS:
+        raise ConfigError(f"--method {method!r}: choose gptq (calibrated) or rtn (round-to-nearest)")
     if bits not in (4, 8):
         raise ConfigError(f"--bits {bits} is not supported: qv writes GPTQ-Int8 and GPTQ-Int4 (bits 8 or 4)")
     if group_size != -1 and group_size < 1:
@@ -61,16 +87,28 @@ def quantize_checkpoint(src: str | Path, out: str | Path, bits: int = 8, group_s
     ModelConfig.from_dict(config)  # a Qwen3.5 checkpoint qv can load, or a clear error now
     if not in_place and out.exists() and (any(out.glob("*.safetensors")) or (out / "config.json").exists()):
         raise ConfigError(f"{out} already holds a checkpoint; choose an empty folder")
-    patterns = _compile(tuple(DEFAULT_EXCLUDE) + tuple(exclude))
+    defaults = tuple(p for p in DEFAULT_EXCLUDE if not (lm_head and p == LM_HEAD_EXCLUDE))
+    patterns = _compile(defaults + tuple(exclude))
     files = index_checkpoint(src)
-    plan, excluded = _plan(files, patterns, group_size, 32 // bits)
+    plan, excluded = _plan(files, patterns, group_size, 32 // bits, lm_head)
+    head_name = "lm_head.weight" if plan.get("lm_head.weight") else None
+    if lm_head and head_name is None:
+        raise ConfigError(f"--lm-head: {src} has no separate lm_head.weight to quantize (tied to the embeddings, "
+                          "or excluded); QV_LM_HEAD_INT8 quantizes a tied head at load")
+    done, desc_act = {}, False
+    if method == "gptq":
+        done, desc_act = _calibrate(src, config, plan, bits, group_size, sym, gptq or GPTQOptions(), log)
     out.mkdir(parents=True, exist_ok=True)
 
-    qcfg = {"quant_method": "gptq", "bits": bits, "group_size": group_size, "sym": sym, "desc_act": False,
-            "checkpoint_format": "gptq", "lm_head": False,
-            "dynamic": _dynamic_rules(excluded, config),
+    dynamic = _dynamic_rules(excluded, config)
+    if head_name:  # per-row int8 whatever --bits and --group-size say
+        dynamic = {"+:(?:lm_head|language_model\\.lm_head)$": {"bits": 8, "group_size": -1, "sym": True,
+                                                                "desc_act": False}, **dynamic}
+    qcfg = {"quant_method": "gptq", "bits": bits, "group_size": group_size, "sym": sym, "desc_act": desc_act,
+            "checkpoint_format": "gptq", "lm_head": bool(head_name),
+            "dynamic": dynamic,
             "modules_to_not_convert": excluded}
-    shards = _write_tensors(files, plan, out, group_size, sym, shard_bytes, bits)
+    shards = _write_tensors(files, plan, out, group_size, sym, shard_bytes, bits, done)
     if not in_place:
         _copy_others(src, out)
     written = _finish_shards(out, shards)  # renames over same-named old files
@@ -95,8 +133,8 @@ def _compile(patterns: tuple[str, ...]) -> list[re.Pattern]:
     return compiled
 
 
-def _plan(files: dict[str, Path], patterns: list[re.Pattern], group_size: int,
-          pack: int) -> tuple[dict[str, bool], list[str]]:
+def _plan(files: dict[str, Path], patterns: list[re.Pattern], group_size: int, pack: int,
+          lm_head: bool = False) -> tuple[dict[str, bool], list[str]]:
     """name -> quantize?; plus the excluded 2-D modules. Checks every quantized shape first, so
     a bad group size fails before anything is written."""
     plan: dict[str, bool] = {}
@@ -115,6 +153,11 @@ def _plan(files: dict[str, Path], patterns: list[re.Pattern], group_size: int,
             excluded.append(module)
             continue
         n, k = shape
+        if module in ("lm_head", "model.language_model.lm_head") or module.endswith(".lm_head"):
+            if k % 4 or n % 4:  # written as int8 with one group: 4 codes a word
+                bad.append(f"{module} [{n}, {k}]")
+            plan[name] = True
+            continue
         if k % pack or n % pack or (group_size != -1 and k % group_size):
             bad.append(f"{module} [{n}, {k}]")
         plan[name] = True
@@ -151,21 +194,8 @@ def rtn_quantize(w: torch.Tensor, group_size: int, sym: bool,
     n, k = w.shape
     group = k if group_size == -1 else group_size
     x = w.float().t().reshape(k // group, group, n)  # [G, g, N]
-    if sym:
-        amax = x.abs().amax(1)
-        scale = torch.where(amax > 0, 2 * amax / top, torch.ones_like(amax))
-        zero = torch.full_like(scale, 1 << (bits - 1))
-    else:
-        lo, hi = x.amin(1).clamp_max(0), x.amax(1).clamp_min(0)
-        empty = (lo == 0) & (hi == 0)
-        lo, hi = torch.where(empty, -1.0, lo), torch.where(empty, 1.0, hi)
-        scale = (hi - lo) / top
-        zero = torch.round(-lo / scale)
-        # v1 stores zero - 1 in `bits` bits, so a zero of 0 cannot be written (it would read back as 2^bits):
-        # such groups use zero 1 with a scale that still spans [lo, hi].
-        low = zero < 1
-        scale, zero = torch.where(low, hi / (top - 1), scale), torch.where(low, torch.ones_like(zero), zero)
-    scale = scale.clamp_min(_SCALE_MIN).half()
+    scale, zero = quant_params(x, bits, sym)
+    scale = scale.half()
     codes = torch.clamp(torch.round(x / scale.float()[:, None, :]) + zero[:, None, :], 0, top)
     return codes.reshape(k, n).to(torch.uint8), scale, zero.to(torch.int32)
 
@@ -188,8 +218,11 @@ def pack_gptq(codes: torch.Tensor, zeros: torch.Tensor, bits: int = 8) -> tuple[
 
 
 def _write_tensors(files: dict[str, Path], plan: dict[str, bool], out: Path, group_size: int, sym: bool,
-                   shard_bytes: int, bits: int) -> list[tuple[Path, list[str]]]:
-    """Write temporary shards (renamed by _finish_shards once all exist); returns (path, names)."""
+                   shard_bytes: int, bits: int,
+                   done: dict[str, QuantizedWeight] | None = None) -> list[tuple[Path, list[str]]]:
+    """Write temporary shards (renamed by _finish_shards once all exist); returns (path, names). Modules in
+    `done` (GPTQ's) are written as they are, the lm_head as row-int8, other planned ones rounded to nearest."""
+    done = done or {}
     total = sum(p.stat().st_size for p in set(files.values()))
     shards: list[tuple[Path, list[str]]] = []
     pending: dict[str, torch.Tensor] = {}
@@ -213,11 +246,21 @@ def _write_tensors(files: dict[str, Path], plan: dict[str, bool], out: Path, gro
                 t = f.get_tensor(name)
                 if plan[name]:
                     module = name[: -len(".weight")]
-                    codes, scales, zeros = rtn_quantize(t, group_size, sym, bits)
-                    qweight, qzeros = pack_gptq(codes, zeros, bits)
-                    g = codes.shape[0] if group_size == -1 else group_size
-                    new = {f"{module}.qweight": qweight, f"{module}.qzeros": qzeros, f"{module}.scales": scales,
-                           f"{module}.g_idx": torch.arange(codes.shape[0], dtype=torch.int32) // g}
+                    if module == "lm_head":  # one bf16-exact scale a row (fp16 holds it exactly), zero 128
+                        q = quantize_rows_int8(t, torch.bfloat16)
+                        zeros = torch.full_like(q.scales, 128, dtype=torch.int32)
+                        qw = QuantizedWeight(q.qweight, q.scales.half(), zeros, q.g_idx)
+                        wbits = 8
+                    elif module in done:
+                        qw, wbits = done[module], bits
+                    else:
+                        codes, scales, zeros = rtn_quantize(t, group_size, sym, bits)
+                        g = codes.shape[0] if group_size == -1 else group_size
+                        qw = QuantizedWeight(codes, scales, zeros, torch.arange(codes.shape[0], dtype=torch.int32) // g)
+                        wbits = bits
+                    qweight, qzeros = pack_gptq(qw.codes, qw.zeros, wbits)
+                    new = {f"{module}.qweight": qweight, f"{module}.qzeros": qzeros, f"{module}.scales": qw.scales,
+                           f"{module}.g_idx": qw.g_idx}
                 else:
                     new = {name: t.contiguous()}
                 for key, value in new.items():
@@ -229,6 +272,33 @@ def _write_tensors(files: dict[str, Path], plan: dict[str, bool], out: Path, gro
     flush()
     bar.close()
     return shards
+
+
+def _calibrate(src: Path, config: dict, plan: dict[str, bool], bits: int, group_size: int, sym: bool,
+               opts: GPTQOptions, log) -> tuple[dict[str, QuantizedWeight], bool]:
+    """GPTQ of the decoder layers' planned modules; returns them and whether g_idx is permuted (desc_act)."""
+    from qv.model.gptq import calibration_ids, calibration_texts, gptq_layers, load_calibration_tokenizer
+
+    if not 0 < opts.damp < 1:
+        raise ConfigError(f"--damp {opts.damp}: expected a share of the mean Hessian diagonal in (0, 1)")
+    cfg = ModelConfig.from_dict(config)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if opts.device == "auto" else opts.device
+    layers = f"{cfg.weight_prefix}layers."
+    modules = {n[: -len(".weight")] for n, q in plan.items() if q and n.startswith(layers)}
+    others = sorted(n[: -len(".weight")] for n, q in plan.items() if q and not n.startswith(layers)
+                    and n != "lm_head.weight")
+    tokenizer = load_calibration_tokenizer(src)
+    ids = calibration_ids(tokenizer, calibration_texts(opts.calibration), opts.num_samples, opts.seq_len, opts.seed)
+    log(f"GPTQ on {device}: {len(modules)} modules in {cfg.num_hidden_layers} layers, {ids.shape[0]} calibration "
+        f"samples of {ids.shape[1]} tokens ({opts.calibration or 'built-in text'}), damp {opts.damp}, "
+        f"act order {'on' if opts.act_order else 'off'}{', static groups' if opts.static_groups else ''}")
+    if others:
+        log(f"round-to-nearest (no calibration pass outside the decoder layers): {', '.join(others[:4])}"
+            f"{' ...' if len(others) > 4 else ''}")
+    done, report = gptq_layers(src, cfg, modules, ids, bits, group_size, sym, opts.damp, opts.act_order,
+                               opts.static_groups, device)
+    log(report.summary())
+    return done, opts.act_order and not opts.static_groups and group_size != -1
 
 
 def _finish_shards(out: Path, shards: list[tuple[Path, list[str]]]) -> set[str]:

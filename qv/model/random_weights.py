@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from qv.errors import ConfigError
-from qv.kernels.linear import GPTQWeight
+from qv.kernels.linear import FP8Weight, GPTQWeight
 from qv.model.tiny import random_tensor, tensor_shapes, weight_std
 from qv.model.weights import CheckpointError, CheckpointReader, QuantRules
 from qv.model_config import ModelConfig, QuantConfig
@@ -37,6 +37,10 @@ RANDOM_QUANT = {
     "gptq-int4": dataclasses.replace(GPTQ_INT8, bits=4, dynamic={"-:.*visual.*": {}, r"-:.*in_proj_[ab]$": {}}),
     "awq": dataclasses.replace(GPTQ_INT8, bits=4, sym=False, dynamic={},
                                modules_to_not_convert=("visual", "in_proj_a", "in_proj_b"), method="awq"),
+    # Qwen's FP8 releases: 128x128 blocks; embeddings, lm_head, the GDN gates and the vision tower unquantized
+    "fp8": QuantConfig(bits=8, group_size=128, sym=True, desc_act=False, checkpoint_format="fp8", dynamic={},
+                       modules_to_not_convert=("lm_head", "embed_tokens", "visual", "in_proj_a", "in_proj_b"),
+                       lm_head=False, method="fp8", weight_block_size=(128, 128)),
 }
 GPTQ_SUFFIXES = (".qweight", ".scales", ".g_idx")
 EMBEDDINGS = ("embed_tokens", "pos_embed")
@@ -103,11 +107,17 @@ class RandomReader:
         """Bytes the weights take (as stored in fp16/bf16; codes are smaller): what the progress bar measures."""
         return 2 * sum(math.prod(s) for s in self.shapes.values())
 
+    @property
+    def fp8(self) -> bool:
+        return self.cfg.quant is not None and self.cfg.quant.method == "fp8"
+
     def has(self, name: str) -> bool:
         module, _, _ = name.rpartition(".")
         if name.endswith(GPTQ_SUFFIXES):
-            return self._quantized(module)
-        if name.endswith(".weight") and self._quantized(module):
+            return not self.fp8 and self._quantized(module)
+        if name.endswith(".weight_scale_inv"):
+            return self.fp8 and self._quantized(module)
+        if name.endswith(".weight") and not self.fp8 and self._quantized(module):
             return False
         return name in self.shapes
 
@@ -136,6 +146,8 @@ class RandomReader:
         shape = self.shapes[f"{prefix}.weight"]
         if tuple(shape) != (out_features, in_features):
             raise CheckpointError(f"{prefix}: shape {tuple(shape)}, expected {(out_features, in_features)}")
+        if self.fp8:
+            return self._fp8(prefix, out_features, in_features, torch.device(device))
         mq = self.rules.resolve(prefix)
         k, n = in_features, out_features
         group = k if mq.group_size == -1 else mq.group_size
@@ -158,6 +170,16 @@ class RandomReader:
         g_idx = torch.arange(k, dtype=torch.int32, device=device) // group
         self.used.update(prefix + s for s in GPTQ_SUFFIXES)
         return GPTQWeight(qweight, scales, zeros, g_idx, group, mq.bits)
+
+    def _fp8(self, prefix: str, n: int, k: int, device: torch.device) -> FP8Weight:
+        """Gaussian e4m3 values (the format's fine steps near one, coarse ones in the tails) with block scales
+        that vary by block and give the weight its fan_in^-1/2 spread."""
+        bn, bk = self.cfg.quant.weight_block_size
+        gen = self._generator(prefix + ".weight", device)
+        weight = torch.randn((n, k), generator=gen, device=device, dtype=torch.float32).to(torch.float8_e4m3fn)
+        spread = torch.rand((-(-n // bn), -(-k // bk)), generator=gen, device=device, dtype=torch.float32) * 0.5 + 0.75
+        self.used.update((prefix + ".weight", prefix + ".weight_scale_inv"))
+        return FP8Weight(weight, spread * weight_std(prefix + ".weight", (n, k)), (bn, bk))
 
     def unused(self, ignore_prefixes: tuple[str, ...] = ()) -> list[str]:
         return []  # every name is made on request: nothing is left over by construction

@@ -1,4 +1,4 @@
-"""Reading checkpoints: safetensors (single or sharded), dense, GPTQ (8 and 4 bits) and AWQ linears.
+"""Reading checkpoints: safetensors (single or sharded), dense, GPTQ (8 and 4 bits), AWQ and block-FP8 linears.
 
 `CheckpointReader` hands out tensors by checkpoint name, remembers which were used, and turns a
 module prefix into a dense weight or a `GPTQWeight` (repacked to qv's runtime layout) depending
@@ -20,6 +20,11 @@ AWQ's GEMM layout (4 bits; packed along N, not K):
   qweight int32 [K, N/8]   nibble i of qweight[k, c] is the code of output column 8c + AWQ_ORDER[i]
   qzeros  int32 [G, N/8]   the same order; true zeros (no minus one)
   scales  float [G, N]     groups sequential (no g_idx); repacked at load into the GPTQ runtime layout.
+
+Block FP8 (quant_method "fp8", Qwen's and DeepSeek's FP8 releases), kept as stored (FP8Weight):
+  weight            float8_e4m3fn [N, K]
+  weight_scale_inv  float [ceil(N/bn), ceil(K/bk)], (bn, bk) = weight_block_size
+  w[n, k] = weight[n, k] * weight_scale_inv[n // bn, k // bk]
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from qv.kernels.linear import GPTQWeight, pack_nibbles
+from qv.kernels.linear import FP8Weight, GPTQWeight, pack_nibbles
 from qv.model_config import ModelConfig, QuantConfig
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -213,12 +218,14 @@ class CheckpointReader:
         return t
 
     def linear(self, prefix: str, out_features: int, in_features: int, dtype: torch.dtype,
-               device: torch.device | str = "cpu") -> torch.Tensor | GPTQWeight:
-        """The weight of module `prefix`: dense [N, K] in `dtype`, or GPTQWeight if stored quantized."""
+               device: torch.device | str = "cpu") -> torch.Tensor | GPTQWeight | FP8Weight:
+        """The weight of module `prefix`: dense [N, K] in `dtype`, or GPTQWeight / FP8Weight if stored quantized."""
         module = self._actual(prefix)
         has_q, has_w = self.has(f"{prefix}.qweight"), self.has(f"{prefix}.weight")
         if has_q and has_w:
             raise CheckpointError(f"{module} is stored both dense (.weight) and GPTQ-quantized (.qweight)")
+        if self.has(f"{prefix}.weight_scale_inv"):
+            return self._fp8(prefix, out_features, in_features, device)
         if has_q:
             return self._gptq(prefix, out_features, in_features, dtype, device)
         if not has_w:
@@ -230,17 +237,45 @@ class CheckpointReader:
         parent, _, leaf = prefix.rpartition(".")
         if self.rules is None or leaf not in _FUSED_OF:
             return
-        quantized = [m for m in _FUSED_OF[leaf][1] if m != leaf and self.has(f"{parent}.{m}.qweight")]
+        quantized = [m for m in _FUSED_OF[leaf][1] if m != leaf and (self.has(f"{parent}.{m}.qweight")
+                                                                    or self.has(f"{parent}.{m}.weight_scale_inv"))]
         if quantized and self.rules.resolve(self._actual(prefix)).excluded_by is None:
             raise CheckpointError(
                 f"{self._actual(prefix)} is stored dense but nothing in quantization_config excludes it, while "
-                f"its fused sibling(s) {', '.join(quantized)} are GPTQ-quantized; add a '-:' dynamic rule or a "
+                f"its fused sibling(s) {', '.join(quantized)} are quantized; add a '-:' dynamic rule or a "
                 f"modules_to_not_convert entry for it if the checkpoint is meant to be mixed")
+
+    def _fp8(self, prefix: str, n: int, k: int, device) -> FP8Weight:
+        module = self._actual(prefix)
+        q = self.cfg.quant
+        if q is None or q.method != "fp8":
+            raise CheckpointError(f"{module}.weight_scale_inv is stored but config.json's quantization_config is not "
+                                  "quant_method fp8 with a weight_block_size")
+        if prefix == "lm_head":
+            raise CheckpointError("lm_head is stored in FP8: an FP8 vocabulary projection is not built (Qwen's FP8 "
+                                  "releases keep it dense, which the sampler, MTP's top-1 and Clef's head read)")
+        mq = self.rules.resolve(module)
+        if mq.excluded_by is not None:
+            raise CheckpointError(f"{module} is stored in FP8 but {mq.excluded_by} excludes it from quantization")
+        if self.has(f"{prefix}.input_scale"):
+            raise CheckpointError(f"{module}.input_scale: static FP8 activation scales are not built (qv scales "
+                                  "activations at run time)")
+        weight = self._raw(f"{prefix}.weight")
+        if weight.dtype != torch.float8_e4m3fn:
+            raise CheckpointError(f"tensor {module}.weight beside weight_scale_inv has dtype {weight.dtype}; expected "
+                                  "float8_e4m3fn")
+        if tuple(weight.shape) != (n, k):
+            raise CheckpointError(f"tensor {module}.weight has shape {tuple(weight.shape)}, expected {(n, k)}")
+        bn, bk = q.weight_block_size
+        scale = self.tensor(f"{prefix}.weight_scale_inv", torch.float32, shape=(-(-n // bn), -(-k // bk)))
+        return FP8Weight(weight.to(device), scale.to(device), (bn, bk))
 
     def _gptq(self, prefix: str, n: int, k: int, dtype: torch.dtype, device) -> GPTQWeight:
         module = self._actual(prefix)
         if self.rules is None:
             raise CheckpointError(f"{module}.qweight is stored but config.json has no quantization_config")
+        if self.cfg.quant.method == "fp8":
+            raise CheckpointError(f"{module}.qweight is stored but quantization_config says quant_method fp8")
         mq = self.rules.resolve(module)
         if mq.excluded_by is not None:
             raise CheckpointError(f"{module} is stored GPTQ-quantized but {mq.excluded_by} excludes it from quantization")

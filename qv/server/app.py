@@ -31,12 +31,14 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
+from starlette._utils import get_route_path
 from starlette.routing import Route
 
 from qv.config import ConfigError, EngineConfig
 from qv.errors import StartupError
-from qv.server import anthropic, completions, lora, openapi, ops, openai, responses, sagemaker, systemone
-from qv.server.http_edges import LazyCORS, MeasureHTTP, needs_key
+from qv.server import (anthropic, completions, lora, openapi, ops, openai, playground, responses, responses_store,
+                       sagemaker, systemone)
+from qv.server.http_edges import LazyCORS, MeasureHTTP, body_limit, needs_key
 from qv.server.errors import SHUTDOWN_MESSAGE, APIError, api_error_response, error_response, internal_error
 from qv.server.log_setup import log_config
 from qv.server.stats_log import log_stats
@@ -47,7 +49,8 @@ log = logging.getLogger("qv.server")
 
 
 class BodyTooLarge(Exception):
-    pass
+    def __init__(self, limit: int, lever: str):
+        super().__init__(f"the request body is larger than {limit} bytes ({lever})")
 
 
 class BodyReadTimeout(Exception):
@@ -63,8 +66,8 @@ async def _answer(handler, state: ServerState, request: Request) -> Response:
         return await handler(state, request)
     except APIError as exc:
         return api_error_response(exc)
-    except BodyTooLarge:
-        return error_response(413, f"the request body is larger than {state.max_body_bytes} bytes")
+    except BodyTooLarge as exc:  # no Connection: close: closing with the body unread would reset the connection,
+        return error_response(413, str(exc))  # and the client could lose this answer; uvicorn drains the rest
     except BodyReadTimeout:
         return error_response(408, "the request body did not arrive whole within body_read_timeout_s",
                               headers={"Connection": "close"})
@@ -105,6 +108,10 @@ ROUTES = [
     ("/v1/chat/completions", openai.create_chat_completion, "POST"),
     ("/v1/completions", completions.create_completion, "POST"),
     ("/v1/responses", responses.create_response, "POST"),
+    ("/v1/responses/{response_id}", responses_store.retrieve_response, "GET"),
+    ("/v1/responses/{response_id}", responses_store.delete_response, "DELETE"),
+    ("/v1/responses/{response_id}/cancel", responses_store.cancel_response, "POST"),
+    ("/v1/responses/{response_id}/input_items", responses_store.list_input_items, "GET"),
     ("/v1/messages", anthropic.create_message, "POST"),
     ("/v1/messages/count_tokens", anthropic.count_tokens, "POST"),
     ("/v1/systemone", systemone.create_decision, "POST"),
@@ -122,6 +129,11 @@ ROUTES = [
     ("/openapi.json", openapi.schema, "GET"),
     ("/docs", openapi.docs, "GET"),
     *lora.ROUTES,  # /v1/load_lora_adapter, /v1/unload_lora_adapter
+    ("/docs/{name}", openapi.docs_asset, "GET"),  # Swagger UI's script and stylesheet, from the package
+    ("/", playground.index, "GET"),
+    ("/playground", playground.page, "GET"),
+    ("/static/{name}", playground.static_file, "GET"),
+    ("/server_info", playground.info, "GET"),
 ]
 
 
@@ -138,7 +150,7 @@ class Guards:
         if scope["type"] != "http" or cfg is None:
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        path = scope["path"]
+        path = get_route_path(scope) or "/"  # without root_path: the routes and the key's scope see the same path
         ambiguous = _ambiguous_headers(scope["headers"])
         if ambiguous:
             return await error_response(400, ambiguous, headers={"Connection": "close"})(scope, receive, send)
@@ -147,10 +159,10 @@ class Guards:
             if not hmac.compare_digest(given.encode(), f"Bearer {cfg.api_key}".encode()):
                 return await error_response(401, "Unauthorized: send `Authorization: Bearer <api key>`",
                                             headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
-        limit = cfg.max_body_bytes
+        limit, lever = body_limit(path, cfg)
         length = headers.get("content-length", "")
-        if length.isdigit() and int(length) > limit:
-            return await error_response(413, f"the request body is larger than {limit} bytes")(scope, receive, send)
+        if length.isdigit() and int(length) > limit:  # refused unread (uvicorn discards the body as it comes)
+            return await error_response(413, str(BodyTooLarge(limit, lever)))(scope, receive, send)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + cfg.body_read_timeout_s
         seen, body_done, started = 0, False, False
@@ -165,8 +177,8 @@ class Guards:
                 raise BodyReadTimeout() from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > limit:
-                    raise BodyTooLarge()
+                if seen > limit:  # refused as it arrives: the rest is never read
+                    raise BodyTooLarge(limit, lever)
                 body_done = not message.get("more_body", False)
             return message
 
@@ -281,6 +293,7 @@ def build_app(cfg: EngineConfig | None = None, engine=None) -> Starlette:
         config = cfg if cfg is not None else EngineConfig.from_env()
         running = engine if engine is not None else AsyncLLMEngine(config)
         state = app.state.qv = ServerState(running, config)
+        app.state.qv_config = config  # /server_info shows the levers
         cfg_ref["cfg"] = config
         restore = _drain_on_signals(state)
         log.info("qv server ready: model %s (%s), max_model_len %d", state.model_name, state.model_root,
@@ -312,7 +325,8 @@ app = build_app()
 def start_hint(name: str, url: str, random_weights: bool) -> str:
     """What `qv serve` prints once it listens: where, the API docs, one request to try, and whether the
     weights are random (the embedded model's, or --load-format random) so its text is noise."""
-    lines = [f"qv: serving model '{name}' at {url}/v1 (health: {url}/health)", f"qv: API docs: {url}/docs",
+    lines = [f"qv: serving model '{name}' at {url}/v1 (health: {url}/health)", f"qv: playground: {url}/",
+             f"qv: API docs: {url}/docs",
              f"qv: try: curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' -d "
              f"'{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], "
              f"\"max_tokens\": 32}}'"]
@@ -365,7 +379,8 @@ def uvicorn_config(application, cfg: EngineConfig, **kw):
 
     return uvicorn.Config(application, http=hardened_protocol(cfg.header_read_timeout_s, cfg.max_connections),
                           lifespan="on", timeout_keep_alive=cfg.keep_alive_timeout_s,
-                          limit_concurrency=cfg.max_connections, timeout_graceful_shutdown=cfg.shutdown_grace_s, **kw)
+                          limit_concurrency=cfg.max_connections, timeout_graceful_shutdown=cfg.shutdown_grace_s,
+                          root_path=cfg.root_path, **kw)
 
 
 __all__ = ["app", "build_app", "serve", "uvicorn_config"]

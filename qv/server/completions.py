@@ -67,7 +67,7 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     seats = state.admit(len(prompts) * req.n)
     try:
         gens = [state.generate(f"{rid}-{k}", checked, prompt=text, cache_salt=req.cache_salt, admission=seats,
-                               grammar_field=constraint_field(req))
+                               grammar_field=constraint_field(req), priority=req.priority)
                 for k, (text, checked) in enumerate(prompts)]
         if req.stream:
             trailer = sse_error(state.stopped_error()) + DONE

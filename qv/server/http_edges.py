@@ -17,12 +17,22 @@ from starlette.routing import Match
 from qv.config import EngineConfig, string_list
 
 HEALTH_PROBES = ("/health", "/ping")
-GUARDED_OUTSIDE_V1 = ("/invocations", "/reset_prefix_cache")  # they run or change the engine
+PLAYGROUND_PAGES = ("/", "/playground")  # no data in them: the page asks for the key, then sends it
+# they run or change the engine, or show its levers
+GUARDED_OUTSIDE_V1 = ("/invocations", "/reset_prefix_cache", "/server_info")
+
+
+def body_limit(path: str, cfg: EngineConfig) -> tuple[int, str]:
+    """The largest body `path` takes and the lever that sets it: a Clef record's text and images fit in
+    far fewer bytes than a chat's (clef_max_body_bytes), so /v1/systemone has its own, smaller cap."""
+    if path == "/v1/systemone" and cfg.clef_max_body_bytes < cfg.max_body_bytes:
+        return cfg.clef_max_body_bytes, "clef_max_body_bytes"
+    return cfg.max_body_bytes, "max_body_bytes"
 
 
 def needs_key(path: str, scope: str, metrics_public: bool) -> bool:
     """Whether a request to `path` must carry the API key (when one is set) under api_key_scope."""
-    if path in HEALTH_PROBES:
+    if path in HEALTH_PROBES or path in PLAYGROUND_PAGES or path.startswith("/static/"):
         return False
     if scope == "all":
         return not (path == "/metrics" and metrics_public)

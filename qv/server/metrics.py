@@ -88,6 +88,8 @@ class _EngineCollector:
         info.add_metric([*self.cache_config.values(), str(s.num_gpu_blocks), self.labels[1]], 1)
         yield info
         yield counter("vllm:num_preemptions", "Preemptions (recompute).", s.num_preemptions)
+        yield counter("qv:num_deferred_readmissions", "Preempted requests past max_preemptions held back until their "
+                      "full length fits beside the running ones.", getattr(s, "num_deferred_readmissions", 0))
         yield counter("vllm:prompt_tokens", "Prefill tokens processed.", s.prompt_tokens)
         yield counter("vllm:generation_tokens", "Generated tokens.", s.generation_tokens)
         yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries)

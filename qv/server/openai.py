@@ -93,7 +93,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     seats = state.admit(req.n)
     try:
         gen = state.generate(ctx.request_id, checked, prompt=rendered.text, cache_salt=req.cache_salt,
-                             grammar_field=constraint_field(req),
+                             grammar_field=constraint_field(req), priority=req.priority,
                              multimodal=mm, admission=seats)
         if req.stream:
             return stream_response(state, chat_stream(state, ctx, gen), seats, sse_error(state.stopped_error()) + DONE)

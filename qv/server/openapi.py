@@ -3,9 +3,10 @@ from the Starlette routes themselves and the pydantic models the handlers valida
 document cannot list a route that is not served, or a body the server does not check), and a
 Swagger UI page over it.
 
-The docs page loads Swagger UI's script and stylesheet from a CDN (jsDelivr); the document is
-inlined in the page, so the browser needs no second authenticated request. Without the CDN (an
-offline machine) the page still shows a plain list of the routes. Each operation's `security`
+The docs page loads Swagger UI's script and stylesheet from the package `swagger-ui-bundle-v2` (served
+at /docs/swagger-ui-bundle.js and /docs/swagger-ui.css, relative to the page, so no CDN and any path
+prefix works); the document is inlined in the page, so the browser needs no second authenticated
+request. Without that package the page is a plain list of the routes. Each operation's `security`
 says whether the API key guards it under the server's api_key_scope (http_edges.needs_key).
 """
 
@@ -15,27 +16,35 @@ import functools
 import html
 import json
 import re
+from pathlib import Path
 
 from pydantic.json_schema import models_json_schema
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from qv.engine.clef_api import Decision
+from qv.clef.request import SystemOneRequest
 from qv.server import protocol
+from qv.server.errors import error_response
 from qv.server.http_edges import needs_key
 from qv.server.state import ServerState
 from qv.version import __version__
 
 REF = "#/components/schemas/{model}"
-SWAGGER_UI = "https://cdn.jsdelivr.net/npm/swagger-ui-dist@5"
+SWAGGER_UI_FILES = {"swagger-ui-bundle.js": "text/javascript; charset=utf-8",
+                    "swagger-ui.css": "text/css; charset=utf-8"}
 
 # path -> (summary, request model or None, whether it answers SSE when the body asks `stream`)
 OPERATIONS = {
     "/v1/chat/completions": ("Chat completion (OpenAI/vLLM fields)", protocol.ChatCompletionRequest, True),
     "/v1/completions": ("Text completion (OpenAI/vLLM fields)", protocol.CompletionRequest, True),
-    "/v1/responses": ("Responses API (stateless)", protocol.ResponsesRequest, True),
-    "/v1/systemone": ("Clef decision: probabilities for each question's options", Decision, False),
+    "/v1/responses": ("Responses API (store, previous_response_id, background)", protocol.ResponsesRequest, True),
+    "/v1/responses/{response_id}": ("A stored response: GET retrieves it as it stands, DELETE forgets it", None,
+                                    False),
+    "/v1/responses/{response_id}/cancel": ("Cancel a queued or running background response", None, False),
+    "/v1/responses/{response_id}/input_items": ("The input items that led to a stored response (earlier turns "
+                                                "included), OpenAI's cursor list", None, False),
+    "/v1/systemone": ("Clef decision: probabilities for each question's options", SystemOneRequest, False),
     "/v1/models": ("The served model names (OpenAI list, plus `models` for the SystemOne SDKs)", None, False),
     "/v1/models/{model}": ("One served model (OpenAI model object)", None, False),
     "/health": ("200 while the engine runs, 503 when it stopped (never needs the API key)", None, False),
@@ -49,6 +58,12 @@ OPERATIONS = {
     "/reset_prefix_cache": ("Forget every cached prefix (400 when prefix caching is off)", None, False),
     "/openapi.json": ("This document", None, False),
     "/docs": ("Swagger UI over this document", None, False),
+    "/docs/{name}": ("Swagger UI's script and stylesheet (`swagger-ui-bundle.js`, `swagger-ui.css`)", None, False),
+    "/": ("The web playground: chat, Clef decisions and the server's state", None, False),
+    "/playground": ("The web playground (as /)", None, False),
+    "/static/{name}": ("The playground's script and stylesheet", None, False),
+    "/server_info": ("The model, the levers that differ from their defaults, the memory plan, CUDA graphs",
+                     None, False),
 }
 
 ERROR_SCHEMA = {
@@ -109,8 +124,10 @@ def _responses(path: str, streams: bool) -> dict:
         ok["content"] = {"application/json": {"schema": {"$ref": REF.format(model="Model")}}}
     elif path == "/metrics":
         ok["content"] = {"text/plain": {"schema": {"type": "string"}}}
-    elif path == "/docs":
+    elif path in ("/docs", "/", "/playground"):
         ok["content"] = {"text/html": {"schema": {"type": "string"}}}
+    elif path in ("/docs/{name}", "/static/{name}"):
+        ok["content"] = {"text/plain": {"schema": {"type": "string"}}}
     elif path not in ("/health", "/ping", "/reset_prefix_cache"):
         ok["content"] = {"application/json": {"schema": {"type": "object"}}}
     if streams:
@@ -167,20 +184,39 @@ async def schema(state: ServerState, request: Request) -> Response:
     return JSONResponse(document(request.app.routes, state.api_key_scope, state.metrics_public))
 
 
+def swagger_ui_dir() -> Path | None:
+    """The folder of Swagger UI's files (the package swagger-ui-bundle-v2), or None without it."""
+    try:
+        from swagger_ui_bundle import swagger_ui_path
+    except ImportError:
+        return None
+    return Path(swagger_ui_path)
+
+
 def docs_html(doc: dict) -> str:
     """Swagger UI over `doc`, inlined; a plain list of the routes shows until (or unless) it loads."""
     rows = "".join(f"<li><code>{html.escape(m.upper())} {html.escape(p)}</code> {html.escape(op['summary'])}</li>"
                    for p, ops in doc["paths"].items() for m, op in ops.items())
     spec = json.dumps(doc).replace("<", "\\u003c")  # no `</script>` can end the script early
+    ui = swagger_ui_dir() is not None
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>qv API</title>
-<link rel="stylesheet" href="{SWAGGER_UI}/swagger-ui.css"></head>
+<link rel="icon" href="data:,">{'<link rel="stylesheet" href="docs/swagger-ui.css">' if ui else ''}</head>
 <body><div id="swagger-ui"><h1>qv {html.escape(__version__)} API</h1>
 <p>The OpenAPI document is at <a href="openapi.json">/openapi.json</a>. Routes:</p><ul>{rows}</ul></div>
-<script src="{SWAGGER_UI}/swagger-ui-bundle.js"></script>
+{'<script src="docs/swagger-ui-bundle.js"></script>' if ui else ''}
 <script>if (window.SwaggerUIBundle) {{ SwaggerUIBundle({{spec: {spec}, dom_id: "#swagger-ui"}}); }}</script>
 </body></html>"""
 
 
 async def docs(state: ServerState, request: Request) -> Response:
     return HTMLResponse(docs_html(document(request.app.routes, state.api_key_scope, state.metrics_public)))
+
+
+async def docs_asset(state: ServerState, request: Request) -> Response:
+    """GET /docs/{name}: Swagger UI's script or stylesheet from the installed package."""
+    name, folder = request.path_params["name"], swagger_ui_dir()
+    if name not in SWAGGER_UI_FILES or folder is None:
+        missing = "" if folder else " (swagger-ui-bundle-v2 is not installed)"
+        return error_response(404, f"no docs file {name[:100]!r}{missing}")
+    return FileResponse(folder / name, media_type=SWAGGER_UI_FILES[name], headers={"Cache-Control": "max-age=86400"})

@@ -10,7 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from qv.engine.clef_api import CLEF_MODEL_NAMES
+from qv.clef.request import CLEF_MODEL_NAMES
 from qv.server import lora
 from qv.server.chat import apply_template, build_conversation, template_kwargs
 from qv.server.errors import bad_request, error_response

@@ -132,7 +132,7 @@ class SamplingFields(SamplingKnobs):
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM's: keep the last N; -1 the last max_model_len
     user: str | None = None
     request_id: str | None = Field(None, min_length=1)  # vLLM's: the response id's tail, logged (state.request_id_of)
-    priority: int = 0  # vLLM's priority scheduling, which qv has not: only 0 is taken
+    priority: int = 0  # vLLM's: lower first under --scheduling-policy priority; else only 0 (ServerState.sampling_params)
     # vLLM's plug-in hooks qv has not: refused when set
     mm_processor_kwargs: dict[str, Any] | None = None
     logits_processors: list[Any] | None = None
@@ -178,9 +178,6 @@ class SamplingFields(SamplingKnobs):
     def _common(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("Stream options can only be defined when `stream=True`.")
-        if self.priority != 0:
-            raise ValueError("priority: qv has no priority scheduling (vLLM's --scheduling-policy priority); only "
-                             "priority 0 is taken")
         unsupported = {"use_beam_search": self.use_beam_search, "mm_processor_kwargs": self.mm_processor_kwargs,
                        "logits_processors": self.logits_processors, "vllm_xargs": self.vllm_xargs}
         refused = [k for k, on in unsupported.items() if on]
@@ -412,16 +409,15 @@ class ResponsesRequest(SamplingKnobs):
     user: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     cache_salt: str | None = None
+    request_id: str | None = Field(None, min_length=1, max_length=256)  # vLLM's: the response's id as given
+    priority: int = 0  # vLLM's: lower first under --scheduling-policy priority
 
     @model_validator(mode="after")
     def _responses(self):
         if isinstance(self.input, list) and not self.input:
             raise ValueError("input must not be an empty list")
-        if self.previous_response_id is not None:
-            raise ValueError("previous_response_id is not supported: qv does not store responses; send the "
-                             "whole conversation in `input`")
-        if self.background:
-            raise ValueError("background responses are not supported")
+        if self.background and self.stream:
+            raise ValueError("background: qv does not stream background responses; retrieve them once they end")
         fmt = (self.text or {}).get("format") or {}
         if not isinstance(fmt, dict) or fmt.get("type", "text") not in ("text", "json_object", "json_schema"):
             raise ValueError("text.format must be an object of type text, json_object or json_schema")

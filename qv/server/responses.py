@@ -1,10 +1,14 @@
-"""POST /v1/responses (OpenAI Responses API), stateless: the input items become chat messages,
-the chat path renders and runs them, and the output comes back as reasoning / message /
-function_call items, whole or as the documented event stream (`event:` + `data:` lines,
-response.created ... response.completed; no `[DONE]`)."""
+"""POST /v1/responses (OpenAI Responses API): the input items (after those of the conversation
+`previous_response_id` continues) become chat messages, the chat path renders and runs them, and
+the output comes back as reasoning / message / function_call items, whole or as the documented event
+stream (`event:` + `data:` lines, response.created ... response.completed; no `[DONE]`), or at once
+as a `queued` background response to retrieve later. With `store` (the default while the store has
+room: responses_store_bytes) the response is kept for retrieve, cancel, delete and
+`previous_response_id` (qv/server/responses_store.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from starlette.requests import Request
@@ -15,6 +19,7 @@ from qv.server.errors import APIError, bad_request, internal_error
 from qv.server.openai import ChatContext, read_request, stream_response, validate_body
 from qv.server.parsers import OutputStream, Qwen3CoderToolParser, parse_output
 from qv.server.protocol import ChatCompletionRequest, ResponsesRequest
+from qv.server.responses_store import ENTRY_OVERHEAD_BYTES, StoredResponse, history, output_size, stored_item
 from qv.server.state import ServerState, random_id
 from qv.server.structured import check_not_thinking, compile_constraint, constraint_field
 from qv.server.streaming import DONE, last_output, sse_event, until_disconnect
@@ -31,10 +36,17 @@ def _parts_text(content, where: str) -> str | None:
     return content_text([p if isinstance(p, dict) else {"type": None} for p in content], where)
 
 
-def input_messages(req: ResponsesRequest) -> list[dict]:
-    """Input items -> chat messages (function_call items join the assistant turn they follow)."""
+def input_items(req: ResponsesRequest) -> list[dict]:
+    """The request's input as a list of items (a string input is one user message)."""
+    return [{"type": "message", "role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+
+
+def input_messages(req: ResponsesRequest, earlier: list[dict] = ()) -> list[dict]:
+    """Input items, after the `earlier` items of the conversation continued, -> chat messages
+    (function_call items join the assistant turn they follow). The request's instructions come first;
+    those of earlier responses are not carried over (OpenAI's rule)."""
     messages: list[dict] = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+    items = [*earlier, *input_items(req)]
     reasoning = None
     for i, item in enumerate(items):
         where = f"input[{i}]"
@@ -74,10 +86,10 @@ def input_messages(req: ResponsesRequest) -> list[dict]:
     return messages
 
 
-def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
+def to_chat_request(req: ResponsesRequest, earlier: list[dict] = ()) -> ChatCompletionRequest:
     tc = req.tool_choice
     body = {
-        "messages": input_messages(req), "max_tokens": req.max_output_tokens, "temperature": req.temperature,
+        "messages": input_messages(req, earlier), "priority": req.priority, "max_tokens": req.max_output_tokens, "temperature": req.temperature,
         "top_p": req.top_p, "top_k": req.top_k, "min_p": req.min_p, "presence_penalty": req.presence_penalty,
         "frequency_penalty": req.frequency_penalty, "repetition_penalty": req.repetition_penalty, "seed": req.seed,
         "parallel_tool_calls": req.parallel_tool_calls, "chat_template_kwargs": req.chat_template_kwargs,
@@ -113,8 +125,8 @@ def _envelope(ctx: ChatContext, req: ResponsesRequest, status: str, output: list
             "tool_choice": req.tool_choice if isinstance(req.tool_choice, str) or req.tool_choice is None
             else req.tool_choice.model_dump(), "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
             "text": {"format": {"type": "text"}}, "reasoning": req.reasoning, "metadata": req.metadata or {},
-            "store": False, "truncation": req.truncation or "disabled", "previous_response_id": None,
-            "user": req.user, "background": False}
+            "store": bool(req.store), "truncation": req.truncation or "disabled",
+            "previous_response_id": req.previous_response_id, "user": req.user, "background": bool(req.background)}
 
 
 def _reasoning_item(item_id: str, text: str, status: str = "completed") -> dict:
@@ -132,10 +144,28 @@ def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: st
             "status": status}
 
 
+def _store_flag(state: ServerState, rreq: ResponsesRequest) -> bool:
+    """Whether this response is stored: the request's `store`, by default whether the store is on."""
+    if rreq.store is None:
+        return state.responses.enabled
+    if rreq.store and not state.responses.enabled:
+        raise bad_request("store: this server keeps no responses (responses_store_bytes is 0); send store=false",
+                          "store")
+    return rreq.store
+
+
 async def create_response(state: ServerState, request: Request) -> Response:
     rreq, size = await read_request(state, request, ResponsesRequest)
     state.check_model(rreq.model)
-    req = to_chat_request(rreq)
+    state.check_priority(rreq)
+    rreq.store = _store_flag(state, rreq)
+    if rreq.background and not rreq.store:
+        raise bad_request("background responses are stored: they need store=true", "background")
+    earlier, earlier_size = history(state.responses, rreq.previous_response_id)
+    response_id = rreq.request_id or random_id("resp", "_")
+    if state.responses.get(response_id) is not None:
+        raise bad_request(f"request_id {response_id!r} is the id of a stored response already", "request_id")
+    req = to_chat_request(rreq, earlier)
     names = {"max_tokens": "max_output_tokens"}
     state.check_capacity(1)
     grammar = await compile_constraint(state, req, {"response_format": "text.format"}, request)
@@ -147,25 +177,41 @@ async def create_response(state: ServerState, request: Request) -> Response:
     checked = state.check_request(rendered.token_ids, params, "input", names)
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
     ctx = ChatContext(req, rendered, Qwen3CoderToolParser(tools) if req.tools and req.tool_choice != "none" else None,
-                      random_id("resp", "_"), int(time.time()), state.response_model, "")
+                      response_id, int(time.time()), state.response_model, "")
+    conversation = [*earlier, *map(stored_item, input_items(rreq))]
+    base_size = size + earlier_size + ENTRY_OVERHEAD_BYTES
+
+    def keep(body: dict) -> None:
+        if rreq.store:
+            state.responses.put(response_id, StoredResponse(body, conversation, base_size + output_size(body)))
+
     seats = state.admit(1)
     try:
         gen = state.generate(ctx.request_id, checked, prompt=rendered.text,
                              grammar_field=constraint_field(req, {"response_format": "text.format"}),
-                             cache_salt=req.cache_salt, admission=seats)
+                             cache_salt=req.cache_salt, admission=seats, priority=rreq.priority)
+        if rreq.background:
+            return _start_background(state, ctx, rreq, gen, seats, conversation, base_size)
         if rreq.stream:
             stopped = state.stopped_error()
             trailer = sse_event("error", {"type": "error", "code": str(stopped.status), "message": stopped.message,
                                           "param": None}) + DONE
-            return stream_response(state, response_events(state, ctx, rreq, gen), seats, trailer)
+            return stream_response(state, response_events(state, ctx, rreq, gen, keep), seats, trailer)
         out = await until_disconnect(request, last_output(gen))
     except BaseException:
         seats.release()
         raise
     seats.release()
+    body = _final_response(state, ctx, rreq, out)
+    keep(body)
+    return JSONResponse(body)
+
+
+def _final_response(state: ServerState, ctx: ChatContext, rreq: ResponsesRequest, out) -> dict:
+    """The finished response object of the engine's last output."""
     o = out.outputs[0]
-    parsed = parse_output(o.text, rendered.thinking, ctx.tools)
-    calls = parsed.tool_calls if req.parallel_tool_calls else parsed.tool_calls[:1]
+    parsed = parse_output(o.text, ctx.rendered.thinking, ctx.tools)
+    calls = parsed.tool_calls if ctx.req.parallel_tool_calls else parsed.tool_calls[:1]
     items = []
     if parsed.reasoning:
         items.append(_reasoning_item(random_id("rs", "_"), parsed.reasoning))
@@ -176,8 +222,39 @@ async def create_response(state: ServerState, request: Request) -> Response:
     incomplete = o.finish_reason == "length"
     if incomplete and items:  # OpenAI's: the item max_output_tokens cut is incomplete, those before it completed
         items[-1]["status"] = "incomplete"
-    return JSONResponse(_envelope(ctx, rreq, "incomplete" if incomplete else "completed", items,
-                                  _usage(state, out, parsed.reasoning), "max_output_tokens" if incomplete else None))
+    return _envelope(ctx, rreq, "incomplete" if incomplete else "completed", items,
+                     _usage(state, out, parsed.reasoning), "max_output_tokens" if incomplete else None)
+
+
+def _start_background(state: ServerState, ctx: ChatContext, rreq: ResponsesRequest, gen, seats,
+                      conversation: list[dict], base_size: int) -> Response:
+    """Store the response `queued`, run it as a task of its own (retrieve shows it as it stands,
+    cancel stops it) and answer at once."""
+    entry = StoredResponse(_envelope(ctx, rreq, "queued", [], None), conversation, base_size)
+    state.responses.put(ctx.request_id, entry)
+
+    async def run() -> None:
+        out = None
+        try:
+            async for out in gen:
+                entry.response["status"] = "in_progress"
+            entry.response = _final_response(state, ctx, rreq, out)
+            entry.size = base_size + output_size(entry.response)
+        except asyncio.CancelledError:  # cancel (or delete, or shutdown): its engine request is aborted below
+            entry.response["status"] = "cancelled"
+        except APIError as exc:
+            entry.response.update(status="failed", error={"code": str(exc.status), "message": exc.message})
+        except Exception as exc:  # noqa: BLE001 - a bug fails this response, not the server
+            err = internal_error("internal error in a background response", ctx.request_id, exc)
+            entry.response.update(status="failed", error={"code": "500", "message": err.message})
+        finally:
+            await gen.aclose()
+            if state.responses.get(ctx.request_id) is entry:  # re-counted at its final size (not if deleted)
+                state.responses.put(ctx.request_id, entry)
+
+    entry.task = asyncio.ensure_future(run())
+    entry.task.add_done_callback(lambda _: seats.release())  # also when cancelled before it began
+    return JSONResponse(entry.response)
 
 
 class _EventWriter:
@@ -263,7 +340,8 @@ class _EventWriter:
         return out
 
 
-async def response_events(state: ServerState, ctx: ChatContext, rreq: ResponsesRequest, gen):
+async def response_events(state: ServerState, ctx: ChatContext, rreq: ResponsesRequest, gen, keep=None):
+    """The event stream; `keep(response)` stores the final response (store)."""
     w = _EventWriter()
     yield w.event("response.created", response=_envelope(ctx, rreq, "in_progress", [], None))
     yield w.event("response.in_progress", response=_envelope(ctx, rreq, "in_progress", [], None))
@@ -299,6 +377,8 @@ async def response_events(state: ServerState, ctx: ChatContext, rreq: ResponsesR
         final = _envelope(ctx, rreq, "incomplete" if incomplete else "completed", w.items,
                           _usage(state, out, reasoning) if out is not None else None,
                           "max_output_tokens" if incomplete else None)
+        if keep is not None:
+            keep(final)
         yield w.event("response.incomplete" if incomplete else "response.completed", response=final)
     except APIError as exc:
         yield w.event("error", code=str(exc.status), message=exc.message, param=exc.param)

@@ -24,9 +24,11 @@ from qv.engine.request_check import CheckedRequest
 from qv.engine.structured import GRAMMAR_STOPPED
 from qv.server.errors import (BUSY_MESSAGE, SHUTDOWN_MESSAGE, STOPPED_MESSAGE, APIError, bad_request,
                               internal_error)
+from qv.server.http_edges import body_limit
 from qv.server.lora import REQUEST_ADAPTER, adapter_for
 from qv.server.media import ServerMedia
 from qv.server.metrics import ServerMetrics
+from qv.server.responses_store import ResponseStore
 from qv.server.streaming import LARGE_BYTES
 
 log = logging.getLogger("qv.server")
@@ -80,9 +82,12 @@ class ServerState:
         self.model_root = str(getattr(engine, "model_dir", None) or cfg.model or engine.model_name)
         self.enable_thinking = cfg.enable_thinking
         self.max_body_bytes = cfg.max_body_bytes
+        self.clef_body_limit = body_limit("/v1/systemone", cfg)  # (bytes, the lever that sets them)
         self.api_key_scope, self.metrics_public = cfg.api_key_scope, cfg.metrics_public  # for /openapi.json
         self.trust_request_chat_template = cfg.trust_request_chat_template
         self.allow_runtime_lora_updating = cfg.allow_runtime_lora_updating
+        self.scheduling_policy = cfg.scheduling_policy
+        self.responses = ResponseStore(cfg.responses_store_bytes)  # the Responses API's `store`
         self.max_waiting = cfg.max_waiting
         self.max_prompts = cfg.max_prompts_per_request
         self.max_logprobs = cfg.max_logprobs
@@ -156,6 +161,13 @@ class ServerState:
         """vLLM's shorthands made concrete: truncate_prompt_tokens=-1 keeps the last max_model_len tokens."""
         if req.truncate_prompt_tokens == -1:
             req.truncate_prompt_tokens = self.max_model_len
+        self.check_priority(req)  # before any work: a grammar compile, rendering
+
+    def check_priority(self, req) -> None:
+        """vLLM's check and words: a `priority` other than 0 needs scheduling_policy priority."""
+        priority = getattr(req, "priority", 0)
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise bad_request(f"Got priority {priority} but Priority scheduling is not enabled.", "priority")
 
     @property
     def response_model(self) -> str:
@@ -243,6 +255,8 @@ class ServerState:
             value = getattr(req, name, None)
             return value if value is not None else self.defaults.get(name, fallback)
 
+        self.check_priority(req)
+
         try:
             return SamplingParams(
                 n=req.n, temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0), top_k=pick("top_k", 0),
@@ -273,28 +287,32 @@ class ServerState:
         return cut_in
 
     def close(self) -> None:
+        self.responses.cancel_all()
         self._large.shutdown(wait=False, cancel_futures=True)
         self.grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- running ---------------------------------------------------------------------------------
     def generate(self, request_id: str, request: CheckedRequest, prompt: str | None = None,
                  cache_salt: str | None = None, multimodal=None, admission: Admission | None = None,
-                 grammar_field: str = "response_format"):
+                 grammar_field: str = "response_format", priority: int = 0):
         """engine.generate of a checked request (check_request) with metrics; engine failures become
         APIErrors (500, or 400 for a request the engine refused). Closing this iterator closes the engine's (abort).
         multimodal: the prompt's images/videos (a MultimodalPrompt from `self.media.prompt`);
         admission: the seats this prompt's n sequences hold, given back at its first output;
-        grammar_field: the field named when the request's grammar is stopped (grammar_mask_budget_ms)."""
+        grammar_field: the field named when the request's grammar is stopped (grammar_mask_budget_ms);
+        priority: vLLM's, lower first under scheduling_policy priority (checked by sampling_params)."""
         # the adapter the `model` check chose, read now, in the route's task (the stream is read in another)
         return self._generate(request_id, request, prompt, cache_salt, multimodal, admission, grammar_field,
-                              REQUEST_ADAPTER.get())
+                              priority, REQUEST_ADAPTER.get())
 
-    async def _generate(self, request_id, request, prompt, cache_salt, multimodal, admission, grammar_field, adapter):
+    async def _generate(self, request_id, request, prompt, cache_salt, multimodal, admission, grammar_field,
+                        priority, adapter):
         params = request.params
         tracker = self.metrics.tracker(params.n, params.max_tokens)
-        log.info("request %s: %d prompt tokens, n=%d, max_tokens=%s", request_id, len(request.prompt_token_ids),
-                 params.n, params.max_tokens)
+        log.info("request %s: %d prompt tokens, n=%d, max_tokens=%s%s", request_id, len(request.prompt_token_ids),
+                 params.n, params.max_tokens, f", priority {priority}" if priority else "")
         gen = self.engine.generate(request_id, request, prompt=prompt, cache_salt=cache_salt, multimodal=multimodal,
+                                   **({"priority": priority} if priority else {}),
                                    **({"lora_name": adapter} if adapter else {}))
         held = params.n if admission is not None else 0  # this prompt's share of the request's seats
         try:

@@ -104,9 +104,10 @@ def _non_finite(body: dict) -> str | None:
     return None
 
 
-async def read_body(request: Request, max_body_bytes: int, media_types: tuple[str, ...] = ("application/json",)) -> bytes:
+async def read_body(request: Request, max_body_bytes: int, media_types: tuple[str, ...] = ("application/json",),
+                    lever: str = "max_body_bytes") -> bytes:
     """The request body's bytes (of one of `media_types`), zstd-decoded when `Content-Encoding: zstd`;
-    the checks of read_json."""
+    the checks of read_json (`lever`: what sets max_body_bytes, named in the 413)."""
     media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
     if media not in media_types:
         raise bad_request(f"Unsupported Media Type: Only {' or '.join(repr(m) for m in media_types)} is allowed")
@@ -118,7 +119,7 @@ async def read_body(request: Request, max_body_bytes: int, media_types: tuple[st
         except zstandard.ZstdError as exc:
             raise bad_request(f"the zstd request body could not be decompressed: {exc}") from None
         if len(raw) > max_body_bytes:
-            raise APIError(413, f"the request body is larger than {max_body_bytes} bytes once decompressed")
+            raise APIError(413, f"the request body is larger than {max_body_bytes} bytes ({lever}) once decompressed")
     elif encoding not in ("", "identity"):
         raise bad_request(f"unsupported Content-Encoding {encoding!r}: send identity or zstd")
     return raw

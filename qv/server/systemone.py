@@ -4,11 +4,11 @@
 Clef's `systemone()` answers. `model` is a served name, `clef` or `jev-latest` (the TypeSafe SDK's
 default); any other name is the usual 404. The body is JSON, or the TypeSafe SDK's multipart form
 (a `request` part holding the JSON, then the `asset-N` parts its `assets` name); either may be
-zstd-compressed (`Content-Encoding: zstd`). Validation, encoding and answers are the engine's
-(qv/engine/clef_api.py): every refusal is a 400 whose message names the field and the limit.
+zstd-compressed (`Content-Encoding: zstd`). Validation, encoding and answers are qv.clef's (request.py,
+answers.py): every refusal is a 400 whose message names the field and the limit.
 Images (`images` entries and `assets`) are fetched and decoded like chat's image_url parts, under
 the media_* levers (`load_images`); the engine runs the record as one prefill-only request and
-checks that what ran is what was encoded (length + checksum) before answering.
+checks that the tokens that ran hash as the encoded ones before answering.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from python_multipart.multipart import MultipartParseError, MultipartParser, par
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from qv.engine.clef_api import (CLEF_MODEL_NAMES, MAX_IMAGES, NOT_SERVED, ClefRequestError, Decision,
-                                decision_response, encode_decision, parse_decision)
+from qv.clef.answers import response as decision_response
+from qv.clef.limits import MAX_IMAGES
+from qv.clef.request import CLEF_MODEL_NAMES, ClefRequestError, SystemOneRequest, encode_request, validate
 from qv.engine.request import InvalidRequestError
 from qv.server.errors import bad_request
 from qv.server.state import ServerState, random_id
@@ -29,6 +30,8 @@ from qv.server.streaming import read_body, until_disconnect
 JSON, MULTIPART = "application/json", "multipart/form-data"
 REQUEST_PART = "request"  # the multipart part that holds the JSON body (the TypeSafe SDK's name)
 MAX_BOUNDARY = 70  # RFC 2046, section 5.1.1
+NOT_SERVED = ("this server does not serve Clef decisions: the model folder has no Clef head "
+              "(joint_head.safetensors, or clef/ with the head and adapters) or QV_CLEF is off")
 
 
 async def create_decision(state: ServerState, request: Request) -> Response:
@@ -40,8 +43,10 @@ async def create_decision(state: ServerState, request: Request) -> Response:
         state.check_model(decision.model, adapters=False)  # Clef decisions run Clef's weights, never an adapter
     images = await load_images(state, decision.image_sources(parts))
     try:
-        record = await asyncio.to_thread(encode_decision, state.tokenizer, decision, cap, images, state.media.inputs,
-                                         state.text_bound)
+        bound = state.text_bound
+        record = await asyncio.to_thread(encode_request, state.tokenizer, decision, cap[0], cap_name=cap[1],
+                                         images=images, multimodal=state.media.inputs,
+                                         max_chars_per_token=bound.max_token_bytes * bound.shrink if bound else None)
     except ClefRequestError as exc:
         raise bad_request(str(exc), exc.param) from None
     except InvalidRequestError as exc:
@@ -49,17 +54,17 @@ async def create_decision(state: ServerState, request: Request) -> Response:
     seats = state.admit(1)  # a record waits for a Clef slot like a chat for a seat: it counts until it is answered
     try:
         with state.engine_call():
-            result = await until_disconnect(request, state.engine.decide(
-                random_id("clef"), record, record.num_tokens, record.checksum))
+            result = await until_disconnect(request, state.engine.decide(random_id("clef"), record))
     finally:
         seats.release()
     return JSONResponse(decision_response(decision.model, record, result.probabilities))
 
 
-async def read_decision(state: ServerState, request: Request) -> tuple[Decision, dict[str, bytes]]:
+async def read_decision(state: ServerState, request: Request) -> tuple[SystemOneRequest, dict[str, bytes]]:
     """The validated body and its multipart parts (name -> bytes; none for a JSON body). Parsing
     runs off the event loop: a body may be megabytes."""
-    raw = await read_body(request, state.max_body_bytes, (JSON, MULTIPART))
+    limit, lever = state.clef_body_limit
+    raw = await read_body(request, limit, (JSON, MULTIPART), lever)
     parts: dict[str, bytes] = {}
     body: bytes | None = raw
     if request.headers.get("content-type", "").split(";", 1)[0].strip().lower() == MULTIPART:
@@ -69,7 +74,7 @@ async def read_decision(state: ServerState, request: Request) -> tuple[Decision,
             raise bad_request(f"a multipart systemone body needs a {REQUEST_PART!r} part holding the JSON request",
                               REQUEST_PART)
     try:
-        return await asyncio.to_thread(parse_decision, body, parts), parts
+        return await asyncio.to_thread(validate, body, parts), parts
     except ClefRequestError as exc:
         raise bad_request(str(exc), exc.param) from None
 

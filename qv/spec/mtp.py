@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from qv import kernels as K
+from qv.kernels.lm_head_top1 import is_row_int8
 from qv.model.batch import StepBatch
 from qv.model.cache import HybridCache
 from qv.model.layers import Linear
@@ -55,14 +56,16 @@ class MTPHead:
     def draft_ids(self, out: torch.Tensor) -> torch.Tensor:
         """Greedy draft tokens [R] from output states [R, H] through the shared lm_head."""
         if self.ranking is not None and out.shape[0] <= TOP1_MAX_ROWS:
-            return K.lm_head_top1(out, self.target.lm_head.weight[:self.cfg.vocab_size], self.ranking)
+            w = self.target.lm_head.weight
+            return K.lm_head_top1(out, w if isinstance(w, K.GPTQWeight) else w[:self.cfg.vocab_size], self.ranking)
         return self.target.compute_logits(out)[:, :self.cfg.vocab_size].argmax(dim=-1)
 
 
 def load_mtp_head(model_dir: str, cfg: ModelConfig, target: Qwen3_5TextModel, dtype: torch.dtype,
                   device: torch.device | str, reader=None, draft_top1: bool = True, tp=None) -> MTPHead:
     """Build the head from `mtp.*` (of `reader` when given); a checkpoint without them gives a clear error.
-    draft_top1: on a GPU with a dense lm_head, also build the fused top-1's ranking copy of it. With `tp`
+    draft_top1: on a GPU with a dense or row-int8 lm_head (QV_LM_HEAD_INT8), also build the fused top-1's
+    ranking copy of it. With `tp`
     (a TPGroup) the rank's shard: its decoder layer split as the target's (the KV heads with the rank's
     cache), fc and the norms whole; drafts then come from the vocabulary-parallel lm_head's gathered logits."""
     if cfg.mtp_num_hidden_layers < 1:
@@ -79,6 +82,9 @@ def load_mtp_head(model_dir: str, cfg: ModelConfig, target: Qwen3_5TextModel, dt
     whole = getattr(target.lm_head, "shard", None) is None  # a vocabulary-parallel lm_head holds a slice
     if draft_top1 and whole and isinstance(lm_head, torch.Tensor) and lm_head.is_cuda:
         ranking = K.build_top1_ranking(lm_head[:cfg.vocab_size])
+    elif (draft_top1 and whole and is_row_int8(lm_head) and lm_head.qweight.is_cuda
+          and lm_head.out_features == cfg.vocab_size):
+        ranking = K.build_top1_ranking(lm_head)
     head = MTPHead(cfg, target, b.lin("mtp.fc", h, 2 * h), b.vec("mtp.pre_fc_norm_embedding.weight", h),
                    b.vec("mtp.pre_fc_norm_hidden.weight", h), layer, b.vec("mtp.norm.weight", h), ranking)
     extra = [n for n in reader.unused() if n.startswith("mtp.")]

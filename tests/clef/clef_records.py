@@ -136,7 +136,7 @@ def run_engine(eng, records: dict, chats: dict | None = None, chat_params=None) 
     for rid, ids in (chats or {}).items():
         eng.add_request(rid, ids, chat_params)
     for rid, rec in records.items():
-        eng.add_clef(rid, rec, rec.num_tokens, rec.checksum)
+        eng.add_clef(rid, rec)
     done = {}
     while eng.has_unfinished_requests():
         for out in eng.step():

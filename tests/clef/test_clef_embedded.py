@@ -54,7 +54,7 @@ def test_embedded_answers_equal_clef_systemone(tiny_engine, jsm, reference_model
     for i, record in enumerate(records):
         ref, raw_ref = systemone_with_probabilities(jsm, ref_model, processor, record)
         rec = llm.encode_clef(record)
-        llm.engine.add_clef(f"r{i}", rec, rec.num_tokens, rec.checksum)
+        llm.engine.add_clef(f"r{i}", rec)
         out = {}
         while llm.engine.has_unfinished_requests():
             out.update((o.request_id, o) for o in llm.engine.step() if o.finished)

@@ -154,7 +154,7 @@ def test_clef_slots_bound_records_in_flight(tiny_engine, clef_dirs, records):
 
     eng.step = counted
     for rid, rec in records.items():
-        eng.add_clef(rid, rec, rec.num_tokens, rec.checksum)
+        eng.add_clef(rid, rec)
     assert eng.stats.num_waiting == 4  # admitted from the next step on, at most two at a time
     eng.step()
     assert len(eng.clef.pending) == 2 and eng.stats.num_waiting >= 2  # two wait for a Clef slot
@@ -164,22 +164,20 @@ def test_clef_slots_bound_records_in_flight(tiny_engine, clef_dirs, records):
 
 
 def test_worker_refuses_a_record_that_is_not_the_encoded_one(alone, records):
+    """The engine hashes the token ids each chunk actually ran (from the step's upload) and compares
+    them with the record's checksum, taken when it was queued: tokens changed in between are refused."""
     rec = records["r0"]
-    with pytest.raises(InvalidRequestError, match=f"endpoint encoded {rec.num_tokens + 1} tokens"):
-        alone.add_clef("bad-length", rec, rec.num_tokens + 1, rec.checksum)
-    out = run_one(alone, "bad-sum", rec, checksum="0" * 32)
-    assert out.clef is None and out.outputs[0].finish_reason == "error"
-    assert "Clef record refused" in out.error and f"encoded {rec.num_tokens} tokens with checksum {'0' * 32}" in out.error
-    # tokens changed after the endpoint encoded them: the engine hashes what actually ran
-    alone.add_clef("tampered", rec, rec.num_tokens, rec.checksum)
+    alone.add_clef("tampered", rec)
     alone.requests["tampered"].seqs[0].prompt_token_ids[5] += 1
     out = run(alone, {})["tampered"]
-    assert out.clef is None and "Clef record refused: the engine ran" in out.error
+    assert out.clef is None and out.outputs[0].finish_reason == "error"
+    assert "Clef record refused: the engine ran" in out.error
+    assert f"encoded {rec.num_tokens} tokens with checksum {rec.checksum}" in out.error
     assert run_one(alone, "fine", rec).clef is not None  # and the engine carries on
 
 
-def run_one(eng, rid, rec, checksum=None):
-    eng.add_clef(rid, rec, rec.num_tokens, checksum or rec.checksum)
+def run_one(eng, rid, rec):
+    eng.add_clef(rid, rec)
     return run(eng, {})[rid]
 
 
@@ -187,7 +185,7 @@ def test_abort_frees_running_and_queued_records(tiny_engine, clef_dirs, records)
     eng = make_engine(tiny_engine, clef_dirs["adapters"], max_num_batched_tokens=64, clef_slots=1)
     free = eng.blocks.num_free
     for rid in ("r0", "r1"):
-        eng.add_clef(rid, records[rid], records[rid].num_tokens, records[rid].checksum)
+        eng.add_clef(rid, records[rid])
     eng.step()
     assert eng.blocks.num_free < free
     assert eng.abort_request("r1").outputs[0].finish_reason == "abort"  # waiting for a Clef slot
@@ -195,7 +193,7 @@ def test_abort_frees_running_and_queued_records(tiny_engine, clef_dirs, records)
     assert not eng.has_unfinished_requests() and eng.blocks.num_free == free
     assert not eng.clef.jobs and not eng.clef.pending and eng.stats.num_waiting == 0
     with pytest.raises(InvalidRequestError, match="no Clef decisions"):
-        make_engine(tiny_engine, clef_dirs["adapters"], clef=False).add_clef("x", records["r0"], 1, "")
+        make_engine(tiny_engine, clef_dirs["adapters"], clef=False).add_clef("x", records["r0"])
 
 
 def test_head_state_failure_fails_that_record_before_it_runs(tiny_engine, clef_dirs, records, monkeypatch):
@@ -209,7 +207,7 @@ def test_head_state_failure_fails_that_record_before_it_runs(tiny_engine, clef_d
 
     monkeypatch.setattr(eng.clef.head, "state", state)
     for rid in ("r0", "r1"):
-        eng.add_clef(rid, records[rid], records[rid].num_tokens, records[rid].checksum)
+        eng.add_clef(rid, records[rid])
     first = {o.request_id: o for o in eng.step()}
     assert first["r1"].finished and first["r1"].clef is None and "MemoryError" in first["r1"].error
     assert "r1" not in {s.request_id for s in eng.scheduler.running}

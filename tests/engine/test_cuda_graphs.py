@@ -16,6 +16,7 @@ import torch
 from qv.config import EngineConfig
 from qv.engine import cuda_graphs
 from qv.engine.cuda_graphs import REPLAY_BOUND, DecodeGraphs, check_replay, replay_error
+from qv.engine.step_inputs import StepCapacity, StepInputs
 from qv.errors import StartupError
 from qv.server.metrics import ServerMetrics
 
@@ -90,7 +91,8 @@ def no_cuda_sync(monkeypatch):
 
 
 def _graphs(max_num_seqs=8):
-    return DecodeGraphs(_ToyModel(), None, max_num_seqs, max_blocks=4, max_model_len=64, scratch_slot=9)
+    inputs = StepInputs(StepCapacity(rows=max_num_seqs, seqs=max_num_seqs, blocks=4, k1=1), torch.device("cpu"))
+    return DecodeGraphs(_ToyModel(), None, inputs, max_num_seqs, max_model_len=64, scratch_slot=9)
 
 
 def test_a_faithful_graph_passes_and_is_logged(monkeypatch, no_cuda_sync, caplog):
@@ -153,7 +155,7 @@ def test_faithful_graphs_decode_as_the_eager_engine(tiny_engine, monkeypatch, no
     llm = tiny_engine(**TINY_LEVERS)
     assert llm.engine.stats.cuda_graph_sizes == (1, 2, 4)
     replays, run = [], DecodeGraphs.run
-    monkeypatch.setattr(DecodeGraphs, "run", lambda self, *a: replays.append(len(a[1])) or run(self, *a))
+    monkeypatch.setattr(DecodeGraphs, "run", lambda self, rows: replays.append(rows) or run(self, rows))
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == eager
     assert replays == [3] * 5  # every step after the prefill: 3 rows, replayed from the batch-4 graph
 

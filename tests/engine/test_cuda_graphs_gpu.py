@@ -20,6 +20,7 @@ from shapes_27b import write_27b_config
 
 from qv import SamplingParams
 from qv.engine.cuda_graphs import REPLAY_BOUND, DecodeGraphs, replay_error
+from qv.engine.step_inputs import StepCapacity, StepInputs
 from qv.errors import StartupError
 from qv.kernels import cuda_build
 
@@ -94,7 +95,7 @@ def test_greedy_decode_through_graphs_equals_eager(tiny_engine, llm, model_dir, 
     prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(n)]} for n in (17, 40, 64, 99, 130, 211)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
     replays, run = [], DecodeGraphs.run
-    monkeypatch.setattr(DecodeGraphs, "run", lambda self, *a: replays.append(len(a[1])) or run(self, *a))
+    monkeypatch.setattr(DecodeGraphs, "run", lambda self, rows: replays.append(rows) or run(self, rows))
     with llm.engine.runner.model.kernels_as_captured():
         through_graphs = [o.outputs[0] for o in llm.generate(prompts, params)]
         eager_llm = tiny_engine(model=model_dir, cuda_graphs=False, **LEVERS)
@@ -124,7 +125,8 @@ class _HostScaled:
 
 
 def test_a_graph_that_froze_a_host_value_stops_start_up():
-    graphs = DecodeGraphs(_HostScaled(), None, 4, max_blocks=4, max_model_len=64, scratch_slot=9)
+    inputs = StepInputs(StepCapacity(rows=4, seqs=4, blocks=4, k1=1), torch.device("cuda"))
+    graphs = DecodeGraphs(_HostScaled(), None, inputs, 4, max_model_len=64, scratch_slot=9)
     with pytest.raises(StartupError, match=r"batch-1 decode CUDA graph disagrees.*QV_CUDA_GRAPHS=0"):
         graphs.capture()
     assert graphs.graphs == {}

@@ -143,14 +143,15 @@ def test_stop_string_inside_text(tiny_engine):
 
 
 def test_one_upload_per_step(tiny_engine, monkeypatch):
-    """Each step sends its batch and its sampling settings to the device in one copy, also with
+    """Each step sends its batch and its sampling settings to the device in one upload, also with
     chunked prefill, penalties and logprobs in the batch; the settings read back equal the requests'."""
-    from qv.engine.runner import _Upload
+    from qv.engine.step_inputs import StepInputs
 
     llm = tiny_engine(max_num_batched_tokens=32, long_prefill_token_threshold=32)  # both rows meet
     sends, seen = [], []
-    real_send = _Upload.send
-    monkeypatch.setattr(_Upload, "send", lambda self: (sends.append(self.used), real_send(self)))
+    real_send = StepInputs.send
+    monkeypatch.setattr(StepInputs, "send", lambda self, shape: (
+        sends.append(sum(b - a for a, b in self._spans(shape))), real_send(self, shape)))
     import qv.engine.runner as runner_module
 
     real_sample = runner_module.sample

@@ -31,8 +31,8 @@ def test_compile_cached_and_bad_specs(llms):
     e = llms[False].engine
     spec = json.dumps(SCHEMA)
     g = e.compile_grammar("json", spec)
-    assert e.compile_grammar("json", spec) is g and e._grammars.hits >= 1
-    assert e._grammars.info.vocab_size == e.model_config.vocab_size > len(e.tokenizer)  # logits width, not tokenizer's
+    assert e.compile_grammar("json", spec) is g and e.structured.compiler.hits >= 1
+    assert e.structured.compiler.info.vocab_size == e.model_config.vocab_size > len(e.tokenizer)  # logits width, not tokenizer's
     bad = [("json", "{not json"), ("json", "[1, 2]"), ("json", json.dumps({"type": "nosuchtype"})),
            ("regex", "(unclosed"), ("grammar", "root ::= undefined_rule"), ("choice", "[]"), ("choice", '["a", 3]'),
            ("nosuchkind", "x")]

@@ -3,8 +3,8 @@ Qwen3_5ForCausalLM / Qwen3_5ForConditionalGeneration on the same checkpoint fold
 
 transformers runs in float64 (its own fp32 drifts ~3e-6 from float64), so the bound measures
 qv's error alone; tests/hf_oracle.py holds the comparison and explains the one allowance (inputs
-that are ill-conditioned in fp32). Prompts and weights are random and fresh each run; the seed is
-in the failure message.
+that are ill-conditioned in fp32). Prompts and weights are random, from the test's fixed seed (`pytest
+--seed N` draws others); the seed is in the failure message.
 """
 
 from __future__ import annotations

@@ -91,16 +91,14 @@ def test_clef_records_tp2_equal_tp1(case, monkeypatch):
         "no option token past rank 0's vocabulary slice: the lexical vectors are not exercised"
 
     sent = []  # (rows in the step, delta rows) of every step the driver sent
-    describe = tensor_parallel.describe_step
+    send_step = tensor_parallel.TPDriver.send_step
 
-    def spied(buf, nbytes, ids, positions, batch, logits_calls, *spec):
-        sent.append((ids.numel(), None if batch.delta_rows is None else batch.delta_rows.numel()))
-        msg = describe(buf, nbytes, ids, positions, batch, logits_calls, *spec)
-        assert ("delta_rows" in msg.arrays) == (batch.delta_rows is not None)
-        return msg
+    def spied(self, inputs, st, *rest):
+        sent.append((st.shape.rows, st.shape.delta_rows or None))
+        return send_step(self, inputs, st, *rest)
 
     ref_alone, ref = serve(folder, records, chats, 1)
-    monkeypatch.setattr(tensor_parallel, "describe_step", spied)
+    monkeypatch.setattr(tensor_parallel.TPDriver, "send_step", spied)
     got_alone, got = serve(folder, records, chats, 2)
 
     worst, moved = 0.0, []

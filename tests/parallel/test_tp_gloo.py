@@ -3,7 +3,8 @@ backend each load their shard of a tiny model and run the same steps (packed pre
 decode rows, through scattered KV blocks and GDN state slots); their logits equal the unsharded
 model's within the fp32 bound. A head block sent to the wrong rank, a q/k/v or gate/up piece split
 as one, a GDN conv or A_log not cut with its heads, a missing or doubled all-reduce (or bias), a
-wrong vocabulary offset or a GPTQ group renumbered wrongly changes the logits far beyond it.
+wrong vocabulary offset, a GPTQ group renumbered wrongly or an FP8 scale block taken for the wrong rows
+changes the logits far beyond it.
 """
 
 from __future__ import annotations
@@ -23,17 +24,19 @@ from qv.model.batch import build_step_batch
 from qv.model.cache import allocate_cache
 from qv.model.parallel import (TPGroup, VocabParallelLMHead, column_shard, rank_config, row_shard,
                                vocab_parallel_embed, vocab_shard)
+from qv.model.lm_head_int8 import lm_head_int8, quantize_rows_int8
 from qv.model.qwen3_5 import load_text_model
-from qv.model.quantize import quantize_checkpoint
+from qv.model.quantize import GPTQOptions, quantize_checkpoint
 from qv.model.random_weights import GPTQ_INT8, RANDOM_QUANT, RandomReader
 from qv.model.tiny import build_config
 from qv.model.tiny_tokenizer import tokenizer_json
+from fp8_checkpoint import write_fp8
 from util import assert_close
 
 BOUND = 1e-5
 # mixed-gptq's worst step over 50 draws: median 2.7e-6, 95th percentile 1.0e-5, max 1.39e-5 (its 6 layers of
 # GPTQ row-parallel sums in another order; 1e-5 failed one CI draw); the other cases stayed under 4.3e-6 over 45
-CASE_BOUND = {"mixed-gptq": 5e-5}
+CASE_BOUND = {"mixed-gptq": 5e-5, "mixed-gptq-calibrated": 5e-5}
 WORLD = 2
 BS, NUM_BLOCKS, NUM_SLOTS = 8, 24, 5
 PROMPT_LENS, CHUNK, DECODE_STEPS = (23, 9, 40), 16, 3
@@ -96,7 +99,8 @@ def vocab_parallel(tp: TPGroup) -> dict[str, torch.Tensor]:
     start = tp.rank * -(-VOCAB // tp.world_size)
     return {"embed": vocab_parallel_embed(vocab_shard(table, tp), ids, start, tp),
             "dense_head": VocabParallelLMHead(vocab_shard(table, tp), VOCAB, tp)(x),
-            "gptq_head": VocabParallelLMHead(vocab_shard(gptq, tp), VOCAB, tp)(x)}
+            "gptq_head": VocabParallelLMHead(vocab_shard(gptq, tp), VOCAB, tp)(x),
+            "int8_head": lm_head_int8(VocabParallelLMHead(vocab_shard(table, tp), VOCAB, tp))(x)}
 
 
 def load(spec: dict, tp: TPGroup | None):
@@ -146,8 +150,14 @@ def cases(tiny_dirs, tmp_path_factory):
         # beside dense in_proj_b/a
         "mixed-gptq": {"dir": str(quantize_checkpoint(tiny_dirs("mixed"), root / "mixed-gptq", group_size=8)),
                        "seed": seed + 1},
+        # calibrated GPTQ (act order, static groups: g_idx k // 8, so row shards hold whole groups)
+        "mixed-gptq-calibrated": {"dir": str(quantize_checkpoint(
+            tiny_dirs("mixed"), root / "mixed-gptq-calibrated", group_size=8, method="gptq",
+            gptq=GPTQOptions(num_samples=4, seq_len=32, device="cpu"), log=lambda *_: None)), "seed": seed + 4},
         "random-untied-gptq": {"random": random_untied_cfg(), "seed": seed + 2},
         "random-untied-awq": {"random": random_untied_cfg(RANDOM_QUANT["awq"]), "seed": seed + 3},
+        # block FP8 in Qwen's layout, 8x8 blocks: column shards take their scale rows, row shards scale columns
+        "mixed-fp8": {"dir": str(write_fp8(tiny_dirs("mixed"), root / "mixed-fp8", (8, 8))), "seed": seed + 5},
     }
 
 
@@ -159,7 +169,8 @@ def two_ranks(cases, tmp_path_factory):
     return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
 
 
-@pytest.mark.parametrize("name", ["gqa1", "mixed-gptq", "random-untied-gptq", "random-untied-awq"])
+@pytest.mark.parametrize("name", ["gqa1", "mixed-gptq", "mixed-gptq-calibrated", "random-untied-gptq",
+                                  "random-untied-awq", "mixed-fp8"])
 def test_tp2_logits_equal_tp1(name, cases, two_ranks):
     ref = steps(load(cases[name], None), cases[name]["seed"])
     assert len(ref) > DECODE_STEPS  # chunked prefill steps, then the decode steps
@@ -172,7 +183,8 @@ def test_tp2_logits_equal_tp1(name, cases, two_ranks):
 
 def test_vocab_parallel_embedding_and_lm_head(two_ranks):
     table, ids, x, gptq = vocab_inputs()
-    want = {"embed": table[ids], "dense_head": x @ table.t(), "gptq_head": linear(x, gptq)}
+    want = {"embed": table[ids], "dense_head": x @ table.t(), "gptq_head": linear(x, gptq),
+            "int8_head": linear(x, quantize_rows_int8(table))}  # per-row scales: each rank's rows quantize alike
     for rank, results in enumerate(two_ranks):
         for key, ref in want.items():
             assert_close(f"vocab-parallel {key} rank {rank}", results["vocab"][key], ref, BOUND)
@@ -188,6 +200,13 @@ def test_gptq_split_that_cuts_a_group_is_refused(tiny_dirs, tmp_path):
     quant = quantize_checkpoint(tiny_dirs("gqa1"), tmp_path / "g32", group_size=32)
     with pytest.raises(ConfigError, match=r"layers\.1\.linear_attn\.out_proj.*cut GPTQ groups"):
         load_text_model(str(quant), tp=TPGroup(rank=1, world_size=2))
+
+
+def test_fp8_split_that_cuts_a_scale_block_is_refused(tiny_dirs, tmp_path):
+    # gqa1's GDN q, k and v pieces are 32 channels each: rank 1's 16-row blocks start inside a 32-row scale block
+    fp8 = write_fp8(tiny_dirs("gqa1"), tmp_path / "fp8", (32, 32))
+    with pytest.raises(ConfigError, match=r"in_proj_qkv.*at row 16, inside a 32-wide scale block"):
+        load_text_model(str(fp8), tp=TPGroup(rank=1, world_size=2))
 
 
 def test_head_counts_that_do_not_split_are_refused(tiny_dirs):

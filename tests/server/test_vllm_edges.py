@@ -267,12 +267,25 @@ def test_request_id_names_the_response_and_the_logs(keyed, caplog):
 
 
 def test_chat_add_special_tokens(keyed, tiny_model):
+    """vLLM's chat `add_special_tokens`: the tokenizer's own special tokens around the rendered chat.
+    The tiny tokenizer adds none, so the rule is shown on it given a BOS post-processor, and through
+    the API as the tokenizer's own encoding of the rendered text."""
+    from tokenizers.processors import TemplateProcessing
     from transformers import AutoTokenizer
+
+    from qv.server.chat import render_chat
+    from qv.server.protocol import ChatCompletionRequest
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
     plain = post(keyed, "/v1/chat/completions", chat(return_token_ids=True)).json()["prompt_token_ids"]
     added = post(keyed, "/v1/chat/completions", chat(return_token_ids=True, add_special_tokens=True)).json()
     assert added["prompt_token_ids"] == tok.encode(tok.decode(plain), add_special_tokens=True)
+    bos = "<|endoftext|>"
+    tok.backend_tokenizer.post_processor = TemplateProcessing(single=f"{bos} $A",
+                                                              special_tokens=[(bos, tok.convert_tokens_to_ids(bos))])
+    off = render_chat(tok, ChatCompletionRequest.model_validate(chat()), False).token_ids
+    on = render_chat(tok, ChatCompletionRequest.model_validate(chat(add_special_tokens=True)), False).token_ids
+    assert on == [tok.convert_tokens_to_ids(bos)] + off
 
 
 def test_spaces_between_special_tokens_is_the_fast_tokenizers_no_op(keyed, tiny_model):
@@ -314,3 +327,68 @@ def test_structural_tag_constrains_the_output(keyed):
     assert post(keyed, "/v1/completions", {"prompt": "hi", "max_tokens": 4, "structured_outputs": legacy}).status_code == 200
     r = post(keyed, "/v1/chat/completions", chat(response_format={"type": "structural_tag", "structures": []}))
     assert r.status_code == 400 and "structural tag" in r.json()["error"]["message"]
+
+
+# -- the issue's fields, each sent once: honoured with vLLM's meaning, or a 400 naming it ---------------
+
+@pytest.fixture(scope="module")
+def lenient(tiny_model):
+    """The levers that turn two refusals into vLLM's behaviour: priority scheduling, trusted templates."""
+    running, stop = start_server(tiny_model, served_model_name="edge", scheduling_policy="priority",
+                                 trust_request_chat_template=True)
+    yield running
+    stop()
+
+
+def _field_cases(tok) -> dict:
+    """field -> (route, body, check of an honoured answer's JSON)."""
+    tag = {"type": "structural_tag", "format": {"type": "tag", "begin": "<x>", "end": "</x>",
+                                                "content": {"type": "const_string", "value": "yes"}}}
+    ids = list(range(100, 140))
+    return {
+        "request_id": ("/v1/chat/completions", chat(request_id="audit-1"), lambda b: b["id"] == "chatcmpl-audit-1"),
+        "priority": ("/v1/chat/completions", chat(priority=-3), lambda b: b["choices"][0]["message"] is not None),
+        "mm_processor_kwargs": ("/v1/chat/completions", chat(mm_processor_kwargs={"fps": 1}), None),
+        "add_special_tokens": ("/v1/chat/completions", chat(add_special_tokens=True, return_token_ids=True),
+                               lambda b: b["prompt_token_ids"] == tok.encode(tok.decode(b["prompt_token_ids"]),
+                                                                              add_special_tokens=True)),
+        "logits_processors": ("/v1/chat/completions", chat(logits_processors=["my.module.Processor"]), None),
+        "vllm_xargs": ("/v1/chat/completions", chat(vllm_xargs={"boost": 2}), None),
+        "spaces_between_special_tokens": (
+            "/v1/completions", {"prompt": "hi", "max_tokens": 4, "temperature": 0,
+                                "spaces_between_special_tokens": False}, lambda b: b["choices"][0]["text"] is not None),
+        "truncate_prompt_tokens": ("/v1/completions", {"prompt": ids, "max_tokens": 1, "return_token_ids": True,
+                                                       "truncate_prompt_tokens": -1},
+                                   lambda b: b["choices"][0]["prompt_token_ids"] == ids),
+        "structural_tag": ("/v1/chat/completions", chat(max_tokens=40, response_format=tag),
+                           lambda b: b["choices"][0]["message"]["content"] == "<x>yes</x>"),
+        "chat_template": ("/v1/chat/completions", chat(chat_template="<<{{ messages[0]['content'] }}>>",
+                                                       return_token_ids=True),
+                          lambda b: b["prompt_token_ids"] == tok.encode("<<hi>>", add_special_tokens=False)),
+    }
+
+
+REFUSED_WITHOUT_LEVERS = {"priority", "chat_template", "mm_processor_kwargs", "logits_processors", "vllm_xargs"}
+REFUSED_ALWAYS = {"mm_processor_kwargs", "logits_processors", "vllm_xargs"}  # vLLM's plug-in hooks
+
+
+@pytest.mark.parametrize("levers", ["default", "priority+trusted"])
+def test_each_field_of_the_issue_is_honoured_or_refused_by_name(keyed, lenient, tiny_model, levers):
+    """Issue 37's fields, each sent once under qv's default levers and under scheduling_policy priority
+    with trust_request_chat_template: a 400 naming it where qv refuses it, else a 200 whose body shows
+    vLLM's meaning. No field is accepted and ignored."""
+    from transformers import AutoTokenizer
+
+    running = keyed if levers == "default" else lenient
+    refused = REFUSED_WITHOUT_LEVERS if levers == "default" else REFUSED_ALWAYS
+    outcome = {}
+    for field, (route, body, honoured) in _field_cases(AutoTokenizer.from_pretrained(tiny_model)).items():
+        r = post(running, route, body)
+        if r.status_code == 400:
+            err = r.json()["error"]
+            assert field in err["message"] or err["param"] == field, (field, err)
+            outcome[field] = "refused"
+        else:
+            assert r.status_code == 200 and honoured is not None and honoured(r.json()), (field, r.text[:300])
+            outcome[field] = "honoured"
+    assert {f for f, o in outcome.items() if o == "refused"} == refused, outcome

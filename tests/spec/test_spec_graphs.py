@@ -15,11 +15,12 @@ import torch
 from qv import SamplingParams
 from qv.engine import engine as engine_module
 from qv.engine.cuda_graphs import DecodeGraphs
+from qv.engine.step_inputs import StepCapacity, StepInputs
 from tests.spec.test_spec_engine import CYCLE, model_list
 
 
 def _stand_in_capture(self, b):
-    """DecodeGraphs._capture_one without CUDA: each 'graph' reruns its function on the static buffers."""
+    """DecodeGraphs._capture_one without CUDA: each "graph" reruns its function on the input fields it captured."""
     out = self._eager(b).clone()
     self.graphs[b] = (types.SimpleNamespace(replay=lambda: out.copy_(self._eager(b))), out)
     for kind in self.mtp_kinds(b):
@@ -102,7 +103,8 @@ def test_every_batch_that_can_verify_has_a_draft_graph():
     """With spec_max_seqs between two graph sizes, the larger size (where 5 or 6 sequences pad to 8) still
     holds the draft graph; sizes past it hold the catch-up alone."""
     spec = types.SimpleNamespace(uses_mtp=True, max_seqs=6)
-    graphs = DecodeGraphs(types.SimpleNamespace(device=torch.device("cpu")), None, 16, max_blocks=4,
-                          max_model_len=64, scratch_slot=9, spec=spec)
+    inputs = StepInputs(StepCapacity(rows=16, seqs=16, blocks=4, k1=1), torch.device("cpu"))
+    graphs = DecodeGraphs(types.SimpleNamespace(device=torch.device("cpu")), None, inputs, 16, max_model_len=64,
+                          scratch_slot=9, spec=spec)
     assert graphs.sizes == [1, 2, 4, 8, 16]
     assert [graphs.mtp_kinds(b) for b in graphs.sizes] == [("draft", "catch_up")] * 4 + [("catch_up",)]

@@ -79,7 +79,7 @@ def run_all(llm: LLM, bodies: list[dict]) -> list[tuple[dict, list[list[float]]]
     eng = llm.engine
     recs = [llm.encode_clef(b) for b in bodies]
     for i, rec in enumerate(recs):
-        eng.add_clef(f"r{i}", rec, rec.num_tokens, rec.checksum)
+        eng.add_clef(f"r{i}", rec)
     done = {}
     while eng.has_unfinished_requests():
         done.update((o.request_id, o) for o in eng.step() if o.finished)

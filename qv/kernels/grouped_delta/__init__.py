@@ -37,7 +37,7 @@ class DeltaGroups:
     """A step's delta rows grouped by slot: rows[slot_start[s]:slot_start[s+1]] run slot s."""
 
     rows: torch.Tensor  # [R] int64 token rows of the flat batch
-    slot_start: torch.Tensor  # [S+1] int32
+    slot_start: torch.Tensor  # [S+1] int32 or int64 (the step input field is int64)
     max_rows: int  # the most rows of any one slot (the launch grid)
 
 
@@ -46,7 +46,7 @@ def grouped_delta(y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, slot_sta
     """y[rows of slot s] += ((x[rows] a[J_s]^T) * scale[J_s]) B_s^T for every slot s (J_s its rank rows),
     other rows untouched; returns y (possibly in place).
 
-    y [T, N] (unit inner stride), x [T, K], rows [R] int64 (distinct), slot_start [S+1] int32 or None
+    y [T, N] (unit inner stride), x [T, K], rows [R] int64 (distinct), slot_start [S+1] int32/int64 or None
     (every row runs slot 0), max_rows: the most rows in one slot (host-known; a bound is fine).
     """
     if bank.a.shape[1] != x.shape[-1] or int(bank.member_cols.shape[0]) != bank.slot_rows.shape[1]:

@@ -1,4 +1,5 @@
-"""Linear layers over dense or GPTQ weights (8 or 4 bits), and qv's runtime layout of a GPTQ weight."""
+"""Linear layers over dense, GPTQ (8 or 4 bits), block-FP8 or 12-bit (W12) weights, and qv's runtime layouts of
+the quantized weights."""
 
 from __future__ import annotations
 
@@ -74,6 +75,102 @@ class GPTQWeight:
                           self.bits)
 
 
+@dataclass
+class FP8Weight:
+    """A block-FP8 weight as Qwen's FP8 checkpoints store it (DeepSeek's layout), kept as read.
+
+    weight     float8_e4m3fn [N, K]  - nn.Linear orientation
+    scale_inv  fp32 [ceil(N/bn), ceil(K/bk)] - the scale of each [bn, bk] block
+    block      (bn, bk)              - `weight_block_size`
+    w[n, k] = weight[n, k] * scale_inv[n // bn, k // bk]
+    """
+
+    weight: torch.Tensor
+    scale_inv: torch.Tensor
+    block: tuple[int, int]
+
+    def __post_init__(self):
+        if self.weight.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"FP8Weight: weight dtype {self.weight.dtype}; expected float8_e4m3fn")
+        n, k = self.weight.shape
+        bn, bk = self.block
+        want = (-(-n // bn), -(-k // bk))
+        if tuple(self.scale_inv.shape) != want:
+            raise ValueError(f"FP8Weight: scale_inv shape {tuple(self.scale_inv.shape)}, expected {want} for a "
+                             f"[{n}, {k}] weight in {bn}x{bk} blocks")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.weight.shape)
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def to(self, device) -> "FP8Weight":
+        return FP8Weight(self.weight.to(device), self.scale_inv.to(device), self.block)
+
+
+W12_ZERO = 2048  # a W12 code c stores the integer c - 2048, in -2047..2047
+
+
+@dataclass
+class W12Weight:
+    """A 12-bit integer weight (1.5 bytes a weight), symmetric with one fp32 scale per output row; qv packs
+    it at load from a dense bf16/fp16 weight (pack_w12).
+
+    lo     uint8 [N, K]          - the low 8 bits of each code
+    hi     uint8 [N, ceil(K/2)]  - the high 4 bits: input 2j in the low nibble of byte j, 2j + 1 in the high
+    scale  fp32 [N]              - max |w| of the row / 2047
+    w[n, k] = (code[n, k] - 2048) * scale[n], code = hi nibble << 8 | lo
+    """
+
+    lo: torch.Tensor
+    hi: torch.Tensor
+    scale: torch.Tensor
+
+    def __post_init__(self):
+        n, k = self.lo.shape
+        if self.hi.shape != (n, (k + 1) // 2) or self.scale.shape != (n,):
+            raise ValueError(f"W12Weight: hi {tuple(self.hi.shape)} / scale {tuple(self.scale.shape)} do not fit lo "
+                             f"[{n}, {k}] (expected [{n}, {(k + 1) // 2}] / [{n}])")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.lo.shape)
+
+    @property
+    def in_features(self) -> int:
+        return self.lo.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.lo.shape[0]
+
+    def codes(self) -> torch.Tensor:
+        """The signed integers [N, K] int32 in -2047..2047."""
+        k = self.in_features
+        nibbles = torch.stack([self.hi & 15, self.hi >> 4], dim=2).reshape(self.hi.shape[0], -1)[:, :k]
+        return (nibbles.to(torch.int32) << 8 | self.lo.to(torch.int32)) - W12_ZERO
+
+    def to(self, device) -> "W12Weight":
+        return W12Weight(self.lo.to(device), self.hi.to(device), self.scale.to(device))
+
+
+def pack_w12(w: torch.Tensor) -> W12Weight:
+    """Dense [N, K] -> W12Weight: per row, round(w / scale) with scale = max |w| / 2047."""
+    wf = w.float()
+    scale = wf.abs().amax(dim=1).clamp_min(1e-30) / (W12_ZERO - 1)
+    codes = torch.round(wf / scale[:, None]).clamp(1 - W12_ZERO, W12_ZERO - 1).to(torch.int32) + W12_ZERO
+    n, k = codes.shape
+    high = torch.nn.functional.pad(codes >> 8, (0, k % 2)).to(torch.uint8)
+    return W12Weight((codes & 255).to(torch.uint8), high[:, 0::2] | (high[:, 1::2] << 4), scale)
+
+
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     """uint8 [R, N] of two 4-bit codes a byte (row 2r low nibble, 2r + 1 high) -> uint8 codes [2R, N]."""
     return torch.stack([packed & 15, packed >> 4], dim=1).reshape(2 * packed.shape[0], packed.shape[1])
@@ -85,8 +182,10 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     return c[:, 0] | (c[:, 1] << 4)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | GPTQWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x W^T (+ bias). x [T, K]; weight dense [N, K] or GPTQWeight (K x N codes); bias [N]; y [T, N]."""
+def linear(x: torch.Tensor, weight: torch.Tensor | GPTQWeight | FP8Weight | W12Weight,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T (+ bias). x [T, K]; weight dense [N, K], GPTQWeight (K x N codes), FP8Weight ([N, K] e4m3 with
+    block scales) or W12Weight ([N, K] 12-bit codes, a scale per row); bias [N]; y [T, N]."""
     k = weight.shape[1]
     if x.shape[-1] != k:
         raise ValueError(f"linear: x last dim {x.shape[-1]} != weight in_features {k}")

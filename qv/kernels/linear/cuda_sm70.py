@@ -10,8 +10,9 @@ a multiple of 16, N not a multiple of 8, misaligned tensors, a CUDA graph captur
 built), the weight is dequantized by gptq_dequant_kernel or int4_dequant_kernel (Triton, no tl.dot) and multiplied by
 cuBLAS:
 under the sm70 chain no Triton tl.dot runs (it has no tensor-core path below sm_80, and Triton >= 3.3 has
-computed it wrong there). Dense weights go to cuBLAS. The low-rank delta rows (grouped_delta's sm70 form,
-CUDA-core Triton without tl.dot) are a separate call right after the linear (qv/model/layers.py).
+computed it wrong there). Dense weights go to cuBLAS; block-FP8 and W12 weights to triton_fp8.py's paths without
+tl.dot. The low-rank delta rows (grouped_delta's sm70 form, CUDA-core Triton without tl.dot) are a separate
+call right after the linear (qv/model/layers.py).
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ import torch.nn.functional as F
 import triton
 
 from qv.kernels.cuda_build import KernelBuild, cupy_or_none, kernel_for, launch, pointer, resident_blocks
-from qv.kernels.linear import GPTQWeight
+from qv.kernels.linear import FP8Weight, GPTQWeight, W12Weight
 from qv.kernels.linear.triton import dequant_matmul
+from qv.kernels.linear.triton_fp8 import fp8_linear
 from qv.kernels.linear.triton_int4 import dequant_matmul_int4
 from qv.kernels.linear.triton_gemv import MAX_TICKET_TILES, k_ranges, split_tickets
 from qv.kernels.triton_utils import num_sms
@@ -135,6 +137,8 @@ def gemm_m884(x2, w, bias, out) -> bool:
 
 
 def linear(x, weight, bias=None):
+    if isinstance(weight, (FP8Weight, W12Weight)):  # Triton without tl.dot: FMAs for decode rows, widened chunks + cuBLAS above
+        return fp8_linear(x, weight, bias, tensor_cores=False)
     if not isinstance(weight, GPTQWeight):
         w = weight if weight.dtype == x.dtype else weight.to(x.dtype)
         return F.linear(x, w, None if bias is None else bias.to(x.dtype))

@@ -28,10 +28,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from qv.kernels.linear import GPTQWeight
+from qv.kernels.linear import FP8Weight, GPTQWeight, W12Weight
 from qv.kernels.linear.configs import (chunked_cols, gemv_config, gemv_cuda_config, gemv_kind, gemv_mma_config,
                                       gptq_config, tc_config)
 from qv.kernels.linear.cuda_sm90 import gemv_cuda
+from qv.kernels.linear.triton_fp8 import fp8_linear
 from qv.kernels.linear.triton_gemm import gemm, rows_to_f16
 from qv.kernels.linear.triton_int4 import int4_linear
 from qv.kernels.linear.triton_gemv import codes_f16, gemv_fma, gemv_mma, k_ranges, store_tile, sum_partials
@@ -241,5 +242,7 @@ def gptq_linear(x, w, bias=None, config=None):
 def linear(x, weight, bias=None, *, config=None):
     if isinstance(weight, GPTQWeight):
         return gptq_linear(x, weight, bias, config)
+    if isinstance(weight, (FP8Weight, W12Weight)):  # block-FP8 and 12-bit weights: triton_fp8.py
+        return fp8_linear(x, weight, bias, config)
     w = weight if weight.dtype == x.dtype else weight.to(x.dtype)
     return F.linear(x, w, None if bias is None else bias.to(x.dtype))

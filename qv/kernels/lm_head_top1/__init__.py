@@ -1,5 +1,7 @@
 """The vocabulary argmax of lm_head(x) without [rows, vocab] logits (the MTP drafter's greedy tokens), and the
-compressed ranking copy of the lm_head weight it reads (built once at load).
+compressed ranking copy of the lm_head weight it reads (built once at load). The lm_head is a 16/32-bit weight or
+an int8 one with one scale per vocabulary row (a GPTQWeight of one symmetric group spanning H: QV_LM_HEAD_INT8);
+the argmax is then exact for the int8 head's own logits.
 
 Int4 is the default ranking copy: at 27B shapes (V 248,320 x H 5,120) it is 0.64 GB, read in about 0.15 ms at
 HBM rate, against 0.30 ms for int8 and 0.60 ms for the bf16 weight itself, so three draft steps fit in well
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qv.kernels.linear import GPTQWeight
 from qv.kernels.registry import impl
 
 RANKING_BITS = (4, 8)
@@ -66,28 +69,50 @@ class Top1Ranking:
         return self.unpack(rows).float() * self.scales[rows, None] * self.col_scale[None, :]
 
 
-def build_top1_ranking(weight: torch.Tensor, bits: int = 4, chunk_rows: int = 8192) -> Top1Ranking:
-    """The ranking copy of an lm_head weight [V, H] (any float dtype), on the weight's device, `chunk_rows` rows
-    at a time (the fp32 temporaries of a chunk are the only extra memory). Load-time work, not for graphs."""
+def is_row_int8(weight) -> bool:
+    """Whether `weight` is an int8 lm_head with one symmetric scale per vocabulary row: a GPTQWeight of 8 bits,
+    no zero points and one group spanning the hidden size (scales [1, V])."""
+    return (isinstance(weight, GPTQWeight) and weight.bits == 8 and weight.zeros is None
+            and weight.scales.shape[0] == 1)
+
+
+def weight_rows(weight: torch.Tensor | GPTQWeight, start: int, end: int) -> torch.Tensor:
+    """fp32 rows [start, end) of an lm_head weight [V, H]: dense, or a row-int8 GPTQWeight dequantized."""
+    if isinstance(weight, GPTQWeight):
+        codes = weight.qweight[:, start:end].float() - weight.symmetric_zero  # [H, rows]
+        return (codes * weight.scales[0, start:end].float()).t()
+    return weight[start:end].float()
+
+
+def build_top1_ranking(weight: torch.Tensor | GPTQWeight, bits: int = 4, chunk_rows: int = 8192) -> Top1Ranking:
+    """The ranking copy of an lm_head weight [V, H] (any float dtype, or a row-int8 GPTQWeight), on the weight's
+    device, `chunk_rows` rows at a time (the fp32 temporaries of a chunk are the only extra memory). Load-time
+    work, not for graphs."""
     if bits not in RANKING_BITS:
         raise ValueError(f"build_top1_ranking: bits must be one of {RANKING_BITS}, got {bits}")
-    if weight.dim() != 2 or not weight.dtype.is_floating_point:
+    if isinstance(weight, GPTQWeight):
+        if not is_row_int8(weight):
+            raise ValueError("build_top1_ranking: a quantized lm_head must be int8 with one symmetric scale per row "
+                             f"(got {weight.bits} bits, {weight.scales.shape[0]} groups, "
+                             f"{'asymmetric' if weight.zeros is not None else 'symmetric'})")
+    elif weight.dim() != 2 or not weight.dtype.is_floating_point:
         raise ValueError(f"build_top1_ranking: weight must be a float [V, H] matrix, got {weight.dtype} "
                          f"{tuple(weight.shape)}")
     if 0 in weight.shape:
         raise ValueError(f"build_top1_ranking: weight {tuple(weight.shape)} is empty (no rows or no hidden size)")
     v, h = weight.shape
+    device = weight.qweight.device if isinstance(weight, GPTQWeight) else weight.device
     per_word = 32 // bits
     words = -(-h // per_word)
     qmax = (1 << (bits - 1)) - 1
-    codes = torch.empty(v, words, dtype=torch.int32, device=weight.device)
-    scales = torch.empty(v, dtype=torch.float32, device=weight.device)
-    shifts = torch.arange(0, 32, bits, device=weight.device)
-    col_scale = _channel_rms(weight, chunk_rows)
+    codes = torch.empty(v, words, dtype=torch.int32, device=device)
+    scales = torch.empty(v, dtype=torch.float32, device=device)
+    shifts = torch.arange(0, 32, bits, device=device)
+    col_scale = _channel_rms(weight, chunk_rows, device)
     for r0 in range(0, v, chunk_rows):
-        w = weight[r0:r0 + chunk_rows].float() / col_scale
+        w = weight_rows(weight, r0, r0 + chunk_rows) / col_scale
         c, s = _quantize_rows(w, qmax)
-        u = torch.full((w.shape[0], per_word * words), qmax + 1, dtype=torch.int64, device=weight.device)
+        u = torch.full((w.shape[0], per_word * words), qmax + 1, dtype=torch.int64, device=device)
         u[:, :h] = c + (qmax + 1)
         packed = (u.view(w.shape[0], per_word, words) << shifts[None, :, None]).sum(1)
         codes[r0:r0 + chunk_rows] = (packed - (packed >= 1 << 31).long() * (1 << 32)).to(torch.int32)
@@ -95,11 +120,11 @@ def build_top1_ranking(weight: torch.Tensor, bits: int = 4, chunk_rows: int = 81
     return Top1Ranking(codes, scales, col_scale, bits, h)
 
 
-def _channel_rms(weight: torch.Tensor, chunk_rows: int) -> torch.Tensor:
+def _channel_rms(weight, chunk_rows: int, device) -> torch.Tensor:
     """Each column's rms over the rows, over their mean (an all-zero column gets 1)."""
-    sq = torch.zeros(weight.shape[1], dtype=torch.float32, device=weight.device)
+    sq = torch.zeros(weight.shape[1], dtype=torch.float32, device=device)
     for r0 in range(0, weight.shape[0], chunk_rows):
-        sq += weight[r0:r0 + chunk_rows].float().square().sum(0)
+        sq += weight_rows(weight, r0, r0 + chunk_rows).square().sum(0)
     rms = sq.sqrt()
     rms = torch.where(rms > 0, rms, rms.max().clamp_min(1e-30))
     return rms / rms.mean()
@@ -124,14 +149,31 @@ def _quantize_rows(w: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tens
     return best_c.long(), best_s
 
 
-def lm_head_top1(x: torch.Tensor, weight: torch.Tensor, ranking: Top1Ranking | None = None) -> torch.Tensor:
+def lm_head_top1(x: torch.Tensor, weight: torch.Tensor | GPTQWeight,
+                 ranking: Top1Ranking | None = None) -> torch.Tensor:
     """argmax_v (x @ weight^T)[r, v] for each row r, ties to the lowest v. x [R, H]; weight [V, H] bf16/fp16/fp32
-    (unit inner stride); ranking: build_top1_ranking(weight), or None to rank the weight itself (exact, reads
-    all of it). Returns [R] int64. No host sync; launch shapes depend on R only (CUDA-graph capturable).
+    (unit inner stride) or a row-int8 GPTQWeight (is_row_int8: the scores are the int8 head's logits); ranking:
+    build_top1_ranking(weight), or None to rank a dense weight itself (exact, reads all of it; a quantized
+    weight needs a ranking). Returns [R] int64. No host sync; launch shapes depend on R only (CUDA-graph
+    capturable).
 
     With a ranking, each row's best candidates by the compressed copy are re-scored exactly in fp32 against
     `weight`: the result is the exact argmax unless the exact best is not on that shortlist (configs.py gives
     its length and the measured rate at which that happens)."""
+    if isinstance(weight, GPTQWeight):
+        if not is_row_int8(weight):
+            raise ValueError("lm_head_top1: a quantized lm_head must be int8 with one symmetric scale per row")
+        if ranking is None:
+            raise ValueError("lm_head_top1: an int8 lm_head needs its ranking copy (build_top1_ranking)")
+        if x.dim() != 2 or x.shape[1] != weight.shape[1]:
+            raise ValueError(f"lm_head_top1: x [R, H] and weight [V, H] expected, got {tuple(x.shape)} and "
+                             f"{tuple(weight.shape)}")
+        if x.device != weight.qweight.device:
+            raise ValueError(f"lm_head_top1: x on {x.device}, weight on {weight.qweight.device}")
+        if (ranking.vocab, ranking.hidden) != tuple(weight.shape):
+            raise ValueError(f"lm_head_top1: ranking copy of a [{ranking.vocab}, {ranking.hidden}] weight given for "
+                             f"{tuple(weight.shape)}")
+        return impl("lm_head_top1", x.device)(x, weight, ranking)
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"lm_head_top1: x [R, H] and weight [V, H] expected, got {tuple(x.shape)} and "
                          f"{tuple(weight.shape)}")

@@ -6,7 +6,8 @@ of rows the weight read is the cost, so it is a GEMV: broadcast multiply-and-sum
 cross-lane sum at the end, no tl.dot (the same source runs on sm_70). The row-block axis varies fastest,
 so the programs sharing a tile run together and read it from HBM once.
 Pass 2 takes each row's TOPK best candidates overall (torch.topk), re-scores them exactly in fp32 against
-the 16-bit weight rows (rescore_kernel) and picks the best, ties to the lowest index (select_kernel).
+the 16-bit weight rows, or the int8 head's codes and row scales (rescore_kernel), and picks the best, ties to
+the lowest index (select_kernel).
 Without a ranking copy pass 1 runs on the weight itself (dense_tiles_kernel): its scores are exact and the
 tile bests go straight to select_kernel.
 """
@@ -124,24 +125,33 @@ def dense_tiles_kernel(x_ptr, w_ptr, cv_ptr, ci_ptr, R, V, H, stride_x, stride_w
 
 
 @triton.jit
-def rescore_kernel(x_ptr, w_ptr, ci_ptr, pos_ptr, e_ptr, ei_ptr, H, N, stride_x, stride_w, stride_ci, stride_p,
-                   stride_e, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr):
+def rescore_kernel(x_ptr, w_ptr, s_ptr, ci_ptr, pos_ptr, e_ptr, ei_ptr, H, N, stride_x, stride_wv, stride_wh,
+                   stride_ci, stride_p, stride_e, QUANT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr):
     """Program (row r, BLOCK_C shortlisted candidates): the exact fp32 scores of the vocabulary rows that
-    ci[r, pos[r, :]] names, stored with those indices."""
+    ci[r, pos[r, :]] names, stored with those indices. Element (v, h) of the weight is at v * stride_wv +
+    h * stride_wh: a dense [V, H] weight, or (QUANT) the uint8 codes [H, V] of a row-int8 lm_head, each
+    row's score then (sum_h x_h (u_vh - 128)) * scale_v."""
     r = tl.program_id(0)
     o_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     m_c = o_c < N
     b_p = tl.load(pos_ptr + r * stride_p + o_c, mask=m_c, other=0)
     b_i = tl.load(ci_ptr + r * stride_ci + b_p, mask=m_c, other=0)
     o_h = tl.arange(0, BLOCK_H)
-    p_w = w_ptr + b_i.to(tl.int64)[:, None] * stride_w + o_h[None, :]
+    p_w = w_ptr + b_i.to(tl.int64)[:, None] * stride_wv + o_h.to(tl.int64)[None, :] * stride_wh
     acc = tl.zeros([BLOCK_C, BLOCK_H], dtype=tl.float32)
     for h0 in range(0, H, BLOCK_H):
         m_h = h0 + o_h < H
         b_x = tl.load(x_ptr + r * stride_x + h0 + o_h, mask=m_h, other=0.).to(tl.float32)
-        b_w = tl.load(p_w + h0, mask=m_c[:, None] & m_h[None, :], other=0.).to(tl.float32)
+        if QUANT:  # masked lanes read code 128: they add nothing
+            b_w = tl.load(p_w, mask=m_c[:, None] & m_h[None, :], other=128).to(tl.float32) - 128.
+        else:
+            b_w = tl.load(p_w, mask=m_c[:, None] & m_h[None, :], other=0.).to(tl.float32)
         acc += b_w * b_x[None, :]
-    tl.store(e_ptr + r * stride_e + o_c, tl.sum(acc, axis=1), mask=m_c)
+        p_w += BLOCK_H * stride_wh
+    score = tl.sum(acc, axis=1)
+    if QUANT:
+        score = score * tl.load(s_ptr + b_i, mask=m_c, other=0.).to(tl.float32)
+    tl.store(e_ptr + r * stride_e + o_c, score, mask=m_c)
     tl.store(ei_ptr + r * stride_e + o_c, b_i, mask=m_c)
 
 
@@ -217,9 +227,14 @@ def lm_head_top1(x, weight, ranking=None, config=None):
         indices = torch.empty(rows, n, dtype=torch.int32, device=x.device)
         cfg = dict(configs.rescore_config(x.device))
         cfg["BLOCK_H"] = min(cfg["BLOCK_H"], next_pow2(x.shape[1]))
+        if isinstance(weight, torch.Tensor):
+            w, scales, stride_wv, stride_wh, quant = weight, weight, weight.stride(0), weight.stride(1), False
+        else:  # row-int8: codes [H, V], one scale a vocabulary row
+            w, scales, quant = weight.qweight, weight.scales, True
+            stride_wv, stride_wh = weight.qweight.stride(1), weight.qweight.stride(0)
         rescore_kernel[(rows, triton.cdiv(n, cfg["BLOCK_C"]))](
-            x, weight, ci, pos, values, indices, x.shape[1], n, x.stride(0), weight.stride(0), ci.stride(0),
-            pos.stride(0), values.stride(0), **cfg)
+            x, w, scales, ci, pos, values, indices, x.shape[1], n, x.stride(0), stride_wv, stride_wh, ci.stride(0),
+            pos.stride(0), values.stride(0), QUANT=quant, **cfg)
     select_kernel[(rows,)](values, indices, out, values.shape[1], vocab, values.stride(0), indices.stride(0),
                            BLOCK=min(1024, next_pow2(values.shape[1])), num_warps=4)
     return out

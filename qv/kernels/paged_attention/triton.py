@@ -44,9 +44,12 @@ def _kv_offsets(o_n, kv_len, b, kvh, kv_start, bt_ptr, stride_bt, stride_kb, str
 def _attn_tile(acc, m_i, l_i, b_q, qpos, start, kv_len, b, kvh, kv_start, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr,
                stride_bt, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, BS, qk_scale,
                D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGED: tl.constexpr,
-               QUANT: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr, TMA: tl.constexpr):
+               QUANT: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr, TMA: tl.constexpr,
+               keep_ptr, keep_rows, SEL, SPARSE: tl.constexpr):
     """One BLOCK_N-key tile of online softmax. TMA: k_ptr/v_ptr are tensor descriptors over the
-    contiguous rows [T, Hkv * D] (rows past kv_len are masked below; past the tensor, zero-filled)."""
+    contiguous rows [T, Hkv * D] (rows past kv_len are masked below; past the tensor, zero-filled).
+    SPARSE (with MASK): a key counts only where its row's block is kept (sparse.py: keep_ptr + keep_rows
+    [BLOCK_M] is each row's keep row, one byte per SEL-key block)."""
     o_n = start + tl.arange(0, BLOCK_N)
     o_d = tl.arange(0, BLOCK_D)
     m_n = o_n < kv_len
@@ -67,6 +70,9 @@ def _attn_tile(acc, m_i, l_i, b_q, qpos, start, kv_len, b, kvh, kv_start, k_ptr,
             vis = m_n[None, :]
             if CAUSAL:
                 vis = vis & (o_n[None, :] <= qpos[:, None])
+            if SPARSE:
+                kept = tl.load(keep_ptr + keep_rows[:, None] + (o_n // SEL)[None, :], mask=m_n[None, :], other=0)
+                vis = vis & (kept != 0)
             b_s = tl.where(vis, b_s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(b_s, axis=1))
         # a row may see no key in this tile (split-K over speculative rows): keep exp2 finite
@@ -92,19 +98,35 @@ def _attn_tile(acc, m_i, l_i, b_q, qpos, start, kv_len, b, kvh, kv_start, k_ptr,
 def _attn_span(acc, m_i, l_i, b_q, qpos, lo, hi, free, kv_len, b, kvh, kv_start, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr,
                stride_bt, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, BS, qk_scale,
                D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGED: tl.constexpr,
-               QUANT: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr = False):
+               QUANT: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr = False,
+               keep_ptr=None, keep_rows=None, SEL=1, SPARSE: tl.constexpr = False):
     """Keys lo..hi-1 (positions; key row kv_start + position when not PAGED, mask n < kv_len): whole
-    tiles below `free` (keys every row sees) skip the mask, the rest are masked."""
+    tiles below `free` (keys every row sees) skip the mask, the rest are masked. SPARSE: every tile is
+    masked by the rows' kept blocks, and a tile no row keeps is skipped."""
     mid = tl.minimum(free, hi)
     mid = tl.where(mid > lo, lo + (mid - lo) // BLOCK_N * BLOCK_N, lo)
+    if SPARSE:
+        mid = lo
     for start in range(lo, mid, BLOCK_N):
         acc, m_i, l_i = _attn_tile(acc, m_i, l_i, b_q, qpos, start, kv_len, b, kvh, kv_start, k_ptr, v_ptr, ks_ptr,
                                    vs_ptr, bt_ptr, stride_bt, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss,
-                                   BS, qk_scale, D, BLOCK_N, BLOCK_D, PAGED, QUANT, CAUSAL, False, TMA)
+                                   BS, qk_scale, D, BLOCK_N, BLOCK_D, PAGED, QUANT, CAUSAL, False, TMA,
+                                   keep_ptr, keep_rows, SEL, False)
     for start in range(mid, hi, BLOCK_N):
-        acc, m_i, l_i = _attn_tile(acc, m_i, l_i, b_q, qpos, start, kv_len, b, kvh, kv_start, k_ptr, v_ptr, ks_ptr,
-                                   vs_ptr, bt_ptr, stride_bt, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss,
-                                   BS, qk_scale, D, BLOCK_N, BLOCK_D, PAGED, QUANT, CAUSAL, True, TMA)
+        if SPARSE:
+            o_n = start + tl.arange(0, BLOCK_N)
+            kept = tl.load(keep_ptr + keep_rows[:, None] + (o_n // SEL)[None, :], mask=(o_n < kv_len)[None, :],
+                           other=0)
+            if tl.max(tl.max(kept, axis=1), axis=0) != 0:
+                acc, m_i, l_i = _attn_tile(acc, m_i, l_i, b_q, qpos, start, kv_len, b, kvh, kv_start, k_ptr, v_ptr,
+                                           ks_ptr, vs_ptr, bt_ptr, stride_bt, stride_kb, stride_ks, stride_kh,
+                                           stride_sb, stride_ss, BS, qk_scale, D, BLOCK_N, BLOCK_D, PAGED, QUANT,
+                                           CAUSAL, True, TMA, keep_ptr, keep_rows, SEL, True)
+        else:
+            acc, m_i, l_i = _attn_tile(acc, m_i, l_i, b_q, qpos, start, kv_len, b, kvh, kv_start, k_ptr, v_ptr, ks_ptr,
+                                       vs_ptr, bt_ptr, stride_bt, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss,
+                                       BS, qk_scale, D, BLOCK_N, BLOCK_D, PAGED, QUANT, CAUSAL, True, TMA,
+                                       keep_ptr, keep_rows, SEL, False)
     return acc, m_i, l_i
 
 
@@ -117,6 +139,7 @@ def attn_fwd_kernel(
     D: tl.constexpr, REP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGED: tl.constexpr, QUANT: tl.constexpr, CAUSAL: tl.constexpr, DECODE: tl.constexpr, SPLIT: tl.constexpr,
     NEW_KV: tl.constexpr, TMA: tl.constexpr = False,
+    keep_ptr=None, stride_kt=0, stride_kq=0, SEL=1, SPARSE: tl.constexpr = False,
 ):
     """NEW_KV (paged prefill): the chunk's own keys (positions kv_len - q_len ..) are read from the
     packed K/V it was written from (kn_ptr/vn_ptr [T, Hkv, D], rows like q's), contiguous rows
@@ -151,6 +174,7 @@ def attn_fwd_kernel(
     b_q = tl.load(q_ptr + rows[:, None] * stride_qt + o_h[:, None] * stride_qh + o_d[None, :], mask=m_q, other=0.)
     if QUANT and b_q.dtype == tl.bfloat16:  # int8 K/V run their dots in fp16 (see kv_codes)
         b_q = b_q.to(tl.float16)
+    keep_rows = tl.where(row_ok, rows * stride_kt + o_h * stride_kq, 0)  # SPARSE: each row's keep row
 
     k_lo = 0
     if CAUSAL:
@@ -173,15 +197,17 @@ def attn_fwd_kernel(
         acc, m_i, l_i = _attn_span(acc, m_i, l_i, b_q, qpos, k_lo, tl.minimum(k_end, prefix), prefix, prefix, b,
                                    kvh, 0, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, stride_bt, stride_kb, stride_ks,
                                    stride_kh, stride_sb, stride_ss, BS, qk_scale, D, BLOCK_N, BLOCK_D, True, QUANT,
-                                   CAUSAL)
+                                   CAUSAL, False, keep_ptr, keep_rows, SEL, SPARSE)
         # its tiles start at `prefix`, off the split grid: keys past k_end belong to the next split
         acc, m_i, l_i = _attn_span(acc, m_i, l_i, b_q, qpos, tl.maximum(k_lo, prefix), k_end, k_free, k_end, b,
                                    kvh, q_start - prefix, kn_ptr, vn_ptr, ks_ptr, vs_ptr, bt_ptr, 0, stride_nt, 0,
-                                   stride_nh, 0, 0, 1, qk_scale, D, BLOCK_N, BLOCK_D, False, False, CAUSAL, TMA)
+                                   stride_nh, 0, 0, 1, qk_scale, D, BLOCK_N, BLOCK_D, False, False, CAUSAL, TMA,
+                                   keep_ptr, keep_rows, SEL, SPARSE)
     else:
         acc, m_i, l_i = _attn_span(acc, m_i, l_i, b_q, qpos, k_lo, k_end, k_free, kv_len, b, kvh, q_start, k_ptr,
                                    v_ptr, ks_ptr, vs_ptr, bt_ptr, stride_bt, stride_kb, stride_ks, stride_kh,
-                                   stride_sb, stride_ss, BS, qk_scale, D, BLOCK_N, BLOCK_D, PAGED, QUANT, CAUSAL)
+                                   stride_sb, stride_ss, BS, qk_scale, D, BLOCK_N, BLOCK_D, PAGED, QUANT, CAUSAL,
+                                   False, keep_ptr, keep_rows, SEL, SPARSE)
 
     b_o = acc / tl.where(l_i == 0., 1., l_i)[:, None]
     p_o = o_ptr + rows[:, None] * stride_ot + o_h[:, None] * stride_oh + o_d[None, :]
@@ -215,8 +241,9 @@ def attn_reduce_kernel(po_ptr, lse_ptr, o_ptr, cu_q_ptr, kv_len_ptr, B, T, HQ, s
     for s in range(0, n_split):
         lse = tl.load(lse_ptr + s * T * HQ + row)
         m_new = tl.maximum(m, lse)
-        alpha = tl.math.exp2(m - m_new)
-        beta = tl.math.exp2(lse - m_new)
+        m_safe = tl.where(m_new == float("-inf"), 0., m_new)  # a split where the row kept no key (sparse)
+        alpha = tl.math.exp2(m - m_safe)
+        beta = tl.math.exp2(lse - m_safe)
         b_o = tl.load(po_ptr + (s * T * HQ + row) * D + o_d, mask=m_d, other=0.)
         acc = acc * alpha + b_o * beta
         w = w * alpha + beta
@@ -234,7 +261,9 @@ def _num_splits(device, programs, max_kv, block_n, min_keys):
 
 
 def attention(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, causal, paged, max_q, max_kv, config=None,
-              k_new=None, v_new=None):
+              k_new=None, v_new=None, keep=None, block_tokens=0):
+    """keep [T, Hq, NBsel] (bool or uint8) with block_tokens: attend only to kept blocks (sparse.py); it
+    runs this kernel for decode rows too (the split decode kernels take no block lists)."""
     t, hq, d = q.shape
     hkv = k.shape[-2]
     rep = hq // hkv
@@ -249,6 +278,8 @@ def attention(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, causal, paged
     decode = paged and max_q <= 8
     config = dict(config or {})
     kind = config.pop("kind", None) or (decode_kind(q.device, config) if decode else "split")
+    if keep is not None:
+        kind = "blocks"
     if decode and kind == "cuda":
         out = decode_cuda(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, max_q, max_kv,
                           dict(decode_cuda_config(q.device), **config))
@@ -294,7 +325,9 @@ def attention(q, k, v, ks, vs, block_tables, cu_q, kv_lens, scale, causal, paged
         scale * LOG2E, n_seq, t, hq, q.stride(0), q.stride(1), o_h, o_x, o_s,
         stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, stride_bt, bs, split_len, k_new.stride(0) if new_kv else 0,
         k_new.stride(1) if new_kv else 0, D=d, REP=rep, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=next_pow2(d, 16),
-        PAGED=paged, QUANT=quant, CAUSAL=causal, DECODE=decode, SPLIT=splits > 1, NEW_KV=new_kv, TMA=tma, **cfg)
+        PAGED=paged, QUANT=quant, CAUSAL=causal, DECODE=decode, SPLIT=splits > 1, NEW_KV=new_kv, TMA=tma,
+        **(dict(keep_ptr=keep, stride_kt=keep.stride(0), stride_kq=keep.stride(1), SEL=block_tokens, SPARSE=True)
+           if keep is not None else {}), **cfg)
     if splits > 1:
         attn_reduce_kernel[(t, hq)](o_t, plse, out, cu_q, kv_lens if paged else cu_q, n_seq, t, hq, out.stride(0),
                                     out.stride(1), split_len, D=d, BLOCK_D=next_pow2(d))
