@@ -30,18 +30,10 @@ import numpy as np
 from qv.clef.adapters import ClefLayoutError, all_linears, place_modules, read_peft_adapter
 from qv.engine.sequence import Sequence
 from qv.engine.step_feature import StepFeature
-from qv.errors import ConfigError, InvalidRequestError
+from qv.errors import ConfigError, LoraError
 from qv.model.delta_bank import DeltaBank
 
 log = logging.getLogger("qv")
-
-
-class LoraError(InvalidRequestError):
-    """An adapter qv cannot load or find; the message names it and the cause (HTTP 400 / 404)."""
-
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
-        self.status = status
 
 
 @dataclass

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
-from qv.engine.lora_rows import LoraError
+from qv.errors import LoraError
 from qv.server.errors import APIError, bad_request, validation_error
 from qv.server.streaming import read_json_sized
 
