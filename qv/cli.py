@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
 import sys
 from typing import Literal, get_args, get_origin
 
@@ -33,7 +34,7 @@ SERVER_LEVERS = {"host", "port", "served_model_name", "api_key", "metrics_public
                  "media_allowed_domains", "media_allowed_networks", "media_local_dir", "media_timeout_s",
                  "media_max_bytes", "api_key_scope", "allowed_origins", "allowed_methods", "allowed_headers",
                  "allow_credentials", "trust_request_chat_template", "header_read_timeout_s", "keep_alive_timeout_s",
-                 "max_connections", "stream_stall_timeout_s", "root_path"}
+                 "max_connections", "stream_stall_timeout_s", "root_path", "allow_runtime_lora_updating"}
 # a lever flag's extra spellings (vLLM's short ones)
 SHORT_FLAGS = {"tensor_parallel_size": ["-tp"]}
 
@@ -68,6 +69,14 @@ class _JoinNames(argparse.Action):
         setattr(namespace, self.dest, ",".join(values))
 
 
+class _AppendLoraModules(argparse.Action):
+    """--lora-modules a=p b=q, repeatable, each entry name=path or vLLM's JSON object: one JSON list lever value."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        have = json.loads(getattr(namespace, self.dest) or "[]")
+        setattr(namespace, self.dest, json.dumps(have + list(values)))
+
+
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Defaults in --help, except where there is none to show (lever flags say theirs in the text)."""
 
@@ -97,6 +106,8 @@ def _add_lever_flags(p: argparse.ArgumentParser, server: bool = False) -> None:
         takes = f" Takes {expected(name)}." if metavar in ("N", "X") or info.json_schema_extra.get("expect") else ""
         text = f"{info.description}{takes} (env {env_name(name)}, default {default})"
         extra = {"nargs": "+", "action": _JoinNames} if name == "served_model_name" else {}
+        if name == "lora_modules":
+            extra = {"nargs": "+", "action": _AppendLoraModules}
         g.add_argument("--" + name.replace("_", "-"), *SHORT_FLAGS.get(name, []), dest=name, default=None,
                        metavar=metavar, help=text.replace("%", "%%"), **extra)
     add_engine_aliases(p)

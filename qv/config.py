@@ -314,6 +314,18 @@ class EngineConfig(BaseSettings):
         "tokenized (a record's text holds at most clef_nmax tokens).", ge=1)
     clef_slots: int = lever(4, "Clef records in flight at once; others queue.", ge=1)
     clef_delta_host: bool = lever(False, "Keep Clef low-rank deltas in pinned host memory, streamed per layer.")
+    # -- LoRA adapters (vLLM's names) -------------------------------------------------------------
+    enable_lora: bool = lever(False, "Serve PEFT LoRA adapters beside the base model; a request's `model` names one.")
+    lora_modules: str = lever(
+        "", "Adapters to serve from the start: name=path entries (space- or comma-separated), or a JSON list of "
+        "them or of {\"name\", \"path\"} objects (vLLM's --lora-modules, repeatable on the command line).")
+    max_loras: int = lever(1, "Adapters in device memory at once (slots reserved in the memory plan); a step runs "
+                           "rows of at most this many, the others wait their turn.", ge=1)
+    max_lora_rank: int = lever(16, "Largest adapter rank; every slot reserves this rank on every projection.", ge=1)
+    max_cpu_loras: int = lever(0, "Adapters held in host memory (paged into the device slots as steps need them); "
+                               "0: no bound.", ge=0)
+    allow_runtime_lora_updating: bool = lever(
+        False, "Open /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING).")
 
     def __init__(self, **levers: Any):
         origins = levers.pop("_origins", None)  # from resolve: where each value came from, for the message

@@ -16,3 +16,12 @@ class StartupError(RuntimeError):
 
 class MediaError(InvalidRequestError):
     """An image or video qv cannot take: a request error (the server answers 400 with the message)."""
+
+
+class LoraError(InvalidRequestError):
+    """A LoRA adapter qv cannot load or find; the message names it and the cause (HTTP 400 / 404).
+    Here, not in qv/engine/lora_rows.py, so the server's LoRA routes import no torch."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status

@@ -40,8 +40,9 @@ class LLM:
         return self.engine.multimodal.from_data(ids, as_list(data.get("image")), as_list(data.get("video")))
 
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run all prompts to completion (batched together) and return outputs in prompt order."""
+                 use_tqdm: bool = False, lora_name: str | None = None) -> list[RequestOutput]:
+        """Run all prompts to completion (batched together) and return outputs in prompt order;
+        lora_name: a served LoRA adapter (enable_lora, lora_modules) they all run on."""
         single = isinstance(prompts, (str, dict))
         prompts = [prompts] if single else list(prompts)
         if sampling_params is None:
@@ -55,7 +56,8 @@ class LLM:
             mp = self._multimodal(prompt, ids)
             rid = str(self._next_id)
             self._next_id += 1
-            self.engine.add_request(rid, mp.token_ids if mp else ids, p, prompt=text, multimodal=mp)
+            self.engine.add_request(rid, mp.token_ids if mp else ids, p, prompt=text, multimodal=mp,
+                                    lora_name=lora_name)
             order.append(rid)
         done: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():

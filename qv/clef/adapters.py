@@ -9,10 +9,10 @@
     (r = 1). qv could not find the original stack's on-disk deabl format anywhere (clef-finetune
     has none), so it takes the one format that merge tools and PEFT already read.
 
-Deltas are attached to qv's Linears as LowRankDelta(a [r, K], b [n, r], scale, columns): a checkpoint
-module fused into a bigger Linear (q/k/v, in_proj_qkv+z, in_proj_b+a, gate+up) addresses its column
-range. They act only on a batch's `delta_rows`; no base weight is copied or changed. Under tensor
-parallelism every rank attaches its cut of each delta, cut like its weight (qv.model.parallel.delta_shard).
+Deltas are written into slot 0 of each Linear's DeltaBank (qv/model/delta_bank.py; served LoRA adapters
+take the slots after it): a checkpoint module fused into a bigger Linear (q/k/v, in_proj_qkv+z,
+in_proj_b+a, gate+up) is one member of it. They act only on a batch's `delta_rows`; no base weight is
+copied or changed. Under tensor parallelism every rank attaches its cut of each delta, cut like its weight (qv.model.parallel.delta_shard).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from safetensors.torch import load_file
 
 from qv.clef.head import JointHead
 from qv.model.joint_head_layout import HEAD_CONFIG, HEAD_WEIGHTS
-from qv.model.layers import FusedLinear, Linear, LowRankDelta
+from qv.model.delta_bank import DeltaBank
+from qv.model.layers import FusedLinear, Linear
 from qv.model.parallel import delta_shard
 
 # PEFT options that change the math in ways a plain (x A^T) B^T * scale delta does not express.
@@ -162,23 +163,36 @@ def _rank_factors(model, mod: AdapterModule, linear: Linear, start: int, end: in
     return delta_shard(mod.a, mod.b, linear.shard, pieces, tp, mod.name)
 
 
+def place_modules(model, modules: list[AdapterModule]) -> dict[Linear, list]:
+    """Each module's (member index, A, B, scale) as this rank applies it, per Linear; every module is checked
+    before anything is returned (ClefLayoutError naming the module)."""
+    placed: dict[Linear, list] = {}
+    for mod in modules:
+        linear, start, end = locate(model, mod.name)
+        a, b = _rank_factors(model, mod, linear, start, end)
+        member = next((m for m in range(len(linear.member_sizes))
+                       if sum(linear.member_sizes[:m]) == start and sum(linear.member_sizes[:m + 1]) == end), None)
+        if member is None:
+            raise ClefLayoutError(f"LoRA module {mod.name}: columns [{start}, {end}) are no member of its Linear")
+        placed.setdefault(linear, []).append((member, a, b, mod.scale))
+    return placed
+
+
 def attach(model, modules: list[AdapterModule], dtype: torch.dtype | None = None,
            device: torch.device | str | None = None, pin: bool = False) -> int:
-    """Attach each module's delta to the Linear computing it; returns the bytes the deltas hold.
-    `pin`: keep them in pinned host memory (device "cpu"); the Linear copies them to the
+    """Give each Linear these modules' deltas as its bank's slot 0 (sized for exactly them); returns the bytes
+    the banks hold. `pin`: keep them in pinned host memory (device "cpu"); the Linear copies them to the
     activations' device per use (QV_CLEF_DELTA_HOST)."""
-    placed = []
-    for mod in modules:  # check everything before touching the model
-        linear, start, end = locate(model, mod.name)
-        placed.append((linear, start, end, mod, *_rank_factors(model, mod, linear, start, end)))
+    placed = place_modules(model, modules)  # check everything before touching the model
     dtype, device = dtype or model.dtype, device or model.device
     total = 0
-    for linear, start, end, mod, a, b in placed:
-        a, b = a.to(device=device, dtype=dtype).contiguous(), b.to(device=device, dtype=dtype).contiguous()
-        if pin:
-            a, b = a.pin_memory(), b.pin_memory()
-        linear.deltas.append(LowRankDelta(a.contiguous(), b.contiguous(), mod.scale, start, end))
-        total += a.numel() * a.element_size() + b.numel() * b.element_size()
+    for linear, pieces in placed.items():
+        k = pieces[0][1].shape[1]
+        bank = DeltaBank(k, linear.member_sizes, [sum(a.shape[0] for _, a, _, _ in pieces)],
+                         [sum(b.numel() for _, _, b, _ in pieces)], dtype, device, pin=pin)
+        bank.write(0, pieces)
+        linear.bank = bank
+        total += bank.nbytes
     return total
 
 
@@ -197,9 +211,9 @@ def all_linears(model) -> list[Linear]:
 
 
 def detach_all(model) -> None:
-    """Remove every Clef delta (the model computes base weights for all rows again)."""
+    """Remove every delta bank (the model computes base weights for all rows again)."""
     for linear in all_linears(model):
-        linear.deltas.clear()
+        linear.bank = None
 
 
 @dataclass

@@ -32,6 +32,7 @@ class _Add:
     mm_hashes: list[tuple[int, str]] | None
     multimodal: MultimodalPrompt | None
     priority: int = 0
+    lora_name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,7 @@ class AsyncLLMEngine:
         self.tokenizer, self.model_config, self.model_name = e.tokenizer, e.model_config, e.model_name
         self.max_model_len, self.generation_defaults = e.max_model_len, e.generation_defaults
         self.clef_cap = (e.clef.cap, e.clef.cap_name) if e.clef else None  # Clef served: record cap, what sets it
+        self.lora = e.lora  # served LoRA adapters (qv/engine/lora_rows.py), None when enable_lora is off
         self.multimodal = e.multimodal  # MultimodalInputs, or None without a vision tower
         self.media_off = e.media_off  # why images and videos are off (None: on)
         self.compile_grammar = e.compile_grammar  # structured outputs: thread-safe, cached (call it off the loop)
@@ -103,10 +105,12 @@ class AsyncLLMEngine:
     async def generate(self, request_id: str, prompt_token_ids: list[int] | CheckedRequest,
                        params: SamplingParams | None = None, prompt: str | None = None, cache_salt: str | None = None,
                        mm_hashes: list[tuple[int, str]] | None = None, multimodal: MultimodalPrompt | None = None,
-                       priority: int = 0):
+                       priority: int = 0, lora_name: str | None = None):
         """A CheckedRequest, or the prompt's ids and params (checked on the engine thread);
-        multimodal: the prompt's images/videos; priority: vLLM's (LLMEngine.add_request)."""
-        command = _Add(request_id, prompt_token_ids, params, prompt, cache_salt, mm_hashes, multimodal, priority)
+        multimodal: the prompt's images/videos; priority: vLLM's; lora_name: a served LoRA adapter
+        (LLMEngine.add_request)."""
+        command = _Add(request_id, prompt_token_ids, params, prompt, cache_salt, mm_hashes, multimodal, priority,
+                       lora_name)
         async with contextlib.aclosing(self._outputs(request_id, command)) as outputs:
             async for out in outputs:
                 yield out
@@ -189,7 +193,8 @@ class AsyncLLMEngine:
             case _Add():
                 try:
                     self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.prompt,
-                                            cmd.cache_salt, cmd.mm_hashes, cmd.multimodal, cmd.priority)
+                                            cmd.cache_salt, cmd.mm_hashes, cmd.multimodal, cmd.priority,
+                                            cmd.lora_name)
                 except InvalidRequestError as exc:
                     self._deliver(cmd.request_id, exc)
             case _AddClef():

@@ -15,6 +15,7 @@ from qv import kernels
 from qv.config import ConfigError, EngineConfig, ModelConfig, state_path, use_state_dir
 from qv.model_config import read_json_object
 from qv.engine.clef_rows import clef_reserve_bytes
+from qv.engine.lora_rows import check_lora_levers, reserve_lora_slots
 from qv.engine.memory_plan import MemoryPlan
 from qv.engine.prefix_cache import PrefixPlan, plan_prefix_cache
 from qv.engine.tensor_parallel import TPDriver, check_levers, rank_device
@@ -159,6 +160,7 @@ def wants_mtp(cfg: EngineConfig, mcfg: ModelConfig) -> bool:
 def build_engine_parts(cfg: EngineConfig) -> EngineParts:
     use_state_dir(cfg.state_dir)  # before Triton or CuPy compiles anything
     device = resolve_device(cfg.device)
+    check_lora_levers(cfg)
     sparse_policy(cfg, device)  # a sparse lever the kernel chain cannot run stops the start before loading
     tp = start_tensor_parallel(cfg, device) if cfg.tensor_parallel_size > 1 else None
     try:
@@ -210,6 +212,8 @@ def load_rank(cfg: EngineConfig, device: torch.device, tp: TPGroup):
 
         if clef_layout(model_dir) == "adapters":
             load_clef_deltas(model_dir, model, delta_host=cfg.clef_delta_host)
+    if cfg.enable_lora:  # the adapters' device slots, as the driver's (each write comes with a step)
+        reserve_lora_slots(model, cfg.max_loras, cfg.max_lora_rank)
 
     def make_cache(num_blocks: int, num_slots: int) -> HybridCache:
         return allocate_cache(model.cfg, num_blocks, cfg.block_size, num_slots, resolve_kv_dtype(cfg.kv_dtype, dtype),
@@ -254,6 +258,9 @@ def _build(cfg: EngineConfig, device: torch.device, tp: TPDriver | None) -> Engi
         from qv.clef.adapters import load_clef
 
         clef = load_clef(model_dir, model, delta_host=cfg.clef_delta_host)
+    if cfg.enable_lora:  # the adapters' device slots, after Clef's slot 0 and before the plan that counts them
+        log.info("LoRA: %d device slots of rank %d: %.1f MiB", cfg.max_loras, cfg.max_lora_rank,
+                 reserve_lora_slots(model, cfg.max_loras, cfg.max_lora_rank) / 2**20)
     # a rank's view (its heads) sizes the cache; the workers allocate the same blocks and slots
     cache, prefix, plan = plan_cache(cfg, model.cfg if tp else mcfg, device, dtype, max_len,
                                      mtp_layers=(mcfg.num_hidden_layers,) if mtp_head else (),

@@ -70,6 +70,7 @@ class ClefRows(StepFeature):
         self.head, self.output_embedding = head, output_embedding
         self.slots, self.cap, self.cap_name = slots, cap, cap_name
         self.has_deltas = has_deltas
+        self.rows_grouped = False  # served LoRA adapters group every delta row by bank slot (LoraRows.fill_inputs)
         self.jobs: dict[Sequence, _Job] = {}
         self.by_request: dict[str, _Job] = {}
         self.pending: deque[_Job] = deque()  # records waiting for a Clef slot
@@ -124,6 +125,8 @@ class ClefRows(StepFeature):
         return not (self.has_deltas and any(s in self.jobs for s in seqs))
 
     def fill_inputs(self, seqs: list[Sequence], cu: np.ndarray, host: dict) -> dict[str, int]:
+        if self.rows_grouped:  # LoraRows writes the step's delta rows, these in slot 0
+            return {}
         return {"delta_rows": self.delta_rows(seqs, cu, host["delta_rows"])}
 
     def admit(self, scheduler) -> list[str]:

@@ -110,6 +110,7 @@ class DecodeGraphs:
         self.mtp_graphs: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
         self.errors: dict[int, float] = {}  # batch size -> replay_error at the start-up check
         self.pool = pool
+        self.inputs = inputs  # with LoRA's delta slots, every graph launches the grouped deltas over its fields
 
     @property
     def label(self) -> str:
@@ -123,7 +124,8 @@ class DecodeGraphs:
             gdn = self.spec.gdn_meta(self.state_slots[:b], self.has_init[:b], b, t, self.no_rest)
         return StepBatch(self.cu[:b + 1], self.q,
                          AttentionMeta(self.slot_mapping[:t], self.block_tables[:b], self.seq_lens[:b], self.max_seq_len),
-                         gdn, self.rows[:t] if self.q > 1 else self.cu[:b].long())
+                         gdn, self.rows[:t] if self.q > 1 else self.cu[:b].long(),
+                         delta_rows=self.inputs.graph_delta_rows(t))
 
     def mtp_kinds(self, b: int) -> tuple[str, ...]:
         """The head's graphs size b holds: "draft" where a batch that can verify next step (at most

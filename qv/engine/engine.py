@@ -18,6 +18,7 @@ from qv.engine.clef_rows import clef_sequence, make_clef_rows
 from qv.engine.cuda_graphs import eager_reason
 from qv.engine.detokenizer import IncrementalDetokenizer
 from qv.engine.kv_cache import KVBlockPool
+from qv.engine.lora_rows import make_lora_rows
 from qv.engine.multimodal import MultimodalInputs, MultimodalPrompt, VisionSteps, check_multimodal
 from qv.engine.prefix_cache import make_prefix_cache
 from qv.engine.prompt_logprobs import finished_prompt_logprobs, new_prompt_logprobs
@@ -110,24 +111,28 @@ class LLMEngine:
                                    max_spec_seqs=max_spec_seqs,
                                    max_step_ms=cfg.max_step_ms, step_cost=self.step_timer.model,
                                    max_preemptions=cfg.max_preemptions, policy=cfg.scheduling_policy)
+        # LoRA: delta rows grouped by bank slot (Clef's slot 0, the adapters' 1..max_loras)
         capacity = StepCapacity.of(cfg.max_num_batched_tokens, cfg.max_num_seqs, self.max_model_len, cfg.block_size,
-                                   lookahead)
+                                   lookahead, delta_slots=cfg.max_loras + 1 if cfg.enable_lora else 0)
         self.multimodal = self.media = None  # images/videos: prompt building and in-step encoding
         self.media_off = parts.media_off  # why they are off, for the 400 a request with media gets
         if parts.vision is not None:
             self.multimodal = MultimodalInputs(parts.model_dir, parts.model_config, parts.tokenizer)
             self.media = VisionSteps(parts.vision, cfg.vision_max_patches_per_step, capacity.rows, parts.model.device)
         self.clef = make_clef_rows(parts.clef, parts.model, cfg.clef_slots, cfg.clef_nmax, self.max_model_len)
+        self.lora = make_lora_rows(cfg, parts.model, self.clef)  # served LoRA adapters (None: enable_lora off)
         self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
                                             GrammarLimits.of(cfg))
         # the parts of the step that plug in (qv/engine/step_feature.py), in the order their hooks run
-        self.features = [f for f in (self.prefix_cache, self.media, self.clef, speculation, self.structured)
-                         if f is not None]
+        self.features = [f for f in (self.prefix_cache, self.lora, self.media, self.clef, speculation,
+                                     self.structured) if f is not None]
         self.runner = ModelRunner(parts.model, parts.cache, capacity, self.max_model_len, self.features, self.spec,
                                   self.media, self.structured, tp=parts.tp)
         self.tp = self.runner.tp  # tensor-parallel workers (SingleRank at one rank); stopped by shutdown or at exit
         if self.prefix_cache:  # its state copies run on every rank
             self.tp.mirror_state(self.prefix_cache.copies)
+        if self.lora:  # adapters paged into slots: every rank writes its cut
+            self.tp.mirror_lora(self.lora)
         self._stop_workers = weakref.finalize(self, self.tp.shutdown)
         why_eager = eager_reason(cfg.cuda_graphs, parts.model.device, cfg.kernels)
         if why_eager is None:
@@ -164,18 +169,25 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int] | CheckedRequest,
                     params: SamplingParams | None = None, prompt: str | None = None, cache_salt: str | None = None,
                     mm_hashes: list[tuple[int, str]] | None = None, multimodal: MultimodalPrompt | None = None,
-                    priority: int = 0) -> None:
+                    priority: int = 0, lora_name: str | None = None) -> None:
         """Queue a request: a CheckedRequest from check_request (not checked again), or the prompt's
         ids and its params (checked here).
         priority: vLLM's, lower first; other than 0 only under scheduling_policy priority.
         cache_salt: prefixes are shared only under the same salt ("clef:..." never shares);
         mm_hashes: (position, content hash) of each media item, part of the prefix key;
         multimodal: the prompt's images/videos (`self.multimodal.prompt(...)`); prompt_token_ids are its
-        expanded ids, and its media hashes join the prefix key."""
+        expanded ids, and its media hashes join the prefix key;
+        lora_name: a served LoRA adapter the request runs on (qv/engine/lora_rows.py; its own prefix salt)."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if priority != 0 and self.scheduler.policy != "priority":
             raise InvalidFieldError(f"Got priority {priority} but Priority scheduling is not enabled.", "priority")
+        adapter = None
+        if lora_name is not None:
+            if self.lora is None:
+                raise InvalidRequestError(f"LoRA adapter {lora_name!r} asked for, but enable_lora is off")
+            adapter = self.lora.resolve(lora_name)
+            cache_salt = self.lora.salt(adapter, cache_salt)
         checked = (prompt_token_ids if isinstance(prompt_token_ids, CheckedRequest)
                    else self.check_request(prompt_token_ids, params))
         prompt_token_ids, params, max_tokens = checked.prompt_token_ids, checked.params, checked.max_tokens
@@ -195,6 +207,8 @@ class LLMEngine:
             self.structured.add(seq, params.grammar)
             if media is not None:
                 media.seqs.append(seq)
+            if adapter is not None:
+                self.lora.assign(seq, adapter)
             self.scheduler.add(seq)
         self.requests[request_id] = _Request(request_id, prompt, list(prompt_token_ids), seqs, RequestMetrics())
         self.stats.prompt_tokens += len(prompt_token_ids)
@@ -291,7 +305,7 @@ class LLMEngine:
             for rid in f.before_plan(self.scheduler):
                 touched[rid] = self.requests[rid]
         plan = self.scheduler.schedule()
-        for f in self.features:  # the vision budget: chunks stop before media that cannot be encoded this step
+        for f in self.features:  # LoRA slots, then the vision budget: what cannot run this step leaves it
             f.fit_plan(plan)
         for seq in plan.failed:
             touched[seq.request_id] = self.requests[seq.request_id]

@@ -135,7 +135,8 @@ class ModelRunner:
     def _graphs_for(self, seqs: list[Sequence], num_spec: int, rows: int) -> DecodeGraphs | None:
         """The graphs that can replay a step's forward: decode steps whose sequences all run one row, or
         all verify k+1 rows (qv/engine/scheduler.py evens a decode step's drafts out for this), with token
-        positions as rotary positions, no vision rows and no Clef deltas."""
+        positions as rotary positions, no vision rows and no Clef record's delta rows (LoRA adapters' rows
+        replay: the graphs capture the grouped deltas over the step's delta fields)."""
         if self.graphs is None or any(s.media is not None for s in seqs) or \
                 not all(f.replayable(seqs) for f in self.features):
             return None
@@ -209,12 +210,16 @@ class ModelRunner:
         if num_spec:
             h["cu_seqlens_rest"][:nseq - num_spec + 1] = cu[num_spec:nseq + 1] - cu[num_spec]
             h["drafts"][:num_spec * k] = [t for s in seqs[:num_spec] for t in s.draft_token_ids]
-        filled = {name: n for f in self.features for name, n in f.fill_inputs(seqs, cu, h).items()}  # Clef's deltas
+        # the low-rank delta rows: Clef's records' (plain), or every delta row grouped by bank slot (LoRA)
+        filled = {name: n for f in self.features for name, n in f.fill_inputs(seqs, cu, h).items()}
+        slot_starts = filled.get("delta_slot_start", 0)
         if pending:
             self._pending_rows(pending)
         shape = StepShape(seqs=nseq, rows=ntok, logits=n_logits, width=width, max_query_len=int(q_lens.max()),
                           max_seq_len=int(ends.max()), num_spec=num_spec, spec_rows=int(cu[num_spec]), draft_k=k,
-                          delta_rows=filled.get("delta_rows", 0), pending=len(pending), pad_seqs=pad_seqs,
+                          delta_rows=filled.get("delta_rows", 0), delta_slot_starts=slot_starts,
+                          delta_max_rows=int(np.diff(h["delta_slot_start"][:slot_starts]).max()) if slot_starts else 0,
+                          pending=len(pending), pad_seqs=pad_seqs,
                           pad_rows=pad_seqs * graphs.q if graphs is not None else 0)
         if graphs is not None:
             inp.pad(shape, self.scratch_slot)

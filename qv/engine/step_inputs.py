@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from qv.model.batch import AttentionMeta, GDNMeta, StepBatch
+from qv.model.delta_bank import DeltaGroups
 
 MERGE_GAP_BYTES = 16384  # copying a gap this size costs less than the latency of one more small copy
 ALIGN = 16  # Triton specializes kernels on 16-byte aligned pointers
@@ -36,13 +37,16 @@ class StepCapacity:
     seqs: int
     blocks: int  # block-table width: max_model_len and the speculative lookahead, in blocks
     k1: int  # rows of a verifying sequence (1 without speculation)
+    # delta-bank slots a step's delta rows are grouped by (Clef's slot 0, then the LoRA adapters': max_loras + 1);
+    # 0: the rows are Clef's alone, ungrouped
+    delta_slots: int = 0
 
     @classmethod
     def of(cls, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int,
-           spec_k: int = 0) -> "StepCapacity":
+           spec_k: int = 0, delta_slots: int = 0) -> "StepCapacity":
         lookahead = 2 * spec_k + 2 if spec_k else 1
         return cls(rows=max_num_batched_tokens + spec_k * max_num_seqs, seqs=max_num_seqs,
-                   blocks=-(-(max_model_len + lookahead) // block_size) + 1, k1=spec_k + 1)
+                   blocks=-(-(max_model_len + lookahead) // block_size) + 1, k1=spec_k + 1, delta_slots=delta_slots)
 
     @property
     def sampling_bytes(self) -> int:
@@ -55,7 +59,9 @@ class StepCapacity:
 class InputField:
     name: str
     dtype: torch.dtype
-    extent: str  # what sizes it: "seqs", "seqs+1", "rows", "drafts" (seqs x k), "table" (seqs x blocks), "bytes"
+    # what sizes it: "seqs", "seqs+1", "rows", "drafts" (seqs x k), "table" (seqs x blocks), "bytes",
+    # "delta_slots+1"
+    extent: str
     worker: bool  # tensor-parallel workers read it (these fields come first: one leading span is broadcast)
 
 
@@ -70,7 +76,9 @@ FIELDS = (
     InputField("slot_mapping", torch.int64, "rows", True),
     InputField("next_ids", torch.int64, "rows", True),  # the token after each row: the MTP head's input
     InputField("logits_indices", torch.int64, "rows", True),
-    InputField("delta_rows", torch.int64, "rows", True),  # Clef rows: computed with low-rank deltas
+    InputField("delta_rows", torch.int64, "rows", True),  # rows computed with low-rank deltas (Clef's, LoRA's)
+    # with delta_slots: delta_rows[delta_slot_start[s]:delta_slot_start[s + 1]] run bank slot s
+    InputField("delta_slot_start", torch.int64, "delta_slots+1", True),
     InputField("block_tables", torch.int32, "table", True),
     InputField("drafts", torch.int64, "drafts", False),  # the drafts being verified
     InputField("pending_rows", torch.int64, "seqs", False),  # rows whose id the last step sampled on the device
@@ -96,7 +104,9 @@ class StepShape:
     num_spec: int = 0  # the first num_spec sequences verify drafts; their spec_rows rows come first
     spec_rows: int = 0
     draft_k: int = 0
-    delta_rows: int = 0  # Clef rows with low-rank deltas (0: the step has none)
+    delta_rows: int = 0  # rows with low-rank deltas (0: the step has none)
+    delta_slot_starts: int = 0  # delta_slot_start entries filled (0: delta_rows are Clef's, all slot 0)
+    delta_max_rows: int = 0  # the most delta rows of one slot (the grouped launch's grid)
     pending: int = 0
     pad_seqs: int = 0  # a replayed graph's size (0: eager, nothing padded)
     pad_rows: int = 0
@@ -105,7 +115,8 @@ class StepShape:
         """Elements of field f the step fills (padding included)."""
         seqs, rows = max(self.seqs, self.pad_seqs), max(self.rows, self.pad_rows)
         return {"cu_seqlens_q": self.seqs + 1, "cu_seqlens_rest": self.seqs - self.num_spec + 1 if self.num_spec else 0,
-                "logits_indices": self.logits, "delta_rows": self.delta_rows, "drafts": self.num_spec * self.draft_k,
+                "logits_indices": self.logits, "delta_rows": self.delta_rows,
+                "delta_slot_start": self.delta_slot_starts, "drafts": self.num_spec * self.draft_k,
                 "pending_rows": self.pending, "pending_src": self.pending, "sampling": 0,
                 }.get(f.name, rows if f.extent == "rows" else seqs)
 
@@ -120,7 +131,7 @@ class StepInputs:
         self.capacity, self.device = capacity, device
         cap = capacity
         extent = {"seqs": cap.seqs, "seqs+1": cap.seqs + 1, "rows": cap.rows, "drafts": cap.seqs * (cap.k1 - 1),
-                  "table": cap.seqs * cap.blocks, "bytes": cap.sampling_bytes}
+                  "table": cap.seqs * cap.blocks, "bytes": cap.sampling_bytes, "delta_slots+1": cap.delta_slots + 1}
         self.offsets: dict[str, int] = {}
         end = 0
         for f in FIELDS:
@@ -224,8 +235,23 @@ class StepInputs:
         tables = self._dev_table[:n * stride].view(n, stride)[:, :shape.width]
         return StepBatch(cu_seqlens_q=f("cu_seqlens_q", n + 1), max_query_len=shape.max_query_len,
                          attn=AttentionMeta(f("slot_mapping", shape.rows), tables, f("seq_lens", n), shape.max_seq_len),
-                         gdn=gdn, logits_indices=f("logits_indices", shape.logits),
-                         delta_rows=f("delta_rows", shape.delta_rows) if shape.delta_rows else None)
+                         gdn=gdn, logits_indices=f("logits_indices", shape.logits), delta_rows=self.delta_rows(shape))
+
+    def delta_rows(self, shape: StepShape) -> torch.Tensor | DeltaGroups | None:
+        """The step's delta rows: grouped by bank slot (delta_slot_starts), else Clef's plain rows, else None."""
+        if not shape.delta_rows:
+            return None
+        rows = self.field("delta_rows", shape.delta_rows)
+        if not shape.delta_slot_starts:
+            return rows
+        return DeltaGroups(rows, self.field("delta_slot_start", shape.delta_slot_starts), shape.delta_max_rows)
+
+    def graph_delta_rows(self, rows: int) -> DeltaGroups | None:
+        """What a CUDA graph of `rows` rows captures with delta_slots: the whole slot-start field (every replay
+        fills every slot's start: a slot without rows is empty) and the rows, bounded by the graph's size."""
+        if not self.capacity.delta_slots:
+            return None
+        return DeltaGroups(self.field("delta_rows", rows), self.device_fields["delta_slot_start"], rows)
 
     # -- tensor parallelism --------------------------------------------------------------------
     @property

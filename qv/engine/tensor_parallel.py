@@ -35,6 +35,11 @@ state live on the driver only: it reads the driver's final-norm hidden rows, whi
 all-reduces leave whole on every rank, and runs no collective; its lexical vectors read a host copy of
 the whole output embedding (rank 0's lm_head is a vocabulary slice). Workers load no head.
 
+Served LoRA adapters: every rank reserves the same delta-bank slots; the driver's slot writes (slot,
+adapter folder, load id) ride the next StepMessage (lora_ops) and each worker writes its own cut of the
+adapter into the same slot before that forward. The rows grouped by slot are the input fields
+`delta_rows` and `delta_slot_start`, received by name like the others.
+
 A worker that dies breaks the next collective (gloo and NCCL see the closed connection; a hung rank
 hits the process group's timeout), and the driver then raises TensorParallelError naming the rank, its
 exit code and its traceback; every later step raises it too. shutdown() (LLMEngine.shutdown, the
@@ -56,6 +61,7 @@ from datetime import timedelta
 
 import torch
 
+from qv.engine.lora_rows import LoraRows
 from qv.engine.prefix_cache import PrefixPlan, replica_pools
 from qv.engine.prompt_logprobs import prompt_logits_calls
 from qv.engine.step_inputs import StepCapacity, StepInputs, StepShape
@@ -137,6 +143,7 @@ class StepMessage:
     spec: SpecStep | None = None  # with speculation
     stop: bool = False
     state_ops: tuple = ()
+    lora_ops: tuple = ()  # LoRA adapters written into device slots since the last step (qv/engine/lora_rows.py)
 
 
 def run_step(model, cache, ids: torch.Tensor, positions: torch.Tensor, batch: StepBatch,
@@ -242,6 +249,7 @@ def worker_main(rank: int, levers: dict, device: torch.device, port: int, errors
         pools = replica_pools(prefix_plan, cache)  # the prefix cache's state pools over this rank's shard
         spec = make_spec(cache)  # the per-position states and MTP head of speculation on this rank's shard
         inputs = None  # the step's input fields, as the driver's (allocated at the first step's capacity)
+        lora = None  # the LoRA adapters this rank wrote into its slots (the driver's lora_ops)
         while True:
             msg: StepMessage = _recv_object(control)
             if msg.stop:
@@ -252,6 +260,9 @@ def worker_main(rank: int, levers: dict, device: torch.device, port: int, errors
             dist.broadcast(inputs.worker_buffer[:inputs.worker_bytes(shape)], src=0)
             with torch.inference_mode():
                 replay_state_ops(pools, msg.state_ops)
+                if msg.lora_ops:  # adapters paged into device slots on the driver: this rank's cut, same slots
+                    lora = lora or LoraRows(model, cfg.max_loras, cfg.max_lora_rank)
+                    lora.replay(msg.lora_ops)
                 ids, positions, batch = inputs.field("ids", shape.rows), inputs.field("positions", shape.rows), \
                     inputs.batch(shape, spec)
                 hidden = run_step(model, cache, ids, positions, batch, msg.logits_calls)
@@ -285,6 +296,9 @@ class SingleRank:
     def mirror_state(self, copies) -> None:
         pass
 
+    def mirror_lora(self, lora) -> None:
+        pass
+
     def shutdown(self) -> None:
         pass
 
@@ -310,6 +324,7 @@ class TPDriver:
         self.error: str | None = None
         self._closed = self._joined = False
         self._state = None  # the prefix cache's RowCopies, logging (mirror_state)
+        self._lora = None  # the LoRA adapters' slot writes, logging (mirror_lora)
         port = _free_port()
         ctx = mp.get_context("spawn")
         self._errors = ctx.Queue()
@@ -338,6 +353,11 @@ class TPDriver:
         copies.start_log()
         self._state = copies
 
+    def mirror_lora(self, lora) -> None:
+        """Log LoRA slot writes (a LoraRows) so that each step carries them to the workers."""
+        lora.start_log()
+        self._lora = lora
+
     def send_step(self, inputs: StepInputs, st, vocab_size: int) -> None:
         """Before the driver's forward (st: the runner's step): the step's message, then the leading bytes of
         its input fields. With speculation, st.tp_spec: the workers' view of it, for send_outcome."""
@@ -347,8 +367,9 @@ class TPDriver:
         st.tp_spec = SpecStep(shape.num_spec, shape.spec_rows, inputs.capacity.k1, tuple(st.samplers), st.mtp,
                               st.draft_max_len) if inputs.capacity.k1 > 1 else None
         state_ops = self._state.take_log() if self._state is not None else ()  # replayed before this forward
+        lora_ops = self._lora.take_log() if self._lora is not None else ()  # slot writes, before this forward
         self._send_object(StepMessage(shape, inputs.capacity, tuple(prompt_logits_calls(st.seqs, st.cu, vocab_size)),
-                                      st.tp_spec, state_ops=state_ops))
+                                      st.tp_spec, state_ops=state_ops, lora_ops=lora_ops))
         dist.broadcast(inputs.worker_buffer[:inputs.worker_bytes(shape)], src=0)
 
     def send_outcome(self, s: SpecStep | None, sampled, tokens, n_acc) -> None:

@@ -19,7 +19,7 @@ from qv.kernels.gelu import gelu
 from qv.kernels.layer_norm import layer_norm
 from qv.kernels.linear import FP8Weight, GPTQWeight, linear
 from qv.kernels.lm_head_top1 import Top1Ranking, build_top1_ranking, lm_head_top1
-from qv.kernels.lora_delta import lora_delta
+from qv.kernels.grouped_delta import grouped_delta
 from qv.kernels.paged_attention import paged_attention
 from qv.kernels.race import race
 from qv.kernels.registry import backend, get_backend, ops, set_backend
@@ -35,6 +35,7 @@ registry.load()
 
 __all__ = [
     "FP8Weight", "GPTQWeight", "Top1Ranking", "backend", "build_top1_ranking", "causal_conv1d", "gated_delta_rule",
-    "gated_rms_norm", "gelu", "get_backend", "layer_norm", "linear", "lm_head_top1", "lora_delta", "ops", "paged_attention", "race", "rms_norm", "rope", "rotary_embed",
+    "gated_rms_norm", "gelu", "get_backend", "grouped_delta", "layer_norm", "linear", "lm_head_top1", "ops",
+    "paged_attention", "race", "rms_norm", "rope", "rotary_embed",
     "set_backend", "sigmoid_mul", "silu_mul", "varlen_attention", "write_kv",
 ]

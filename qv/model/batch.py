@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from qv.kernels.grouped_delta import DeltaGroups
+
 
 @dataclass(frozen=True)
 class AttentionMeta:
@@ -40,7 +42,9 @@ class StepBatch:
     attn: AttentionMeta
     gdn: GDNMeta
     logits_indices: torch.Tensor  # [R] int64: token rows whose hidden state goes to the lm_head
-    delta_rows: torch.Tensor | None = None  # [R'] int64: rows computed with low-rank weight deltas (Clef)
+    # rows computed with low-rank weight deltas: [R'] int64 rows of Clef's slot 0, or a DeltaGroups (rows grouped
+    # by delta-bank slot: Clef's and served LoRA adapters', qv/model/delta_bank.py)
+    delta_rows: torch.Tensor | DeltaGroups | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -3,31 +3,21 @@ gated full attention, Gated DeltaNet and the SwiGLU MLP. Math goes through qv.ke
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from qv import kernels as K
+from qv.kernels.grouped_delta import DeltaGroups
 from qv.kernels.linear import FP8Weight, GPTQWeight
 from qv.model.batch import StepBatch
 from qv.model.cache import GDNState, KVCache
+from qv.model.delta_bank import DeltaBank
 from qv.model_config import ModelConfig
-
-
-@dataclass
-class LowRankDelta:
-    """y[:, out_start:out_end] += (x A^T) B^T * scale for the batch's delta rows only."""
-
-    a: torch.Tensor  # [r, K]
-    b: torch.Tensor  # [out_end - out_start, r]
-    scale: float
-    out_start: int
-    out_end: int
 
 
 class Linear:
     """y = x W^T (+ b). `weight` is a dense [N, K] tensor, a GPTQWeight or an FP8Weight; several checkpoint
-    modules may be fused along N (q/k/v, gate/up, ...), `deltas` then address their column ranges.
+    modules may be fused along N (q/k/v, gate/up, ...): `member_sizes` are their output widths, which
+    the low-rank deltas of `bank` (Clef's, served LoRA adapters': qv/model/delta_bank.py) address.
     Under tensor parallelism `shard` says how the weight is cut ("column", "row", "vocab"), and a
     row-parallel Linear sums its partial outputs over `reduce`, its deltas' partial outputs with them
     (qv/model/parallel.py, delta_shard: each rank's deltas are cut like its weight)."""
@@ -36,7 +26,8 @@ class Linear:
                  reduce=None):  # a qv.model.parallel.TPGroup (that module builds on this one)
         self.weight = weight
         self.bias = bias
-        self.deltas: list[LowRankDelta] = []
+        self.bank: DeltaBank | None = None
+        self.member_sizes: list[int] = [self.out_features]
         self.reduce = reduce
         self.shard: str | None = None
         self.pieces: list[int] | None = None  # column-parallel: the full output pieces this shard holds a block of
@@ -45,16 +36,11 @@ class Linear:
     def out_features(self) -> int:
         return self.weight.shape[0]
 
-    def __call__(self, x: torch.Tensor, delta_rows: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, delta_rows: torch.Tensor | DeltaGroups | None = None) -> torch.Tensor:
+        """delta_rows: the rows that add low-rank deltas, grouped by bank slot (a plain row tensor: slot 0)."""
         y = K.linear(x, self.weight, self.bias)
-        if self.deltas and delta_rows is not None and delta_rows.numel():
-            for d in self.deltas:
-                a, b = d.a, d.b
-                if a.device != x.device:  # kept in (pinned) host memory: streamed in for this use
-                    a, b = a.to(x.device, non_blocking=True), b.to(x.device, non_blocking=True)
-                y[:, d.out_start:d.out_end] = K.lora_delta(
-                    y[:, d.out_start:d.out_end], x, delta_rows, a, b, d.scale
-                )
+        if self.bank is not None and delta_rows is not None:
+            y = self.bank.apply(y, x, delta_rows)
         return y if self.reduce is None else self.reduce.all_reduce_sum(y)
 
 
@@ -62,7 +48,7 @@ def _fusable(a: Linear, b: Linear) -> bool:
     """Whether two linears over the same input concatenate along N into one weight: one format (dense
     of one dtype, GPTQ with the same groups and zero kind, or FP8 with the same blocks, the first's rows ending
     on a scale block), no bias, no deltas."""
-    if (a.bias is not None or b.bias is not None or a.deltas or b.deltas
+    if (a.bias is not None or b.bias is not None or a.bank is not None or b.bank is not None
             or a.reduce is not None or b.reduce is not None):
         return False
     wa, wb = a.weight, b.weight
@@ -113,6 +99,8 @@ class FusedLinear:
         self.member_pieces = [m.pieces for m in members]  # how each member was cut (Clef deltas are cut alike)
         self.runs = fuse_linears(members)
         self.parts = [_concat([members[i] for i in run]) for run in self.runs]
+        for part, run in zip(self.parts, self.runs):
+            part.member_sizes = [sizes[j] for j in run]
 
     def member(self, index: int) -> tuple[Linear, int, int]:
         """The Linear computing member `index`, and the output columns [start, end) that are its."""

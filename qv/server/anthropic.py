@@ -227,7 +227,7 @@ async def create_message(state: ServerState, request: Request) -> Response:
     checked = state.check_request(prompt_ids, params, "messages", NAMES)
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
     parser = Qwen3CoderToolParser(tools) if req.tools and req.tool_choice != "none" else None
-    ctx = ChatContext(req, rendered, parser, random_id("msg", "_"), int(time.time()), state.model_name, "")
+    ctx = ChatContext(req, rendered, parser, random_id("msg", "_"), int(time.time()), state.response_model, "")
     if areq.metadata is not None and areq.metadata.user_id is not None:
         log.info("request %s: metadata.user_id %s", ctx.request_id, areq.metadata.user_id)
     seats = state.admit(1)

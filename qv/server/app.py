@@ -36,7 +36,7 @@ from starlette.routing import Route
 
 from qv.config import ConfigError, EngineConfig
 from qv.errors import StartupError
-from qv.server import (anthropic, completions, openapi, ops, openai, playground, responses, responses_store,
+from qv.server import (anthropic, completions, lora, openapi, ops, openai, playground, responses, responses_store,
                        sagemaker, systemone)
 from qv.server.http_edges import LazyCORS, MeasureHTTP, body_limit, needs_key
 from qv.server.errors import SHUTDOWN_MESSAGE, APIError, api_error_response, error_response, internal_error
@@ -128,6 +128,7 @@ ROUTES = [
     ("/reset_prefix_cache", ops.reset_prefix_cache, "POST"),
     ("/openapi.json", openapi.schema, "GET"),
     ("/docs", openapi.docs, "GET"),
+    *lora.ROUTES,  # /v1/load_lora_adapter, /v1/unload_lora_adapter
     ("/docs/{name}", openapi.docs_asset, "GET"),  # Swagger UI's script and stylesheet, from the package
     ("/", playground.index, "GET"),
     ("/playground", playground.page, "GET"),

@@ -63,7 +63,7 @@ async def create_completion(state: ServerState, request: Request) -> Response:
         prompt_logprobs_field(state, req.prompt_logprobs, req.logprobs if req.echo else None)), grammar=grammar)
     prompts = await state.offload(size, _prompts, state, req, items, params)
     rid, created = request_id_of(request, req, "cmpl"), int(time.time())
-    head = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
+    head = {"id": rid, "object": "text_completion", "created": created, "model": state.response_model}
     seats = state.admit(len(prompts) * req.n)
     try:
         gens = [state.generate(f"{rid}-{k}", checked, prompt=text, cache_salt=req.cache_salt, admission=seats,

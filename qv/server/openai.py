@@ -89,7 +89,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     last = req.messages[-1]
     echo = (last.content if isinstance(last.content, str) else "") if req.echo and last.role == "assistant" else ""
     ctx = ChatContext(req, rendered, Qwen3CoderToolParser(tool_dicts) if parse_tools else None,
-                      request_id_of(request, req, "chatcmpl"), int(time.time()), state.model_name, echo)
+                      request_id_of(request, req, "chatcmpl"), int(time.time()), state.response_model, echo)
     seats = state.admit(req.n)
     try:
         gen = state.generate(ctx.request_id, checked, prompt=rendered.text, cache_salt=req.cache_salt,

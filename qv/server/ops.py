@@ -11,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from qv.clef.request import CLEF_MODEL_NAMES
+from qv.server import lora
 from qv.server.chat import apply_template, build_conversation, template_kwargs
 from qv.server.errors import bad_request, error_response
 from qv.server.openai import read_request
@@ -50,7 +51,7 @@ def _clef_names(state: ServerState) -> list[str]:
 async def list_models(state: ServerState, request: Request) -> Response:
     """OpenAI's `data` list (what the openai SDK and GuideLLM read) plus a `models` list with
     `name` (what the SystemOne/TypeSafe SDKs read), where the Clef names join the served ones."""
-    data = [_model_object(state, name) for name in state.served_names]
+    data = [_model_object(state, name) for name in state.served_names] + lora.model_objects(state)
     started = time.strftime("%Y-%m-%d", time.gmtime(state.created))  # the SDKs read a YYYY-MM-DD date
     models = [{"name": name, "description": f"{state.model_root} served by qv {__version__}",
                "release_date": started} for name in state.served_names + _clef_names(state)]
@@ -61,6 +62,9 @@ async def retrieve_model(state: ServerState, request: Request) -> Response:
     """GET /v1/models/{model}: the model object of a served name or, when Clef is served, of a Clef
     name; OpenAI's 404 otherwise."""
     name = request.path_params["model"]
+    adapter = next((m for m in lora.model_objects(state) if m["id"] == name), None)
+    if adapter is not None:
+        return JSONResponse(adapter)
     if name not in state.served_names and name not in _clef_names(state):
         return error_response(404, f"The model `{name}` does not exist.", "model")
     return JSONResponse(_model_object(state, name))

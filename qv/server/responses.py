@@ -177,7 +177,7 @@ async def create_response(state: ServerState, request: Request) -> Response:
     checked = state.check_request(rendered.token_ids, params, "input", names)
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
     ctx = ChatContext(req, rendered, Qwen3CoderToolParser(tools) if req.tools and req.tool_choice != "none" else None,
-                      response_id, int(time.time()), state.model_name, "")
+                      response_id, int(time.time()), state.response_model, "")
     conversation = [*earlier, *map(stored_item, input_items(rreq))]
     base_size = size + earlier_size + ENTRY_OVERHEAD_BYTES
 

@@ -25,6 +25,7 @@ from qv.engine.structured import GRAMMAR_STOPPED
 from qv.server.errors import (BUSY_MESSAGE, SHUTDOWN_MESSAGE, STOPPED_MESSAGE, APIError, bad_request,
                               internal_error)
 from qv.server.http_edges import body_limit
+from qv.server.lora import REQUEST_ADAPTER, adapter_for
 from qv.server.media import ServerMedia
 from qv.server.metrics import ServerMetrics
 from qv.server.responses_store import ResponseStore
@@ -84,6 +85,7 @@ class ServerState:
         self.clef_body_limit = body_limit("/v1/systemone", cfg)  # (bytes, the lever that sets them)
         self.api_key_scope, self.metrics_public = cfg.api_key_scope, cfg.metrics_public  # for /openapi.json
         self.trust_request_chat_template = cfg.trust_request_chat_template
+        self.allow_runtime_lora_updating = cfg.allow_runtime_lora_updating
         self.scheduling_policy = cfg.scheduling_policy
         self.responses = ResponseStore(cfg.responses_store_bytes)  # the Responses API's `store`
         self.max_waiting = cfg.max_waiting
@@ -167,7 +169,15 @@ class ServerState:
         if priority != 0 and self.scheduling_policy != "priority":
             raise bad_request(f"Got priority {priority} but Priority scheduling is not enabled.", "priority")
 
-    def check_model(self, name: str | None) -> None:
+    @property
+    def response_model(self) -> str:
+        """The `model` a response names: the LoRA adapter the request runs on (as vLLM answers), else the base."""
+        return REQUEST_ADAPTER.get() or self.model_name
+
+    def check_model(self, name: str | None, adapters: bool = True) -> None:
+        """A served name, or (adapters) a served LoRA adapter, which this request then runs on (qv/server/lora.py)."""
+        if adapters and adapter_for(self, name) is not None:
+            return
         if name is not None and name not in self.served_names:
             raise APIError(404, f"The model `{name}` does not exist.", "model")
 
@@ -282,21 +292,28 @@ class ServerState:
         self.grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- running ---------------------------------------------------------------------------------
-    async def generate(self, request_id: str, request: CheckedRequest, prompt: str | None = None,
-                       cache_salt: str | None = None, multimodal=None, admission: Admission | None = None,
-                       grammar_field: str = "response_format", priority: int = 0):
+    def generate(self, request_id: str, request: CheckedRequest, prompt: str | None = None,
+                 cache_salt: str | None = None, multimodal=None, admission: Admission | None = None,
+                 grammar_field: str = "response_format", priority: int = 0):
         """engine.generate of a checked request (check_request) with metrics; engine failures become
         APIErrors (500, or 400 for a request the engine refused). Closing this iterator closes the engine's (abort).
         multimodal: the prompt's images/videos (a MultimodalPrompt from `self.media.prompt`);
         admission: the seats this prompt's n sequences hold, given back at its first output;
         grammar_field: the field named when the request's grammar is stopped (grammar_mask_budget_ms);
         priority: vLLM's, lower first under scheduling_policy priority (checked by sampling_params)."""
+        # the adapter the `model` check chose, read now, in the route's task (the stream is read in another)
+        return self._generate(request_id, request, prompt, cache_salt, multimodal, admission, grammar_field,
+                              priority, REQUEST_ADAPTER.get())
+
+    async def _generate(self, request_id, request, prompt, cache_salt, multimodal, admission, grammar_field,
+                        priority, adapter):
         params = request.params
         tracker = self.metrics.tracker(params.n, params.max_tokens)
         log.info("request %s: %d prompt tokens, n=%d, max_tokens=%s%s", request_id, len(request.prompt_token_ids),
                  params.n, params.max_tokens, f", priority {priority}" if priority else "")
         gen = self.engine.generate(request_id, request, prompt=prompt, cache_salt=cache_salt, multimodal=multimodal,
-                                   **({"priority": priority} if priority else {}))
+                                   **({"priority": priority} if priority else {}),
+                                   **({"lora_name": adapter} if adapter else {}))
         held = params.n if admission is not None else 0  # this prompt's share of the request's seats
         try:
             with self.engine_call(request_id):

@@ -40,7 +40,7 @@ async def create_decision(state: ServerState, request: Request) -> Response:
         raise bad_request(NOT_SERVED)
     decision, parts = await read_decision(state, request)
     if decision.model not in CLEF_MODEL_NAMES:
-        state.check_model(decision.model)
+        state.check_model(decision.model, adapters=False)  # Clef decisions run Clef's weights, never an adapter
     images = await load_images(state, decision.image_sources(parts))
     try:
         bound = state.text_bound

@@ -57,7 +57,9 @@ def llm(tiny_engine, request, random_dir):
 def _linear(lin) -> list:
     w = lin.weight
     out = [w.qweight, w.scales, w.zeros, w.g_idx] if isinstance(w, GPTQWeight) else [w]
-    return out + [lin.bias] + [t for d in lin.deltas for t in (d.a, d.b)]
+    bank = lin.bank
+    return out + [lin.bias] + ([] if bank is None else [bank.a, bank.b, bank.b_off, bank.col, bank.width, bank.scale,
+                                                        bank.slot_rows, bank.member_cols_t])
 
 
 def _fused(f) -> list:

@@ -33,11 +33,15 @@ def _shape(**kw) -> StepShape:
     return StepShape(**(base | kw))
 
 
-def _batch_tensors(inputs: StepInputs, shape: StepShape) -> dict[str, torch.Tensor]:
-    spec = type("Spec", (), {"gdn_meta": staticmethod(
+def _spec():
+    """A Speculator's gdn_meta, enough for a verifying step's views."""
+    return type("Spec", (), {"gdn_meta": staticmethod(
         lambda slots, init, s, t, rest: type("G", (), dict(state_slots=slots, has_initial_state=init,
                                                            cu_seqlens_rest=rest))())})
-    b = inputs.batch(shape, spec)
+
+
+def _batch_tensors(inputs: StepInputs, shape: StepShape) -> dict[str, torch.Tensor]:
+    b = inputs.batch(shape, _spec())
     return dict(cu=b.cu_seqlens_q, slots=b.attn.slot_mapping, tables=b.attn.block_tables, lens=b.attn.seq_lens,
                 state=b.gdn.state_slots, init=b.gdn.has_initial_state, rest=b.gdn.cu_seqlens_rest,
                 logits=b.logits_indices, delta=b.delta_rows, ids=inputs.field("ids", shape.rows),
@@ -88,6 +92,35 @@ def test_a_worker_cuts_equal_views_from_the_leading_bytes():
             else:
                 assert torch.equal(got[name], want[name]), name
         assert n <= driver.offsets["drafts"]
+
+
+def test_rows_grouped_by_delta_slot_reach_the_batch_a_worker_and_the_graphs():
+    """LoRA's delta rows (delta_slots): the rows and every slot's start are fields the upload carries, the
+    batch's DeltaGroups are views of them, a worker cuts equal ones from the leading bytes, and a graph
+    captures the whole slot-start field (a replay reads every slot's start); without slots none of that."""
+    rng = np.random.default_rng(3)
+    cap = StepCapacity(rows=40, seqs=6, blocks=9, k1=3, delta_slots=3)
+    shape = _shape(delta_rows=5, delta_slot_starts=4, delta_max_rows=3)
+    driver, worker = StepInputs(cap, torch.device("cpu")), StepInputs(cap, torch.device("cpu"))
+    _filled(driver, shape, rng)
+    driver.host["delta_slot_start"][:4] = [0, 2, 2, 5]
+    driver.send(shape)
+    n = driver.worker_bytes(shape)
+    assert n >= driver.offsets["delta_slot_start"] + 4 * 8  # the slot starts go to the workers
+    worker.worker_buffer[:n].copy_(driver.worker_buffer[:n])
+    for inputs in (driver, worker):
+        g = inputs.batch(shape, _spec()).delta_rows
+        assert g.rows.tolist() == driver.host["delta_rows"][:5].tolist()
+        assert g.slot_start.tolist() == [0, 2, 2, 5] and g.max_rows == 3
+        assert g.rows.untyped_storage().data_ptr() == inputs.worker_buffer.untyped_storage().data_ptr()
+    captured = driver.graph_delta_rows(8)
+    assert captured.slot_start.data_ptr() == driver.device_fields["delta_slot_start"].data_ptr()
+    assert captured.slot_start.numel() == 4 and captured.rows.numel() == captured.max_rows == 8
+    assert captured.rows.data_ptr() == driver.device_fields["delta_rows"].data_ptr()
+    plain = StepInputs(CAP, torch.device("cpu"))
+    assert plain.graph_delta_rows(8) is None
+    assert isinstance(plain.batch(_shape(num_spec=0, spec_rows=0)).delta_rows, torch.Tensor)  # Clef's plain rows
+    assert plain.batch(_shape(num_spec=0, spec_rows=0, delta_rows=0)).delta_rows is None
 
 
 def test_padding_to_a_graph_size_is_inert():

@@ -11,8 +11,8 @@ built), the weight is dequantized by gptq_dequant_kernel or int4_dequant_kernel 
 cuBLAS:
 under the sm70 chain no Triton tl.dot runs (it has no tensor-core path below sm_80, and Triton >= 3.3 has
 computed it wrong there). Dense weights go to cuBLAS; block-FP8 and W12 weights to triton_fp8.py's paths without
-tl.dot. The Clef low-rank rows (lora_delta, CUDA-core Triton without tl.dot) are a separate call right after
-the linear (qv/model/layers.py).
+tl.dot. The low-rank delta rows (grouped_delta's sm70 form, CUDA-core Triton without tl.dot) are a separate
+call right after the linear (qv/model/layers.py).
 """
 
 from __future__ import annotations
