@@ -1,5 +1,5 @@
-"""The raw-CUDA GPTQ GEMV (qv/kernels/linear/gptq_gemv_mma.cu) against the reference: every row count of one
-and two 8-row tiles, the three group sizes, zeros and bias, bf16 rows beyond fp16's range, columns that
+"""The raw-CUDA GPTQ GEMV (qv/kernels/linear/gptq_gemv_mma.cu) against the reference, for 8- and 4-bit codes:
+every row count of one and two 8-row tiles, the three group sizes, zeros and bias, bf16 rows beyond fp16's range, columns that
 end inside a warp's range, split-K with its ticketed reduce (deterministic, tickets left at zero) and
 CUDA-graph replay. On CPU the source is compiled by NVRTC for sm_80 and sm_90 when a libnvrtc is
 installed (the CUDA wheels that come with torch carry one)."""
@@ -12,6 +12,7 @@ import torch
 from kernel_cases import BOUND, DEV, K, capture_graph, needs_cuda_kernels, randn, run_reference
 from nvrtc_compile import compile_ptx, nvrtc
 from test_linear import gptq_weight
+from test_linear_int4 import int4_weight
 from util import assert_close
 
 
@@ -25,18 +26,19 @@ def test_source_compiles(arch):
     lib = nvrtc()
     if lib is None:
         pytest.skip("no libnvrtc installed")
-    names = [f"gptq_gemv_mma<{mt}, {g // 16}, {4 - mt}, {wk}>" for mt in (1, 2) for g in GROUPS for wk in (1, 4)]
+    names = [f"gptq_gemv_mma<{mt}, {g // 16}, {4 - mt}, {wk}, {bits}>" for mt in (1, 2) for g in GROUPS for wk in (1, 4)
+             for bits in (8, 4)]
     rc, log, ptx = compile_ptx(lib, source_text(SOURCE), names, arch)
     assert rc == 0, log
     assert ptx.count(b"mma.sync.aligned.m16n8k16") >= len(names)
 
 
-def _cuda_case(dtype, m, n, k, group, zeros=False, bias=False, cfg=None, x=None):
+def _cuda_case(dtype, m, n, k, group, zeros=False, bias=False, cfg=None, x=None, bits=8):
     """The CUDA GEMV on NaN-poisoned output against the reference, row by row; it must report that it ran."""
     from qv.kernels.linear.configs import gemv_cuda_config
     from qv.kernels.linear.cuda_sm90 import gemv_cuda
 
-    w = gptq_weight(n, k, group, zeros, False, dtype)
+    w = (gptq_weight if bits == 8 else int4_weight)(n, k, group, zeros, False, dtype)
     x = randn(m, k, dtype=dtype) if x is None else x
     b = randn(n, dtype=dtype) if bias else None
     out = torch.full((m, n), float("nan"), dtype=dtype, device=DEV)
@@ -153,6 +155,20 @@ def test_cuda_gemv_eager_policy_gpu():
 
 @pytest.mark.gpu
 @needs_cuda_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
+@pytest.mark.parametrize("wk", [1, 4])
+def test_cuda_gemv_int4_gpu(dtype, m, wk):
+    """4-bit codes (nibbles split after the loads): symmetric and with zeros, the three group sizes, odd column
+    counts, split-K."""
+    cfg = dict(wk=wk)
+    _cuda_case(dtype, m, 1040, 384, 128, zeros=m % 2 == 1, bias=m > 4, cfg=cfg, bits=4)
+    _cuda_case(dtype, m, 48, 96, 32, bias=True, cfg=cfg, bits=4)
+    _cuda_case(dtype, m, 272, 2048, 64, zeros=True, cfg=dict(wk=wk, splits=4), bits=4)
+
+
+@pytest.mark.gpu
+@needs_cuda_kernels
 def test_cuda_gemv_does_not_spill_gpu():
     """The builds the wrapper picks by default fit their register caps: a spill would cost speed silently."""
     from qv.kernels.cuda_build import build, device_index
@@ -160,6 +176,7 @@ def test_cuda_gemv_does_not_spill_gpu():
 
     for mt, wk in ((1, 1), (1, 4), (2, 4)):
         for group in GROUPS:
-            name = f"gptq_gemv_mma<{mt}, {group // 16}, {3 if mt == 1 else 2}, {wk}>"
-            built = build(SOURCE, name, device_index(DEV))
-            assert built is not None and built[0].local_size_bytes == 0, name
+            for bits in (8, 4):
+                name = f"gptq_gemv_mma<{mt}, {group // 16}, {3 if mt == 1 else 2}, {wk}, {bits}>"
+                built = build(SOURCE, name, device_index(DEV))
+                assert built is not None and built[0].local_size_bytes == 0, name

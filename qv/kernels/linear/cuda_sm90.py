@@ -1,5 +1,5 @@
-"""GPTQ-int8 GEMV for M <= 16 rows in raw CUDA (gptq_gemv_mma.cu: mma.sync with the weight as the wide
-operand, sm_80 and newer), compiled at first use by NVRTC through CuPy and launched on torch's current
+"""GPTQ GEMV (8- and 4-bit codes) for M <= 16 rows in raw CUDA (gptq_gemv_mma.cu: mma.sync with the weight as
+the wide operand, sm_80 and newer), compiled at first use by NVRTC through CuPy and launched on torch's current
 stream. gemv_cuda returns False where the kernel does not apply (no CuPy, an older GPU, group sizes other
 than 32/64/128, N not a multiple of 16, misaligned tensors, or a CUDA graph being captured before the
 kernel was built); the caller then runs the Triton kernels.
@@ -27,6 +27,7 @@ def _applies(x2, w, bias, out) -> bool:
     tensors = [x2, w.qweight, w.scales, out] + [t for t in (w.zeros, bias) if t is not None]
     return (x2.is_cuda and torch.cuda.get_device_capability(x2.device)[0] >= 8 and cupy_or_none() is not None
             and 1 <= m <= 16 and w.group_size in GROUPS and k % w.group_size == 0 and n % 16 == 0
+            and w.in_features == k and w.is_sequential()
             and x2.dtype in _HALF and out.dtype == x2.dtype and w.scales.dtype in _HALF
             and (w.zeros is None or (w.zeros.dtype == w.scales.dtype and w.zeros.stride() == w.scales.stride()))
             and (bias is None or bias.dtype == x2.dtype)
@@ -68,7 +69,8 @@ def gemv_cuda(x2, w, bias, out, cfg) -> bool:
     mt = (m + 7) // 8
     min_blocks = cfg["min_blocks"] or (3 if mt == 1 else 2)  # the register caps that do not spill
     wk = cfg["wk"] or warps_along_k(m, k, n, w.group_size, min_blocks * num_sms(dev))
-    built = kernel_for(SOURCE, f"gptq_gemv_mma<{mt}, {w.group_size // 16}, {min_blocks}, {wk}>", dev, k * n, cfg)
+    name = f"gptq_gemv_mma<{mt}, {w.group_size // 16}, {min_blocks}, {wk}, {w.bits}>"
+    built = kernel_for(SOURCE, name, dev, k * n * w.bits // 8, cfg)
     if built is None:
         return False
     kernel, regs = built

@@ -1,7 +1,8 @@
-// GPTQ-int8 GEMV for a few rows (M <= 16) on tensor cores with mma.sync.m16n8k16 (sm_80 and newer).
+// GPTQ GEMV (8- or 4-bit codes) for a few rows (M <= 16) on tensor cores with mma.sync.m16n8k16 (sm_80 and newer).
 // Compiled at run time by NVRTC through CuPy (cuda_sm90.py beside it); no CUDA headers needed.
 //
-// y[m, n] = sum_k x[m, k] (c[k, n] - z[G(k), n]) s[G(k), n] (+ bias[n]): codes c uint8 [K, N] row-major,
+// y[m, n] = sum_k x[m, k] (c[k, n] - z[G(k), n]) s[G(k), n] (+ bias[n]): codes c uint8 [K, N] row-major
+// (BITS 8), or [K/2, N] with input 2r in the low nibble of byte row r and 2r + 1 in the high one (BITS 4);
 // scale group G(k) = k / group size.
 //
 // The weight is the MMA's 16-row operand A (rows = output columns n) and x^T the 8-column operand B, so
@@ -22,6 +23,8 @@
 // MIN_BLOCKS resident per SM (a register cap; 1: none). WK: warps along K. WK = 1: the 4 warps own
 // 512 columns; WK = 4: they share 128 columns, warp w taking groups w, w + 4, ... of the block's K
 // range, summed through shared memory at the end (4x the column blocks, for narrow outputs).
+// BITS 4: a lane's rows 4t .. 4t+3 of a step are the nibbles of byte rows 2t, 2t+1 (two 16-byte loads,
+// split by masks into the four code rows BITS 8 loads), so everything after the loads is shared.
 //
 // Registers of one MMA j (lane: groupID g = lane / 4, t = lane % 4; PTX's A elements a0..a7 are pairs):
 //   a0 = {A[g][2t], A[g][2t+1]}     = codes of rows 4t, 4t+1 at column 16g + 2j      (t01: bytes 2j of q0, q1)
@@ -31,13 +34,23 @@
 //   sum[0], [1] = column 16g + 2j, x rows 2t, 2t + 1; sum[2], [3] = column 16g + 2j + 1, the same rows
 // prmt(a, b, sel) picks byte sel_i of {b:a} for result byte i: 0x5140 = [a0, b0, a1, b1] (0x7362 the
 // upper halves); then 0x4140 = [t0, 0x64, t1, 0x64] and 0x4342 = [t2, 0x64, t3, 0x64]: two fp16 1024 + c.
-template <int MT, int S, int MIN_BLOCKS, int WK>
+__device__ __forceinline__ U4 low_nibbles(U4 v) {
+  const u32 m = 0x0f0f0f0fu;
+  return U4{v.x & m, v.y & m, v.z & m, v.w & m};
+}
+__device__ __forceinline__ U4 high_nibbles(U4 v) {
+  const u32 m = 0x0f0f0f0fu;
+  return U4{(v.x >> 4) & m, (v.y >> 4) & m, (v.z >> 4) & m, (v.w >> 4) & m};
+}
+
+template <int MT, int S, int MIN_BLOCKS, int WK, int BITS>
 __global__ void __launch_bounds__(128, MIN_BLOCKS) gptq_gemv_mma(
     const u16* __restrict__ x, const u8* __restrict__ codes, const u16* __restrict__ scales,
     const u16* __restrict__ zeros, const u16* __restrict__ bias, float* __restrict__ part, u16* __restrict__ y,
     int* __restrict__ tickets, int M, int N, int K, int k_split, long long stride_xm, long long stride_qk,
     long long stride_sg, long long stride_ym, int x_bf16, int s_bf16, int has_zero, int has_bias) {
   static_assert(WK == 1 || WK == 4, "warps side by side (1) or all four along K (4)");
+  static_assert(BITS == 8 || BITS == 4, "8-bit codes a byte, or two 4-bit codes a byte");
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int warp = threadIdx.x >> 5;
   const int cols = 128 * (4 / WK);  // columns of a block
@@ -95,12 +108,19 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) gptq_gemv_mma(
     // rather than after them (a load into registers here would hold 8 more across the MMAs: spills)
     const int grp = k_group / (16 * S);
     if (n_ok) prefetch_l2(scales + grp * stride_sg + n_lane);
-    const u8* p = codes + (long long)(k_group + 4 * t) * stride_qk + n_lane;
+    const int rows_per_byte = 8 / BITS;
+    const u8* p = codes + (long long)((k_group + 4 * t) / rows_per_byte) * stride_qk + n_lane;
 #pragma unroll
     for (int s = 0; s < S; ++s) {
-      const U4 q0 = load16(p, n_ok), q1 = load16(p + stride_qk, n_ok);
-      const U4 q2 = load16(p + 2 * stride_qk, n_ok), q3 = load16(p + 3 * stride_qk, n_ok);
-      p += 16 * stride_qk;
+      U4 q0, q1, q2, q3;
+      if (BITS == 8) {
+        q0 = load16(p, n_ok), q1 = load16(p + stride_qk, n_ok);
+        q2 = load16(p + 2 * stride_qk, n_ok), q3 = load16(p + 3 * stride_qk, n_ok);
+      } else {
+        const U4 q01 = load16(p, n_ok), q23 = load16(p + stride_qk, n_ok);
+        q0 = low_nibbles(q01), q1 = high_nibbles(q01), q2 = low_nibbles(q23), q3 = high_nibbles(q23);
+      }
+      p += (16 / rows_per_byte) * stride_qk;
       u32 xb[MT][2];  // x^T fragments: rows 4t .. 4t+3 of the step for x row m = 8 mt + g, in fp16
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
@@ -154,7 +174,7 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS) gptq_gemv_mma(
         }
       } else {
 #pragma unroll
-        for (int i = 0; i < 16; ++i) off[i] = 1152.f;
+        for (int i = 0; i < 16; ++i) off[i] = 1024.f + (1 << (BITS - 1));  // the middle code
       }
     } else {
 #pragma unroll

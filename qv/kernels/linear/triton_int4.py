@@ -4,6 +4,8 @@ Layout (qv/kernels/linear/__init__.py): codes uint8 [K/2, N], byte row r holding
 and 2r + 1 in its high one; scales/zeros [G, N] (zeros None: symmetric, 8); g_idx [K].
 
 Paths by rows M:
+  M <= 8, sm_90      the raw-CUDA GEMV shared with 8-bit codes (cuda_sm90.py, gptq_gemv_mma.cu: the nibbles
+                     split by masks after the loads), sequential groups of 32/64/128; otherwise:
   M < DEQUANT_MIN_M  int4_matmul_kernel: each program reads a [BLOCK_K/2, BLOCK_N] tile of packed bytes once,
                      splits it in registers into the even-row (low nibble) and odd-row (high nibble) code
                      tiles, dequantizes each ((c - z) s, exact c - z, one rounding) in x's dtype and takes
@@ -23,6 +25,8 @@ import triton
 import triton.language as tl
 
 from qv.kernels.linear import GPTQWeight
+from qv.kernels.linear.configs import gemv_cuda_config, gemv_kind
+from qv.kernels.linear.cuda_sm90 import gemv_cuda
 from qv.kernels.linear.triton_gemv import k_ranges, store_tile, sum_partials
 from qv.kernels.triton_utils import grouped_tile, interpreting, num_sms
 
@@ -154,11 +158,19 @@ def int4_linear(x, w, bias=None, config=None):
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out.view(*shape[:-1], n)
+    config = dict(config or {})
+    kind = config.pop("kind", None) or ("cuda" if gemv_kind(x.device, m, x.dtype) == "cuda" else "triton")
+    if kind not in ("cuda", "triton"):
+        raise ValueError(f"int4_linear: kind {kind!r}; 4-bit weights run kind 'cuda' (the raw-CUDA GEMV) or 'triton'")
+    if kind == "cuda" and gemv_cuda(x2, w, bias, out, dict(gemv_cuda_config(x.device), **config)):
+        return out.view(*shape[:-1], n)
+    if kind == "cuda":
+        config = {}  # where the CUDA GEMV does not apply (act-order, odd shapes): the Triton kernel's defaults
     cfg = int4_config(x.device, m)
-    unknown = set(config or {}) - set(cfg) - {"dequant_min_m"}
+    unknown = set(config) - set(cfg) - {"dequant_min_m"}
     if unknown:
         raise ValueError(f"int4_linear: unknown settings {sorted(unknown)} (the 4-bit kernel takes {sorted(cfg)})")
-    cfg.update(config or {})
+    cfg.update(config)
     if m >= cfg.pop("dequant_min_m", 1 << 30 if interpreting(x.device) else DEQUANT_MIN_M):
         dequant_matmul_int4(x2, w, bias, out)
         return out.view(*shape[:-1], n)
