@@ -137,8 +137,7 @@ class ModelRunner:
         all verify k+1 rows (qv/engine/scheduler.py evens a decode step's drafts out for this), with token
         positions as rotary positions, no vision rows and no Clef record's delta rows (LoRA adapters' rows
         replay: the graphs capture the grouped deltas over the step's delta fields)."""
-        if self.graphs is None or any(s.media is not None for s in seqs) or \
-                not all(f.replayable(seqs) for f in self.features):
+        if self.graphs is None or not all(f.replayable(seqs) for f in self.features):
             return None
         n = len(seqs)
         if num_spec == 0 and rows == n:

@@ -55,7 +55,6 @@ class Sequence:
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at the first admission
     mm_hashes: list[tuple[int, str]] | None = None  # (position, hash) of each media item: part of the prefix key
-    media: object | None = None  # qv.engine.multimodal.MediaState: the request's images/videos and their encodings
     draft_token_ids: list[int] = field(default_factory=list)  # exactly k drafts to verify next step, or none
     draft_source: str | None = None  # "mtp" | "ngram" | "filler" (see spare_drafts)
     # k tokens a decode-only step may verify for this sequence when it makes no drafts of its own, so that the
