@@ -382,13 +382,12 @@ class LLMEngine:
         return outputs
 
     def _apply_result(self, seq: Sequence, res: StepResult) -> None:
-        source, seq.draft_token_ids, seq.draft_source = seq.draft_source, [], None
         for j, tok in enumerate(res.token_ids):  # stops and limits apply inside an accepted run too
             self._append(seq, tok, res.logprobs[j] if res.logprobs else None)
             if seq.finished:
                 break
         for f in self.features:  # speculation: the drafts' outcome, the next drafts
-            f.after_result(seq, res, source)
+            f.after_result(seq, res)
 
     def _append(self, seq: Sequence, token_id: int, logprob=None) -> None:
         seq.output_token_ids.append(token_id)

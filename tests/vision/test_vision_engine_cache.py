@@ -150,7 +150,7 @@ def test_mtp_drafts_on_mrope_positions(tiny_engine):
             seen.clear()
             eng.step()
         first, states = _reference_drafts(eng, mp, 3)
-        assert seq.output_token_ids[0] == first and len(seen) == 3 and len(seq.draft_token_ids) == 3
+        assert seq.output_token_ids[0] == first and len(seen) == 3 and len(seq.drafts.tokens) == 3
         errs = [assert_close(f"{name} MTP state {j}", got, want, 1e-4) for j, (got, want) in enumerate(zip(seen, states))]
         print(f"{name}: MTP state rel errors {[f'{e:.1e}' for e in errs]}")
         while eng.has_unfinished_requests():
