@@ -13,8 +13,8 @@ place that knows which sequences are records:
 - the tap: `take_hidden` feeds each record's rows to its HeadState right after the forward and
   hashes the token ids that ran; a chunk at token 0 after earlier chunks means the record was
   preempted (recompute), so the head state and the hash start again (no span summed twice);
-- images: a record's MultimodalPrompt rides on its Sequence (`media`), so the vision steps encode
-  them inside its prefill chunks and give its rows mRoPE positions, as for a chat;
+- images: the vision steps keep a record's MultimodalPrompt as a chat's (VisionSteps.add), so they
+  encode them inside its prefill chunks and give its rows mRoPE positions, as for a chat;
 - the end: `finish_ready` answers the records whose last chunk ran (they never sample), after
   checking that the tokens that ran are the record the endpoint encoded (length + checksum).
 """
@@ -226,13 +226,13 @@ class ClefRows(StepFeature):
                 f"encoded {job.expected[0]} tokens with checksum {job.expected[1]}")
 
 
-def clef_sequence(seq_id: int, request_id: str, record: EncodedRecord, params, detok, arrival_order: int,
-                  media=None) -> Sequence:
+def clef_sequence(seq_id: int, request_id: str, record: EncodedRecord, params, detok, arrival_order: int
+                  ) -> Sequence:
     """The engine sequence of a record: its ids, one 'token' of room, its own cache salt, and its
-    images (a MediaState, or None) for the vision steps."""
+    images' hashes for the prefix key (the vision steps keep its images: VisionSteps.add)."""
     mm_hashes = record.multimodal.mm_hashes if record.multimodal is not None else None
     return Sequence(seq_id, request_id, 0, list(record.input_ids), params, 1, 0, detok, arrival_order,
-                    cache_salt=f"{CLEF_SALT_PREFIX}{request_id}", mm_hashes=mm_hashes, media=media)
+                    cache_salt=f"{CLEF_SALT_PREFIX}{request_id}", mm_hashes=mm_hashes)
 
 
 def make_clef_rows(assets, model, slots: int, nmax: int, max_model_len: int) -> ClefRows | None:

@@ -201,12 +201,12 @@ class LLMEngine:
             seq = Sequence(next(self._seq_ids), request_id, i, list(prompt_token_ids), params, max_tokens,
                            base_seed + i, detok, arrival_order=next(self._seq_ids),
                            eos_token_ids=self.eos_token_ids, cache_salt=cache_salt, priority=priority,
-                           mm_hashes=mm_hashes, media=media,
+                           mm_hashes=mm_hashes,
                            prompt_logprobs=new_prompt_logprobs(params, prompt_token_ids, self.tokenizer) if i == 0 else None)
             seqs.append(seq)
             self.structured.add(seq, params.grammar)
             if media is not None:
-                media.seqs.append(seq)
+                self.media.add(seq, media)
             if adapter is not None:
                 self.lora.assign(seq, adapter)
             self.scheduler.add(seq)
@@ -229,9 +229,9 @@ class LLMEngine:
         media = check_multimodal(self.media is not None, record.input_ids, None, record.multimodal)
         detok = IncrementalDetokenizer(self.tokenizer, [])
         seq = clef_sequence(next(self._seq_ids), request_id, record, SamplingParams(temperature=0.0, max_tokens=1),
-                            detok, next(self._seq_ids), media)
+                            detok, next(self._seq_ids))
         if media is not None:
-            media.seqs.append(seq)
+            self.media.add(seq, media)
         self.clef.add(seq, record)
         self.requests[request_id] = _Request(request_id, None, seq.prompt_token_ids, [seq], RequestMetrics())
         self.stats.prompt_tokens += record.num_tokens
@@ -382,13 +382,12 @@ class LLMEngine:
         return outputs
 
     def _apply_result(self, seq: Sequence, res: StepResult) -> None:
-        source, seq.draft_token_ids, seq.draft_source = seq.draft_source, [], None
         for j, tok in enumerate(res.token_ids):  # stops and limits apply inside an accepted run too
             self._append(seq, tok, res.logprobs[j] if res.logprobs else None)
             if seq.finished:
                 break
         for f in self.features:  # speculation: the drafts' outcome, the next drafts
-            f.after_result(seq, res, source)
+            f.after_result(seq, res)
 
     def _append(self, seq: Sequence, token_id: int, logprob=None) -> None:
         seq.output_token_ids.append(token_id)

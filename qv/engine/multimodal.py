@@ -6,6 +6,7 @@
   server turns media bytes into items with `open` and `item`.
 - `MediaState` is one request's media: the prompt and the tower outputs of its items, cached
   while some sequence of the request still has that item's pad tokens to prefill, then freed.
+  `VisionSteps.states` maps each sequence to its request's MediaState (weakly keyed by the Sequence).
 - `VisionSteps` runs the tower inside engine steps. `fit(plan)` (right after scheduling) lets
   each prefill chunk reach only media whose encoding fits this step's budget
   (`vision_max_patches_per_step`, in patches before the merge; an item larger than the budget
@@ -23,6 +24,7 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Sequence as Seq
 
@@ -95,7 +97,8 @@ class MediaState:
     """One request's media; its sequences (n samples) share the encodings."""
 
     mp: MultimodalPrompt
-    seqs: list = field(default_factory=list)
+    # weakly: VisionSteps maps each of them to this state, and a strong link back would keep both alive forever
+    seqs: weakref.WeakSet = field(default_factory=weakref.WeakSet)
     encoded: dict[int, torch.Tensor] = field(default_factory=dict)  # item -> tower rows [tokens, hidden]
 
     def needs_prompt_rows(self, start: int) -> bool:
@@ -128,6 +131,12 @@ class VisionSteps(StepFeature):
         self._dev3 = torch.zeros(3 * max_tokens, dtype=torch.int64, device=device)
         self.pending: list[tuple[MediaState, int]] = []
         self.stats = VisionStats()
+        self.states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Sequence -> its request's MediaState
+
+    def add(self, seq, media: MediaState) -> None:
+        """A new sequence of a request with images or videos (media: check_multimodal's)."""
+        self.states[seq] = media
+        media.seqs.add(seq)
 
     # -- scheduling ----------------------------------------------------------------------------
     def fit_plan(self, plan) -> None:
@@ -141,7 +150,11 @@ class VisionSteps(StepFeature):
 
     def holds_next_step(self, scheduler) -> bool:
         """StepFeature: while any sequence has images or videos, steps stay synchronous."""
-        return any(q.media is not None for q in (*scheduler.running, *scheduler.waiting))
+        return bool(self.states) and any(q in self.states for q in (*scheduler.running, *scheduler.waiting))
+
+    def replayable(self, seqs) -> bool:
+        """StepFeature: a sequence with media runs mRoPE positions (and vision rows) that no graph captured."""
+        return not self.states or not any(s in self.states for s in seqs)
 
     def fit(self, plan) -> None:
         """Cut prefill chunks so this step's new encodings stay within the budget (in place on
@@ -149,7 +162,7 @@ class VisionSteps(StepFeature):
         self.pending, used, kept = [], 0, []
         planned: set[tuple[int, int]] = set()
         for seq, n in plan.scheduled:
-            ms: MediaState | None = seq.media
+            ms = self.states.get(seq)
             start = seq.num_computed_tokens
             if ms is not None and ms.needs_prompt_rows(start):
                 end = start + n
@@ -169,7 +182,8 @@ class VisionSteps(StepFeature):
         plan.scheduled[:] = kept
 
     def after_step(self, scheduled) -> None:
-        for ms in {id(s.media): s.media for s, _ in scheduled if s.media is not None}.values():
+        states = (self.states.get(s) for s, _ in scheduled)
+        for ms in {id(ms): ms for ms in states if ms is not None}.values():
             ms.release()
 
     # -- the step ------------------------------------------------------------------------------
@@ -197,7 +211,7 @@ class VisionSteps(StepFeature):
         """(rotary positions, input embeddings) of a step, None where the text path applies
         (module docstring). `pos` are the rows' token indices, `ids` the step's ids on the device."""
         self.encode_pending()
-        mm = [(i, s.media) for i, s in enumerate(seqs) if s.media is not None]
+        mm = [(i, self.states[s]) for i, s in enumerate(seqs) if s in self.states] if self.states else []
         if not mm:
             return None, None
         ntok = int(cu[len(seqs)])
@@ -230,10 +244,10 @@ class VisionSteps(StepFeature):
             h[c0:c0 + b - a] = ms.mp.embed_chunk(model.embed, ids[c0:c0 + b - a], a, ms.encoded)
         return h
 
-    @staticmethod
-    def draft_deltas(seqs: list, draft_seqs: np.ndarray, device) -> torch.Tensor | None:
+    def draft_deltas(self, seqs: list, draft_seqs: np.ndarray, device) -> torch.Tensor | None:
         """Rope delta of each drafting sequence (MTP drafts sit past the prompt: index + delta)."""
-        deltas = [seqs[j].media.mp.rope_delta if seqs[j].media is not None else 0 for j in draft_seqs]
+        states = [self.states.get(seqs[j]) for j in draft_seqs]
+        deltas = [ms.mp.rope_delta if ms is not None else 0 for ms in states]
         return torch.tensor(deltas, dtype=torch.int64).to(device) if any(deltas) else None
 
 

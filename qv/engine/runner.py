@@ -137,8 +137,7 @@ class ModelRunner:
         all verify k+1 rows (qv/engine/scheduler.py evens a decode step's drafts out for this), with token
         positions as rotary positions, no vision rows and no Clef record's delta rows (LoRA adapters' rows
         replay: the graphs capture the grouped deltas over the step's delta fields)."""
-        if self.graphs is None or any(s.media is not None for s in seqs) or \
-                not all(f.replayable(seqs) for f in self.features):
+        if self.graphs is None or not all(f.replayable(seqs) for f in self.features):
             return None
         n = len(seqs)
         if num_spec == 0 and rows == n:
@@ -164,9 +163,9 @@ class ModelRunner:
         inp, h = self.inputs, self.inputs.host
         inp.begin()
         # verification rows first, so the GDN layers can keep their per-position states as a prefix
-        sched = sorted(plan.scheduled, key=lambda sn: not sn[0].draft_token_ids)
+        sched = sorted(plan.scheduled, key=lambda sn: not sn[0].drafts.tokens)
         seqs = [s for s, _ in sched]
-        num_spec = sum(1 for s in seqs if s.draft_token_ids)
+        num_spec = sum(1 for s in seqs if s.drafts.tokens)
         q_lens = np.fromiter((n for _, n in sched), dtype=np.int64, count=len(seqs))
         starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=len(seqs))
         nseq, ntok = len(seqs), int(q_lens.sum())
@@ -188,13 +187,13 @@ class ModelRunner:
             start, c0 = int(starts[i]), int(cu[i])
             known = min(n, seq.num_tokens - start)
             ids[c0:c0 + known] = seq.token_slice(start, start + known)
-            ids[c0 + known:c0 + n] = seq.draft_token_ids
+            ids[c0 + known:c0 + n] = seq.drafts.tokens
             if known and start + known == seq.num_tokens and seq.has_pending:
                 pending.append((c0 + known - 1, seq))  # its last token is still on the device
             # the token after each row (MTP input); a sampled/verified row's is filled on the device
             next_ids[c0:c0 + n - 1] = ids[c0 + 1:c0 + n]
             next_ids[c0 + n - 1] = seq.token_at(start + n) if start + n < seq.num_tokens else 0
-            if seq.draft_token_ids:
+            if seq.drafts.tokens:
                 logits_idx[n_logits:n_logits + n] = np.arange(c0, c0 + n)
                 n_logits += n
             elif start + n == seq.num_tokens and all(f.samples(seq) for f in self.features):  # Clef records never do
@@ -209,7 +208,7 @@ class ModelRunner:
         k = self.capacity.k1 - 1
         if num_spec:
             h["cu_seqlens_rest"][:nseq - num_spec + 1] = cu[num_spec:nseq + 1] - cu[num_spec]
-            h["drafts"][:num_spec * k] = [t for s in seqs[:num_spec] for t in s.draft_token_ids]
+            h["drafts"][:num_spec * k] = [t for s in seqs[:num_spec] for t in s.drafts.tokens]
         # the low-rank delta rows: Clef's records' (plain), or every delta row grouped by bank slot (LoRA)
         filled = {name: n for f in self.features for name, n in f.fill_inputs(seqs, cu, h).items()}
         slot_starts = filled.get("delta_slot_start", 0)
@@ -352,7 +351,7 @@ class ModelRunner:
             host[:] = xs
             return device
 
-        outputs = [s.output_token_ids + s.draft_token_ids[:j] for s, j in rows]
+        outputs = [s.output_token_ids + s.drafts.tokens[:j] for s, j in rows]
         # a grammar row's end is its grammar's: min_tokens would mask the only token it may take
         under_min = [len(o) < s.params.min_tokens and not self.structured.constrains(s)
                      for o, (s, _) in zip(outputs, rows)]

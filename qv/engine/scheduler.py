@@ -143,17 +143,17 @@ class Scheduler:
         max_model_len for k draft rows), nobody drafts this step. Steps with prefill rows run eagerly
         anyway and are left as they are."""
         running = self.running
-        if not self.max_spec_seqs or not any(s.draft_token_ids for s in running):
+        if not self.max_spec_seqs or not any(s.drafts.tokens for s in running):
             return
         if not all(_decoding(s) for s in running):
             return
         uniform = (len(running) <= self.max_spec_seqs and len(running) * (1 + self.lookahead) <= budget
-                   and all(s.draft_token_ids or len(s.spare_drafts) == self.lookahead for s in running))
+                   and all(s.drafts.tokens or len(s.drafts.spare) == self.lookahead for s in running))
         for s in running:
             if not uniform:
-                s.draft_token_ids, s.draft_source = [], None
-            elif not s.draft_token_ids:
-                s.draft_token_ids, s.draft_source = list(s.spare_drafts), "filler"
+                s.drafts.clear()
+            elif not s.drafts.tokens:
+                s.drafts.tokens, s.drafts.source = list(s.drafts.spare), "filler"
 
     def _schedule_running(self, plan: StepPlan, budget: int, shares: "_LongPrefillShare") -> int:
         self._even_drafts(budget)
@@ -167,14 +167,14 @@ class Scheduler:
         for seq in sorted(self.running, key=order):
             if seq not in self.running:  # preempted earlier in this loop to make room
                 continue
-            if seq.draft_token_ids and verifying == self.max_spec_seqs:  # beyond it: a plain decode this step
-                seq.draft_token_ids = []
-            n = seq.num_tokens - seq.num_computed_tokens + len(seq.draft_token_ids)
-            if n > budget and seq.draft_token_ids:  # verification is all k+1 rows or none
-                seq.draft_token_ids = []
+            if seq.drafts.tokens and verifying == self.max_spec_seqs:  # beyond it: a plain decode this step
+                seq.drafts.tokens = []
+            n = seq.num_tokens - seq.num_computed_tokens + len(seq.drafts.tokens)
+            if n > budget and seq.drafts.tokens:  # verification is all k+1 rows or none
+                seq.drafts.tokens = []
                 n = seq.num_tokens - seq.num_computed_tokens
             n = shares.clip(seq, min(n, budget))
-            if self.prefix_cache and not seq.draft_token_ids:  # end prefill chunks on snapshot boundaries
+            if self.prefix_cache and not seq.drafts.tokens:  # end prefill chunks on snapshot boundaries
                 n = self.prefix_cache.clip(seq, n)
             if n <= 0:
                 continue
@@ -183,7 +183,7 @@ class Scheduler:
             self.blocks.grow(seq.block_ids, self._covered(seq, n))
             plan.scheduled.append((seq, n))
             shares.took(seq)
-            verifying += bool(seq.draft_token_ids)
+            verifying += bool(seq.drafts.tokens)
             budget -= n
         return budget
 
@@ -241,7 +241,7 @@ class Scheduler:
         self.running.remove(seq)
         self._free(seq)
         seq.num_computed_tokens = 0
-        seq.draft_token_ids = []
+        seq.drafts.tokens = []
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
         if self.policy == "priority":
@@ -343,7 +343,7 @@ class _StepTimeShare:
 
     def __init__(self, sched: Scheduler):
         self.threshold = sched.long_prefill_token_threshold
-        decode_rows = sum(1 + len(s.draft_token_ids) for s in sched.running if _decoding(s))
+        decode_rows = sum(1 + len(s.drafts.tokens) for s in sched.running if _decoding(s))
         seats = min(sched.max_num_seqs - len(sched.running), sched.slots.num_free)
         prompts = [s for s in sched.running if not _decoding(s)] + list(sched.waiting)[:max(0, seats)]
         tokens = plan_prompt_tokens(sched.step_cost.cost, sched.max_step_ms, decode_rows,

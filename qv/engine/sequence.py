@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
 from qv.engine.detokenizer import IncrementalDetokenizer
 from qv.engine.request import Logprob, SamplingParams
+
+if TYPE_CHECKING:  # its module loads torch, which a Sequence does not need
+    from qv.engine.prompt_logprobs import PromptLogprobs
 
 
 PENDING = -1  # an output token sampled on the device whose id has not reached the host yet
@@ -27,6 +31,25 @@ class SeqStatus(enum.Enum):
 
 
 RESYNC = 16  # tokens token_array copies again each call
+
+DraftSource = Literal["mtp", "ngram", "filler"]  # "filler": spare drafts verified only to keep a step uniform
+
+
+@dataclass
+class Drafts:
+    """Speculation's drafts of one sequence. They live on the Sequence, not in the Speculator, because the
+    scheduler plans with them: it sizes the sequence's rows by `tokens` (k+1 or 1) and evens a decode step out
+    with `spare` (every sequence verifies, so one CUDA graph replays it) before the step's token shares are cut."""
+
+    tokens: list[int] = field(default_factory=list)  # exactly k drafts to verify next step, or none
+    source: DraftSource | None = None  # what made `tokens`
+    # k tokens a decode-only step may verify for this sequence when it makes no drafts of its own (the MTP
+    # head's guess, or the last token repeated)
+    spare: list[int] = field(default_factory=list)
+
+    def clear(self) -> None:
+        """No drafts to verify (the spare ones stay)."""
+        self.tokens, self.source = [], None
 
 
 @dataclass(eq=False)
@@ -54,14 +77,11 @@ class Sequence:
     error: str | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at the first admission
-    mm_hashes: list[tuple[int, str]] | None = None  # (position, hash) of each media item: part of the prefix key
-    media: object | None = None  # qv.engine.multimodal.MediaState: the request's images/videos and their encodings
-    draft_token_ids: list[int] = field(default_factory=list)  # exactly k drafts to verify next step, or none
-    draft_source: str | None = None  # "mtp" | "ngram" | "filler" (see spare_drafts)
-    # k tokens a decode-only step may verify for this sequence when it makes no drafts of its own, so that the
-    # step verifies every sequence and replays one CUDA graph (the MTP head's guess, or the last token repeated)
-    spare_drafts: list[int] = field(default_factory=list)
-    prompt_logprobs: object | None = None  # qv.engine.prompt_logprobs.PromptLogprobs (sample 0, when asked)
+    # (position, hash) per media item: prompt content its ids lack (every pad is alike); the prefix key has both
+    mm_hashes: list[tuple[int, str]] | None = None
+    drafts: Drafts = field(default_factory=Drafts)  # on the Sequence: the scheduler plans with them (see Drafts)
+    # sample 0's (when asked), an output like output_logprobs: the prefix cache, runner and TP workers read it too
+    prompt_logprobs: PromptLogprobs | None = None
     _array: np.ndarray | None = field(default=None, repr=False)  # token_array's buffer
     _array_len: int = field(default=0, repr=False)
 

@@ -31,8 +31,8 @@ class StepFeature:
         """A token appended to seq: True where this feature finished the sequence with it (a grammar's end)."""
         return False
 
-    def after_result(self, seq, result, draft_source: str | None) -> None:
-        """A sequence's step result, once its tokens are appended (draft_source: what its verified drafts were)."""
+    def after_result(self, seq, result) -> None:
+        """A sequence's step result, once its tokens are appended."""
 
     def holds_next_step(self, scheduler) -> bool:
         """Whether the next step must wait for this one's results (async scheduling stays off for it)."""

@@ -27,15 +27,17 @@ class SpeculationSteps(StepFeature):
                      self.spec.k, st.mean_acceptance_length, st.num_drafts)
         return []
 
-    def after_result(self, seq, result, draft_source: str | None) -> None:
+    def after_result(self, seq, result) -> None:
+        source = seq.drafts.source  # what the drafts this step ran were; verified or not, they are spent
+        seq.drafts.clear()
         if result.num_accepted is not None:
-            self.spec.record(seq, draft_source, result.num_accepted)
+            self.spec.record(seq, source, result.num_accepted)
         if seq.finished:
             return
         if self._room_for_drafts(seq):  # a structured output's drafts are checked by its grammar
-            seq.draft_token_ids, seq.draft_source = self.spec.next_drafts(seq, result.next_mtp_drafts)
+            seq.drafts.tokens, seq.drafts.source = self.spec.next_drafts(seq, result.next_mtp_drafts)
         else:
-            seq.spare_drafts = []
+            seq.drafts.spare = []
 
     def _room_for_drafts(self, seq) -> bool:
         """Room for k draft rows and the head's lookahead before max_model_len (tokens accepted past

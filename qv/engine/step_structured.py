@@ -44,7 +44,7 @@ class StructuredOutputs(StepFeature):
         row (seq, j) of a verified sequence is masked as its grammar stands after its first j drafts."""
         if not any(s in self.matchers for s, _ in rows):
             return None
-        return grammar_bitmask([(self.matchers.get(s), s.draft_token_ids[:j]) for s, j in rows], vocab_size, device)
+        return grammar_bitmask([(self.matchers.get(s), s.drafts.tokens[:j]) for s, j in rows], vocab_size, device)
 
     def on_token(self, seq, token_id: int, scheduler) -> bool:
         """Advance the sequence's matcher; True when that finished it: a token outside the grammar (a bug:

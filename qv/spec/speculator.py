@@ -120,15 +120,15 @@ class Speculator:
     # -- host side: which source drafts next, and n-gram drafts ------------------------------
     def next_drafts(self, seq, mtp_drafts: list[int] | None) -> tuple[list[int], str | None]:
         """Drafts for the sequence's next step: exactly k tokens, or none (backed off, or no n-gram match).
-        Either way seq.spare_drafts gets k tokens a decode-only step may verify it with."""
-        seq.spare_drafts = mtp_drafts or [seq.token_at(seq.num_tokens - 1)] * self.k
+        Either way seq.drafts.spare gets k tokens a decode-only step may verify it with."""
+        seq.drafts.spare = mtp_drafts or [seq.token_at(seq.num_tokens - 1)] * self.k
         state = self.of(seq)
         backoff = state.backoff = state.backoff or Backoff()
         if self.policy == "off" or (backoff.paused() and self.policy == "backoff"):
             return [], None
         drafts, source = self.choose(seq, mtp_drafts)
         if not drafts and self.policy == "always":  # every step verifies, spare drafts where the source has none
-            return list(seq.spare_drafts), "filler"
+            return list(seq.drafts.spare), "filler"
         return drafts, source
 
     def choose(self, seq, mtp_drafts: list[int] | None) -> tuple[list[int], str | None]:

@@ -81,7 +81,7 @@ class _EveryHook(StepFeature):
         self._count("on_token")
         return False
 
-    def after_result(self, seq, result, draft_source):
+    def after_result(self, seq, result):
         self._count("after_result")
 
     def finished_output(self, request_id):

@@ -4,6 +4,9 @@ prefix-cache keys that tell same-sized images apart, and MTP drafts on mRoPE pos
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import torch
 from vision_cases import BARE_VID, IMG, VID, chat, generate_cases, image
 
@@ -31,8 +34,8 @@ def test_encoded_on_first_need_and_freed_after_prefill(tiny_engine, vision_dir):
     mp = build(llm, CASES["gen-3"])
     eng.add_request("r", mp.token_ids, SamplingParams(n=2, temperature=0, max_tokens=3), multimodal=mp)
     seqs = list(eng.scheduler.waiting)
-    ms = seqs[0].media
-    assert ms is seqs[1].media and len(ms.seqs) == 2
+    ms = eng.media.states[seqs[0]]
+    assert ms is eng.media.states[seqs[1]] and len(ms.seqs) == 2
     reached: set[int] = set()
     while eng.has_unfinished_requests():
         before = [s.num_computed_tokens for s in seqs]
@@ -47,6 +50,24 @@ def test_encoded_on_first_need_and_freed_after_prefill(tiny_engine, vision_dir):
         low = min(a for a, s in zip(after, seqs) if not s.finished) if not all(s.finished for s in seqs) else len(mp)
         assert set(ms.encoded) == {i for i in reached if mp.item_span[i][1] > low}, (after, set(ms.encoded))
     assert reached == {0, 1, 2} and eng.media.stats.items_encoded == 3 and not ms.encoded
+
+
+def test_media_state_goes_with_its_sequences(tiny_engine, vision_dir):
+    """The vision steps keep a request's MediaState per sequence, weakly: once its sequences are gone (the request
+    finished, a later step ran) nothing of it is left, and a text step again may replay a graph."""
+    llm = tiny_engine(model=vision_dir)
+    eng = llm.engine
+    mp = build(llm, CASES["gen-3"])
+    eng.add_request("r", mp.token_ids, SamplingParams(n=2, temperature=0, max_tokens=2), multimodal=mp)
+    seqs = list(eng.scheduler.waiting)
+    assert len(eng.media.states) == 2 and not eng.media.replayable(seqs)
+    gone = weakref.ref(eng.media.states[seqs[0]])
+    while eng.has_unfinished_requests():
+        eng.step()
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=2))  # a later step
+    del seqs
+    gc.collect()
+    assert not eng.media.states and gone() is None and eng.media.replayable(list(eng.scheduler.running))
 
 
 def _prompt(images):
@@ -129,7 +150,7 @@ def test_mtp_drafts_on_mrope_positions(tiny_engine):
             seen.clear()
             eng.step()
         first, states = _reference_drafts(eng, mp, 3)
-        assert seq.output_token_ids[0] == first and len(seen) == 3 and len(seq.draft_token_ids) == 3
+        assert seq.output_token_ids[0] == first and len(seen) == 3 and len(seq.drafts.tokens) == 3
         errs = [assert_close(f"{name} MTP state {j}", got, want, 1e-4) for j, (got, want) in enumerate(zip(seen, states))]
         print(f"{name}: MTP state rel errors {[f'{e:.1e}' for e in errs]}")
         while eng.has_unfinished_requests():
