@@ -127,18 +127,23 @@ def test_oracle_detects_a_wrong_block_scale():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kind,m", [("fma", 1), ("fma", 4), ("dot", 16), ("dot", 64), ("chunked", 300),
-                                    ("w8a8", 300), ("w8a8", 4096)])
+                                    ("w8a8", 300), ("w8a8", 4096), ("scaled_mm", 300), ("scaled_mm", 4096)])
 def test_fp8_paths_27b_shapes_gpu(dtype, kind, m):
     """Every path at 27B shapes (128x128 blocks): gate_up and down projections."""
     from qv.kernels.linear.triton import linear as linear_triton
 
     if kind == "w8a8" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 tensor cores need sm_89+")
+    if kind == "scaled_mm":
+        from qv.kernels.linear.triton_fp8 import scaled_mm_available
+
+        if not scaled_mm_available(torch.device(DEV)):
+            pytest.skip("torch._scaled_mm takes no block scales on this GPU or build")
     for n, k in ((2 * 17408, 5120), (5120, 17408)):
         w = fp8_weight(n, k)
         x = randn(m, k, dtype=dtype)
         out = run_triton(linear_triton, x, w, None, config=dict(kind=kind))
-        ref = linear_w8a8(x, w) if kind == "w8a8" else run_reference(K.linear, x, w)
+        ref = linear_w8a8(x, w) if kind in ("w8a8", "scaled_mm") else run_reference(K.linear, x, w)
         assert_close(f"linear fp8 {kind}", out, ref, BOUND[dtype])
 
 
@@ -152,5 +157,5 @@ def test_fp8_default_paths_gpu():
     for m in (1, 2, 8, 33, W8A8_MIN_ROWS, 2000):
         x = randn(m, 5120, dtype=torch.bfloat16)
         out = run_triton(K.linear, x, w)
-        bound = W8A8_BOUND if fp8_kind(x.device, m, w) == "w8a8" else BOUND[torch.bfloat16]
+        bound = W8A8_BOUND if fp8_kind(x.device, m, w) in ("w8a8", "scaled_mm") else BOUND[torch.bfloat16]
         assert_close(f"linear fp8 m={m}", out, run_reference(K.linear, x, w), bound)

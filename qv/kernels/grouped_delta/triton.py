@@ -13,9 +13,12 @@ from qv.kernels.grouped_delta.configs import FEW, MANY, MANY_ROWS, NO_DOT
 
 @triton.jit
 def _slot_rows(slot_start_ptr, s, num_rows, HAS_SLOTS: tl.constexpr):
-    if HAS_SLOTS:
-        return tl.load(slot_start_ptr + s), tl.load(slot_start_ptr + s + 1)
-    return 0, num_rows
+    r0 = 0
+    r1 = num_rows
+    if HAS_SLOTS:  # one return: Triton types every return of a function alike, constexpr branch or not
+        r0 = tl.load(slot_start_ptr + s).to(tl.int32)
+        r1 = tl.load(slot_start_ptr + s + 1).to(tl.int32)
+    return r0, r1
 
 
 @triton.jit

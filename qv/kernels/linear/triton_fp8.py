@@ -9,6 +9,10 @@ Paths by rows M (fp8_kind; the row limits below):
   M < W8A8_MIN_ROWS   fp8_widen_kernel: [BN, BK] weight tiles widened in registers to x's dtype for tl.dot,
                       the block scale applied per column after the dot; split-K when few tiles (speculative
                       rows, decode batches).
+  larger, sm_90      torch._scaled_mm with DeepSeek's block scales (1x128 activation groups, 128x128 weight
+                      blocks; CUTLASS inside torch), rows quantized by fp8_quant_rows_kernel: twice the Triton
+                      W8A8 kernel's rate at 512-8192 rows. Where torch lacks it (probed once), or off 128x128
+                      blocks, the Triton kernel:
   larger, sm_89+      FP8: W8A8 (DeepSeek's block-FP8 scheme): rows quantized to e4m3 per token and group of bk
                       inputs (fp8_quant_rows_kernel), then fp8_w8a8_kernel on FP8 tensor cores, both scales
                       applied per K step. Prefill chunks: the weights are read once per row tile and the
@@ -214,7 +218,7 @@ def _k_step(bk: int, most: int) -> int | None:
 
 
 def fp8_kind(device: torch.device, m: int, w: FP8Weight | W12Weight, tensor_cores: bool = True) -> str:
-    """The path for `m` rows: "fma", "dot", "w8a8" or "chunked" (module docstring)."""
+    """The path for `m` rows: "fma", "dot", "scaled_mm", "w8a8" or "chunked" (module docstring)."""
     w12 = isinstance(w, W12Weight)
     bk = W12_BLOCK_K if w12 else w.block[1]
     if _k_step(bk, 128) is None:  # blocks not a multiple of 16 inputs: only the per-element gather takes them
@@ -228,7 +232,43 @@ def fp8_kind(device: torch.device, m: int, w: FP8Weight | W12Weight, tensor_core
     if w12:  # no 12-bit tensor cores: prompt chunks widen into cuBLAS
         return "chunked"
     fp8_cores = torch.cuda.get_device_capability(device) >= (8, 9)
+    if fp8_cores and w.block == (128, 128) and w.shape[0] % 128 == 0 and w.shape[1] % 128 == 0 \
+            and scaled_mm_available(device):
+        return "scaled_mm"
     return "w8a8" if fp8_cores and bk == bk & -bk and bk >= 32 else "chunked"
+
+
+_SCALED_MM: dict[int, bool] = {}  # device index -> whether torch's blockwise FP8 GEMM ran right there
+
+
+def scaled_mm_available(device: torch.device) -> bool:
+    """Whether torch._scaled_mm takes block scales on this device (CUDA 12.9+ builds, sm_90): probed once on a
+    128 x 128 x 256 product of known value, never while a CUDA graph is being captured."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SCALED_MM:
+        if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+            _SCALED_MM[index] = False
+        elif torch.cuda.is_current_stream_capturing():
+            return False
+        else:
+            a = torch.ones(128, 256, device=device).to(torch.float8_e4m3fn)
+            sa = torch.tensor([[1.0, 2.0]], device=device).expand(128, 2).t().contiguous().t()
+            sb = torch.full((1, 2), 0.5, device=device).t()  # as a weight's [N/128, K/128] scales are passed
+            try:
+                y = torch._scaled_mm(a, a.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+                _SCALED_MM[index] = bool((y.float() == 192.0).all())  # 128 (1 * 0.5) + 128 (2 * 0.5)
+            except (RuntimeError, TypeError, ValueError):
+                _SCALED_MM[index] = False
+    return _SCALED_MM[index]
+
+
+def scaled_mm_fp8(x2: torch.Tensor, w: FP8Weight, bias) -> torch.Tensor:
+    """x2 W^T (+ bias) through torch._scaled_mm: rows quantized per token and 128 inputs, the weight's own
+    128 x 128 block scales (its [N, K] bytes are the column-major B operand as stored)."""
+    q, s = quantize_rows(x2, 128)
+    y = torch._scaled_mm(q, w.weight.t(), scale_a=s.t().contiguous().t(), scale_b=w.scale_inv.t(),
+                         out_dtype=x2.dtype)
+    return y.add_(bias) if bias is not None else y
 
 
 def _split(m_tiles_n_tiles: int, k: int, step: int, device, split: int | None) -> tuple[int, int]:
@@ -322,7 +362,7 @@ def chunked_fp8(x2, w, bias, out, cols=None):
 
 
 def fp8_linear(x, w: FP8Weight | W12Weight, bias=None, config=None, tensor_cores: bool = True):
-    """y = x W^T (+ bias) for an FP8Weight or W12Weight; config: {"kind": fma|dot|w8a8 (FP8 only)|chunked,
+    """y = x W^T (+ bias) for an FP8Weight or W12Weight; config: {"kind": fma|dot|scaled_mm|w8a8 (FP8 only)|chunked,
     "split", "cols", tiles}."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
@@ -335,6 +375,12 @@ def fp8_linear(x, w: FP8Weight | W12Weight, bias=None, config=None, tensor_cores
         return out.view(*shape[:-1], n)
     config = dict(config or {})
     kind = config.pop("kind", None) or fp8_kind(x.device, m, w, tensor_cores)
+    if kind == "scaled_mm" and x2.dtype == torch.float32:
+        kind = "w8a8"  # torch's FP8 GEMM writes 16-bit outputs here
+    if kind == "scaled_mm":
+        if isinstance(w, W12Weight) or w.block != (128, 128):
+            raise ValueError("fp8_linear: scaled_mm takes FP8 weights in 128 x 128 blocks")
+        return scaled_mm_fp8(x2, w, bias).view(*shape[:-1], n)
     if kind == "fma":
         if m > SM70_GEMV_MAX_ROWS:
             raise ValueError(f"fp8_linear: the FMA GEMV takes at most {SM70_GEMV_MAX_ROWS} rows, not {m}")
@@ -348,7 +394,7 @@ def fp8_linear(x, w: FP8Weight | W12Weight, bias=None, config=None, tensor_cores
     elif kind == "chunked":
         chunked_fp8(x2, w, bias, out, config.pop("cols", None))
     else:
-        raise ValueError(f"fp8_linear: unknown kind {kind!r}: expected fma, dot, w8a8 or chunked")
+        raise ValueError(f"fp8_linear: unknown kind {kind!r}: expected fma, dot, scaled_mm, w8a8 or chunked")
     return out.view(*shape[:-1], n)
 
 

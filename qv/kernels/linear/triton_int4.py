@@ -4,8 +4,9 @@ Layout (qv/kernels/linear/__init__.py): codes uint8 [K/2, N], byte row r holding
 and 2r + 1 in its high one; scales/zeros [G, N] (zeros None: symmetric, 8); g_idx [K].
 
 Paths by rows M:
-  M <= 8, sm_90      the raw-CUDA GEMV shared with 8-bit codes (cuda_sm90.py, gptq_gemv_mma.cu: the nibbles
-                     split by masks after the loads), sequential groups of 32/64/128; otherwise:
+  M <= 64, sm_90     the raw-CUDA GEMV shared with 8-bit codes (cuda_sm90.py, gptq_gemv_mma.cu: the nibbles
+                     split by masks after the loads), 16 rows a launch, sequential groups of 32/64/128;
+                     otherwise:
   M < DEQUANT_MIN_M  int4_matmul_kernel: each program reads a [BLOCK_K/2, BLOCK_N] tile of packed bytes once,
                      splits it in registers into the even-row (low nibble) and odd-row (high nibble) code
                      tiles, dequantizes each ((c - z) s, exact c - z, one rounding) in x's dtype and takes
@@ -30,6 +31,7 @@ from qv.kernels.linear.cuda_sm90 import gemv_cuda
 from qv.kernels.linear.triton_gemv import k_ranges, store_tile, sum_partials
 from qv.kernels.triton_utils import grouped_tile, interpreting, num_sms
 
+CUDA_ROWS = 64  # rows up to which the raw-CUDA GEMV runs, 16-row slices (sm_90)
 DEQUANT_MIN_M = 1024  # rows from which the dequantized workspace + cuBLAS path runs (GPU)
 MIN_BLOCK_K = 32  # two dots of BLOCK_K/2 >= 16 columns of x each
 
@@ -144,6 +146,17 @@ def int4_config(device, m):
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, split=1, waves=1)
 
 
+def _gemv_slices(x2, w, bias, out, cfg) -> bool:
+    """The raw-CUDA GEMV over rows 16 at a time (its widest tile): each slice reads the 4-bit codes again, which
+    up to CUDA_ROWS rows costs less than the Triton tiles; False (nothing launched) where it does not apply."""
+    for a in range(0, x2.shape[0], 16):
+        if not gemv_cuda(x2[a:a + 16], w, bias, out[a:a + 16], cfg):
+            if a:
+                raise RuntimeError("int4_linear: the CUDA GEMV took the first rows and refused later ones")
+            return False
+    return True
+
+
 def int4_linear(x, w, bias=None, config=None):
     """y = x W^T (+ bias) for a 4-bit GPTQWeight; `config` overrides int4_config's entries (and
     dequant_min_m, the rows from which the dequantize + cuBLAS path runs)."""
@@ -159,10 +172,11 @@ def int4_linear(x, w, bias=None, config=None):
     if m == 0:
         return out.view(*shape[:-1], n)
     config = dict(config or {})
-    kind = config.pop("kind", None) or ("cuda" if gemv_kind(x.device, m, x.dtype) == "cuda" else "triton")
+    kind = config.pop("kind", None) or ("cuda" if m <= CUDA_ROWS and gemv_kind(x.device, 1, x.dtype) == "cuda"
+                                        else "triton")
     if kind not in ("cuda", "triton"):
         raise ValueError(f"int4_linear: kind {kind!r}; 4-bit weights run kind 'cuda' (the raw-CUDA GEMV) or 'triton'")
-    if kind == "cuda" and gemv_cuda(x2, w, bias, out, dict(gemv_cuda_config(x.device), **config)):
+    if kind == "cuda" and _gemv_slices(x2, w, bias, out, dict(gemv_cuda_config(x.device), **config)):
         return out.view(*shape[:-1], n)
     if kind == "cuda":
         config = {}  # where the CUDA GEMV does not apply (act-order, odd shapes): the Triton kernel's defaults
