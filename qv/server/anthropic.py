@@ -289,7 +289,7 @@ def message_body(ctx: ChatContext, out) -> dict:
     uses = [{"type": "tool_use", "id": c.id, "name": c.name, "input": _tool_input(c.arguments)} for c in calls]
     forced = ctx.tools is not None and ctx.tools.forced  # its text is a call cut after those that ended
     content += uses + text if forced else text + uses
-    reason, sequence = stop_reason(o, bool(calls))
+    reason, sequence = stop_reason(o, bool(calls) and not parsed.cut)
     return _envelope(ctx, content, reason, sequence, usage(out, len(o.token_ids)))
 
 
@@ -375,7 +375,7 @@ async def message_events(ctx: ChatContext, gen):
         if not w.pinged:
             yield sse_event("ping", {"type": "ping"})
         o = out.outputs[0]
-        reason, sequence = stop_reason(o, stream.tools_called)
+        reason, sequence = stop_reason(o, stream.tools_called and not stream.cut)
         yield sse_event("message_delta", {"type": "message_delta",
                                           "delta": {"stop_reason": reason, "stop_sequence": sequence},
                                           "usage": usage(out, len(o.token_ids))})

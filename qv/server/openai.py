@@ -117,7 +117,8 @@ def chat_response(state: ServerState, ctx: ChatContext, out) -> dict:
         if req.include_reasoning:
             message["reasoning"] = message["reasoning_content"] = parsed.reasoning
         choice = {"index": o.index, "message": message, "logprobs": None,
-                  "finish_reason": ctx.finish_reason(o.finish_reason, bool(calls)), "stop_reason": o.stop_reason}
+                  "finish_reason": ctx.finish_reason(o.finish_reason, bool(calls) and not parsed.cut),
+                  "stop_reason": o.stop_reason}
         if req.logprobs:
             choice["logprobs"] = chat_logprobs(o.token_ids, o.logprobs or [], req.top_logprobs or 0, state.tokenizer,
                                                req.return_tokens_as_token_ids)
@@ -207,7 +208,7 @@ async def chat_stream(state: ServerState, ctx: ChatContext, gen):
                 if not delta and o.finish_reason is None and not show_tokens:
                     continue  # text held back (partial character, stop string or tag): nothing to send yet
                 choice = {"index": o.index, "delta": delta, "logprobs": None,
-                          "finish_reason": ctx.finish_reason(o.finish_reason, c.stream.tools_called)}
+                          "finish_reason": ctx.finish_reason(o.finish_reason, c.stream.tools_called and not c.stream.cut)}
                 if o.finish_reason is not None:
                     choice["stop_reason"] = o.stop_reason
                 if req.logprobs and new_ids:

@@ -14,8 +14,9 @@ finish_reason `tool_calls`.
 - Through the official openai client on the tiny model: full forced calls cut at random token
   counts and one token short of their end, streamed and not, against the detokenized cut; calls
   repeated until the limit (greedy) keep those that ended; the SDK's `parse` and stream helper
-  report the cut (LengthFinishReasonError) with the text as content; a stop string inside the call;
-  the Responses and Anthropic routes, streamed and not.
+  report the cut (LengthFinishReasonError) with the text as content; a stop string inside the call,
+  and inside a later call (finish "stop": the output did not end in calls); the Responses and
+  Anthropic routes, streamed and not.
 """
 
 from __future__ import annotations
@@ -187,6 +188,18 @@ def test_a_stop_string_inside_a_forced_call_gives_its_text_as_content(client):
     content, calls, finish, _ = unstreamed
     assert finish == "stop" and calls == [], (seed, unstreamed)
     assert content.startswith("<tool_call>\n<function=book>\n<parameter=") and content.endswith("\n"), (seed, unstreamed)
+
+
+def test_a_stop_string_inside_a_later_call_keeps_the_ended_ones_and_finishes_stop(client):
+    """Greedy, the tiny model repeats calls: the stop string (kept in the output) opens the second
+    call, so the first one ended and the output did not end in calls: finish "stop", not "tool_calls"."""
+    kw = dict(tool_choice="required", stop=["\n<tool_call>\n<function="], temperature=0.0, max_tokens=400,
+              extra_body={"include_stop_str_in_output": True})
+    unstreamed = _chat(client, False, 0, **kw)
+    assert _chat(client, True, 0, **kw) == unstreamed
+    content, calls, finish, _ = unstreamed
+    assert (content, finish, len(calls)) == ("<tool_call>\n<function=", "stop", 1), unstreamed
+    check_calls(calls, NAMES)
 
 
 def test_the_responses_and_anthropic_routes_give_a_cut_forced_call_as_text(running):

@@ -175,6 +175,7 @@ class ToolCall:
 class ExtractedToolCalls:
     content: str | None
     tool_calls: list[ToolCall]
+    cut: bool = False  # forced: the output ends inside a call (the content), so not in the calls
 
     @property
     def tools_called(self) -> bool:
@@ -283,7 +284,7 @@ class Qwen3CoderToolParser:
             ended, cut = split_cut_call(text)
             calls = self.parse(ended, final=True).calls if ended else []
             return ExtractedToolCalls(cut or None, [ToolCall(new_tool_call_id(), c.name, c.arguments_json())
-                                                    for c in calls])
+                                                    for c in calls], bool(cut))
         parsed = self.parse(text, final=True)
         if not parsed.calls:
             return ExtractedToolCalls(text, [])
@@ -351,6 +352,7 @@ class Qwen3CoderStream:
         self.sent_args: list[str] = []
         self.resume = _Resume()
         self.ended = 0  # forced: the length of the text through the last `</tool_call>`
+        self.cut = False  # forced, after finish(): the output ends inside a call
 
     @property
     def tools_called(self) -> bool:
@@ -380,6 +382,7 @@ class Qwen3CoderStream:
             self.ended = end + len(TOOL_CALL_END)
             out = self._diff(self.parser.parse(self.text[:self.ended], final=True))
         out.content = self.text[self.ended:].lstrip() if final else ""
+        self.cut = bool(out.content)
         return out
 
     def _diff(self, parsed: ToolCallParse) -> StreamDelta:
