@@ -24,10 +24,10 @@ import time
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from qv.server.chat import render_chat
+from qv.server.chat import render_chat, tool_parser
 from qv.server.errors import APIError, bad_request, error_response, internal_error
 from qv.server.openai import ChatContext, read_request, stream_response, validate_body
-from qv.server.parsers import OutputStream, Qwen3CoderToolParser, parse_output
+from qv.server.parsers import OutputStream, parse_output
 from qv.server.protocol import ChatCompletionRequest
 from qv.server.state import ServerState, random_id
 from qv.server.streaming import last_output, sse_event, until_disconnect
@@ -225,9 +225,8 @@ async def create_message(state: ServerState, request: Request) -> Response:
     grammar = await compile_constraint(state, req, FORMAT, request)
     params = state.sampling_params(req, max_tokens=areq.max_tokens, logprobs=None, names=NAMES, grammar=grammar)
     checked = state.check_request(prompt_ids, params, "messages", NAMES)
-    tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
-    parser = Qwen3CoderToolParser(tools) if req.tools and req.tool_choice != "none" else None
-    ctx = ChatContext(req, rendered, parser, random_id("msg", "_"), int(time.time()), state.response_model, "")
+    ctx = ChatContext(req, rendered, tool_parser(req), random_id("msg", "_"), int(time.time()), state.response_model,
+                      "")
     if areq.metadata is not None and areq.metadata.user_id is not None:
         log.info("request %s: metadata.user_id %s", ctx.request_id, areq.metadata.user_id)
     seats = state.admit(1)
@@ -286,11 +285,11 @@ def message_body(ctx: ChatContext, out) -> dict:
     content: list[dict] = []
     if parsed.reasoning:
         content.append({"type": "thinking", "thinking": parsed.reasoning, "signature": _signature(parsed.reasoning)})
-    if parsed.content:
-        content.append({"type": "text", "text": parsed.content})
-    for c in calls:
-        content.append({"type": "tool_use", "id": c.id, "name": c.name, "input": _tool_input(c.arguments)})
-    reason, sequence = stop_reason(o, bool(calls))
+    text = [{"type": "text", "text": parsed.content}] if parsed.content else []
+    uses = [{"type": "tool_use", "id": c.id, "name": c.name, "input": _tool_input(c.arguments)} for c in calls]
+    forced = ctx.tools is not None and ctx.tools.forced  # its text is a call cut after those that ended
+    content += uses + text if forced else text + uses
+    reason, sequence = stop_reason(o, bool(calls) and not parsed.cut)
     return _envelope(ctx, content, reason, sequence, usage(out, len(o.token_ids)))
 
 
@@ -376,7 +375,7 @@ async def message_events(ctx: ChatContext, gen):
         if not w.pinged:
             yield sse_event("ping", {"type": "ping"})
         o = out.outputs[0]
-        reason, sequence = stop_reason(o, stream.tools_called)
+        reason, sequence = stop_reason(o, stream.tools_called and not stream.cut)
         yield sse_event("message_delta", {"type": "message_delta",
                                           "delta": {"stop_reason": reason, "stop_sequence": sequence},
                                           "usage": usage(out, len(o.token_ids))})

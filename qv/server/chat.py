@@ -13,7 +13,8 @@
   `reasoning_effort: "none"` also turns thinking off.
 - tool_choice `required`/named: the output is held to the tool-call grammar from its first token
   (server/structured.py, parsers/qwen3_coder_grammar.py), so an open think block is closed in the
-  prompt first (the call goes out without reasoning).
+  prompt first (the call goes out without reasoning). A call max_tokens cuts is text, not a call:
+  the content, beside the calls that ended before it, finish_reason `length`, streamed or not.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import pydantic_core
 
 from qv.server.errors import bad_request
 from qv.server.media import check_media_part
+from qv.server.parsers.qwen3_coder import Qwen3CoderToolParser
 from qv.server.parsers.qwen3_reasoning import THINK_END, THINK_START
 
 TEXT_PARTS = ("text", "input_text", "output_text")
@@ -160,6 +162,15 @@ def output_starts_thinking(prompt: str, enable_thinking: bool) -> bool:
 def forces_call(tool_choice, tools) -> bool:
     """tool_choice `required` or a named function, with tools (vLLM: `required` with none means none)."""
     return bool(tools) and tool_choice is not None and tool_choice not in ("none", "auto")
+
+
+def tool_parser(req) -> Qwen3CoderToolParser | None:
+    """The tool-call parser of a chat request (None: no tools, or tool_choice none); forced when the
+    call grammar holds the output, so that a call max_tokens cuts comes back as content."""
+    if not req.tools or req.tool_choice == "none":
+        return None
+    return Qwen3CoderToolParser([t.model_dump(exclude_none=True) for t in req.tools],
+                                forced=forces_call(req.tool_choice, req.tools))
 
 
 def render_chat(tokenizer, req, default_thinking: bool, check_text=None,

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
-from qv.server.chat import RenderedPrompt, render_chat
+from qv.server.chat import RenderedPrompt, render_chat, tool_parser
 from qv.server.errors import APIError, internal_error, sse_error, validation_error
 from qv.server.logprobs import chat_logprobs, prompt_logprobs_field, prompt_logprobs_json
 from qv.server.parsers import OutputStream, Qwen3CoderToolParser, parse_output
@@ -84,12 +84,10 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     mm = await state.media.prompt(req.messages, rendered.token_ids)  # images/videos fetched and expanded
     prompt_ids = mm.token_ids if mm is not None else rendered.token_ids
     checked = state.check_request(prompt_ids, params, "messages", names)
-    tool_dicts = [t.model_dump(exclude_none=True) for t in req.tools or []]
-    parse_tools = bool(req.tools) and req.tool_choice != "none"
     last = req.messages[-1]
     echo = (last.content if isinstance(last.content, str) else "") if req.echo and last.role == "assistant" else ""
-    ctx = ChatContext(req, rendered, Qwen3CoderToolParser(tool_dicts) if parse_tools else None,
-                      request_id_of(request, req, "chatcmpl"), int(time.time()), state.response_model, echo)
+    ctx = ChatContext(req, rendered, tool_parser(req), request_id_of(request, req, "chatcmpl"), int(time.time()),
+                      state.response_model, echo)
     seats = state.admit(req.n)
     try:
         gen = state.generate(ctx.request_id, checked, prompt=rendered.text, cache_salt=req.cache_salt,
@@ -119,7 +117,8 @@ def chat_response(state: ServerState, ctx: ChatContext, out) -> dict:
         if req.include_reasoning:
             message["reasoning"] = message["reasoning_content"] = parsed.reasoning
         choice = {"index": o.index, "message": message, "logprobs": None,
-                  "finish_reason": ctx.finish_reason(o.finish_reason, bool(calls)), "stop_reason": o.stop_reason}
+                  "finish_reason": ctx.finish_reason(o.finish_reason, bool(calls) and not parsed.cut),
+                  "stop_reason": o.stop_reason}
         if req.logprobs:
             choice["logprobs"] = chat_logprobs(o.token_ids, o.logprobs or [], req.top_logprobs or 0, state.tokenizer,
                                                req.return_tokens_as_token_ids)
@@ -209,7 +208,7 @@ async def chat_stream(state: ServerState, ctx: ChatContext, gen):
                 if not delta and o.finish_reason is None and not show_tokens:
                     continue  # text held back (partial character, stop string or tag): nothing to send yet
                 choice = {"index": o.index, "delta": delta, "logprobs": None,
-                          "finish_reason": ctx.finish_reason(o.finish_reason, c.stream.tools_called)}
+                          "finish_reason": ctx.finish_reason(o.finish_reason, c.stream.tools_called and not c.stream.cut)}
                 if o.finish_reason is not None:
                     choice["stop_reason"] = o.stop_reason
                 if req.logprobs and new_ids:

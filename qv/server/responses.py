@@ -14,10 +14,10 @@ import time
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from qv.server.chat import content_text, render_chat
+from qv.server.chat import content_text, render_chat, tool_parser
 from qv.server.errors import APIError, bad_request, internal_error
 from qv.server.openai import ChatContext, read_request, stream_response, validate_body
-from qv.server.parsers import OutputStream, Qwen3CoderToolParser, parse_output
+from qv.server.parsers import OutputStream, parse_output
 from qv.server.protocol import ChatCompletionRequest, ResponsesRequest
 from qv.server.responses_store import ENTRY_OVERHEAD_BYTES, StoredResponse, history, output_size, stored_item
 from qv.server.state import ServerState, random_id
@@ -175,9 +175,7 @@ async def create_response(state: ServerState, request: Request) -> Response:
     rendered = await state.offload(size, render_chat, state.tokenizer, req, thinking, check)
     check_not_thinking(rendered, req)
     checked = state.check_request(rendered.token_ids, params, "input", names)
-    tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
-    ctx = ChatContext(req, rendered, Qwen3CoderToolParser(tools) if req.tools and req.tool_choice != "none" else None,
-                      response_id, int(time.time()), state.response_model, "")
+    ctx = ChatContext(req, rendered, tool_parser(req), response_id, int(time.time()), state.response_model, "")
     conversation = [*earlier, *map(stored_item, input_items(rreq))]
     base_size = size + earlier_size + ENTRY_OVERHEAD_BYTES
 
@@ -215,10 +213,11 @@ def _final_response(state: ServerState, ctx: ChatContext, rreq: ResponsesRequest
     items = []
     if parsed.reasoning:
         items.append(_reasoning_item(random_id("rs", "_"), parsed.reasoning))
-    if parsed.content is not None and (parsed.content or not calls):
-        items.append(_message_item(random_id("msg", "_"), parsed.content))
-    for c in calls:
-        items.append(_call_item(random_id("fc", "_"), c.id, c.name, c.arguments))
+    message = [_message_item(random_id("msg", "_"), parsed.content)] if (
+        parsed.content is not None and (parsed.content or not calls)) else []
+    call_items = [_call_item(random_id("fc", "_"), c.id, c.name, c.arguments) for c in calls]
+    forced = ctx.tools is not None and ctx.tools.forced  # its text is a call cut after those that ended
+    items += call_items + message if forced else message + call_items
     incomplete = o.finish_reason == "length"
     if incomplete and items:  # OpenAI's: the item max_output_tokens cut is incomplete, those before it completed
         items[-1]["status"] = "incomplete"

@@ -17,6 +17,7 @@ class ParsedOutput:
     reasoning: str | None
     content: str | None
     tool_calls: list[ToolCall]
+    cut: bool = False  # a forced call's output ends inside a call: it did not end in calls
 
 
 def parse_output(text: str, thinking: bool, tools: Qwen3CoderToolParser | None) -> ParsedOutput:
@@ -25,7 +26,7 @@ def parse_output(text: str, thinking: bool, tools: Qwen3CoderToolParser | None) 
     if tools is None or content is None:
         return ParsedOutput(reasoning, content, [])
     extracted = tools.extract_tool_calls(content)
-    return ParsedOutput(reasoning, extracted.content, extracted.tool_calls)
+    return ParsedOutput(reasoning, extracted.content, extracted.tool_calls, extracted.cut)
 
 
 @dataclass
@@ -46,6 +47,11 @@ class OutputStream:
     @property
     def tools_called(self) -> bool:
         return self.tools is not None and self.tools.tools_called
+
+    @property
+    def cut(self) -> bool:
+        """After finish(): the output ends inside a forced call (its text the content)."""
+        return self.tools is not None and self.tools.cut
 
     def feed(self, delta_text: str) -> DeltaPieces:
         r, c = self.reasoning.feed(delta_text)

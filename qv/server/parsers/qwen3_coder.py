@@ -29,6 +29,12 @@ cannot change, and sends the difference: content, then per call a header delta (
 and argument fragments (`{`, each complete `"k": v` joined by `, `, then `}`). `finish()` parses
 with `final=True` and sends the rest, so the streamed calls always equal `extract_tool_calls` on
 the same text, whatever the chunk boundaries (tests check every boundary).
+
+A forced parser (tool_choice `required` or a named function, whose output the call grammar holds)
+takes as calls only those that end with `</tool_call>`. The text after the last of them, when not
+blank, is a call that max_tokens or a stop string cut: it is the content (without the separator
+before it), never a call. Its stream sends each call whole once its `</tool_call>` arrives, and the
+cut text at `finish()`, so it equals `extract_tool_calls` as the unforced stream does.
 """
 
 from __future__ import annotations
@@ -169,6 +175,7 @@ class ToolCall:
 class ExtractedToolCalls:
     content: str | None
     tool_calls: list[ToolCall]
+    cut: bool = False  # forced: the output ends inside a call (the content), so not in the calls
 
     @property
     def tools_called(self) -> bool:
@@ -202,11 +209,21 @@ def tool_properties(tools: list[dict] | None) -> dict[str, dict]:
     return out
 
 
-class Qwen3CoderToolParser:
-    """Stateless parser for one request's tools; `stream()` makes a per-choice streaming state."""
+def split_cut_call(text: str) -> tuple[str, str]:
+    """(the calls that ended: `text` through its last `</tool_call>`, the cut call: what follows,
+    without its leading separator, "" when blank) of a grammar-held output."""
+    end = text.rfind(TOOL_CALL_END)
+    end = 0 if end == -1 else end + len(TOOL_CALL_END)
+    return text[:end], text[end:].lstrip()
 
-    def __init__(self, tools: list[dict] | None = None):
+
+class Qwen3CoderToolParser:
+    """Stateless parser for one request's tools; `stream()` makes a per-choice streaming state.
+    forced: the output is held to the call grammar, so a call it ends inside is text, not a call."""
+
+    def __init__(self, tools: list[dict] | None = None, forced: bool = False):
         self.properties = tool_properties(tools)
+        self.forced = forced
 
     def parse(self, text: str, final: bool = True, resume: "_Resume | None" = None) -> ToolCallParse:
         """Parse `text`; with `final` False keep only what later text cannot change. `resume`
@@ -263,6 +280,11 @@ class Qwen3CoderToolParser:
         return call, end
 
     def extract_tool_calls(self, text: str) -> ExtractedToolCalls:
+        if self.forced:
+            ended, cut = split_cut_call(text)
+            calls = self.parse(ended, final=True).calls if ended else []
+            return ExtractedToolCalls(cut or None, [ToolCall(new_tool_call_id(), c.name, c.arguments_json())
+                                                    for c in calls], bool(cut))
         parsed = self.parse(text, final=True)
         if not parsed.calls:
             return ExtractedToolCalls(text, [])
@@ -329,20 +351,39 @@ class Qwen3CoderStream:
         self.ids: list[str] = []
         self.sent_args: list[str] = []
         self.resume = _Resume()
+        self.ended = 0  # forced: the length of the text through the last `</tool_call>`
+        self.cut = False  # forced, after finish(): the output ends inside a call
 
     @property
     def tools_called(self) -> bool:
         return bool(self.ids)
 
     def feed(self, delta_text: str) -> StreamDelta:
+        if self.parser.forced:  # a call goes out once it has ended: until then the limit may cut it
+            start = max(self.ended, len(self.text) - len(TOOL_CALL_END) + 1)  # a new `</tool_call>` ends past it
+            self.text += delta_text
+            return self._forced(start, final=False)
         self.text += delta_text
         return self._diff(self.parser.parse(self.text, final=False, resume=self.resume))
 
     def finish(self) -> StreamDelta:
+        if self.parser.forced:
+            return self._forced(self.ended, final=True)
         parsed = self.parser.parse(self.text, final=True, resume=self.resume)
         if not parsed.calls:  # never a call after all: everything held back is content
             parsed = ToolCallParse(self.text, [], False)
         return self._diff(parsed)
+
+    def _forced(self, start: int, final: bool) -> StreamDelta:
+        """split_cut_call, as the text grows: new calls once they end, the cut text at the end."""
+        end = self.text.rfind(TOOL_CALL_END, start)
+        out = StreamDelta()
+        if end != -1:
+            self.ended = end + len(TOOL_CALL_END)
+            out = self._diff(self.parser.parse(self.text[:self.ended], final=True))
+        out.content = self.text[self.ended:].lstrip() if final else ""
+        self.cut = bool(out.content)
+        return out
 
     def _diff(self, parsed: ToolCallParse) -> StreamDelta:
         out = StreamDelta()
