@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import triton
 
 from qv.kernels.cuda_build import KernelBuild, cupy_or_none, kernel_for, launch, pointer, resident_blocks
-from qv.kernels.linear import FP8Weight, GPTQWeight, W12Weight
+from qv.kernels.linear import FP8Weight, GPTQWeight, W12Weight, on_rows
 from qv.kernels.linear.triton import dequant_matmul
 from qv.kernels.linear.triton_fp8 import fp8_linear
 from qv.kernels.linear.triton_int4 import dequant_matmul_int4
@@ -142,18 +142,12 @@ def linear(x, weight, bias=None):
     if not isinstance(weight, GPTQWeight):
         w = weight if weight.dtype == x.dtype else weight.to(x.dtype)
         return F.linear(x, w, None if bias is None else bias.to(x.dtype))
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    if x2.stride(-1) != 1 or x2.stride(0) % 4:
-        x2 = x2.contiguous()
-    m = x2.shape[0]
-    n = weight.out_features
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0:
-        return out.view(*shape[:-1], n)
-    if applies(x2, weight, bias) and (gemv_m884 if m <= GEMV_MAX_ROWS else gemm_m884)(x2, weight, bias, out):
-        return out.view(*shape[:-1], n)
+    return on_rows(x, weight.out_features, lambda x2, out: _gptq_rows(x2, weight, bias, out), row_align=4)
+
+
+def _gptq_rows(x2, weight, bias, out) -> None:
+    if applies(x2, weight, bias) and (gemv_m884 if x2.shape[0] <= GEMV_MAX_ROWS else gemm_m884)(x2, weight, bias, out):
+        return
     # Triton dequantization (no tl.dot), then cuBLAS
     (dequant_matmul if weight.bits == 8 else dequant_matmul_int4)(x2, weight, bias, out)
-    return out.view(*shape[:-1], n)
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from qv.kernels.linear import FP8Weight, GPTQWeight, W12Weight
+from qv.kernels.linear import FP8Weight, GPTQWeight, W12Weight, on_rows
 from qv.kernels.linear.configs import (chunked_cols, gemv_config, gemv_cuda_config, gemv_kind, gemv_mma_config,
                                       gptq_config, tc_config)
 from qv.kernels.linear.cuda_sm90 import gemv_cuda
@@ -168,43 +168,41 @@ def dequant_matmul(x2, w, bias, out, cols=None):
 def gptq_linear(x, w, bias=None, config=None):
     if w.bits == 4:  # 4-bit weights: triton_int4.py
         return int4_linear(x, w, bias, config)
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    return on_rows(x, w.qweight.shape[1], lambda x2, out: _gptq_rows(x2, w, bias, out, config))
+
+
+def _gptq_rows(x2, w, bias, out, config) -> None:
+    """gptq_linear on 2-D rows into out (the paths by rows: module docstring)."""
     m, k = x2.shape
-    n = w.qweight.shape[1]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0:
-        return out.view(*shape[:-1], n)
+    n = out.shape[1]
     sequential = w.is_sequential()
     config = dict(config or {})
-    kind = config.pop("kind", None) or gemv_kind(x.device, m, x.dtype)
+    kind = config.pop("kind", None) or gemv_kind(x2.device, m, x2.dtype)
     if kind == "cuda":
-        if sequential and gemv_cuda(x2, w, bias, out, dict(gemv_cuda_config(x.device), **config)):
-            return out.view(*shape[:-1], n)
+        if sequential and gemv_cuda(x2, w, bias, out, dict(gemv_cuda_config(x2.device), **config)):
+            return
         kind, config = ("fma" if m == 1 else "mma"), {}  # where it does not apply: the next best measured
     if kind == "fma" and m <= 4 and sequential:
-        if gemv_fma(x2, w, bias, out, dict(gemv_config(x.device, m, n, k), **config)):
-            return out.view(*shape[:-1], n)
-    if kind == "mma" and m <= 16 and sequential and x.dtype in (torch.float16, torch.bfloat16):
-        if gemv_mma(x2, w, bias, out, dict(gemv_mma_config(x.device), **config)):
-            return out.view(*shape[:-1], n)
+        if gemv_fma(x2, w, bias, out, dict(gemv_config(x2.device, m, n, k), **config)):
+            return
+    if kind == "mma" and m <= 16 and sequential and x2.dtype in (torch.float16, torch.bfloat16):
+        if gemv_mma(x2, w, bias, out, dict(gemv_mma_config(x2.device), **config)):
+            return
     if kind == "tc":
-        if gemm(x2, w, bias, out, dict(tc_config(x.device, m), **config)):
-            return out.view(*shape[:-1], n)
+        if gemm(x2, w, bias, out, dict(tc_config(x2.device, m), **config)):
+            return
         # act-order weights (any g_idx: the chunked dequantization gathers their scales), unaligned tensors
         kind, config = ("chunked" if m > 64 else "dot"), {}
     if kind == "chunked":
-        dequant_matmul(x2, w, bias, out, config.pop("cols", chunked_cols(x.device, m)))
-        return out.view(*shape[:-1], n)
+        dequant_matmul(x2, w, bias, out, config.pop("cols", chunked_cols(x2.device, m)))
+        return
     if kind != "dot":  # that GEMV's settings do not apply to the paths below
         config = {}
-    if m >= config.pop("dequant_min_m", 1 << 30 if interpreting(x.device) else 1024):
+    if m >= config.pop("dequant_min_m", 1 << 30 if interpreting(x2.device) else 1024):
         dequant_matmul(x2, w, bias, out)
-        return out.view(*shape[:-1], n)
-    f16 = sequential and x.dtype in (torch.float16, torch.bfloat16)
-    cfg = dict(gptq_config(x.device, m, n, k, w.group_size, f16), **(config or {}))
+        return
+    f16 = sequential and x2.dtype in (torch.float16, torch.bfloat16)
+    cfg = dict(gptq_config(x2.device, m, n, k, w.group_size, f16), **(config or {}))
     bm, bn, bk = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
     gather = not sequential
     while not gather and w.group_size % bk:  # a K tile must not straddle two groups
@@ -217,13 +215,13 @@ def gptq_linear(x, w, bias=None, config=None):
     rows = None
     if cfg.pop("x_f16", False) and f16_mode == 2 and x2.dtype == torch.bfloat16:
         x2, rows = rows_to_f16(x2)
-    asm = cfg.pop("asm", False) and not interpreting(x.device)
+    asm = cfg.pop("asm", False) and not interpreting(x2.device)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     split, waves = cfg.pop("split"), cfg.pop("waves", 4)
     if split is None:  # about `waves` waves of programs over the SMs
-        split = max(1, min(triton.cdiv(waves * num_sms(x.device), tiles), k // (4 * bk)))
+        split = max(1, min(triton.cdiv(waves * num_sms(x2.device), tiles), k // (4 * bk)))
     split, k_split = k_ranges(k, split, bk)
-    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x2.device) if split > 1 else out
     zeros = w.zeros if w.zeros is not None else w.scales
     gptq_matmul_kernel[(tiles, split)](
         x2, w.qweight, w.scales, zeros, w.g_idx, bias if bias is not None else w.scales,
@@ -233,10 +231,10 @@ def gptq_linear(x, w, bias=None, config=None):
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.pop("GROUP_M"), HAS_ZERO=w.zeros is not None,
         HAS_BIAS=bias is not None, GATHER=gather, F16=f16_mode,
         TILE_SCALE=f16_mode == 1 and x2.dtype == torch.bfloat16, SPLIT=split > 1,
-        F32_DOT=interpreting(x.device) and x2.dtype == torch.bfloat16, ASM=asm, ROW_SCALE=rows is not None, **cfg)
+        F32_DOT=interpreting(x2.device) and x2.dtype == torch.bfloat16, ASM=asm, ROW_SCALE=rows is not None, **cfg)
     if split > 1:
         sum_partials(part, bias, out)
-    return out.view(*shape[:-1], n)
+
 
 
 def linear(x, weight, bias=None, *, config=None):

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qv.kernels.linear import FP8Weight, W12Weight
+from qv.kernels.linear import FP8Weight, W12Weight, on_rows
 from qv.kernels.linear.reference import FP8_MAX
 from qv.kernels.linear.triton_gemv import k_ranges, store_tile, sum_partials
 from qv.kernels.triton_utils import grouped_tile, interpreting, next_pow2, num_sms
@@ -364,23 +364,20 @@ def chunked_fp8(x2, w, bias, out, cols=None):
 def fp8_linear(x, w: FP8Weight | W12Weight, bias=None, config=None, tensor_cores: bool = True):
     """y = x W^T (+ bias) for an FP8Weight or W12Weight; config: {"kind": fma|dot|scaled_mm|w8a8 (FP8 only)|chunked,
     "split", "cols", tiles}."""
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    return on_rows(x, w.out_features, lambda x2, out: _fp8_rows(x2, w, bias, out, config, tensor_cores))
+
+
+def _fp8_rows(x2, w, bias, out, config, tensor_cores):
+    """fp8_linear on 2-D rows: fills out, or returns scaled_mm's own result tensor."""
     m = x2.shape[0]
-    n = w.out_features
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0:
-        return out.view(*shape[:-1], n)
     config = dict(config or {})
-    kind = config.pop("kind", None) or fp8_kind(x.device, m, w, tensor_cores)
+    kind = config.pop("kind", None) or fp8_kind(x2.device, m, w, tensor_cores)
     if kind == "scaled_mm" and x2.dtype == torch.float32:
         kind = "w8a8"  # torch's FP8 GEMM writes 16-bit outputs here
     if kind == "scaled_mm":
         if isinstance(w, W12Weight) or w.block != (128, 128):
             raise ValueError("fp8_linear: scaled_mm takes FP8 weights in 128 x 128 blocks")
-        return scaled_mm_fp8(x2, w, bias).view(*shape[:-1], n)
+        return scaled_mm_fp8(x2, w, bias)
     if kind == "fma":
         if m > SM70_GEMV_MAX_ROWS:
             raise ValueError(f"fp8_linear: the FMA GEMV takes at most {SM70_GEMV_MAX_ROWS} rows, not {m}")
@@ -395,7 +392,6 @@ def fp8_linear(x, w: FP8Weight | W12Weight, bias=None, config=None, tensor_cores
         chunked_fp8(x2, w, bias, out, config.pop("cols", None))
     else:
         raise ValueError(f"fp8_linear: unknown kind {kind!r}: expected fma, dot, scaled_mm, w8a8 or chunked")
-    return out.view(*shape[:-1], n)
 
 
 __all__ = ["FP8_MAX", "fp8_kind", "fp8_linear", "quantize_rows"]

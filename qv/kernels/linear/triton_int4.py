@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qv.kernels.linear import GPTQWeight
+from qv.kernels.linear import GPTQWeight, on_rows
 from qv.kernels.linear.configs import gemv_cuda_config, gemv_kind
 from qv.kernels.linear.cuda_sm90 import gemv_cuda
 from qv.kernels.linear.triton_gemv import k_ranges, store_tile, sum_partials
@@ -160,34 +160,33 @@ def _gemv_slices(x2, w, bias, out, cfg) -> bool:
 def int4_linear(x, w, bias=None, config=None):
     """y = x W^T (+ bias) for a 4-bit GPTQWeight; `config` overrides int4_config's entries (and
     dequant_min_m, the rows from which the dequantize + cuBLAS path runs)."""
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    m, k = x2.shape
-    n = w.out_features
+    k = x.shape[-1]
     if k != w.in_features or k % 2:
         raise ValueError(f"int4_linear: x has {k} inputs, the 4-bit weight {w.in_features} (an even count)")
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0:
-        return out.view(*shape[:-1], n)
+    return on_rows(x, w.out_features, lambda x2, out: _int4_rows(x2, w, bias, out, config))
+
+
+def _int4_rows(x2, w, bias, out, config) -> None:
+    """int4_linear on 2-D rows into out (the paths by rows: module docstring)."""
+    m, k = x2.shape
+    n = out.shape[1]
     config = dict(config or {})
-    kind = config.pop("kind", None) or ("cuda" if m <= CUDA_ROWS and gemv_kind(x.device, 1, x.dtype) == "cuda"
+    kind = config.pop("kind", None) or ("cuda" if m <= CUDA_ROWS and gemv_kind(x2.device, 1, x2.dtype) == "cuda"
                                         else "triton")
     if kind not in ("cuda", "triton"):
         raise ValueError(f"int4_linear: kind {kind!r}; 4-bit weights run kind 'cuda' (the raw-CUDA GEMV) or 'triton'")
-    if kind == "cuda" and _gemv_slices(x2, w, bias, out, dict(gemv_cuda_config(x.device), **config)):
-        return out.view(*shape[:-1], n)
+    if kind == "cuda" and _gemv_slices(x2, w, bias, out, dict(gemv_cuda_config(x2.device), **config)):
+        return
     if kind == "cuda":
         config = {}  # where the CUDA GEMV does not apply (act-order, odd shapes): the Triton kernel's defaults
-    cfg = int4_config(x.device, m)
+    cfg = int4_config(x2.device, m)
     unknown = set(config) - set(cfg) - {"dequant_min_m"}
     if unknown:
         raise ValueError(f"int4_linear: unknown settings {sorted(unknown)} (the 4-bit kernel takes {sorted(cfg)})")
     cfg.update(config)
-    if m >= cfg.pop("dequant_min_m", 1 << 30 if interpreting(x.device) else DEQUANT_MIN_M):
+    if m >= cfg.pop("dequant_min_m", 1 << 30 if interpreting(x2.device) else DEQUANT_MIN_M):
         dequant_matmul_int4(x2, w, bias, out)
-        return out.view(*shape[:-1], n)
+        return
     bm, bn, bk = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
     gather = not w.is_sequential()
     while not gather and w.group_size % bk:  # a K tile must not straddle two groups
@@ -197,16 +196,15 @@ def int4_linear(x, w, bias=None, config=None):
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     split, waves = cfg.pop("split"), cfg.pop("waves")
     if split is None:  # about `waves` waves of programs over the SMs
-        split = max(1, min(triton.cdiv(waves * num_sms(x.device), tiles), k // (4 * bk)))
+        split = max(1, min(triton.cdiv(waves * num_sms(x2.device), tiles), k // (4 * bk)))
     split, k_split = k_ranges(k, split, bk)
-    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x2.device) if split > 1 else out
     int4_matmul_kernel[(tiles, split)](
         x2, w.qweight, w.scales, w.zeros if w.zeros is not None else w.scales, w.g_idx,
         bias if bias is not None else w.scales, part, m, n, k, k_split, w.group_size,
         x2.stride(0), w.qweight.stride(0), w.scales.stride(0), part.stride(-2), part.stride(0) if split > 1 else 0,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.pop("GROUP_M"), HAS_ZERO=w.zeros is not None,
         HAS_BIAS=bias is not None, GATHER=gather, SPLIT=split > 1,
-        F32_DOT=interpreting(x.device) or x2.dtype == torch.float32, **cfg)
+        F32_DOT=interpreting(x2.device) or x2.dtype == torch.float32, **cfg)
     if split > 1:
         sum_partials(part, bias, out)
-    return out.view(*shape[:-1], n)
