@@ -22,6 +22,14 @@ def _slot_rows(slot_start_ptr, s, num_rows, HAS_SLOTS: tl.constexpr):
 
 
 @triton.jit
+def _row_tile(rows_ptr, m0, r1, BM: tl.constexpr):
+    """BM of a slot's rows from m0 (masked at its end r1): their positions, mask and the x/y rows they name."""
+    o_m = m0 + tl.arange(0, BM)
+    m_m = o_m < r1
+    return o_m, m_m, tl.load(rows_ptr + o_m, mask=m_m, other=0).to(tl.int64)
+
+
+@triton.jit
 def _mm(a, b, IEEE: tl.constexpr, DOT: tl.constexpr):
     """a [M, R] @ b [R, N] in fp32: tl.dot, or (DOT off: sm_70, where Triton's tl.dot is wrong) CUDA-core sums."""
     if DOT:
@@ -43,9 +51,7 @@ def shrink_kernel(t_ptr, x_ptr, rows_ptr, slot_start_ptr, a_ptr, scale_ptr, slot
     hi = tl.load(slot_rows_ptr + s * M1 + M1 - 1)
     j0 = lo + tl.program_id(2) * BR
     if (m0 < r1) & (j0 < hi):
-        o_m = m0 + tl.arange(0, BM)
-        m_m = o_m < r1
-        row = tl.load(rows_ptr + o_m, mask=m_m, other=0).to(tl.int64)
+        o_m, m_m, row = _row_tile(rows_ptr, m0, r1, BM)
         o_j = j0 + tl.arange(0, BR)
         m_j = o_j < hi
         acc = tl.zeros([BM, BR], dtype=tl.float32)
@@ -80,9 +86,7 @@ def expand_kernel(y_ptr, t_ptr, rows_ptr, slot_start_ptr, b_ptr, b_off_ptr, col_
         j_lo = tl.where(hit, tl.minimum(j_lo, tl.load(base + m)), j_lo)
         j_hi = tl.where(hit, tl.maximum(j_hi, tl.load(base + m + 1)), j_hi)
     if (m0 < r1) & (j_lo < j_hi):
-        o_m = m0 + tl.arange(0, BM)
-        m_m = o_m < r1
-        row = tl.load(rows_ptr + o_m, mask=m_m, other=0).to(tl.int64)
+        o_m, m_m, row = _row_tile(rows_ptr, m0, r1, BM)
         o_n = n0 + tl.arange(0, BN)
         m_n = o_n < N
         acc = tl.zeros([BM, BN], dtype=tl.float32)
