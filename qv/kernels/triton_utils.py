@@ -69,3 +69,13 @@ def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
     first_m = pid // (GROUP_M * n_n) * GROUP_M
     size_m = tl.minimum(n_m - first_m, GROUP_M)
     return first_m + (pid % (GROUP_M * n_n)) % size_m, (pid % (GROUP_M * n_n)) // size_m
+
+
+@triton.jit
+def output_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's [BLOCK_M, BLOCK_N] output tile (grouped_tile's order over grid axis 0): its row and column
+    offsets, int64 so row * stride cannot overflow, and their in-bounds masks."""
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    o_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    o_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    return o_m, o_n, o_m < M, o_n < N

@@ -36,7 +36,7 @@ from qv.kernels.linear.triton_fp8 import fp8_linear
 from qv.kernels.linear.triton_gemm import gemm, rows_to_f16
 from qv.kernels.linear.triton_int4 import int4_linear
 from qv.kernels.linear.triton_gemv import codes_f16, gemv_fma, gemv_mma, k_ranges, store_tile, sum_partials
-from qv.kernels.triton_utils import grouped_tile, interpreting, next_pow2, num_sms
+from qv.kernels.triton_utils import interpreting, next_pow2, num_sms, output_tile
 
 
 @triton.jit
@@ -72,10 +72,7 @@ def gptq_matmul_kernel(
     HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, GATHER: tl.constexpr, F16: tl.constexpr,  # 0, 1 or 2
     TILE_SCALE: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr, ASM: tl.constexpr, ROW_SCALE: tl.constexpr,
 ):
-    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    o_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    o_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    m_m, m_n = o_m < M, o_n < N
+    o_m, o_n, m_m, m_n = output_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     k_lo = tl.program_id(1) * K_SPLIT
     k_hi = tl.minimum(K, k_lo + K_SPLIT)
     cd = x_ptr.dtype.element_ty

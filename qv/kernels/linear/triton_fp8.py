@@ -35,7 +35,7 @@ import triton.language as tl
 from qv.kernels.linear import FP8Weight, W12Weight, on_rows
 from qv.kernels.linear.reference import FP8_MAX
 from qv.kernels.linear.triton_gemv import k_ranges, store_tile, sum_partials
-from qv.kernels.triton_utils import grouped_tile, interpreting, next_pow2, num_sms
+from qv.kernels.triton_utils import interpreting, next_pow2, num_sms, output_tile
 
 GEMV_MAX_ROWS = 4  # above, tensor cores (fp8_widen_kernel) beat the FMAs' issue rate
 SM70_GEMV_MAX_ROWS = 16  # the sm70 chain has no tl.dot: FMAs up to 16 rows, then cuBLAS on widened chunks
@@ -103,10 +103,7 @@ def fp8_widen_kernel(
     """x [M, K] times the weight's tiles widened to x's dtype on tensor cores, exactly: e4m3 / 256 fits fp16 and
     bf16, a W12 code fits fp16 (and fp32), and in bf16 it goes as two dots, (c >> 8) * 256 + (c & 255). The
     scale (times 256 for FP8) multiplies each column of the K step's dot."""
-    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    o_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    o_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    m_m, m_n = o_m < M, o_n < N
+    o_m, o_n, m_m, m_n = output_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     k_lo = tl.program_id(1) * K_SPLIT
     k_hi = tl.minimum(K, k_lo + K_SPLIT)
     cd = x_ptr.dtype.element_ty
@@ -153,10 +150,7 @@ def fp8_w8a8_kernel(
 ):
     """e4m3 rows [M, K] (scales [M, K/BLOCK_K]) times e4m3 weight tiles on FP8 tensor cores; BLOCK_K is the
     weight's bk, so each K step has one activation scale per row and one weight scale per column."""
-    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    o_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    o_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    m_m, m_n = o_m < M, o_n < N
+    o_m, o_n, m_m, m_n = output_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for kk in range(0, tl.cdiv(K, BLOCK_K)):
         o_k = kk * BLOCK_K + tl.arange(0, BLOCK_K)

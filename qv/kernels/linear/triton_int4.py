@@ -29,7 +29,7 @@ from qv.kernels.linear import GPTQWeight, on_rows
 from qv.kernels.linear.configs import gemv_cuda_config, gemv_kind
 from qv.kernels.linear.cuda_sm90 import gemv_cuda
 from qv.kernels.linear.triton_gemv import k_ranges, store_tile, sum_partials
-from qv.kernels.triton_utils import grouped_tile, interpreting, num_sms
+from qv.kernels.triton_utils import interpreting, num_sms, output_tile
 
 CUDA_ROWS = 64  # rows up to which the raw-CUDA GEMV runs, 16-row slices (sm_90)
 DEQUANT_MIN_M = 1024  # rows from which the dequantized workspace + cuBLAS path runs (GPU)
@@ -43,10 +43,7 @@ def int4_matmul_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, GATHER: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr,
 ):
-    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    o_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    o_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    m_m, m_n = o_m < M, o_n < N
+    o_m, o_n, m_m, m_n = output_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     k_lo = tl.program_id(1) * K_SPLIT
     k_hi = tl.minimum(K, k_lo + K_SPLIT)
     cd = x_ptr.dtype.element_ty
