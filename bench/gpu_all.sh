@@ -2,7 +2,7 @@
 # One device call for the engine-level GPU checks and benchmarks; logs under $OUT.
 #   bash bench/gpu_all.sh SECTION...    sections: tests oracles sm70 specgpu newgpu (side by side: sm70 oracles,
 #   speculation and prompt-logprob GPU tests, graphs, the sm70 engine) engine spec spec27 ngram27 prefix
-#   prefix27 clef clef27 clefmix kernels bench27 fp8_27 w12_27 top1 plp mask hostile27 cutlass
+#   prefix27 clef clef27 clefmix mix27 soak27 kernels bench27 fp8_27 w12_27 top1 plp mask hostile27 cutlass
 # BENCH_KERNELS_ARGS passes options to bench/kernels.py (e.g. "--only attn,gdn --sweep attn,gdn");
 # BENCH27_ARGS to `qv bench --preset 27b` (e.g. "--prefill-lengths 32768 --profile").
 # The pytest sections run with OMP_NUM_THREADS=${PYTEST_THREADS:-4}: host-side fits (the MTP head's) crawl when
@@ -45,8 +45,20 @@ for section in "$@"; do
     hostile27)  # issue 40's attack suite against the 27B shapes (random weights, a random Clef head)
         python3 -c "from qv.bench.presets import write_preset; from qv.bench.clef_folder import add_clef; \
 add_clef(write_preset('27b', '/tmp/qv-hostile27'), '27b')"
-        run hostile27 ${HOSTILE27_S:-300} env QV_HOSTILE_MODEL=/tmp/qv-hostile27 python3 -m pytest -q tests/server/test_hostile.py \
+        run hostile27 ${HOSTILE27_S:-420} env QV_HOSTILE_MODEL=/tmp/qv-hostile27 python3 -m pytest -q tests/server/test_hostile.py \
           -p no:cacheprovider -rfE --durations=5 ;;
+    mix27)  # issue 33 at the full 64 layers: the grouped delta beside its GEMM, a mixed step's profile, records
+            # beside chats per max_step_ms (MIX27_MS="0 20 30 50" to sweep)
+        run grouped ${GROUPED_S:-90} python3 bench/grouped_delta.py
+        run clefprof ${CLEFPROF_S:-180} python3 bench/clef.py --dir /tmp/qv-clef-models --presets 27b --load-format random \
+          --lengths 8192 --counts 1 --profile-mixed
+        for t in ${MIX27_MS:-0 30}; do
+          run mix27-$t ${MIX27_S:-420} python3 bench/clef.py --presets 27b --load-format random --layers-27b 0 \
+            --counts 16,6,3 --max-step-ms $t; done ;;
+    soak27)  # issue 33's load run: 64 clients (chats, streamed chats, records, 10% hang-ups) for SOAK27_S seconds
+        run soak27 $(( ${SOAK27_S:-480} + 240 )) python3 -m qv.cli bench serve --preset 27b --chats 54 --records 10 \
+          --stream-fraction 0.5 --hangup-fraction 0.1 --record-lengths 1024,8192 --duration ${SOAK27_S:-480} \
+          --settle 60 --probes 4 --json "$out/soak27.json" ;;
     cutlass) run cutlass ${CUTLASS_S:-400} python3 bench/cutlass_probe.py --build-dir /tmp/qv-cutlass ;;  # needs the nvidia-cutlass wheel
     top1) run top1 60 python3 bench/lm_head_top1.py ;;
     mask) run mask 90 python3 bench/structured_mask.py --json "$out/mask.json" ;;

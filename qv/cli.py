@@ -245,7 +245,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
                          hangup_fraction=args.hangup_fraction, prompt_len=args.prompt_len, output_len=args.output_len,
                          record_lengths=_int_list(args.record_lengths), request_rate=args.request_rate,
                          concurrency=args.concurrency, duration_s=args.duration, seed=args.seed,
-                         model_name=args.served_model or "")
+                         model_name=args.served_model or "", settle_s=args.settle, probes=args.probes)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if args.url:
@@ -289,6 +289,11 @@ def build_bench_serve_parser() -> argparse.ArgumentParser:
                    help="most requests in flight with --request-rate (0: chats + records)")
     p.add_argument("--duration", type=float, default=30.0, help="seconds new requests are sent")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and the mix")
+    p.add_argument("--settle", type=float, default=0.0,
+                   help="seconds into the load at which the server's memory counts as settled (0: a quarter of "
+                        "--duration); the report sets the end against it")
+    p.add_argument("--probes", type=int, default=2,
+                   help="greedy probe chats sent before the load and after the drain, whose answers must match")
     p.add_argument("--json", default=None, metavar="OUT", help="also write the report as JSON")
     p.set_defaults(fn=cmd_bench_serve, command="bench serve")
     return p

@@ -12,7 +12,8 @@ from qv.cli import main
 
 LATENCIES = ("ttft_ms", "itl_ms", "chat_e2e_ms", "record_e2e_ms")
 ROWS = ("chat TTFT", "chat ITL", "chat end-to-end", "record end-to-end", "output tok/s", "prompt tok/s", "records/s",
-        "errors", "server: preemptions", "server: mean queue time", "server: requests finished")
+        "errors", "server: preemptions", "server: mean queue time", "server: requests finished",
+        "server RSS: settled -> end", "greedy probes identical before and after")
 
 
 def test_bench_serve_reports_a_complete_table_and_json(tmp_path, capsys):
@@ -40,11 +41,26 @@ def test_bench_serve_reports_a_complete_table_and_json(tmp_path, capsys):
     # the server saw at least what the client counted as finished, and the queue-time histogram moved
     assert server["requests_finished"] >= counts["chats"] + counts["records"]
     assert server["queue_time_mean_ms"] is not None and server["prompt_tokens"] > 0
+    # the soak checks: the probes answered alike on the idle server, and the server said where its memory stood
+    assert report["probes"] == {"n": 2, "identical": True, "mismatched": []}, report["probes"]
+    memory = report["memory"]
+    assert memory["rss_settled_mib"] > 50 and memory["rss_end_mib"] > 50 and isinstance(memory["rss_change"], float)
+    assert memory["device_settled_mib"] == memory["device_end_mib"] == 0 and memory["device_change"] is None  # CPU
+
+
+def test_memory_change_is_relative_to_where_it_settled():
+    from qv.bench.serve import _memory_change
+
+    got = _memory_change({"rss": 100 * 2**20, "device": None}, {"rss": 104 * 2**20, "device": 5.0})
+    assert got == {"rss_settled_mib": 100.0, "rss_end_mib": 104.0, "rss_change": 0.04,
+                   "device_settled_mib": None, "device_end_mib": 5.0 / 2**20, "device_change": None}
 
 
 @pytest.mark.parametrize("kw, says", [({"chats": 0, "records": 0}, "at least one"),
                                       ({"hangup_fraction": 1.5}, "hangup_fraction"),
-                                      ({"record_lengths": ()}, "record length")])
+                                      ({"record_lengths": ()}, "record length"),
+                                      ({"settle_s": 40.0, "duration_s": 30.0}, "settle_s"),
+                                      ({"probes": -1}, "probes")])
 def test_bad_mixes_are_refused_with_the_cause(kw, says):
     with pytest.raises(ValueError, match=says):
         ServeSpec(**kw)

@@ -8,7 +8,9 @@ hanging up mid-stream) and record clients (POST /v1/systemone with states of `re
 words). Closed loop by default (each client sends its next request when the last one ends); with a
 request rate, arrivals are Poisson and `concurrency` caps the requests in flight. The report is one
 markdown table and a JSON record: TTFT, ITL and end-to-end percentiles, output, prompt and record
-throughput, errors, and the deltas of the server's own /metrics over the run.
+throughput, errors, and the deltas of the server's own /metrics over the run. For soaks it also reports the
+server's RSS and device memory where they settled (`settle_s` into the load) against the end, and whether
+fixed greedy probe chats, sent to the idle server before the load and after the drain, answer the same.
 
     report = asyncio.run(drive(url, ServeSpec(...)))   # against a running server
     print(serve_markdown(report))
@@ -56,10 +58,14 @@ class ServeSpec:
     duration_s: float = 30.0
     seed: int = 0
     model_name: str = ""  # the served name chats ask for; "": the server's first /v1/models entry
+    settle_s: float = 0.0  # seconds into the load at which memory counts as settled; 0: a quarter of the duration
+    probes: int = 2  # greedy probe chats before the load and after the drain
 
     def __post_init__(self):
-        bad = [f"{k} must be >= 0" for k in ("chats", "records", "prompt_len", "request_rate", "concurrency")
-               if getattr(self, k) < 0]
+        bad = [f"{k} must be >= 0" for k in ("chats", "records", "prompt_len", "request_rate", "concurrency",
+                                             "settle_s", "probes") if getattr(self, k) < 0]
+        if self.settle_s >= self.duration_s > 0:
+            bad.append("settle_s must be shorter than the duration")
         bad += [f"{k} must be in [0, 1]" for k in ("stream_fraction", "hangup_fraction")
                 if not 0 <= getattr(self, k) <= 1]
         if self.chats + self.records == 0:
@@ -219,6 +225,7 @@ async def drive(url: str, spec: ServeSpec, api_key: str | None = None) -> dict:
             if probe.status_code in (400, 404):
                 raise StartupError(f"the server answers no records (HTTP {probe.status_code}: {probe.text}); run with "
                                    f"--records 0, or serve a model with a Clef head")
+        probes_before = await _probe_answers(client, model, spec, "before")
         before = await _server_metrics(client)
         driver = _Driver(client, spec, model)
         t0 = time.perf_counter()
@@ -228,10 +235,68 @@ async def drive(url: str, spec: ServeSpec, api_key: str | None = None) -> dict:
         else:
             work = [driver.closed_loop("chat", end) for _ in range(spec.chats)]
             work += [driver.closed_loop("record", end) for _ in range(spec.records)]
+        settled = asyncio.create_task(_memory_after(client, spec.settle_s or spec.duration_s / 4))
         await asyncio.wait_for(asyncio.gather(*work), spec.duration_s + DRAIN_S)
         elapsed = time.perf_counter() - t0
         after = await _server_metrics(client)
-    return _report(url, spec, model, driver.tally, elapsed, before, after)
+        memory = _memory_change(await settled, await _server_memory(client))
+        probes_after = await _probe_answers(client, model, spec, "after")
+    report = _report(url, spec, model, driver.tally, elapsed, before, after)
+    mismatched = [i for i, (a, b) in enumerate(zip(probes_before, probes_after)) if a != b]
+    report.update(memory=memory, probes={"n": len(probes_before), "identical": not mismatched,
+                                         "mismatched": mismatched})
+    return report
+
+
+async def _probe_answers(client, model: str, spec: ServeSpec, phase: str) -> list[str]:
+    """The texts of spec.probes fixed greedy chats, one at a time on the otherwise idle server. Each phase
+    salts the prefix cache, so the second phase recomputes its prompts exactly as the first did."""
+    rng = random.Random(f"probe-{spec.seed}")
+    answers = []
+    for i in range(spec.probes):
+        words = " ".join(rng.choice(WORDS) for _ in range(8 + 4 * i))
+        r = await client.post("/v1/chat/completions", json={
+            "model": model, "messages": [{"role": "user", "content": words}], "max_tokens": 16, "temperature": 0.0,
+            "cache_salt": f"qv-bench-probe-{phase}"})
+        if r.status_code != 200:
+            raise StartupError(f"a greedy probe chat failed ({phase} the load): HTTP {r.status_code}: {r.text}")
+        answers.append(r.json()["choices"][0]["message"]["content"] or "")
+    return answers
+
+
+# the server's memory as /metrics tells it: prometheus-client's process collector and qv's device gauge
+MEMORY_METRICS = {"rss": "process_resident_memory_bytes", "device": "qv:device_memory_reserved_bytes"}
+
+
+async def _server_memory(client) -> dict[str, float | None]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = await client.get("/metrics")
+    r.raise_for_status()
+    out: dict[str, float | None] = dict.fromkeys(MEMORY_METRICS)
+    names = {v: k for k, v in MEMORY_METRICS.items()}
+    for family in text_string_to_metric_families(r.text):
+        for sample in family.samples:
+            if sample.name in names:
+                key = names[sample.name]
+                out[key] = (out[key] or 0.0) + sample.value
+    return out
+
+
+async def _memory_after(client, delay_s: float) -> dict[str, float | None]:
+    await asyncio.sleep(delay_s)
+    return await _server_memory(client)
+
+
+def _memory_change(settled: dict, end: dict) -> dict:
+    """MiB where memory settled and at the end, and the relative change (None where the server does not say)."""
+    out = {}
+    for key in MEMORY_METRICS:
+        a, b = settled[key], end[key]
+        out[f"{key}_settled_mib"] = None if a is None else a / 2**20
+        out[f"{key}_end_mib"] = None if b is None else b / 2**20
+        out[f"{key}_change"] = (b - a) / a if a and b is not None else None
+    return out
 
 
 async def _server_metrics(client) -> dict[str, float]:
@@ -299,6 +364,14 @@ def serve_markdown(report: dict) -> str:
                ("server: mean queue time (ms)", ms(srv["queue_time_mean_ms"])),
                ("server: requests finished", f"{srv['requests_finished']:.0f}"),
                ("server: admission rejections", f"{srv['admission_rejections']:.0f}"))
+    mem, probes = report["memory"], report["probes"]
+    for key, name in (("rss", "server RSS"), ("device", "server device memory")):
+        if mem[f"{key}_settled_mib"] is not None and mem[f"{key}_end_mib"] is not None:
+            change = "" if mem[f"{key}_change"] is None else f" ({100 * mem[f'{key}_change']:+.1f}%)"
+            scalars += ((f"{name}: settled -> end (MiB)",
+                         f"{mem[f'{key}_settled_mib']:.0f} -> {mem[f'{key}_end_mib']:.0f}{change}"),)
+    scalars += (("greedy probes identical before and after",
+                 f"{'yes' if probes['identical'] else 'no: ' + str(probes['mismatched'])} ({probes['n']})"),)
     lines += [f"| {name} | | {value} | | | |" for name, value in scalars]
     lines += [f"\nerror: {e}" for e in report["error_samples"]]
     return "\n".join(lines)

@@ -16,6 +16,7 @@ serves them) and the process, platform and GC collectors of prometheus-client jo
 
 from __future__ import annotations
 
+import sys
 import time
 
 from prometheus_client import (CollectorRegistry, Counter, GCCollector, Histogram,
@@ -54,6 +55,13 @@ def step_token_histogram(name: str, doc: str, labels: list[str], step_tokens: di
     return h
 
 
+def _device_memory_reserved() -> float:
+    torch = sys.modules.get("torch")  # never imported here: a server that has not loaded a model must not load it
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return 0.0
+    return float(sum(torch.cuda.memory_reserved(i) for i in range(torch.cuda.device_count())))
+
+
 class _EngineCollector:
     def __init__(self, engine, labels: tuple[str, str], cache_config: dict[str, str]):
         self.engine, self.labels, self.cache_config = engine, labels, cache_config
@@ -73,6 +81,9 @@ class _EngineCollector:
             return c
 
         yield gauge("vllm:num_requests_running", "Sequences in the running batch.", s.num_running)
+        yield gauge("qv:device_memory_reserved_bytes", "Device memory torch's caching allocator holds in this "
+                    "process, over its GPUs (0 without one; tensor-parallel workers not included).",
+                    _device_memory_reserved())
         yield gauge("vllm:num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting)
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache block usage (1 = full).", s.kv_cache_usage)
         yield gauge("vllm:gpu_cache_usage_perc", "KV-cache block usage (1 = full); vLLM's legacy name of "
