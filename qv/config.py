@@ -84,8 +84,9 @@ class EngineConfig(BaseSettings):
         "Pack the attention q/k/v projections that load dense in bf16/fp16 (the checkpoint keeps them out of "
         "GPTQ/FP8) into 12-bit integers at load (1.5 bytes a weight, 0.75x bf16; representation error in "
         "docs/VALIDATION.md), cached on GPUs in state_dir/w12 by model, shape and tensor-parallel rank. fp32 runs "
-        "and quantized projections are left as they are. Off until its decode is measured no slower than bf16 "
-        "projections on a GPU (docs/BENCHMARKS.md).")
+        "and quantized projections are left as they are. Off: its decode GEMV measured 1.5x slower than bf16 "
+        "projections at batch 1 on an H100 (docs/BENCHMARKS.md), so it saves memory, not time, until that kernel "
+        "is replaced.")
     lm_head_int8: bool = lever(
         False, "Quantize a dense lm_head at load to int8 with one scale per vocabulary row (halves the 2.54 GB the "
         "27B reads every step; sampler logits and MTP drafts use it; logprobs carry the bound in VALIDATION.md).")
