@@ -33,6 +33,15 @@ def test_source_compiles(arch):
     assert ptx.count(b"mma.sync.aligned.m16n8k16") >= len(names)
 
 
+def gemv_row_cases(test):
+    """Every row count of one and two 8-row tiles, both dtypes, warps side by side (wk=1) or along K (wk=4)."""
+    for mark in (pytest.mark.parametrize("wk", [1, 4]), pytest.mark.parametrize("m", [1, 3, 8, 9, 16]),
+                 pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16]), needs_cuda_kernels,
+                 pytest.mark.gpu):
+        test = mark(test)
+    return test
+
+
 def _cuda_case(dtype, m, n, k, group, zeros=False, bias=False, cfg=None, x=None, bits=8):
     """The CUDA GEMV on NaN-poisoned output against the reference, row by row; it must report that it ran."""
     from qv.kernels.linear.configs import gemv_cuda_config
@@ -50,11 +59,7 @@ def _cuda_case(dtype, m, n, k, group, zeros=False, bias=False, cfg=None, x=None,
     return x, w, b, out
 
 
-@pytest.mark.gpu
-@needs_cuda_kernels
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
-@pytest.mark.parametrize("wk", [1, 4])
+@gemv_row_cases
 def test_cuda_gemv_gpu(dtype, m, wk):
     """Warps side by side (wk=1) or along K (wk=4) at odd and real shapes."""
     cfg = dict(wk=wk)
@@ -153,11 +158,7 @@ def test_cuda_gemv_eager_policy_gpu():
                  BOUND[torch.float16])
 
 
-@pytest.mark.gpu
-@needs_cuda_kernels
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
-@pytest.mark.parametrize("wk", [1, 4])
+@gemv_row_cases
 def test_cuda_gemv_int4_gpu(dtype, m, wk):
     """4-bit codes (nibbles split after the loads): symmetric and with zeros, the three group sizes, odd column
     counts, split-K."""
