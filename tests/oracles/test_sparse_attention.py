@@ -104,6 +104,53 @@ def test_block_stats_bound_every_key():
             assert bool(((rows - bm[b, j]).abs() <= bd[b, j] + 1e-6).all())
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8])
+def test_block_stats_kept_at_write_time_equal_a_rebuild(kv_dtype):
+    """update_block_stats after every write, read at each block's last page, equals block_stats rebuilt from the
+    page tables, bit for bit: prompt chunks that cross blocks, decode steps, an inert padding row (slot -1, as
+    a replayed graph pads), and a second sequence whose first three pages (ending inside a block) are the
+    first's, as a prefix-cache hit shares them, then its own."""
+    hkv, d = 2, 8
+    pages = torch.randperm(24).tolist()
+    tables = [pages[:11], pages[:3] + pages[11:20]]  # sequence 1 holds sequence 0's pages 0-2 (12 tokens)
+    kc = torch.zeros(24, PAGE, hkv, d, dtype=kv_dtype)
+    vc = torch.zeros_like(kc)
+    ks, vs = (torch.zeros(24, PAGE, hkv), torch.zeros(24, PAGE, hkv)) if kv_dtype == torch.int8 else (None, None)
+    mean, dev = S.new_page_stats(24, hkv, d, DEV)
+    blk_mean, blk_dev = S.new_page_stats(24, hkv, d, DEV)
+    written = {0: 0, 1: 12}
+    # (sequence, tokens) per step; sequence 1 joins once sequence 0 has written the shared pages
+    steps = ([(0, 27)], [(0, 10), (1, 13)], [(0, 1), (1, 1)], [(1, 1), (0, 1)], [(0, 1), (1, 1)])
+    for step in steps:
+        batch = [b for b, _ in step]
+        starts = [written[b] for b in batch]
+        ends = [written[b] + n for b, n in step]
+        slots = slots_for([tables[b] for b in batch], starts, ends, PAGE).to(DEV)
+        slots = torch.cat([slots, torch.tensor([-1])])  # the padding sequence's one row
+        t = slots.numel()
+        k = torch.randn(t, hkv, d)
+        run_reference(K.write_kv, k[:-1], torch.randn(t - 1, hkv, d), kc, vc, slots[:-1], ks, vs)
+        for b, e in zip(batch, ends):
+            written[b] = e
+        width = max(len(x) for x in tables)
+        bt = torch.tensor([tables[b] + [0] * (width - len(tables[b])) for b in batch] + [[pages[0]] * width],
+                          dtype=torch.int32)
+        sl = torch.tensor([written[b] for b in batch] + [1], dtype=torch.int32)
+        cu = cu_seqlens([n for _, n in step] + [1]).to(DEV)
+        S.update_page_stats(mean, dev, kc, ks, slots)
+        S.update_block_stats(blk_mean, blk_dev, mean, dev, bt, cu, sl, slots, PAGE, BLOCK_TOKENS)
+        nb = S.num_blocks(int(sl.max()), BLOCK_TOKENS)
+        real = slice(0, len(batch))
+        want = S.block_stats(mean, dev, bt[real], sl[real], PAGE, BLOCK_TOKENS, nb)
+        got = S.block_stats_at_last_pages(blk_mean, blk_dev, bt[real], sl[real], PAGE, BLOCK_TOKENS, nb)
+        for name, a, b in zip(("mean", "dev", "keys"), got, want):
+            assert torch.equal(a, b), f"step {step}: block {name} kept at write time differs from a rebuild"
+    # the check can fail: a block left stale (its last page's entry from before its latest key) is caught
+    blk_mean[tables[1][(written[1] - 1) // PAGE]] += 1.0
+    got = S.block_stats_at_last_pages(blk_mean, blk_dev, bt[real], sl[real], PAGE, BLOCK_TOKENS, nb)
+    assert not torch.equal(got[0], want[0])
+
+
 def _prefill_case(q_lens, ctx, hkv=2, rep=3, d=16, keys=None, q=None):
     lens = [a + b for a, b in zip(q_lens, ctx)]
     c = _cache(lens, hkv, d, keys=keys)

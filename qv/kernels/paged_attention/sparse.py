@@ -80,19 +80,24 @@ class SparsePolicy:
 
 @dataclass
 class SparseKV:
-    """One attention layer's page tables (sparse_reference.new_page_stats) and the policy that reads them."""
+    """One attention layer's tables and the policy that reads them: each page's (mean, dev) of its keys
+    (sparse_reference.update_page_stats) and, at each page, its selection block's (mean, dev) over the block's
+    pages up to it (update_block_stats), which the selection reads instead of rebuilding every block each step."""
 
     policy: SparsePolicy
     mean: torch.Tensor  # [pages + 1, Hkv, D] fp32 (last row: scratch)
     dev: torch.Tensor
+    block_mean: torch.Tensor  # [pages + 1, Hkv, D] fp32, the block's up to this page
+    block_dev: torch.Tensor
 
     @classmethod
     def allocate(cls, policy: SparsePolicy, num_pages: int, hkv: int, d: int, device) -> "SparseKV":
-        return cls(policy, *sparse_reference.new_page_stats(num_pages, hkv, d, device))
+        return cls(policy, *sparse_reference.new_page_stats(num_pages, hkv, d, device),
+                   *sparse_reference.new_page_stats(num_pages, hkv, d, device))
 
     @staticmethod
     def bytes_per_page(hkv: int, d: int) -> int:
-        return 2 * hkv * d * 4
+        return 4 * hkv * d * 4
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale, v_scale,
                slot_mapping: torch.Tensor, block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -100,14 +105,16 @@ class SparseKV:
         """After write_kv: refresh the tables from this step's writes (always, so they stay fresh whatever
         runs), then the sparse attention of the step, or None where the policy leaves it dense (the lever
         off for this kind of step, a prompt below min_len keys)."""
+        p, page_size = self.policy, k_cache.shape[1]
         sparse_reference.update_page_stats(self.mean, self.dev, k_cache, k_scale, slot_mapping)
-        p = self.policy
+        sparse_reference.update_block_stats(self.block_mean, self.block_dev, self.mean, self.dev, block_tables,
+                                            cu_seqlens_q, seq_lens, slot_mapping, page_size, p.block_tokens)
         decode = max_query_len <= DECODE_ROWS
         if not (p.decode if decode else p.prefill) or (not decode and max_seq_len < p.min_len):
             return None
         nb = sparse_reference.num_blocks(max_seq_len, p.block_tokens)
-        bm, bd, keys = sparse_reference.block_stats(self.mean, self.dev, block_tables, seq_lens, k_cache.shape[1],
-                                                    p.block_tokens, nb)
+        bm, bd, keys = sparse_reference.block_stats_at_last_pages(self.block_mean, self.block_dev, block_tables,
+                                                                  seq_lens, page_size, p.block_tokens, nb)
         if decode:
             keep = sparse_reference.select_decode(q, cu_seqlens_q, seq_lens, bm, bd, p.block_tokens, p.top,
                                                   p.min_blocks, p.gamma, p.sink, p.recent)

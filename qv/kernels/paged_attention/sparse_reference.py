@@ -3,7 +3,9 @@
 
 Keys are grouped in selection blocks of `block_tokens` positions (a whole number of cache pages). Each page
 keeps two tables, refreshed when keys are written to it (update_page_stats, from write_kv's slot mapping):
-its mean key and, per dimension, the largest distance of one of its keys from that mean (dev). A block's
+its mean key and, per dimension, the largest distance of one of its keys from that mean (dev). block_stats
+builds a block's from its pages'; the layers keep them at write time instead (update_block_stats, read by
+block_stats_at_last_pages, equal bit for bit). A block's
 score for a query q is q . mean + gamma * sum_d |q_d| dev_d: gamma 1 bounds every key's score in the block
 from above (Hoelder), gamma 0 is the mean key's score, which by Jensen gives a lower bound of the block's
 softmax mass (n * exp(q . mean) <= sum of exp(q . k)); the original runs gamma 0.5.
@@ -85,6 +87,56 @@ def block_stats(mean: torch.Tensor, dev: torch.Tensor, block_tables: torch.Tenso
            + pd.view(b, max_blocks, per, *pd.shape[2:]))
     bd = torch.where((w > 0)[..., None, None], far, torch.zeros_like(far)).amax(2)
     return bm, bd, keys
+
+
+def update_block_stats(block_mean: torch.Tensor, block_dev: torch.Tensor, mean: torch.Tensor, dev: torch.Tensor,
+                       block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                       slot_mapping: torch.Tensor, page_size: int, block_tokens: int) -> None:
+    """After update_page_stats: for the page each row of this step wrote, its selection block's (mean, dev) over
+    the block's pages up to that page (block_stats's arithmetic on them), stored at that page in the [pages + 1,
+    Hkv, D] tables. block_stats_at_last_pages then reads a block at its last page with keys instead of rebuilding
+    it from every page each step. An entry depends only on the pages before it in its block, which prefix sharing
+    keeps the same for every sequence holding the page. Rows of no sequence (-1 slots) write the scratch row; no
+    host read, so it can be captured in a CUDA graph."""
+    per = block_tokens // page_size
+    t, scratch = slot_mapping.shape[0], block_mean.shape[0] - 1
+    seq, pos = _row_positions(cu_seqlens_q, seq_lens, t)
+    seq = seq.clamp_max(block_tables.shape[0] - 1)  # graph padding past the batch's rows: written to scratch below
+    page = pos.clamp_min(0) // page_size  # the row's logical page
+    first = page // per * per
+    j = torch.arange(per, device=pos.device)
+    cols = (first[:, None] + j[None, :]).clamp_max(block_tables.shape[1] - 1)
+    phys = block_tables[seq[:, None], cols].long()  # [T, per]
+    n = (seq_lens.long()[seq][:, None] - (first[:, None] + j[None, :]) * page_size).clamp(0, page_size)
+    w = torch.where(j[None, :] <= (page - first)[:, None], n, 0).float()  # the pages up to the row's own
+    pm, pd = mean[phys], dev[phys]  # [T, per, Hkv, D]
+    keys = w.sum(-1)
+    bm = (pm * w[..., None, None]).sum(1) / keys.clamp_min(1)[:, None, None]
+    far = (pm - bm[:, None]).abs() + pd
+    bd = torch.where((w > 0)[..., None, None], far, torch.zeros_like(far)).amax(1)
+    own = phys.gather(1, (page - first)[:, None]).squeeze(1)
+    target = torch.where(slot_mapping >= 0, own, scratch)
+    block_mean.index_put_((target,), bm)
+    block_dev.index_put_((target,), bd)
+
+
+def block_stats_at_last_pages(block_mean: torch.Tensor, block_dev: torch.Tensor, block_tables: torch.Tensor,
+                              seq_lens: torch.Tensor, page_size: int, block_tokens: int,
+                              max_blocks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """block_stats's (mean [B, NBsel, Hkv, D], dev, keys [B, NBsel]) read from update_block_stats' entries: each
+    block's at its last page holding keys; blocks without keys are zero, as block_stats makes them."""
+    if block_tokens % page_size:
+        raise ValueError(f"sparse attention: block_tokens {block_tokens} is not a multiple of the page size "
+                         f"{page_size}")
+    per = block_tokens // page_size
+    blk = torch.arange(max_blocks, device=block_tables.device)[None, :]
+    keys = (seq_lens.long()[:, None] - blk * block_tokens).clamp(0, block_tokens)  # [B, NBsel]
+    last = (blk * per + (keys + page_size - 1) // page_size - 1).clamp(0, block_tables.shape[1] - 1)
+    phys = block_tables.long().gather(1, last)
+    has = (keys > 0)[..., None, None]
+    bm = torch.where(has, block_mean[phys], torch.zeros((), device=block_mean.device))
+    bd = torch.where(has, block_dev[phys], torch.zeros((), device=block_dev.device))
+    return bm, bd, keys.float()
 
 
 def _row_positions(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
