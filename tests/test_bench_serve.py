@@ -49,9 +49,10 @@ def test_bench_serve_reports_a_complete_table_and_json(tmp_path, capsys):
 
 
 def test_memory_change_is_relative_to_where_it_settled():
-    from qv.bench.serve import _memory_change
+    from qv.bench.serve import MEMORY_METRICS, _memory_change
 
-    got = _memory_change({"rss": 100 * 2**20, "device": None}, {"rss": 104 * 2**20, "device": 5.0})
+    rss, device = MEMORY_METRICS["rss"], MEMORY_METRICS["device"]
+    got = _memory_change({rss: 100 * 2**20, device: None}, {rss: 104 * 2**20, device: 5.0})
     assert got == {"rss_settled_mib": 100.0, "rss_end_mib": 104.0, "rss_change": 0.04,
                    "device_settled_mib": None, "device_end_mib": 5.0 / 2**20, "device_change": None}
 

@@ -40,6 +40,8 @@ QUESTIONS = {"outage": {"type": "noul", "instructions": "Is a service down?"},
 SERVER_METRICS = ("vllm:num_preemptions_total", "vllm:request_queue_time_seconds_sum",
                   "vllm:request_queue_time_seconds_count", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
                   "vllm:admission_rejections_total", "vllm:request_success_total")
+# the server's memory as /metrics tells it: prometheus-client's process collector and qv's device gauge
+MEMORY_METRICS = {"rss": "process_resident_memory_bytes", "device": "qv:device_memory_reserved_bytes"}
 PERCENTILES = (50, 95, 99)
 DRAIN_S = 120.0  # the longest a request still in flight at the end of the run is waited for
 
@@ -226,7 +228,7 @@ async def drive(url: str, spec: ServeSpec, api_key: str | None = None) -> dict:
                 raise StartupError(f"the server answers no records (HTTP {probe.status_code}: {probe.text}); run with "
                                    f"--records 0, or serve a model with a Clef head")
         probes_before = await _probe_answers(client, model, spec, "before")
-        before = await _server_metrics(client)
+        before = await _scrape(client, SERVER_METRICS)
         driver = _Driver(client, spec, model)
         t0 = time.perf_counter()
         end = t0 + spec.duration_s
@@ -238,8 +240,8 @@ async def drive(url: str, spec: ServeSpec, api_key: str | None = None) -> dict:
         settled = asyncio.create_task(_memory_after(client, spec.settle_s or spec.duration_s / 4))
         await asyncio.wait_for(asyncio.gather(*work), spec.duration_s + DRAIN_S)
         elapsed = time.perf_counter() - t0
-        after = await _server_metrics(client)
-        memory = _memory_change(await settled, await _server_memory(client))
+        after = await _scrape(client, SERVER_METRICS + tuple(MEMORY_METRICS.values()))
+        memory = _memory_change(await settled, after)
         probes_after = await _probe_answers(client, model, spec, "after")
     report = _report(url, spec, model, driver.tally, elapsed, before, after)
     mismatched = [i for i, (a, b) in enumerate(zip(probes_before, probes_after)) if a != b]
@@ -264,52 +266,34 @@ async def _probe_answers(client, model: str, spec: ServeSpec, phase: str) -> lis
     return answers
 
 
-# the server's memory as /metrics tells it: prometheus-client's process collector and qv's device gauge
-MEMORY_METRICS = {"rss": "process_resident_memory_bytes", "device": "qv:device_memory_reserved_bytes"}
-
-
-async def _server_memory(client) -> dict[str, float | None]:
+async def _scrape(client, names) -> dict[str, float | None]:
+    """The server's /metrics samples of `names`, each summed over its labels (None where the server has none)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     r = await client.get("/metrics")
     r.raise_for_status()
-    out: dict[str, float | None] = dict.fromkeys(MEMORY_METRICS)
-    names = {v: k for k, v in MEMORY_METRICS.items()}
+    out: dict[str, float | None] = dict.fromkeys(names)
     for family in text_string_to_metric_families(r.text):
         for sample in family.samples:
-            if sample.name in names:
-                key = names[sample.name]
-                out[key] = (out[key] or 0.0) + sample.value
+            if sample.name in out:
+                out[sample.name] = (out[sample.name] or 0.0) + sample.value
     return out
 
 
 async def _memory_after(client, delay_s: float) -> dict[str, float | None]:
     await asyncio.sleep(delay_s)
-    return await _server_memory(client)
+    return await _scrape(client, MEMORY_METRICS.values())
 
 
 def _memory_change(settled: dict, end: dict) -> dict:
-    """MiB where memory settled and at the end, and the relative change (None where the server does not say)."""
+    """MiB where memory settled and at the end, and the relative change (None where the server does not say);
+    settled and end: scrapes holding MEMORY_METRICS' names."""
     out = {}
-    for key in MEMORY_METRICS:
-        a, b = settled[key], end[key]
+    for key, name in MEMORY_METRICS.items():
+        a, b = settled[name], end[name]
         out[f"{key}_settled_mib"] = None if a is None else a / 2**20
         out[f"{key}_end_mib"] = None if b is None else b / 2**20
         out[f"{key}_change"] = (b - a) / a if a and b is not None else None
-    return out
-
-
-async def _server_metrics(client) -> dict[str, float]:
-    """The server's counters of SERVER_METRICS, each summed over its labels."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    r = await client.get("/metrics")
-    r.raise_for_status()
-    out = dict.fromkeys(SERVER_METRICS, 0.0)
-    for family in text_string_to_metric_families(r.text):
-        for sample in family.samples:
-            if sample.name in out:
-                out[sample.name] += sample.value
     return out
 
 
@@ -323,7 +307,7 @@ def _percentiles(values: list[float]) -> dict:
 
 
 def _report(url: str, spec: ServeSpec, model: str, tally: _Tally, elapsed: float, before: dict, after: dict) -> dict:
-    delta = {k: after[k] - before[k] for k in SERVER_METRICS}
+    delta = {k: (after[k] or 0.0) - (before[k] or 0.0) for k in SERVER_METRICS}  # a counter never seen: 0
     queued = delta["vllm:request_queue_time_seconds_count"]
     c = tally.counts
     return {
