@@ -65,28 +65,38 @@ def update_page_stats(mean: torch.Tensor, dev: torch.Tensor, k_cache: torch.Tens
     dev.index_put_((page,), spread)
 
 
-def block_stats(mean: torch.Tensor, dev: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                page_size: int, block_tokens: int, max_blocks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per sequence and selection block: (mean [B, NBsel, Hkv, D], dev [B, NBsel, Hkv, D], keys [B, NBsel])
-    from its pages' tables. The block mean weighs its pages by their keys; dev bounds each key's distance
-    from it (the page's own dev plus the page mean's distance), so a bound stays a bound."""
+def _pages_per_block(block_tokens: int, page_size: int) -> int:
     if block_tokens % page_size:
         raise ValueError(f"sparse attention: block_tokens {block_tokens} is not a multiple of the page size "
                          f"{page_size}")
-    per = block_tokens // page_size
+    return block_tokens // page_size
+
+
+def _pool_pages(pm: torch.Tensor, pd: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A block's (mean, dev, keys) from its pages' tables pm, pd [..., per, Hkv, D] weighted by their keys
+    w [..., per]: the mean weighs pages by keys; dev bounds each key's distance from it (the page's own dev plus
+    the page mean's distance), so a bound stays a bound. One arithmetic for block_stats and update_block_stats,
+    so the two agree bit for bit."""
+    keys = w.sum(-1)
+    bm = (pm * w[..., None, None]).sum(-3) / keys.clamp_min(1)[..., None, None]
+    far = (pm - bm[..., None, :, :]).abs() + pd
+    bd = torch.where((w > 0)[..., None, None], far, torch.zeros_like(far)).amax(-3)
+    return bm, bd, keys
+
+
+def block_stats(mean: torch.Tensor, dev: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                page_size: int, block_tokens: int, max_blocks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per sequence and selection block: (mean [B, NBsel, Hkv, D], dev [B, NBsel, Hkv, D], keys [B, NBsel])
+    from its pages' tables (_pool_pages)."""
+    per = _pages_per_block(block_tokens, page_size)
     b = block_tables.shape[0]
     pages = torch.arange(max_blocks * per, device=mean.device)
     cols = pages.clamp_max(block_tables.shape[1] - 1)
     phys = block_tables[:, cols].long()  # [B, NBsel * per]
     n = (seq_lens[:, None].long() - pages[None, :] * page_size).clamp(0, page_size).float()  # keys in each page
     pm, pd = mean[phys], dev[phys]  # [B, P, Hkv, D]
-    w = n.view(b, max_blocks, per)
-    keys = w.sum(-1)  # [B, NBsel]
-    bm = (pm.view(b, max_blocks, per, *pm.shape[2:]) * w[..., None, None]).sum(2) / keys.clamp_min(1)[..., None, None]
-    far = ((pm.view(b, max_blocks, per, *pm.shape[2:]) - bm[:, :, None]).abs()
-           + pd.view(b, max_blocks, per, *pd.shape[2:]))
-    bd = torch.where((w > 0)[..., None, None], far, torch.zeros_like(far)).amax(2)
-    return bm, bd, keys
+    return _pool_pages(pm.view(b, max_blocks, per, *pm.shape[2:]), pd.view(b, max_blocks, per, *pd.shape[2:]),
+                       n.view(b, max_blocks, per))
 
 
 def update_block_stats(block_mean: torch.Tensor, block_dev: torch.Tensor, mean: torch.Tensor, dev: torch.Tensor,
@@ -98,7 +108,7 @@ def update_block_stats(block_mean: torch.Tensor, block_dev: torch.Tensor, mean: 
     it from every page each step. An entry depends only on the pages before it in its block, which prefix sharing
     keeps the same for every sequence holding the page. Rows of no sequence (-1 slots) write the scratch row; no
     host read, so it can be captured in a CUDA graph."""
-    per = block_tokens // page_size
+    per = _pages_per_block(block_tokens, page_size)
     t, scratch = slot_mapping.shape[0], block_mean.shape[0] - 1
     seq, pos = _row_positions(cu_seqlens_q, seq_lens, t)
     seq = seq.clamp_max(block_tables.shape[0] - 1)  # graph padding past the batch's rows: written to scratch below
@@ -109,11 +119,7 @@ def update_block_stats(block_mean: torch.Tensor, block_dev: torch.Tensor, mean: 
     phys = block_tables[seq[:, None], cols].long()  # [T, per]
     n = (seq_lens.long()[seq][:, None] - (first[:, None] + j[None, :]) * page_size).clamp(0, page_size)
     w = torch.where(j[None, :] <= (page - first)[:, None], n, 0).float()  # the pages up to the row's own
-    pm, pd = mean[phys], dev[phys]  # [T, per, Hkv, D]
-    keys = w.sum(-1)
-    bm = (pm * w[..., None, None]).sum(1) / keys.clamp_min(1)[:, None, None]
-    far = (pm - bm[:, None]).abs() + pd
-    bd = torch.where((w > 0)[..., None, None], far, torch.zeros_like(far)).amax(1)
+    bm, bd, _ = _pool_pages(mean[phys], dev[phys], w)  # the pages' tables [T, per, Hkv, D]
     own = phys.gather(1, (page - first)[:, None]).squeeze(1)
     target = torch.where(slot_mapping >= 0, own, scratch)
     block_mean.index_put_((target,), bm)
@@ -125,10 +131,7 @@ def block_stats_at_last_pages(block_mean: torch.Tensor, block_dev: torch.Tensor,
                               max_blocks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """block_stats's (mean [B, NBsel, Hkv, D], dev, keys [B, NBsel]) read from update_block_stats' entries: each
     block's at its last page holding keys; blocks without keys are zero, as block_stats makes them."""
-    if block_tokens % page_size:
-        raise ValueError(f"sparse attention: block_tokens {block_tokens} is not a multiple of the page size "
-                         f"{page_size}")
-    per = block_tokens // page_size
+    per = _pages_per_block(block_tokens, page_size)
     blk = torch.arange(max_blocks, device=block_tables.device)[None, :]
     keys = (seq_lens.long()[:, None] - blk * block_tokens).clamp(0, block_tokens)  # [B, NBsel]
     last = (blk * per + (keys + page_size - 1) // page_size - 1).clamp(0, block_tables.shape[1] - 1)
