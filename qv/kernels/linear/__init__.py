@@ -184,16 +184,15 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
 
 def on_rows(x: torch.Tensor, n: int, run, row_align: int = 1) -> torch.Tensor:
     """Every implementation's frame: x [..., K] as 2-D rows with unit inner stride (and a row stride that is a
-    multiple of row_align), an output [M, n] in x's dtype, run(x2, out) unless there are no rows (it fills out,
-    or returns a tensor of its own in its place), and the result shaped [..., n]."""
+    multiple of row_align), an output [M, n] in x's dtype, run(x2, out) to fill it unless there are no rows, and
+    the result shaped [..., n]."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.stride(-1) != 1 or x2.stride(0) % row_align:
         x2 = x2.contiguous()
     out = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
     if x2.shape[0]:
-        y = run(x2, out)
-        out = out if y is None else y
+        run(x2, out)
     return out.view(*shape[:-1], n)
 
 

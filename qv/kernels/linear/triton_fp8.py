@@ -248,21 +248,23 @@ def scaled_mm_available(device: torch.device) -> bool:
             a = torch.ones(128, 256, device=device).to(torch.float8_e4m3fn)
             sa = torch.tensor([[1.0, 2.0]], device=device).expand(128, 2).t().contiguous().t()
             sb = torch.full((1, 2), 0.5, device=device).t()  # as a weight's [N/128, K/128] scales are passed
-            try:
-                y = torch._scaled_mm(a, a.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+            y = torch.empty(128, 128, dtype=torch.bfloat16, device=device)
+            try:  # into an output of its own, as scaled_mm_fp8 calls it
+                torch._scaled_mm(a, a.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, out=y)
                 _SCALED_MM[index] = bool((y.float() == 192.0).all())  # 128 (1 * 0.5) + 128 (2 * 0.5)
             except (RuntimeError, TypeError, ValueError):
                 _SCALED_MM[index] = False
     return _SCALED_MM[index]
 
 
-def scaled_mm_fp8(x2: torch.Tensor, w: FP8Weight, bias) -> torch.Tensor:
-    """x2 W^T (+ bias) through torch._scaled_mm: rows quantized per token and 128 inputs, the weight's own
+def scaled_mm_fp8(x2: torch.Tensor, w: FP8Weight, bias, out: torch.Tensor) -> None:
+    """out = x2 W^T (+ bias) through torch._scaled_mm: rows quantized per token and 128 inputs, the weight's own
     128 x 128 block scales (its [N, K] bytes are the column-major B operand as stored)."""
     q, s = quantize_rows(x2, 128)
-    y = torch._scaled_mm(q, w.weight.t(), scale_a=s.t().contiguous().t(), scale_b=w.scale_inv.t(),
-                         out_dtype=x2.dtype)
-    return y.add_(bias) if bias is not None else y
+    torch._scaled_mm(q, w.weight.t(), scale_a=s.t().contiguous().t(), scale_b=w.scale_inv.t(), out_dtype=out.dtype,
+                     out=out)
+    if bias is not None:
+        out.add_(bias)
 
 
 def _split(m_tiles_n_tiles: int, k: int, step: int, device, split: int | None) -> tuple[int, int]:
@@ -361,8 +363,8 @@ def fp8_linear(x, w: FP8Weight | W12Weight, bias=None, config=None, tensor_cores
     return on_rows(x, w.out_features, lambda x2, out: _fp8_rows(x2, w, bias, out, config, tensor_cores))
 
 
-def _fp8_rows(x2, w, bias, out, config, tensor_cores):
-    """fp8_linear on 2-D rows: fills out, or returns scaled_mm's own result tensor."""
+def _fp8_rows(x2, w, bias, out, config, tensor_cores) -> None:
+    """fp8_linear on 2-D rows into out (the paths by rows: module docstring)."""
     m = x2.shape[0]
     config = dict(config or {})
     kind = config.pop("kind", None) or fp8_kind(x2.device, m, w, tensor_cores)
@@ -371,8 +373,8 @@ def _fp8_rows(x2, w, bias, out, config, tensor_cores):
     if kind == "scaled_mm":
         if isinstance(w, W12Weight) or w.block != (128, 128):
             raise ValueError("fp8_linear: scaled_mm takes FP8 weights in 128 x 128 blocks")
-        return scaled_mm_fp8(x2, w, bias)
-    if kind == "fma":
+        scaled_mm_fp8(x2, w, bias, out)
+    elif kind == "fma":
         if m > SM70_GEMV_MAX_ROWS:
             raise ValueError(f"fp8_linear: the FMA GEMV takes at most {SM70_GEMV_MAX_ROWS} rows, not {m}")
         gemv_fp8(x2, w, bias, out, config.pop("split", None))
