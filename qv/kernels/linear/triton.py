@@ -176,7 +176,7 @@ def _gptq_rows(x2, w, bias, out, config) -> None:
     config = dict(config or {})
     kind = config.pop("kind", None) or gemv_kind(x2.device, m, x2.dtype)
     if kind == "cuda":
-        if sequential and gemv_cuda(x2, w, bias, out, dict(gemv_cuda_config(x2.device), **config)):
+        if gemv_cuda(x2, w, bias, out, dict(gemv_cuda_config(x2.device), **config)):  # it declines act-order
             return
         kind, config = ("fma" if m == 1 else "mma"), {}  # where it does not apply: the next best measured
     if kind == "fma" and m <= 4 and sequential:
@@ -231,7 +231,6 @@ def _gptq_rows(x2, w, bias, out, config) -> None:
         F32_DOT=interpreting(x2.device) and x2.dtype == torch.bfloat16, ASM=asm, ROW_SCALE=rows is not None, **cfg)
     if split > 1:
         sum_partials(part, bias, out)
-
 
 
 def linear(x, weight, bias=None, *, config=None):

@@ -172,9 +172,9 @@ def _int4_rows(x2, w, bias, out, config) -> None:
                                         else "triton")
     if kind not in ("cuda", "triton"):
         raise ValueError(f"int4_linear: kind {kind!r}; 4-bit weights run kind 'cuda' (the raw-CUDA GEMV) or 'triton'")
-    if kind == "cuda" and _gemv_slices(x2, w, bias, out, dict(gemv_cuda_config(x2.device), **config)):
-        return
     if kind == "cuda":
+        if _gemv_slices(x2, w, bias, out, dict(gemv_cuda_config(x2.device), **config)):
+            return
         config = {}  # where the CUDA GEMV does not apply (act-order, odd shapes): the Triton kernel's defaults
     cfg = int4_config(x2.device, m)
     unknown = set(config) - set(cfg) - {"dequant_min_m"}
