@@ -1,5 +1,5 @@
 """Test helpers: one relative-error metric for every oracle comparison, NaN poisoning, the bounds of
-statistical tests, and stopping a server subprocess."""
+statistical tests, stopping a server subprocess, and running greedy requests through an engine to the end."""
 
 from __future__ import annotations
 
@@ -57,3 +57,21 @@ def stop(proc: subprocess.Popen, timeout: float = 30) -> None:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+def run_greedy(engine, requests: dict, max_tokens: int) -> dict:
+    """requests {rid: (prompt ids, LoRA adapter name or None)}, all added at once and run to the end ->
+    {rid: (tokens, the chosen tokens' logprobs)}."""
+    from qv.engine.request import SamplingParams
+
+    for rid, (ids, name) in requests.items():
+        engine.add_request(rid, ids, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                                                    logprobs=0), lora_name=name)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                c = out.outputs[0]
+                lps = [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)] if c.logprobs else None
+                done[out.request_id] = (list(c.token_ids), lps)
+    return done

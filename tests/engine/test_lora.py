@@ -14,6 +14,7 @@ from lora_fixtures import ADAPTERS, merged_model, write_adapters
 from qv.engine.lora_rows import LoraError, parse_lora_modules
 from qv.engine.request import SamplingParams
 from qv.errors import ConfigError
+from util import run_greedy
 
 PROMPTS = [[5, 77, 13, 240, 9, 31, 8], [101, 3, 55], [17, 17, 42, 250, 6, 1, 90, 33, 12, 4, 77]]
 MAX_TOKENS = 6
@@ -32,18 +33,7 @@ def _engine(tiny_engine, model_dir, paths, **levers):
 
 
 def _run(engine, requests):
-    """requests: {rid: (prompt ids, adapter name or None)} -> {rid: (tokens, logprobs of them)}, all added at once."""
-    for rid, (ids, name) in requests.items():
-        engine.add_request(rid, ids, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
-                                                    logprobs=0), lora_name=name)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                c = out.outputs[0]
-                lps = [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)] if c.logprobs else None
-                done[out.request_id] = (list(c.token_ids), lps)
-    return done
+    return run_greedy(engine, requests, MAX_TOKENS)
 
 
 @torch.no_grad()

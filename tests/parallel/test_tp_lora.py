@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 from lora_fixtures import write_adapters  # noqa: E402
 from qv.config import EngineConfig  # noqa: E402
 from qv.engine.engine import LLMEngine  # noqa: E402
-from qv.engine.request import SamplingParams  # noqa: E402
+from util import run_greedy  # noqa: E402
 
 LEVERS = dict(device="cpu", media_max_images=0, media_max_videos=0, max_model_len=1024, enable_lora=True,
               max_loras=2, max_lora_rank=16)
@@ -27,17 +27,8 @@ PROMPTS = [[5, 77, 13, 240, 9, 31, 8], [101, 3, 55, 19]]
 def _serve(folder, modules: str, world: int) -> dict:
     eng = LLMEngine(EngineConfig(model=str(folder), tensor_parallel_size=world, lora_modules=modules, **LEVERS))
     try:
-        for name in (None, "attn", "gdn", "every"):
-            for i, ids in enumerate(PROMPTS):
-                eng.add_request(f"{name}-{i}", ids, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
-                                                                   logprobs=0), lora_name=name)
-        done = {}
-        while eng.has_unfinished_requests():
-            for out in eng.step():
-                if out.finished:
-                    c = out.outputs[0]
-                    done[out.request_id] = (list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
-        return done
+        return run_greedy(eng, {f"{name}-{i}": (ids, name) for name in (None, "attn", "gdn", "every")
+                                for i, ids in enumerate(PROMPTS)}, max_tokens=6)
     finally:
         eng.shutdown()
 
