@@ -2,7 +2,7 @@
 # One device call for the engine-level GPU checks and benchmarks; logs under $OUT.
 #   bash bench/gpu_all.sh SECTION...    sections: tests oracles sm70 specgpu newgpu (side by side: sm70 oracles,
 #   speculation and prompt-logprob GPU tests, graphs, the sm70 engine) engine spec spec27 ngram27 prefix
-#   prefix27 clef clef27 clefmix mix27 soak27 kernels bench27 fp8_27 w12_27 top1 plp mask hostile27 cutlass
+#   prefix27 clef clef27 clefmix mix27 soak27 soak27wait kernels bench27 fp8_27 w12_27 top1 plp mask hostile27 cutlass
 # BENCH_KERNELS_ARGS passes options to bench/kernels.py (e.g. "--only attn,gdn --sweep attn,gdn");
 # BENCH27_ARGS to `qv bench --preset 27b` (e.g. "--prefill-lengths 32768 --profile").
 # The pytest sections run with OMP_NUM_THREADS=${PYTEST_THREADS:-4}: host-side fits (the MTP head's) crawl when
@@ -42,23 +42,32 @@ for section in "$@"; do
         run sm70engine ${SM70ENGINE_S:-200} env OMP_NUM_THREADS=${PYTEST_THREADS:-4} python3 -m pytest -q -m gpu tests/engine/test_sm70_engine_gpu.py -n 2 \
           -p no:cacheprovider -rfE --durations=5 &
         wait ;;
-    hostile27)  # issue 40's attack suite against the 27B shapes (random weights, a random Clef head)
+    hostile27)  # issue 40's attack suite against the 27B shapes (random weights, a random Clef head); HOSTILE27_K=hostile_load
+                # runs only the combined load test
         python3 -c "from qv.bench.presets import write_preset; from qv.bench.clef_folder import add_clef; \
 add_clef(write_preset('27b', '/tmp/qv-hostile27'), '27b')"
         run hostile27 ${HOSTILE27_S:-420} env QV_HOSTILE_MODEL=/tmp/qv-hostile27 python3 -m pytest -q tests/server/test_hostile.py \
-          -p no:cacheprovider -rfE --durations=5 ;;
-    mix27)  # issue 33 at the full 64 layers: the grouped delta beside its GEMM, a mixed step's profile, records
-            # beside chats per max_step_ms (MIX27_MS="0 20 30 50" to sweep)
+          ${HOSTILE27_K:+-k $HOSTILE27_K} -s -p no:cacheprovider -rfE --durations=5 ;;
+    mix27)  # issue 33 at the full 64 layers: the grouped delta beside its GEMM; records beside chats per max_step_ms
+            # (MIX27_MS="0 20 30 50" to sweep), the first value's run also profiling a mixed step (GPU busy)
         run grouped ${GROUPED_S:-90} python3 bench/grouped_delta.py
-        run clefprof ${CLEFPROF_S:-180} python3 bench/clef.py --dir /tmp/qv-clef-models --presets 27b --load-format random \
-          --lengths 8192 --counts 1 --profile-mixed
-        for t in ${MIX27_MS:-0 30}; do
+        profile=--profile-mixed
+        for t in ${MIX27_MS:-30}; do
           run mix27-$t ${MIX27_S:-420} python3 bench/clef.py --presets 27b --load-format random --layers-27b 0 \
-            --counts 16,6,3 --max-step-ms $t; done ;;
-    soak27)  # issue 33's load run: 64 clients (chats, streamed chats, records, 10% hang-ups) for SOAK27_S seconds
-        run soak27 $(( ${SOAK27_S:-480} + 240 )) python3 -m qv.cli bench serve --preset 27b --chats 54 --records 10 \
-          --stream-fraction 0.5 --hangup-fraction 0.1 --record-lengths 1024,8192 --duration ${SOAK27_S:-480} \
-          --settle 60 --probes 4 --json "$out/soak27.json" ;;
+            --counts 16,6,3 --max-step-ms $t $profile; profile=; done ;;
+    soak27)  # issue 33's load run: 64 clients (chats, streamed chats, records, 10% hang-ups) for SOAK27_S seconds.
+             # It outlasts one device call (10 min with the start), so it runs detached; `soak27wait` in the next call
+             # (the machine stays warm for 30 s) waits for its end and copies soak27.log / soak27.json under $out.
+        mkdir -p /tmp/soak27
+        setsid nohup bash -c "timeout $(( ${SOAK27_S:-480} + 400 )) python3 -m qv.cli bench serve --preset 27b --chats 54 \
+          --records 10 --stream-fraction 0.5 --hangup-fraction 0.1 --record-lengths 1024,8192 --duration ${SOAK27_S:-480} \
+          --settle 60 --probes 4 --json /tmp/soak27/soak27.json > /tmp/soak27/soak27.log 2>&1; echo rc=\$? > /tmp/soak27/rc" \
+          > /dev/null 2>&1 < /dev/null &
+        while [ ! -f /tmp/soak27/rc ] && [ $SECONDS -lt ${CALL_S:-580} ]; do sleep 5; done
+        cp /tmp/soak27/* "$out/" 2>/dev/null ;;
+    soak27wait)
+        while [ -d /tmp/soak27 ] && [ ! -f /tmp/soak27/rc ] && [ $SECONDS -lt ${CALL_S:-580} ]; do sleep 5; done
+        cp /tmp/soak27/* "$out/" 2>/dev/null ;;
     cutlass) run cutlass ${CUTLASS_S:-400} python3 bench/cutlass_probe.py --build-dir /tmp/qv-cutlass ;;  # needs the nvidia-cutlass wheel
     top1) run top1 60 python3 bench/lm_head_top1.py ;;
     mask) run mask 90 python3 bench/structured_mask.py --json "$out/mask.json" ;;
