@@ -62,9 +62,7 @@ add_clef(write_preset('27b', '/tmp/qv-hostile27'), '27b')"
         setsid nohup bash -c "timeout $(( ${SOAK27_S:-480} + 400 )) python3 -m qv.cli bench serve --preset 27b --chats 54 \
           --records 10 --stream-fraction 0.5 --hangup-fraction 0.1 --record-lengths 1024,8192 --duration ${SOAK27_S:-480} \
           --settle 60 --probes 4 --json /tmp/soak27/soak27.json > /tmp/soak27/soak27.log 2>&1; echo rc=\$? > /tmp/soak27/rc" \
-          > /dev/null 2>&1 < /dev/null &
-        while [ ! -f /tmp/soak27/rc ] && [ $SECONDS -lt ${CALL_S:-580} ]; do sleep 5; done
-        cp /tmp/soak27/* "$out/" 2>/dev/null ;;
+          > /dev/null 2>&1 < /dev/null & ;&  # on into soak27wait: wait while the call lasts, copy what there is
     soak27wait)
         while [ -d /tmp/soak27 ] && [ ! -f /tmp/soak27/rc ] && [ $SECONDS -lt ${CALL_S:-580} ]; do sleep 5; done
         cp /tmp/soak27/* "$out/" 2>/dev/null ;;
