@@ -48,13 +48,11 @@ for section in "$@"; do
 add_clef(write_preset('27b', '/tmp/qv-hostile27'), '27b')"
         run hostile27 ${HOSTILE27_S:-420} env QV_HOSTILE_MODEL=/tmp/qv-hostile27 python3 -m pytest -q tests/server/test_hostile.py \
           ${HOSTILE27_K:+-k $HOSTILE27_K} -s -p no:cacheprovider -rfE --durations=5 ;;
-    mix27)  # issue 33 at the full 64 layers: the grouped delta beside its GEMM; records beside chats per max_step_ms
-            # (MIX27_MS="0 20 30 50" to sweep), the first value's run also profiling a mixed step (GPU busy)
+    mix27)  # issue 33 at the full 64 layers: the grouped delta beside its GEMM; records beside chats under each step
+            # target (MIX27_TARGETS, bench/clef.py's --step-targets) in one model load, a mixed step profiled under the first
         run grouped ${GROUPED_S:-90} python3 bench/grouped_delta.py
-        profile=--profile-mixed
-        for t in ${MIX27_MS:-30}; do
-          run mix27-$t ${MIX27_S:-420} python3 bench/clef.py --presets 27b --load-format random --layers-27b 0 \
-            --counts 16,6,3 --max-step-ms $t $profile; profile=; done ;;
+        run mix27 ${MIX27_S:-420} python3 bench/clef.py --presets 27b --load-format random --layers-27b 0 \
+          --counts 16,6,3 --step-targets ${MIX27_TARGETS:-30ms,2x} --profile-mixed ;;
     soak27)  # issue 33's load run: 64 clients (chats, streamed chats, records, 10% hang-ups) for SOAK27_S seconds.
              # It outlasts one device call (10 min with the start), so it runs detached; `soak27wait` in the next call
              # (the machine stays warm for 30 s) waits for its end and copies soak27.log / soak27.json under $out.

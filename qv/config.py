@@ -147,7 +147,13 @@ class EngineConfig(BaseSettings):
         "max_num_batched_tokens as before. While it is on, it replaces long_prefill_token_threshold and "
         "max_long_partial_prefills in steps with decodes. 0 (the default): off, until a GPU measurement (qv bench "
         "serve beside records at the 27B shapes) picks the default; 30 is about 2x a decode-only step of the 27B "
-        "model on an H100.", ge=0)
+        "model on an H100. The same GPU-independent: max_step_decode_ratio.", ge=0)
+    max_step_decode_ratio: float = lever(
+        0.0,
+        "The latency target of max_step_ms as a multiple of the predicted decode-only step of the same decoding rows "
+        "(2.0: chats beside prompts see at most about twice their inter-token latency alone), from the same fitted "
+        "cost model, so one value holds on any GPU and at any decode batch. 0: off. At most one of it and "
+        "max_step_ms may be set; a value at or below 1 leaves no room but the per-prompt floor.", ge=0)
     # -- sparse attention (long contexts; off: exact attention) ---------------------------------
     sparse_prefill: bool = lever(
         False, "Prompt chunks attend only to the key blocks that hold the target share of each query tile's softmax "
@@ -337,6 +343,9 @@ class EngineConfig(BaseSettings):
             super().__init__(**levers)
         except ValidationError as e:
             raise ConfigError(explain(e, levers, origins)) from None
+        if self.max_step_ms > 0 and self.max_step_decode_ratio > 0:
+            raise ConfigError("max_step_ms and max_step_decode_ratio are one latency target in two forms "
+                              f"(got {self.max_step_ms} and {self.max_step_decode_ratio}): set at most one")
 
     def __setattr__(self, name: str, value: Any) -> None:
         try:

@@ -109,7 +109,8 @@ class LLMEngine:
                                    long_prefill_token_threshold=cfg.long_prefill_token_threshold,
                                    max_long_partial_prefills=cfg.max_long_partial_prefills,
                                    max_spec_seqs=max_spec_seqs,
-                                   max_step_ms=cfg.max_step_ms, step_cost=self.step_timer.model,
+                                   max_step_ms=cfg.max_step_ms,
+                                   max_step_decode_ratio=cfg.max_step_decode_ratio, step_cost=self.step_timer.model,
                                    max_preemptions=cfg.max_preemptions, policy=cfg.scheduling_policy)
         # LoRA: delta rows grouped by bank slot (Clef's slot 0, the adapters' 1..max_loras)
         capacity = StepCapacity.of(cfg.max_num_batched_tokens, cfg.max_num_seqs, self.max_model_len, cfg.block_size,

@@ -8,8 +8,9 @@ decodes or a short request waits, a prefill with more than `long_prefill_token_t
 many tokens of the step, and at most `max_long_partial_prefills` of them run in it. Without
 decodes they take the whole budget, so a record alone prefills at full speed.
 
-With a latency target (`max_step_ms`) and a step cost model (qv/engine/step_cost.py), a step in
-which anything decodes sizes its prompt tokens to the target in place of that share: every
+With a latency target (`max_step_ms`, or `max_step_decode_ratio` times the predicted decode-only
+step) and a step cost model (qv/engine/step_cost.py), a step in which anything decodes sizes its
+prompt tokens to the target in place of that share: every
 prompt (running or waiting, chat or record) gets the same number of tokens, as many as keep the
 predicted step time under the target, and at least a small floor each, so none starves.
 
@@ -65,7 +66,7 @@ class Scheduler:
     def __init__(self, blocks: KVBlockPool, slots: GDNStatePool, max_num_seqs: int, max_num_batched_tokens: int,
                  lookahead: int = 0, prefix_cache: PrefixCache | None = None, long_prefill_token_threshold: int = 0,
                  max_long_partial_prefills: int = 1, max_spec_seqs: int = 0, max_step_ms: float = 0.0,
-                 step_cost: StepCostModel | None = None, max_preemptions: int = 2, policy: str = "fcfs"):
+                 max_step_decode_ratio: float = 0.0, step_cost: StepCostModel | None = None, max_preemptions: int = 2, policy: str = "fcfs"):
         self.blocks, self.slots = blocks, slots
         self.policy = policy  # "fcfs" | "priority" (vLLM's --scheduling-policy)
         self.prefix_cache = prefix_cache  # None: prefix caching off
@@ -76,6 +77,7 @@ class Scheduler:
         self.max_long_partial_prefills = max_long_partial_prefills
         self.max_spec_seqs = max_spec_seqs  # the speculator's per-position GDN state buffers hold this many
         self.max_step_ms = max_step_ms  # 0: no latency target, the long-prefill share decides
+        self.max_step_decode_ratio = max_step_decode_ratio  # the target as a multiple of a decode-only step
         self.step_cost = step_cost
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -127,7 +129,8 @@ class Scheduler:
     # -- the step plan -------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         plan = StepPlan()
-        if self.max_step_ms > 0 and self.step_cost is not None and any(_decoding(s) for s in self.running):
+        if self.step_cost is not None and (self.max_step_ms > 0 or self.max_step_decode_ratio > 0) \
+                and any(_decoding(s) for s in self.running):
             shares = _StepTimeShare(self)
         else:
             shares = _LongPrefillShare(self, self.running, self.waiting)
@@ -346,7 +349,9 @@ class _StepTimeShare:
         decode_rows = sum(1 + len(s.drafts.tokens) for s in sched.running if _decoding(s))
         seats = min(sched.max_num_seqs - len(sched.running), sched.slots.num_free)
         prompts = [s for s in sched.running if not _decoding(s)] + list(sched.waiting)[:max(0, seats)]
-        tokens = plan_prompt_tokens(sched.step_cost.cost, sched.max_step_ms, decode_rows,
+        cost = sched.step_cost.cost
+        target_ms = sched.max_step_ms or sched.max_step_decode_ratio * cost.predict(decode_rows)
+        tokens = plan_prompt_tokens(cost, target_ms, decode_rows,
                                     [(s.num_tokens - s.num_computed_tokens, is_isolated(s)) for s in prompts],
                                     max(0, sched.max_num_batched_tokens - decode_rows))
         self.allowed = {id(s): n for s, n in zip(prompts, tokens)}

@@ -98,6 +98,35 @@ def test_decodes_over_the_target_still_leave_every_prompt_a_floor_share():
         assert got == {record: MIN_PROMPT_SHARE, chat: MIN_PROMPT_SHARE}
 
 
+@pytest.mark.parametrize("ratio, chats", [(2.0, 6), (2.0, 24), (3.5, 12)])
+def test_the_ratio_target_scales_with_the_decode_only_step(ratio, chats):
+    """max_step_decode_ratio: each step with decodes is predicted within ratio x the same decode rows alone,
+    so more decoding chats leave the prompts no less room in relative terms; one more token each would pass it."""
+    sched = Scheduler(KVBlockPool(4096, 16), GDNStatePool(64), max_num_seqs=64, max_num_batched_tokens=BUDGET,
+                      max_step_decode_ratio=ratio, step_cost=StepCostModel(prior=COST))
+    _start_chats(sched, chats)
+    record, chat = _seq(100, 3000, clef=True), _seq(101, 2500)
+    sched.add(record)
+    sched.add(chat)
+    for _ in range(4):
+        rows = _run(sched)
+        decodes = sum(n for _, n, dec, _ in rows if dec)
+        assert decodes == chats
+        got = {s: n for s, n, dec, _ in rows if not dec}
+        assert set(got) == {record, chat} and len(set(got.values())) == 1
+        target = ratio * COST.predict(decodes)
+        assert _predicted(rows) <= target + 1e-9
+        more = [r if r[2] else (r[0], r[1] + 1, False, 0) for r in rows]
+        assert _predicted(more) > target
+
+
+def test_both_forms_of_the_target_are_refused_together():
+    from qv.config import ConfigError, EngineConfig
+    with pytest.raises(ConfigError, match="max_step_ms and max_step_decode_ratio"):
+        EngineConfig(max_step_ms=30, max_step_decode_ratio=2)
+    assert EngineConfig(max_step_decode_ratio=2).max_step_decode_ratio == 2.0
+
+
 def test_nothing_decoding_takes_the_whole_budget():
     sched = _scheduler(30.0)
     sched.add(_seq(1, 5000, clef=True))
