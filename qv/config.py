@@ -152,8 +152,8 @@ class EngineConfig(BaseSettings):
         0.0,
         "The latency target of max_step_ms as a multiple of the predicted decode-only step of the same decoding rows "
         "(2.0: chats beside prompts see at most about twice their inter-token latency alone), from the same fitted "
-        "cost model, so one value holds on any GPU and at any decode batch. 0: off. At most one of it and "
-        "max_step_ms may be set; a value at or below 1 leaves no room but the per-prompt floor.", ge=0)
+        "cost model, so one value holds on any GPU and at any decode batch. 0: off. A max_step_ms set replaces it "
+        "(setting both is refused); a value at or below 1 leaves no room but the per-prompt floor.", ge=0)
     # -- sparse attention (long contexts; off: exact attention) ---------------------------------
     sparse_prefill: bool = lever(
         False, "Prompt chunks attend only to the key blocks that hold the target share of each query tile's softmax "
@@ -343,7 +343,7 @@ class EngineConfig(BaseSettings):
             super().__init__(**levers)
         except ValidationError as e:
             raise ConfigError(explain(e, levers, origins)) from None
-        if self.max_step_ms > 0 and self.max_step_decode_ratio > 0:
+        if self.max_step_ms > 0 and self.max_step_decode_ratio > 0 and "max_step_decode_ratio" in self.model_fields_set:
             raise ConfigError("max_step_ms and max_step_decode_ratio are one latency target in two forms "
                               f"(got {self.max_step_ms} and {self.max_step_decode_ratio}): set at most one")
 

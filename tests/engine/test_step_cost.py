@@ -125,6 +125,9 @@ def test_both_forms_of_the_target_are_refused_together():
     with pytest.raises(ConfigError, match="max_step_ms and max_step_decode_ratio"):
         EngineConfig(max_step_ms=30, max_step_decode_ratio=2)
     assert EngineConfig(max_step_decode_ratio=2).max_step_decode_ratio == 2.0
+    # an explicit max_step_ms replaces a ratio the user did not set (whatever the ratio's default)
+    cfg = EngineConfig(max_step_ms=30)
+    assert cfg.max_step_ms == 30.0 and "max_step_decode_ratio" not in cfg.model_fields_set
 
 
 def test_nothing_decoding_takes_the_whole_budget():
