@@ -52,7 +52,7 @@ add_clef(write_preset('27b', '/tmp/qv-hostile27'), '27b')"
             # target (MIX27_TARGETS, bench/clef.py's --step-targets) in one model load, a mixed step profiled under the first
         run grouped ${GROUPED_S:-90} python3 bench/grouped_delta.py
         run mix27 ${MIX27_S:-420} python3 bench/clef.py --presets 27b --load-format random --layers-27b 0 \
-          --counts 16,6,3 --step-targets ${MIX27_TARGETS:-30ms,2x} --profile-mixed ;;
+          --counts 16,6,3 --step-targets ${MIX27_TARGETS:-2x,2.5x,30ms} --profile-mixed ;;
     soak27)  # issue 33's load run: 64 clients (chats, streamed chats, records, 10% hang-ups) for SOAK27_S seconds.
              # It outlasts one device call (10 min with the start), so it runs detached; `soak27wait` in the next call
              # (the machine stays warm for 30 s) waits for its end and copies soak27.log / soak27.json under $out.
