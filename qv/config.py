@@ -145,9 +145,9 @@ class EngineConfig(BaseSettings):
         "per row by kind: decode, prompt, Clef). Every waiting prompt gets an equal share of a step, at least 16 "
         "tokens, so records and long prompts never starve; with nothing decoding, prompts take the whole "
         "max_num_batched_tokens as before. While it is on, it replaces long_prefill_token_threshold and "
-        "max_long_partial_prefills in steps with decodes. 0 (the default): off, until a GPU measurement (qv bench "
-        "serve beside records at the 27B shapes) picks the default; 30 is about 2x a decode-only step of the 27B "
-        "model on an H100. The same GPU-independent: max_step_decode_ratio.", ge=0)
+        "max_long_partial_prefills in steps with decodes. 0 (the default): off; at the 64-layer 27B shapes on an H100 "
+        "a step with prompt rows runs eagerly at ~95-110 ms whatever its size, so a target below that leaves prompts "
+        "only the floor (docs/BENCHMARKS.md). The same GPU-independent: max_step_decode_ratio.", ge=0)
     max_step_decode_ratio: float = lever(
         0.0,
         "The latency target of max_step_ms as a multiple of the predicted decode-only step of the same decoding rows "
