@@ -343,7 +343,8 @@ class EngineConfig(BaseSettings):
             super().__init__(**levers)
         except ValidationError as e:
             raise ConfigError(explain(e, levers, origins)) from None
-        if self.max_step_ms > 0 and self.max_step_decode_ratio > 0 and "max_step_decode_ratio" in self.model_fields_set:
+        explicit_ratio = "max_step_decode_ratio" in self.model_fields_set  # a default ratio yields to max_step_ms
+        if self.max_step_ms > 0 and self.max_step_decode_ratio > 0 and explicit_ratio:
             raise ConfigError("max_step_ms and max_step_decode_ratio are one latency target in two forms "
                               f"(got {self.max_step_ms} and {self.max_step_decode_ratio}): set at most one")
 

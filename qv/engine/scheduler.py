@@ -66,7 +66,8 @@ class Scheduler:
     def __init__(self, blocks: KVBlockPool, slots: GDNStatePool, max_num_seqs: int, max_num_batched_tokens: int,
                  lookahead: int = 0, prefix_cache: PrefixCache | None = None, long_prefill_token_threshold: int = 0,
                  max_long_partial_prefills: int = 1, max_spec_seqs: int = 0, max_step_ms: float = 0.0,
-                 max_step_decode_ratio: float = 0.0, step_cost: StepCostModel | None = None, max_preemptions: int = 2, policy: str = "fcfs"):
+                 max_step_decode_ratio: float = 0.0, step_cost: StepCostModel | None = None,
+                 max_preemptions: int = 2, policy: str = "fcfs"):
         self.blocks, self.slots = blocks, slots
         self.policy = policy  # "fcfs" | "priority" (vLLM's --scheduling-policy)
         self.prefix_cache = prefix_cache  # None: prefix caching off

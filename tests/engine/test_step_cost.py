@@ -125,9 +125,13 @@ def test_both_forms_of_the_target_are_refused_together():
     with pytest.raises(ConfigError, match="max_step_ms and max_step_decode_ratio"):
         EngineConfig(max_step_ms=30, max_step_decode_ratio=2)
     assert EngineConfig(max_step_decode_ratio=2).max_step_decode_ratio == 2.0
-    # an explicit max_step_ms replaces a ratio the user did not set (whatever the ratio's default)
-    cfg = EngineConfig(max_step_ms=30)
-    assert cfg.max_step_ms == 30.0 and "max_step_decode_ratio" not in cfg.model_fields_set
+    # a scheduler given both (a ratio the user did not set, under a nonzero default) plans to max_step_ms
+    sched = Scheduler(KVBlockPool(4096, 16), GDNStatePool(64), max_num_seqs=32, max_num_batched_tokens=BUDGET,
+                      max_step_ms=30.0, max_step_decode_ratio=10.0, step_cost=StepCostModel(prior=COST))
+    _start_chats(sched, 6)
+    sched.add(_seq(100, 3000, clef=True))
+    rows = _run(sched)
+    assert _predicted(rows) <= 30.0 < _predicted([r if r[2] else (r[0], r[1] + 1, False, 0) for r in rows])
 
 
 def test_nothing_decoding_takes_the_whole_budget():
