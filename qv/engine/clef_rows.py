@@ -121,13 +121,19 @@ class ClefRows(StepFeature):
     def samples(self, seq: Sequence) -> bool:
         return seq not in self.jobs
 
-    def replayable(self, seqs: list[Sequence]) -> bool:
-        return not (self.has_deltas and any(s in self.jobs for s in seqs))
+    def replayable(self, seqs: list[Sequence], deltas_captured: bool) -> bool:
+        return deltas_captured or not (self.has_deltas and any(s in self.jobs for s in seqs))
 
     def fill_inputs(self, seqs: list[Sequence], cu: np.ndarray, host: dict) -> dict[str, int]:
+        """The records' rows as bank slot 0's group (the step's capacity has that slot whenever there are
+        deltas), written every step so that a graph replaying the grouped deltas finds the slot's extent."""
         if self.rows_grouped:  # LoraRows writes the step's delta rows, these in slot 0
             return {}
-        return {"delta_rows": self.delta_rows(seqs, cu, host["delta_rows"])}
+        if not self.has_deltas:
+            return {}
+        n = self.delta_rows(seqs, cu, host["delta_rows"])
+        host["delta_slot_start"][:2] = (0, n)
+        return {"delta_rows": n, "delta_slot_start": 2}
 
     def admit(self, scheduler) -> list[str]:
         """Move waiting records into the scheduler while fewer than `slots` are in it. Returns the

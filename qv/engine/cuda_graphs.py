@@ -50,14 +50,16 @@ def replay_error(replay: torch.Tensor, eager: torch.Tensor) -> float:
     return ((r - e).norm(dim=1) / e.norm(dim=1).clamp_min(1e-30)).max().item()
 
 
-def check_replay(b: int, replay: torch.Tensor, eager: torch.Tensor, bound: float = REPLAY_BOUND) -> float:
-    """The batch-b graph's replay_error; StartupError (naming b and the error) above `bound`."""
+def check_replay(b: int, replay: torch.Tensor, eager: torch.Tensor, bound: float = REPLAY_BOUND,
+                 graph: str = "", hint: str = EAGER_HINT) -> float:
+    """The replay_error of a graph (by default the batch-b decode graph; `graph` names another); StartupError
+    (naming it and the error) above `bound`."""
     err = replay_error(replay, eager)
     if not err <= bound:
         raise StartupError(
-            f"the batch-{b} decode CUDA graph disagrees with the eager forward on the same kernels (worst row's "
-            f"relative error {err:.2e} > {bound:.0e}): a kernel replays something other than what it ran when "
-            f"captured. {EAGER_HINT}.")
+            f"the {graph or f'batch-{b} decode CUDA graph'} disagrees with the eager forward on the same kernels "
+            f"(worst row's relative error {err:.2e} > {bound:.0e}): a kernel replays something other than what it "
+            f"ran when captured. {hint}.")
     return err
 
 
@@ -125,7 +127,7 @@ class DecodeGraphs:
         return StepBatch(self.cu[:b + 1], self.q,
                          AttentionMeta(self.slot_mapping[:t], self.block_tables[:b], self.seq_lens[:b], self.max_seq_len),
                          gdn, self.rows[:t] if self.q > 1 else self.cu[:b].long(),
-                         delta_rows=self.inputs.graph_delta_rows(t))
+                         delta_rows=self.inputs.graph_delta_rows(t, decode=True))
 
     def mtp_kinds(self, b: int) -> tuple[str, ...]:
         """The head's graphs size b holds: "draft" where a batch that can verify next step (at most

@@ -112,9 +112,10 @@ class LLMEngine:
                                    max_step_ms=cfg.max_step_ms,
                                    max_step_decode_ratio=cfg.max_step_decode_ratio, step_cost=self.step_timer.model,
                                    max_preemptions=cfg.max_preemptions, policy=cfg.scheduling_policy)
-        # LoRA: delta rows grouped by bank slot (Clef's slot 0, the adapters' 1..max_loras)
+        # delta rows grouped by bank slot (Clef's slot 0, LoRA adapters' 1..max_loras), in fields a graph captures
+        clef_deltas = parts.clef is not None and parts.clef.delta_bytes > 0
         capacity = StepCapacity.of(cfg.max_num_batched_tokens, cfg.max_num_seqs, self.max_model_len, cfg.block_size,
-                                   lookahead, delta_slots=cfg.max_loras + 1 if cfg.enable_lora else 0)
+                                   lookahead, delta_slots=cfg.max_loras + 1 if cfg.enable_lora else int(clef_deltas))
         self.multimodal = self.media = None  # images/videos: prompt building and in-step encoding
         self.media_off = parts.media_off  # why they are off, for the 400 a request with media gets
         if parts.vision is not None:
@@ -138,6 +139,9 @@ class LLMEngine:
         why_eager = eager_reason(cfg.cuda_graphs, parts.model.device, cfg.kernels)
         if why_eager is None:
             self.runner.enable_decode_graphs(scratch_slot)  # StartupError where a graph disagrees with eager
+            if cfg.piecewise_graph_max_rows and cfg.tensor_parallel_size == 1:  # workers replay decode graphs only
+                self.runner.enable_piecewise_graphs(min(cfg.piecewise_graph_max_rows, cfg.max_num_batched_tokens),
+                                                   deltas=not cfg.clef_delta_host)
         else:
             log.info("decode runs eagerly: %s", why_eager)
         self.requests: dict[str, _Request] = {}

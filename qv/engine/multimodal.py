@@ -152,7 +152,7 @@ class VisionSteps(StepFeature):
         """StepFeature: while any sequence has images or videos, steps stay synchronous."""
         return bool(self.states) and any(q in self.states for q in (*scheduler.running, *scheduler.waiting))
 
-    def replayable(self, seqs) -> bool:
+    def replayable(self, seqs, deltas_captured: bool) -> bool:
         """StepFeature: a sequence with media runs mRoPE positions (and vision rows) that no graph captured."""
         return not self.states or not any(s in self.states for s in seqs)
 

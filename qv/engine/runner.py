@@ -24,6 +24,7 @@ import torch
 from qv.engine.bad_words import batch_bans
 from qv.engine.sampler import SamplingBatch, apply_grammar, logprobs_of, process, sample, token_bias
 from qv.engine.cuda_graphs import DecodeGraphs
+from qv.engine.piecewise_graphs import PiecewiseGraphs
 from qv.engine.multimodal import VisionSteps
 from qv.engine.prompt_logprobs import PromptLogprobRows, launch_prompt_logprobs
 from qv.engine.scheduler import StepPlan
@@ -65,6 +66,7 @@ class _Step:
     verify_batch: SamplingBatch | None  # settings of the verification rows (k+1 per sequence)
     drafts: torch.Tensor | None  # [num_spec, k] the drafts being verified
     graphs: DecodeGraphs | None = None  # the graphs that replay the forward (None: it runs eagerly)
+    pieces: PiecewiseGraphs | None = None  # or the graphs that replay its token-wise parts
     rope: torch.Tensor | None = None  # rotary positions when they are not the token indices (images: mRoPE)
     embeds: torch.Tensor | None = None  # input embeddings with vision rows, when a chunk holds media pads
     prompt_logprobs: PromptLogprobRows | None = None  # prompt rows' logprobs, in their own bounded copy
@@ -114,6 +116,7 @@ class ModelRunner:
         self.max_seqs, self.max_model_len = capacity.seqs, max_model_len
         self.graphs: DecodeGraphs | None = None
         self.verify_graphs: DecodeGraphs | None = None
+        self.pieces: PiecewiseGraphs | None = None
         self.scratch_slot = -1  # the GDN slot padding rows of a replayed graph use (enable_decode_graphs)
         self.last: StepHandle | None = None  # the last step launched: where PENDING input tokens come from
 
@@ -132,12 +135,29 @@ class ModelRunner:
             verify.capture()
             self.verify_graphs = verify
 
+    def enable_piecewise_graphs(self, max_rows: int, deltas: bool = True) -> None:
+        """Capture and check the piecewise graphs of steps with prompt rows (qv/engine/piecewise_graphs.py),
+        in the decode graphs' pool; StartupError where one fails. deltas: they launch the grouped deltas."""
+        pieces = PiecewiseGraphs(self.model, self.cache, self.inputs, max_rows, self.scratch_slot, deltas=deltas,
+                                 pool=self.graphs.pool if self.graphs is not None else None)
+        pieces.capture()
+        self.pieces = pieces
+
+    def _pieces_for(self, seqs: list[Sequence], num_spec: int, rows: int) -> PiecewiseGraphs | None:
+        """The piecewise graphs for a step no decode graph replays: no verification rows, at most their
+        largest size, no media rows (the vision steps' replayable: mRoPE positions, vision embeddings)."""
+        p = self.pieces
+        if p is None or num_spec or p.bucket(rows) is None:
+            return None
+        return p if all(f.replayable(seqs, p.deltas) for f in self.features) else None
+
     def _graphs_for(self, seqs: list[Sequence], num_spec: int, rows: int) -> DecodeGraphs | None:
         """The graphs that can replay a step's forward: decode steps whose sequences all run one row, or
         all verify k+1 rows (qv/engine/scheduler.py evens a decode step's drafts out for this), with token
-        positions as rotary positions, no vision rows and no Clef record's delta rows (LoRA adapters' rows
-        replay: the graphs capture the grouped deltas over the step's delta fields)."""
-        if self.graphs is None or not all(f.replayable(seqs) for f in self.features):
+        positions as rotary positions, no vision rows and, unless LoRA adapters' slots exist (then the graphs
+        launch the grouped deltas over the step's delta fields), no Clef record's delta rows."""
+        deltas = self.inputs.capacity.delta_slots > 1  # the decode graphs launch LoRA's grouped deltas
+        if self.graphs is None or not all(f.replayable(seqs, deltas) for f in self.features):
             return None
         n = len(seqs)
         if num_spec == 0 and rows == n:
@@ -153,6 +173,8 @@ class ModelRunner:
         self.tp.send_step(self.inputs, st, self.vocab_size)  # the workers run the same forward (one rank: nothing)
         if st.graphs is not None:
             return st.graphs.run(st.shape.rows)
+        if st.pieces is not None:
+            return st.pieces.run(st.shape.rows, st.batch)
         pos = st.positions if st.rope is None else st.rope
         return self.model.forward(st.ids, pos, st.batch, self.cache, inputs_embeds=st.embeds)
 
@@ -171,6 +193,7 @@ class ModelRunner:
         nseq, ntok = len(seqs), int(q_lens.sum())
         graphs = self._graphs_for(seqs, num_spec, ntok)
         pad_seqs = graphs.bucket(nseq) if graphs is not None else 0
+        pieces = self._pieces_for(seqs, num_spec, ntok) if graphs is None else None
         width = max(1, max(len(s.block_ids) for s in seqs))
         tables = inp.host_table(self.capacity.blocks if graphs is not None else width)  # as the graph captured it
         cu, ids, next_ids, logits_idx = h["cu_seqlens_q"][:nseq + 1], h["ids"], h["next_ids"], h["logits_indices"]
@@ -219,8 +242,8 @@ class ModelRunner:
                           delta_rows=filled.get("delta_rows", 0), delta_slot_starts=slot_starts,
                           delta_max_rows=int(np.diff(h["delta_slot_start"][:slot_starts]).max()) if slot_starts else 0,
                           pending=len(pending), pad_seqs=pad_seqs,
-                          pad_rows=pad_seqs * graphs.q if graphs is not None else 0)
-        if graphs is not None:
+                          pad_rows=pad_seqs * graphs.q if graphs is not None else pieces.bucket(ntok) if pieces else 0)
+        if graphs is not None or pieces is not None:
             inp.pad(shape, self.scratch_slot)
         k1 = k + 1
         verify_batch = self.sampling_batch([(s, j) for s in seqs[:num_spec] for j in range(k1)]) if num_spec else None
@@ -233,7 +256,8 @@ class ModelRunner:
         st = _Step(ids=ids_d, positions=inp.field("positions", ntok), batch=inp.batch(shape, self.spec), shape=shape,
                    seqs=seqs, q_lens=q_lens, cu=cu.copy(), samplers=samplers, host_ids=ids[:ntok],
                    next_ids=inp.field("next_ids", ntok), sample_batch=sample_batch, verify_batch=verify_batch,
-                   drafts=inp.field("drafts", num_spec * k).view(num_spec, k) if num_spec else None, graphs=graphs)
+                   drafts=inp.field("drafts", num_spec * k).view(num_spec, k) if num_spec else None, graphs=graphs,
+                   pieces=pieces)
         if self.media is not None:  # images/videos: encode what the step needs, mRoPE positions, vision rows
             st.rope, st.embeds = self.media.step_inputs(self.model, seqs, starts, q_lens, cu, pos, st.ids)
         inp.mark()  # the media's pinned buffers are rewritten next step too: one event covers both

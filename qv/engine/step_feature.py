@@ -51,8 +51,9 @@ class StepFeature:
         return 0
 
     # -- the runner's step ---------------------------------------------------------------------
-    def replayable(self, seqs) -> bool:
-        """Whether a CUDA graph captured for plain rows may run these sequences' forward."""
+    def replayable(self, seqs, deltas_captured: bool) -> bool:
+        """Whether a CUDA graph captured for plain rows may run these sequences' forward (deltas_captured: it
+        launches the grouped low-rank deltas over the step's delta fields)."""
         return True
 
     def samples(self, seq) -> bool:

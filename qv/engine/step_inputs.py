@@ -37,8 +37,8 @@ class StepCapacity:
     seqs: int
     blocks: int  # block-table width: max_model_len and the speculative lookahead, in blocks
     k1: int  # rows of a verifying sequence (1 without speculation)
-    # delta-bank slots a step's delta rows are grouped by (Clef's slot 0, then the LoRA adapters': max_loras + 1);
-    # 0: the rows are Clef's alone, ungrouped
+    # delta-bank slots a step's delta rows are grouped by (Clef's slot 0, then the LoRA adapters': max_loras + 1
+    # with LoRA, 1 for Clef's deltas alone); 0: no deltas
     delta_slots: int = 0
 
     @classmethod
@@ -246,10 +246,12 @@ class StepInputs:
             return rows
         return DeltaGroups(rows, self.field("delta_slot_start", shape.delta_slot_starts), shape.delta_max_rows)
 
-    def graph_delta_rows(self, rows: int) -> DeltaGroups | None:
+    def graph_delta_rows(self, rows: int, decode: bool = False) -> DeltaGroups | None:
         """What a CUDA graph of `rows` rows captures with delta_slots: the whole slot-start field (every replay
-        fills every slot's start: a slot without rows is empty) and the rows, bounded by the graph's size."""
-        if not self.capacity.delta_slots:
+        fills every slot's start: a slot without rows is empty) and the rows, bounded by the graph's size.
+        decode: None unless LoRA adapters' slots exist (Clef's records, slot 0, never decode; their empty
+        launches would cost every decode step)."""
+        if self.capacity.delta_slots <= (1 if decode else 0):
             return None
         return DeltaGroups(self.field("delta_rows", rows), self.device_fields["delta_slot_start"], rows)
 

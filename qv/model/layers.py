@@ -134,16 +134,31 @@ class GatedAttention:
         self.q_norm, self.k_norm = q_norm, k_norm
         self.scale = cfg.head_dim**-0.5
 
+    @property
+    def core_width(self) -> int:
+        """Columns of `core`'s output rows."""
+        return self.cfg.num_attention_heads * self.cfg.head_dim
+
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, batch: StepBatch, kv: KVCache) -> torch.Tensor:
+        core_in, carry = self.before_core(x, positions, batch.delta_rows)
+        return self.after_core(self.core(core_in, batch, kv), carry, batch.delta_rows)
+
+    def before_core(self, x: torch.Tensor, positions: torch.Tensor, delta_rows) -> tuple[list, list]:
+        """The token-wise part before the attention: ([q, k, v] after their norms and rotation, [gate])."""
         cfg, t = self.cfg, x.shape[0]
         hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        q_gate, k, v = self.qkv(x, batch.delta_rows)
+        q_gate, k, v = self.qkv(x, delta_rows)
         q_gate = q_gate.view(t, hq, 2 * d)  # per head [query | gate]
         q = K.rms_norm(q_gate[..., :d].reshape(t * hq, d), self.q_norm, cfg.rms_norm_eps).view(t, hq, d)
         gate = q_gate[..., d:].reshape(t, hq * d)
         k = K.rms_norm(k.reshape(t * hkv, d), self.k_norm, cfg.rms_norm_eps).view(t, hkv, d)
         v = v.reshape(t, hkv, d)
         q, k = K.rope(q, k, positions, cfg.rotary_dim, cfg.rope_theta, cfg.mrope_section, cfg.mrope_interleaved)
+        return [q, k, v], [gate]
+
+    def core(self, core_in: list, batch: StepBatch, kv: KVCache) -> torch.Tensor:
+        """The part across rows: the KV writes and the attention over the cache, [T, heads * head_dim]."""
+        q, k, v = core_in
         a = batch.attn
         K.write_kv(k, v, kv.k, kv.v, a.slot_mapping, kv.k_scale, kv.v_scale)
         o = None
@@ -153,7 +168,12 @@ class GatedAttention:
         if o is None:
             o = K.paged_attention(q, kv.k, kv.v, a.block_tables, batch.cu_seqlens_q, a.seq_lens, self.scale,
                                   kv.k_scale, kv.v_scale, batch.max_query_len, a.max_seq_len, k_new=k, v_new=v)
-        return self.o_proj(K.sigmoid_mul(o.view(t, hq * d), gate), batch.delta_rows)
+        return o.view(q.shape[0], self.core_width)
+
+    def after_core(self, o: torch.Tensor, carry: list, delta_rows) -> torch.Tensor:
+        """The token-wise part after: the output gate and o_proj."""
+        (gate,) = carry
+        return self.o_proj(K.sigmoid_mul(o, gate), delta_rows)
 
 
 class GatedDeltaNet:
@@ -166,13 +186,28 @@ class GatedDeltaNet:
         self.in_proj, self.out_proj = in_proj, out_proj  # in_proj: members qkv, z, b, a (one GEMV when one format)
         self.conv_weight, self.A_log, self.dt_bias, self.norm_weight = conv_weight, A_log, dt_bias, norm_weight
 
+    @property
+    def core_width(self) -> int:
+        """Columns of `core`'s output rows."""
+        return self.cfg.linear_num_value_heads * self.cfg.linear_value_head_dim
+
     def __call__(self, x: torch.Tensor, batch: StepBatch, st: GDNState, layer: int) -> torch.Tensor:
-        cfg, t = self.cfg, x.shape[0]
+        core_in, carry = self.before_core(x, batch.delta_rows)
+        return self.after_core(self.core(core_in, batch, st, layer), carry, batch.delta_rows)
+
+    def before_core(self, x: torch.Tensor, delta_rows) -> tuple[list, list]:
+        """The token-wise part before the recurrence: ([mixed q|k|v before the conv, a, b], [z])."""
+        mixed, z, b, a = self.in_proj(x, delta_rows)
+        return [mixed.contiguous(), a, b], [z]
+
+    def core(self, core_in: list, batch: StepBatch, st: GDNState, layer: int) -> torch.Tensor:
+        """The part along each sequence: the causal conv and the gated delta rule, [T, v heads * v dim]."""
+        cfg = self.cfg
+        mixed, a, b = core_in
+        t = mixed.shape[0]
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv, kd = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_key_dim
-        mixed, z, b, a = self.in_proj(x, batch.delta_rows)
         g, cu = batch.gdn, batch.cu_seqlens_q
-        mixed = mixed.contiguous()
         if g.num_spec_seqs:  # before the conv overwrites the state it starts from
             conv_states_per_position(mixed, st.conv, cu, g.state_slots, g.has_initial_state,
                                      g.intermediate_conv[layer])
@@ -193,8 +228,15 @@ class GatedDeltaNet:
             o[:ts] = rule(slice(0, ts), cu[:s_ + 1], slice(0, s_), g.intermediate_states[layer])
             if ts < t:
                 o[ts:] = rule(slice(ts, t), g.cu_seqlens_rest, slice(s_, None), None)
+        return o.reshape(t, hv * dv)
+
+    def after_core(self, o: torch.Tensor, carry: list, delta_rows) -> torch.Tensor:
+        """The token-wise part after: the gated RMSNorm with z and out_proj."""
+        cfg, t = self.cfg, o.shape[0]
+        hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+        (z,) = carry
         o = K.gated_rms_norm(o.reshape(t * hv, dv), z.reshape(t * hv, dv), self.norm_weight, cfg.rms_norm_eps)
-        return self.out_proj(o.view(t, hv * dv), batch.delta_rows)
+        return self.out_proj(o.view(t, hv * dv), delta_rows)
 
 
 def conv_states_per_position(x: torch.Tensor, conv_state: torch.Tensor, cu_seqlens: torch.Tensor,

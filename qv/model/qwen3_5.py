@@ -33,16 +33,36 @@ class DecoderLayer:
         self.input_norm, self.post_norm, self.eps = input_norm, post_norm, eps
 
     def __call__(self, h, residual, positions, batch: StepBatch, cache: HybridCache):
+        core_in, carry = self.before_core(h, residual, positions, batch.delta_rows)
+        return self.after_core(self.core(core_in, batch, cache), carry, batch.delta_rows)
+
+    # A layer in three parts, so that a forward can replay its token-wise parts from CUDA graphs captured per
+    # row count and run only the parts across rows (attention, the GDN recurrence) eagerly between them
+    # (qv/engine/piecewise_graphs.py). The token-wise parts read nothing of the batch but the delta rows.
+    def before_core(self, h, residual, positions, delta_rows) -> tuple[list, list]:
+        """(the core's inputs, what after_core takes besides the core's output: the mixer's, then the residual)."""
         if residual is None:
             x, residual = K.rms_norm(h, self.input_norm, self.eps), h
         else:
             x, residual = K.rms_norm(h, self.input_norm, self.eps, residual)
         if self.kind == "full_attention":
-            h = self.mixer(x, positions, batch, cache.kv[self.index])
+            core_in, carry = self.mixer.before_core(x, positions, delta_rows)
         else:
-            h = self.mixer(x, batch, cache.gdn[self.index], self.index)
+            core_in, carry = self.mixer.before_core(x, delta_rows)
+        return core_in, carry + [residual]
+
+    def core(self, core_in: list, batch: StepBatch, cache: HybridCache) -> torch.Tensor:
+        """The mixer's part across rows: [T, mixer.core_width]."""
+        if self.kind == "full_attention":
+            return self.mixer.core(core_in, batch, cache.kv[self.index])
+        return self.mixer.core(core_in, batch, cache.gdn[self.index], self.index)
+
+    def after_core(self, o: torch.Tensor, carry: list, delta_rows):
+        """(the layer's output, the residual)."""
+        *mixer_carry, residual = carry
+        h = self.mixer.after_core(o, mixer_carry, delta_rows)
         x, residual = K.rms_norm(h, self.post_norm, self.eps, residual)
-        return self.mlp(x, batch.delta_rows), residual
+        return self.mlp(x, delta_rows), residual
 
 
 class Qwen3_5TextModel:
@@ -77,6 +97,9 @@ class Qwen3_5TextModel:
         residual = None
         for layer in self.layers:
             h, residual = layer(h, residual, positions, batch, cache)
+        return self.final_norm(h, residual)
+
+    def final_norm(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         out, _ = K.rms_norm(h, self.norm, self.cfg.rms_norm_eps, residual)
         return out
 

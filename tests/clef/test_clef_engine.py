@@ -21,6 +21,7 @@ from qv.clef.request import encode_request
 from qv.config import EngineConfig
 from qv.engine.engine import LLMEngine
 from qv.engine.request import InvalidRequestError, SamplingParams
+from qv.model.delta_bank import DeltaGroups
 from qv.model.cache import kv_bytes_per_block
 
 NMAX = 34816
@@ -45,8 +46,10 @@ def spy_steps(eng: LLMEngine) -> list:
     def spied(plan):
         st = prepare(plan)
         expected = [r for i, s in enumerate(st.seqs) if eng.clef.owns(s) for r in range(st.cu[i], st.cu[i + 1])]
-        got = None if st.batch.delta_rows is None else st.batch.delta_rows.tolist()
+        d = st.batch.delta_rows  # slot 0's group (Clef's rows are grouped in the step's delta fields)
+        got = None if d is None else (d.rows if isinstance(d, DeltaGroups) else d).tolist()
         steps.append({"kinds": [eng.clef.owns(s) for s in st.seqs], "expected": expected, "got": got,
+                      "pieces": st.pieces is not None,
                       "clef_rows": {s.request_id: int(st.cu[i + 1] - st.cu[i]) for i, s in enumerate(st.seqs)
                                     if eng.clef.owns(s)}})
         return st
@@ -100,6 +103,34 @@ def test_mixed_batches_through_the_engine(tiny_engine, clef_dirs, alone, records
     st = eng.stats
     assert st.generation_tokens == 4 * CHAT.max_tokens + 4  # one engine token per record, like the original
     assert st.prompt_tokens == sum(map(len, chats.values())) + sum(r.num_tokens for r in records.values())
+
+
+@pytest.mark.parametrize("delta_host", [False, True])
+def test_records_replay_piecewise_graphs(tiny_engine, clef_dirs, alone, records, monkeypatch, delta_host):
+    """With piecewise graphs (their capture faked on the CPU: tests/graph_fakes.py), steps with records' rows
+    replay them, the deltas grouped in bank slot 0 over the step's delta fields, and answers and chats equal
+    the eager engine's. Deltas streamed from host memory are not captured: those steps run eagerly."""
+    from graph_fakes import faithful_pieces
+    from qv.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "eager_reason", lambda *a: None)
+    monkeypatch.setattr("qv.engine.runner.ModelRunner.enable_decode_graphs",
+                        lambda self, slot: setattr(self, "scratch_slot", slot))
+    runs = faithful_pieces(monkeypatch)
+    rng = random.Random(4)
+    chats = {f"c{j}": [rng.randrange(3, 250) for _ in range(rng.randint(5, 40))] for j in range(2)}
+    eng = make_engine(tiny_engine, clef_dirs["adapters"], max_num_batched_tokens=256, clef_delta_host=delta_host)
+    assert eng.runner.pieces.deltas is not delta_host
+    steps = spy_steps(eng)
+    some = {k: records[k] for k in ("r0", "r1")}
+    got = run(eng, some, chats)
+    with_records = [s["pieces"] for s in steps if any(s["kinds"])]
+    assert with_records and all(p is not delta_host for p in with_records), with_records
+    assert runs
+    for rid, rec in some.items():
+        assert max_dp(got[rid].clef.probabilities, run(alone, {rid: rec})[rid].clef.probabilities) <= BOUND
+    for rid, ids in chats.items():
+        assert got[rid].outputs[0].token_ids == run(alone, {}, {rid: ids})[rid].outputs[0].token_ids, rid
 
 
 def test_long_record_chunked_equals_one_chunk(tiny_engine, clef_dirs, tokenizers):

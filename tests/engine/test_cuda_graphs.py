@@ -13,6 +13,7 @@ import types
 import pytest
 import torch
 
+from graph_fakes import faithful_pieces
 from qv.config import EngineConfig
 from qv.engine import cuda_graphs
 from qv.engine.cuda_graphs import REPLAY_BOUND, DecodeGraphs, check_replay, replay_error
@@ -136,6 +137,7 @@ def _as_on_a_gpu(monkeypatch, graphs_rule):
 
     monkeypatch.setattr(engine_module, "eager_reason", lambda *a: None)
     monkeypatch.setattr(DecodeGraphs, "_capture_one", _fake_capture(graphs_rule))
+    faithful_pieces(monkeypatch)  # steps with prompt rows: qv/engine/piecewise_graphs.py (tests/engine/test_piecewise_graphs.py)
 
 
 def test_the_engine_does_not_start_on_a_disagreeing_graph(monkeypatch, no_cuda_sync, tiny_engine):

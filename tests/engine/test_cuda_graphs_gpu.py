@@ -130,3 +130,35 @@ def test_a_graph_that_froze_a_host_value_stops_start_up():
     with pytest.raises(StartupError, match=r"batch-1 decode CUDA graph disagrees.*QV_CUDA_GRAPHS=0"):
         graphs.capture()
     assert graphs.graphs == {}
+
+
+def test_steps_with_prompt_rows_replay_pieces_as_eager(tiny_engine, llm, model_dir, monkeypatch):
+    """Prompts in 64-token chunks beside decoding ones: those steps replay the piecewise graphs (captured
+    and checked at start-up: qv/engine/piecewise_graphs.py) at padded sizes, and greedy tokens equal the
+    eager engine's but at near ties (a t-row graph's GEMMs may tile other than an n-row eager call's)."""
+    from qv.engine.piecewise_graphs import PiecewiseGraphs
+
+    pieces = llm.engine.runner.pieces
+    assert pieces is not None and pieces.sizes[-1] == 512
+    assert max(pieces.errors.values()) <= REPLAY_BOUND, pieces.errors
+    print(f"piecewise graphs: sizes {pieces.sizes}, start-up check errors {pieces.errors}")
+    rng = random.Random(1)
+    vocab = llm.engine.model_config.vocab_size
+    prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(n)]} for n in (23, 70, 150, 333)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    runs, run = [], PiecewiseGraphs.run
+    monkeypatch.setattr(PiecewiseGraphs, "run", lambda self, n, batch: runs.append(n) or run(self, n, batch))
+    sched = llm.engine.scheduler
+    threshold, sched.long_prefill_token_threshold = sched.long_prefill_token_threshold, 64
+    try:
+        with llm.engine.runner.model.kernels_as_captured():
+            through_pieces = [o.outputs[0] for o in llm.generate(prompts, params)]
+    finally:
+        sched.long_prefill_token_threshold = threshold
+    eager_llm = tiny_engine(model=model_dir, cuda_graphs=False, long_prefill_token_threshold=64, **LEVERS)
+    with eager_llm.engine.runner.model.kernels_as_captured():
+        eager = [o.outputs[0] for o in eager_llm.generate(prompts, params)]
+    assert runs and any(n not in pieces.sizes for n in runs), runs
+    for i, (g, e) in enumerate(zip(through_pieces, eager)):
+        _assert_same_greedy(f"prompt {i} ({len(prompts[i]['prompt_token_ids'])} tokens)", g, e)
+    print(f"piecewise steps (rows): {runs}")

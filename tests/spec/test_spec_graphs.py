@@ -12,6 +12,7 @@ import types
 import pytest
 import torch
 
+from graph_fakes import faithful_pieces
 from qv import SamplingParams
 from qv.engine import engine as engine_module
 from qv.engine.cuda_graphs import DecodeGraphs
@@ -42,6 +43,7 @@ def stand_in_graphs(monkeypatch):
     monkeypatch.setattr(DecodeGraphs, "_capture_one", _stand_in_capture)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(engine_module, "eager_reason", lambda *a: None)
+    faithful_pieces(monkeypatch)  # prompt steps replay the piecewise graphs' stand-ins (MTP head after them eager)
     calls = {"decode": 0, "verify": 0, "draft": 0, "catch_up": 0, "commit": 0}
     run, run_mtp, run_commit = DecodeGraphs.run, DecodeGraphs.run_mtp, DecodeGraphs.run_commit
 

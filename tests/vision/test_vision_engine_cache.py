@@ -60,14 +60,14 @@ def test_media_state_goes_with_its_sequences(tiny_engine, vision_dir):
     mp = build(llm, CASES["gen-3"])
     eng.add_request("r", mp.token_ids, SamplingParams(n=2, temperature=0, max_tokens=2), multimodal=mp)
     seqs = list(eng.scheduler.waiting)
-    assert len(eng.media.states) == 2 and not eng.media.replayable(seqs)
+    assert len(eng.media.states) == 2 and not eng.media.replayable(seqs, True)
     gone = weakref.ref(eng.media.states[seqs[0]])
     while eng.has_unfinished_requests():
         eng.step()
     llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=2))  # a later step
     del seqs
     gc.collect()
-    assert not eng.media.states and gone() is None and eng.media.replayable(list(eng.scheduler.running))
+    assert not eng.media.states and gone() is None and eng.media.replayable(list(eng.scheduler.running), True)
 
 
 def _prompt(images):
