@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import logging
 import random
 import sys
 import tempfile
@@ -261,6 +262,7 @@ def main() -> None:
                     help="random: GPTQ-Int8 weights made on the device (no weights written to disk)")
     ap.add_argument("--dir", default="", help="where model folders are written (default: a temp dir)")
     args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the engine's start-up: memory plan, graphs
     if args.smoke:
         args.presets, args.lengths, args.counts, args.chats, args.chunk = "tiny", "1024,1280", "2,1", 2, 512
         args.chat_prompt, args.chat_window = 16, 1.0
