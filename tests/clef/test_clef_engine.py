@@ -119,7 +119,8 @@ def test_records_replay_piecewise_graphs(tiny_engine, clef_dirs, alone, records,
     runs = faithful_pieces(monkeypatch)
     rng = random.Random(4)
     chats = {f"c{j}": [rng.randrange(3, 250) for _ in range(rng.randint(5, 40))] for j in range(2)}
-    eng = make_engine(tiny_engine, clef_dirs["adapters"], max_num_batched_tokens=256, clef_delta_host=delta_host)
+    eng = make_engine(tiny_engine, clef_dirs["adapters"], max_num_batched_tokens=256, clef_delta_host=delta_host,
+                      piecewise_graph_max_rows=512)
     assert eng.runner.pieces.deltas is not delta_host
     steps = spy_steps(eng)
     some = {k: records[k] for k in ("r0", "r1")}

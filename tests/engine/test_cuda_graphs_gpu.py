@@ -132,12 +132,13 @@ def test_a_graph_that_froze_a_host_value_stops_start_up():
     assert graphs.graphs == {}
 
 
-def test_steps_with_prompt_rows_replay_pieces_as_eager(tiny_engine, llm, model_dir, monkeypatch):
+def test_steps_with_prompt_rows_replay_pieces_as_eager(tiny_engine, model_dir, monkeypatch):
     """Prompts in 64-token chunks beside decoding ones: those steps replay the piecewise graphs (captured
     and checked at start-up: qv/engine/piecewise_graphs.py) at padded sizes, and greedy tokens equal the
     eager engine's but at near ties (a t-row graph's GEMMs may tile other than an n-row eager call's)."""
     from qv.engine.piecewise_graphs import PiecewiseGraphs
 
+    llm = tiny_engine(model=model_dir, cuda_graphs=True, piecewise_graph_max_rows=512, **LEVERS)
     pieces = llm.engine.runner.pieces
     assert pieces is not None and pieces.sizes[-1] == 512
     assert max(pieces.errors.values()) <= REPLAY_BOUND, pieces.errors

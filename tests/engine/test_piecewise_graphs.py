@@ -14,7 +14,8 @@ from graph_fakes import faithful_pieces
 from qv import SamplingParams
 from qv.errors import StartupError
 
-LEVERS = dict(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=96, long_prefill_token_threshold=40)
+LEVERS = dict(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=96, long_prefill_token_threshold=40,
+              piecewise_graph_max_rows=512)
 
 
 def _as_on_a_gpu(monkeypatch, rule=None):
@@ -63,8 +64,8 @@ def test_steps_over_the_largest_size_and_lever_off_run_eagerly(tiny_engine, monk
     vocab = llm.engine.model_config.vocab_size
     llm.generate([{"prompt_token_ids": list(range(3, 3 + 150))}], SamplingParams(max_tokens=3, ignore_eos=True))
     assert all(n <= 64 for n, _ in runs) and len(runs) == 2, runs  # the 150-row prefill ran eagerly
-    off = tiny_engine(**dict(LEVERS, piecewise_graph_max_rows=0))
-    assert off.engine.runner.pieces is None
+    off = tiny_engine(**{k: v for k, v in LEVERS.items() if k != "piecewise_graph_max_rows"})
+    assert off.engine.runner.pieces is None  # off by default
     assert vocab > 150
 
 

@@ -72,7 +72,8 @@ def test_graphs_replay_speculation_greedy_identical(tiny_engine, fitted_dir, sta
     prompts += [{"prompt_token_ids": [rng.randrange(300) for _ in range(n)]} for n in (5, 11)]
     params = [SamplingParams(temperature=0, max_tokens=20 + 5 * i, ignore_eos=True) for i in range(len(prompts))]
     base = [o.outputs[0].token_ids for o in tiny_engine(model=fitted_dir, cuda_graphs=False).generate(prompts, params)]
-    llm = tiny_engine(model=fitted_dir, spec=mode, spec_k=3, spec_policy=policy, max_num_seqs=8, spec_max_seqs=8)
+    llm = tiny_engine(model=fitted_dir, spec=mode, spec_k=3, spec_policy=policy, max_num_seqs=8, spec_max_seqs=8,
+                      piecewise_graph_max_rows=512)
     assert llm.engine.runner.verify_graphs is not None
     outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert outs == base
