@@ -200,6 +200,7 @@ def bench_model(model_dir: Path, preset: str, args) -> list[tuple]:
         levers.update(device="cpu", kv_cache_bytes=256 << 20)
     if args.load_format == "random":
         levers.update(load_format="random", quantization="gptq-int8")
+    levers.update(dict(item.split("=", 1) for item in args.lever))
     eng = LLMEngine(EngineConfig.from_env(environ={}, model=str(model_dir), **levers))
     cap = (eng.clef.cap, eng.clef.cap_name)
     n_layers = eng.model_config.num_hidden_layers
@@ -261,6 +262,8 @@ def main() -> None:
     ap.add_argument("--load-format", default="auto", choices=("auto", "random"),
                     help="random: GPTQ-Int8 weights made on the device (no weights written to disk)")
     ap.add_argument("--dir", default="", help="where model folders are written (default: a temp dir)")
+    ap.add_argument("--lever", action="append", default=[], metavar="NAME=VALUE",
+                    help="an engine lever for every model (repeatable), e.g. piecewise_graph_max_rows=512")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # the engine's start-up: memory plan, graphs
     if args.smoke:

@@ -49,9 +49,10 @@ add_clef(write_preset('27b', '/tmp/qv-hostile27'), '27b')"
         run hostile27 ${HOSTILE27_S:-420} env QV_HOSTILE_MODEL=/tmp/qv-hostile27 python3 -m pytest -q tests/server/test_hostile.py \
           ${HOSTILE27_K:+-k $HOSTILE27_K} -s -p no:cacheprovider -rfE --durations=5 ;;
     mix27)  # issue 33 at the full 64 layers: the grouped delta beside its GEMM; records beside chats under each step
-            # target (MIX27_TARGETS, bench/clef.py's --step-targets) in one model load, a mixed step profiled under the first
+            # target (MIX27_TARGETS, bench/clef.py's --step-targets) in one model load, a mixed step profiled under the first;
+            # MIX27_LEVERS="--lever piecewise_graph_max_rows=512" runs it with the piecewise graphs
         run grouped ${GROUPED_S:-90} python3 bench/grouped_delta.py
-        run mix27 ${MIX27_S:-420} python3 bench/clef.py --presets 27b --load-format random --layers-27b 0 \
+        run mix27 ${MIX27_S:-420} python3 bench/clef.py --presets 27b --load-format random --layers-27b 0 ${MIX27_LEVERS:-} \
           --counts 16,6,3 --step-targets ${MIX27_TARGETS:-2x,2.5x,30ms} --profile-mixed ;;
     soak27)  # issue 33's load run: 64 clients (chats, streamed chats, records, 10% hang-ups) for SOAK27_S seconds.
              # It outlasts one device call (10 min with the start), so it runs detached; `soak27wait` in the next call
