@@ -127,9 +127,7 @@ class ClefRows(StepFeature):
     def fill_inputs(self, seqs: list[Sequence], cu: np.ndarray, host: dict) -> dict[str, int]:
         """The records' rows as bank slot 0's group (the step's capacity has that slot whenever there are
         deltas), written every step so that a graph replaying the grouped deltas finds the slot's extent."""
-        if self.rows_grouped:  # LoraRows writes the step's delta rows, these in slot 0
-            return {}
-        if not self.has_deltas:
+        if self.rows_grouped or not self.has_deltas:  # LoraRows writes the step's delta rows, these in slot 0
             return {}
         n = self.delta_rows(seqs, cu, host["delta_rows"])
         host["delta_slot_start"][:2] = (0, n)
@@ -170,10 +168,7 @@ class ClefRows(StepFeature):
     # -- the step ------------------------------------------------------------------------------
     def delta_rows(self, seqs: list[Sequence], cu: np.ndarray, out: np.ndarray) -> int:
         """Write the flat rows of the step's records (batch order `seqs`, row offsets `cu`) into `out` (the
-        step's `delta_rows` input field) and return how many; 0 when the step has none or there are no
-        deltas (the release layout: Clef's weights are the served ones)."""
-        if not self.has_deltas:
-            return 0
+        step's `delta_rows` input field) and return how many (0: the step has none)."""
         parts = [np.arange(cu[i], cu[i + 1]) for i, s in enumerate(seqs) if s in self.jobs]
         if not parts:
             return 0

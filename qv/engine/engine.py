@@ -139,7 +139,7 @@ class LLMEngine:
         why_eager = eager_reason(cfg.cuda_graphs, parts.model.device, cfg.kernels)
         if why_eager is None:
             self.runner.enable_decode_graphs(scratch_slot)  # StartupError where a graph disagrees with eager
-            if cfg.piecewise_graph_max_rows and cfg.tensor_parallel_size == 1:  # workers replay decode graphs only
+            if cfg.piecewise_graph_max_rows:
                 self.runner.enable_piecewise_graphs(min(cfg.piecewise_graph_max_rows, cfg.max_num_batched_tokens),
                                                    deltas=not cfg.clef_delta_host)
         else:

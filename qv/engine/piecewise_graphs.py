@@ -19,9 +19,10 @@ grouped delta rows over its delta fields (every replay launches the grouped delt
 does nothing). A step of n rows replays the smallest size t >= n: rows n..t are padding (StepInputs.pad:
 token 0 at position 0) that the token-wise pieces compute and nothing reads.
 
-At start-up every size is checked once as the decode graphs are (qv/engine/cuda_graphs.py): a replay
-on one t-row sequence against the eager forward on the same buffers, same kernels; a disagreement or
-a failed capture stops start-up with a StartupError naming the size."""
+At start-up every size is checked once as the decode graphs are (qv/engine/cuda_graphs.py): captured on
+inert rows, replayed on t rows of sequences from position 0 against the eager forward on the same
+buffers, same kernels; a disagreement or a failed capture stops start-up with a StartupError naming the
+size."""
 
 from __future__ import annotations
 
@@ -133,7 +134,10 @@ class PiecewiseGraphs:
                                f"{HINT}.") from exc
 
     def _capture_one(self, t: int) -> None:
-        self._check_inputs(t)
+        self.ids[:t] = 0  # inert rows, as StepInputs.pad makes them: the check then runs on other inputs
+        self.positions[:t] = 0
+        if self.deltas:
+            self.inputs.device_fields["delta_slot_start"].zero_()  # every slot empty
         graphs = []
         for i in range(len(self.layers) + 1):
             self._piece(i, t)  # warm-up: JIT compiles and one-time host work stay out of the graph
@@ -172,7 +176,6 @@ class PiecewiseGraphs:
     def _check(self, t: int) -> float:
         batch = self._check_inputs(t)
         replay = self.run(t, batch).clone()
-        batch = self._check_inputs(t)
         eager = self.model.forward(self.ids[:t], self.positions[:t], batch, self.cache)
         torch.cuda.synchronize()
         return check_replay(t, replay, eager, graph=f"{t}-row piecewise graphs", hint=HINT)

@@ -156,7 +156,7 @@ class ModelRunner:
         all verify k+1 rows (qv/engine/scheduler.py evens a decode step's drafts out for this), with token
         positions as rotary positions, no vision rows and, unless LoRA adapters' slots exist (then the graphs
         launch the grouped deltas over the step's delta fields), no Clef record's delta rows."""
-        deltas = self.inputs.capacity.delta_slots > 1  # the decode graphs launch LoRA's grouped deltas
+        deltas = self.inputs.capacity.lora_slots  # the decode graphs launch the grouped deltas
         if self.graphs is None or not all(f.replayable(seqs, deltas) for f in self.features):
             return None
         n = len(seqs)

@@ -41,6 +41,12 @@ class StepCapacity:
     # with LoRA, 1 for Clef's deltas alone); 0: no deltas
     delta_slots: int = 0
 
+    @property
+    def lora_slots(self) -> bool:
+        """Whether LoRA adapters' slots follow Clef's: their rows decode, so the decode graphs launch the grouped
+        deltas (Clef's records never decode; empty launches would cost every decode step)."""
+        return self.delta_slots > 1
+
     @classmethod
     def of(cls, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int,
            spec_k: int = 0, delta_slots: int = 0) -> "StepCapacity":
@@ -249,9 +255,8 @@ class StepInputs:
     def graph_delta_rows(self, rows: int, decode: bool = False) -> DeltaGroups | None:
         """What a CUDA graph of `rows` rows captures with delta_slots: the whole slot-start field (every replay
         fills every slot's start: a slot without rows is empty) and the rows, bounded by the graph's size.
-        decode: None unless LoRA adapters' slots exist (Clef's records, slot 0, never decode; their empty
-        launches would cost every decode step)."""
-        if self.capacity.delta_slots <= (1 if decode else 0):
+        decode: None unless LoRA adapters' slots exist (StepCapacity.lora_slots)."""
+        if not (self.capacity.lora_slots if decode else self.capacity.delta_slots):
             return None
         return DeltaGroups(self.field("delta_rows", rows), self.device_fields["delta_slot_start"], rows)
 
