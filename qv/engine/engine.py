@@ -142,6 +142,7 @@ class LLMEngine:
             if cfg.piecewise_graph_max_rows:
                 self.runner.enable_piecewise_graphs(min(cfg.piecewise_graph_max_rows, cfg.max_num_batched_tokens),
                                                    deltas=not cfg.clef_delta_host)
+                self.scheduler.row_buckets = tuple(self.runner.pieces.sizes)  # a step target fills its bucket
         else:
             log.info("decode runs eagerly: %s", why_eager)
         self.requests: dict[str, _Request] = {}

@@ -80,6 +80,7 @@ class Scheduler:
         self.max_step_ms = max_step_ms  # 0: no latency target, the long-prefill share decides
         self.max_step_decode_ratio = max_step_decode_ratio  # the target as a multiple of a decode-only step
         self.step_cost = step_cost
+        self.row_buckets: tuple[int, ...] = ()  # row counts a step's forward is padded to (piecewise CUDA graphs)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -354,7 +355,7 @@ class _StepTimeShare:
         target_ms = sched.max_step_ms or sched.max_step_decode_ratio * cost.predict(decode_rows)
         tokens = plan_prompt_tokens(cost, target_ms, decode_rows,
                                     [(s.num_tokens - s.num_computed_tokens, is_isolated(s)) for s in prompts],
-                                    max(0, sched.max_num_batched_tokens - decode_rows))
+                                    max(0, sched.max_num_batched_tokens - decode_rows), row_buckets=sched.row_buckets)
         self.allowed = {id(s): n for s, n in zip(prompts, tokens)}
 
     def is_long(self, seq: Sequence) -> bool:

@@ -88,11 +88,13 @@ class StepCostModel:
 
 
 def plan_prompt_tokens(cost: StepCost, target_ms: float, decode_rows: int, prompts: list[tuple[int, bool]],
-                       budget: int, min_share: int = MIN_PROMPT_SHARE) -> list[int]:
+                       budget: int, min_share: int = MIN_PROMPT_SHARE, row_buckets: tuple[int, ...] = ()) -> list[int]:
     """Tokens for each waiting prompt, given as (tokens left, is a Clef record), in a step that also holds
     `decode_rows` decode rows: the same count t for each (or all it has left, if fewer), t the largest that
     keeps the predicted step within `target_ms` and the total within `budget` tokens, and at least
-    min(left, min_share) each while the budget allows."""
+    min(left, min_share) each while the budget allows. row_buckets: the row counts the step's forward is
+    padded to (the piecewise CUDA graphs' sizes, ascending); the rows up to the step's bucket are then filled
+    with more prompt tokens, which cost little more than the padding they replace."""
     if not prompts:
         return []
     floor_share = max(1, min(min_share, budget // len(prompts)))
@@ -113,7 +115,24 @@ def plan_prompt_tokens(cost: StepCost, target_ms: float, decode_rows: int, promp
         n = min(left, share, left_in_budget)
         tokens.append(n)
         left_in_budget -= n
+    rows = decode_rows + sum(tokens)
+    bucket = next((b for b in row_buckets if b >= rows), None)
+    if bucket is not None and rows > decode_rows:
+        _fill(tokens, [left for left, _ in prompts], min(bucket - rows, left_in_budget))
     return tokens
+
+
+def _fill(tokens: list[int], lefts: list[int], spare: int) -> None:
+    """Hand `spare` more tokens to the prompts in equal shares, none past what it has left (in place)."""
+    while spare > 0:
+        open_ = [i for i, (n, left) in enumerate(zip(tokens, lefts)) if n < left]
+        if not open_:
+            return
+        share = max(1, spare // len(open_))
+        for i in open_:
+            extra = min(share, lefts[i] - tokens[i], spare)
+            tokens[i] += extra
+            spare -= extra
 
 
 class StepTimer:

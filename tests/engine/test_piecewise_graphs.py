@@ -73,3 +73,22 @@ def test_a_disagreeing_piece_stops_start_up_naming_its_size(tiny_engine, monkeyp
     _as_on_a_gpu(monkeypatch, rule=lambda out: out * 1.01)
     with pytest.raises(StartupError, match=r"16-row piecewise graphs.*QV_PIECEWISE_GRAPH_MAX_ROWS=0"):
         tiny_engine(**LEVERS)
+
+
+def test_a_step_target_fills_the_rows_up_to_the_graphs_size(tiny_engine, monkeypatch):
+    """Under a target no step meets (each waiting prompt gets the 16-token floor), a long prompt beside a
+    decoding chat takes the rest of its step's padded size: 1 decode row + 16 floor tokens would replay
+    the 32-row graphs with 15 rows of padding, so the prompt takes 31 tokens; only its last chunk pads."""
+    runs = _as_on_a_gpu(monkeypatch)
+    llm = tiny_engine(**dict(LEVERS, max_step_ms=1e-3, prefix_caching=False))
+    eng = llm.engine
+    assert eng.scheduler.row_buckets == (16, 32, 48, 64, 96)
+    eng.add_request("chat", [5, 6, 7], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    eng.step()  # the chat's prompt
+    runs.clear()
+    eng.add_request("long", list(range(3, 3 + 200)), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    while not any(o.request_id == "long" and o.finished for o in eng.step()):
+        pass
+    mixed = [(n, t) for n, t in runs if n > 1]
+    assert sum(n - 1 for n, _ in mixed) == 200, mixed  # every prompt token, one decode row a step beside them
+    assert all(n == t == 32 for n, t in mixed[:-1]) and mixed[-1][0] <= 32, mixed

@@ -152,6 +152,19 @@ def test_plan_prompt_tokens_shares_and_bounds():
     assert plan_prompt_tokens(cost, 10.0, 1, [], 4096) == []
 
 
+def test_plan_prompt_tokens_fills_the_rows_up_to_the_graphs_bucket():
+    cost = StepCost(fixed_ms=0.0, decode_row_ms=1.0, prompt_row_ms=1.0, clef_row_ms=2.0)
+    prompts = [(500, False), (500, True), (5, False)]
+    buckets = (16, 32, 64, 96, 128)
+    # 4 + 31 + 31 + 5 = 71 rows planned: the 96-row bucket's 25 spare rows go to the prompts with tokens left
+    tokens = plan_prompt_tokens(cost, 104.0, 4, prompts, 4096, row_buckets=buckets)
+    assert tokens == [44, 43, 5] and 4 + sum(tokens) == 96
+    assert plan_prompt_tokens(cost, 104.0, 4, prompts, 80, row_buckets=buckets) == [38, 37, 5]  # within the budget
+    assert plan_prompt_tokens(cost, 1e6, 4, [(20, False), (30, True)], 4096, row_buckets=buckets) == [20, 30]  # all left
+    assert plan_prompt_tokens(cost, 104.0, 4, prompts, 4096, row_buckets=(16, 32, 64)) == [31, 31, 5]  # past the last
+    assert plan_prompt_tokens(cost, 10.0, 4, [], 4096, row_buckets=buckets) == []
+
+
 def test_the_cost_model_learns_the_step_times_it_sees():
     rng = random.Random(11)
     truth = StepCost(fixed_ms=3.0, decode_row_ms=0.2, prompt_row_ms=0.02, clef_row_ms=0.04)
