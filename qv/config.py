@@ -150,8 +150,8 @@ class EngineConfig(BaseSettings):
         "each step's prompt tokens are chosen so that its predicted time stays under the target, the prediction "
         "from a cost model the engine fits to its own steps (a fixed part for the weight read plus rows times a cost "
         "per row by kind: decode, prompt, Clef). Every waiting prompt gets an equal share of a step, at least 16 "
-        "tokens, so records and long prompts never starve; with nothing decoding, prompts take the whole "
-        "max_num_batched_tokens as before. While it is on, it replaces long_prefill_token_threshold and "
+        "tokens, so records and long prompts never starve; with piecewise CUDA graphs the prompts also take the rows "
+        "up to the step's padded size. With nothing decoding, prompts take the whole max_num_batched_tokens as before. While it is on, it replaces long_prefill_token_threshold and "
         "max_long_partial_prefills in steps with decodes. 0 (the default): off; at the 64-layer 27B shapes on an H100 "
         "a step with prompt rows runs eagerly at ~95-110 ms whatever its size, so a target below that leaves prompts "
         "only the floor (docs/BENCHMARKS.md). The same GPU-independent: max_step_decode_ratio.", ge=0)
