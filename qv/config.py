@@ -112,6 +112,11 @@ class EngineConfig(BaseSettings):
     max_gdn_slots: int = lever(0, "GDN state slots (one per running sequence); 0: max_num_seqs.", ge=0)
     cuda_graphs: bool = lever(True, "Replay captured CUDA graphs for decode steps; a graph that disagrees with the "
                               "eager forward at start-up stops the engine (0: decode runs eagerly).")
+    warm_up: bool = lever(
+        True, "On a GPU, run a few steps of dummy requests at start-up (prompts of 13 to 1,100 tokens, greedy and "
+        "seeded random sampling with logprobs) before serving: Triton compiles each kernel at its first launch of a "
+        "shape class, seconds each on a fresh machine, and a request that needed one would stall every other. Then the "
+        "prefix cache, the statistics and the step cost model are reset. 0: off (the first requests pay the compiles).")
     piecewise_graph_max_rows: int = lever(
         0,
         "Steps with prompt rows (and decode steps no decode graph holds) of up to this many rows replay the forward's "

@@ -149,10 +149,42 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
         self._rng = random.Random(cfg.seed)
-        self.stats = EngineStats(num_gpu_blocks=self.blocks.num_blocks,
-                                 cuda_graph_sizes=tuple(self.runner.graphs.sizes) if self.runner.graphs else ())
+        self.stats = self._fresh_stats()
         self._steps = 0
         self._inflight: StepHandle | None = None  # the step launched but not yet applied (async only)
+        if cfg.warm_up and parts.model.device.type == "cuda":
+            self.warm_up()
+
+    def _fresh_stats(self) -> EngineStats:
+        return EngineStats(num_gpu_blocks=self.blocks.num_blocks,
+                           cuda_graph_sizes=tuple(self.runner.graphs.sizes) if self.runner.graphs else ())
+
+    def warm_up(self) -> None:
+        """Run dummy requests through every kind of step the first requests would take, so that the
+        kernels they launch are compiled before serving (Triton compiles at a kernel's first launch
+        of each shape class; a request that met one would stall every other): one prompt per row
+        range the linears switch kernels at (13, 29, 61, 300, 1,100 tokens, as far as the limits
+        allow), alternately greedy and n=2 seeded random sampling, each with logprobs. Leaves no
+        trace: the prefix cache, the statistics and the step cost model are reset, and the seeds
+        are the requests' own, so the engine's random stream is untouched."""
+        words = self.tokenizer.encode("The quick brown fox jumps over the lazy dog. ", add_special_tokens=False) or [0]
+        room = min(self.max_model_len - 3, self.cfg.max_num_batched_tokens,
+                   self.blocks.capacity(True) * self.blocks.block_size // 4)
+        lengths = [n for n in (13, 29, 61, 300, 1100) if n <= room]
+        t0 = time.perf_counter()
+        for i, n in enumerate(lengths):
+            ids = (words * (n // len(words) + 1))[:n]
+            random_rows = i % 2 == 1
+            params = SamplingParams(n=2 if random_rows else 1, temperature=1.0 if random_rows else 0.0, seed=i,
+                                    max_tokens=3, ignore_eos=True, logprobs=min(20, self.cfg.max_logprobs))
+            self.add_request(f"qv-warm-up-{i}", ids, params)
+            while self.has_unfinished_requests():
+                self.step()
+        self.reset_prefix_cache()
+        self.step_timer.model.reset()
+        self.stats = self._fresh_stats()
+        log.info("warmed up: %d dummy requests of %s prompt tokens in %.1f s", len(lengths), lengths,
+                 time.perf_counter() - t0)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (nothing to do at one rank); the engine takes no steps after."""

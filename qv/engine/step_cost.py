@@ -61,6 +61,11 @@ class StepCostModel:
     def __init__(self, prior: StepCost = DEFAULT_PRIOR, half_life_steps: float = HALF_LIFE_STEPS):
         self.prior = prior
         self.decay = 0.5 ** (1.0 / half_life_steps)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the steps seen (start-up's warm-up steps, which include compiles): the prior again."""
+        prior = self.prior
         # each coefficient's prior weighs as much as PRIOR_STEPS steps of that feature's typical rows would
         typical = np.diag(TYPICAL_ROWS)
         typical[1:, 0] = 1.0
