@@ -20,7 +20,7 @@ from qv.engine.detokenizer import IncrementalDetokenizer
 from qv.engine.kv_cache import KVBlockPool
 from qv.engine.lora_rows import make_lora_rows
 from qv.engine.multimodal import MultimodalInputs, MultimodalPrompt, VisionSteps, check_multimodal
-from qv.engine.prefix_cache import make_prefix_cache
+from qv.engine.prefix_cache import PrefixCacheStats, make_prefix_cache
 from qv.engine.prompt_logprobs import finished_prompt_logprobs, new_prompt_logprobs
 from qv.engine.request import (CompletionOutput, InvalidFieldError, InvalidRequestError, Logprob, RequestMetrics,
                                RequestOutput, SamplingParams)
@@ -29,7 +29,7 @@ from qv.engine.runner import ModelRunner, StepHandle, StepResult
 from qv.engine.scheduler import Scheduler, StepPlan
 from qv.engine.sequence import PENDING, SeqStatus, Sequence
 from qv.engine.structured import Grammar, GrammarLimits
-from qv.spec.speculator import Speculator
+from qv.spec.speculator import SpecStats, Speculator
 from qv.engine.state_pool import GDNStatePool
 from qv.engine.step_cost import StepCostModel, StepTimer
 from qv.engine.step_inputs import StepCapacity
@@ -155,6 +155,16 @@ class LLMEngine:
         if cfg.warm_up and parts.model.device.type == "cuda":
             self.warm_up()
 
+    def _forget_counters(self) -> None:
+        """Every counter the statistics read, from zero (after the warm-up's dummy requests)."""
+        if self.prefix_cache:
+            self.prefix_cache.stats = PrefixCacheStats()
+        if self.spec is not None:
+            self.spec.stats = SpecStats(accepted_per_pos=[0] * self.spec.k)
+        self.scheduler.num_preemptions = self.scheduler.num_deferred_readmissions = 0
+        self.stats = self._fresh_stats()
+        self._refresh_stats()
+
     def _fresh_stats(self) -> EngineStats:
         return EngineStats(num_gpu_blocks=self.blocks.num_blocks,
                            cuda_graph_sizes=tuple(self.runner.graphs.sizes) if self.runner.graphs else ())
@@ -182,7 +192,7 @@ class LLMEngine:
                 self.step()
         self.reset_prefix_cache()
         self.step_timer.model.reset()
-        self.stats = self._fresh_stats()
+        self._forget_counters()
         log.info("warmed up: %d dummy requests of %s prompt tokens in %.1f s", len(lengths), lengths,
                  time.perf_counter() - t0)
 

@@ -29,8 +29,19 @@ def test_warm_up_leaves_no_trace(tiny_engine, caplog):
     eng = warm.engine
     assert not eng.has_unfinished_requests() and not eng.requests
     assert eng.stats.prompt_tokens == 0 and eng.stats.generation_tokens == 0
+    assert eng.stats.prefix_cache_queries == 0 and eng.stats.prefix_cache_hits == 0
     assert eng.step_timer.model.num_steps == 0 and eng.step_timer.model.cost == eng.step_timer.model.prior
     warm_out = warm.generate(prompts, params)
     for c, w in zip(cold_out, warm_out):
         assert [o.token_ids for o in c.outputs] == [o.token_ids for o in w.outputs]
         assert c.num_cached_tokens == w.num_cached_tokens  # no prefix of the dummy prompts was kept
+
+
+def test_warm_up_forgets_its_drafts(tiny_engine):
+    """With speculative decoding the dummy requests draft and verify; the counters start from zero after."""
+    llm = tiny_engine(mtp=True, spec="mtp", max_model_len=512, max_num_batched_tokens=512)
+    llm.engine.warm_up()
+    s = llm.engine.stats
+    assert (s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens) == (0, 0, 0)
+    llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert llm.engine.stats.spec_num_drafts > 0  # the counters still count
