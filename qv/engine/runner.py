@@ -384,6 +384,7 @@ class ModelRunner:
             top_p=t([p.top_p for p in ps], torch.float32), top_k=t([p.top_k for p in ps], torch.int64),
             min_p=t([p.min_p for p in ps], torch.float32), seeds=t([s.rng_seed for s, _ in rows], torch.int64),
             positions=t([len(o) for o in outputs], torch.int64), all_greedy=all(p.greedy for p in ps),
+            any_filter=any(not p.greedy and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in ps),
             max_logprobs=max((p.logprobs for p in ps if p.logprobs is not None), default=-1))
         if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in ps):
             b.presence = t([p.presence_penalty for p in ps], torch.float32)

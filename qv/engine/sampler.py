@@ -40,6 +40,7 @@ class SamplingBatch:
     ban_rows: torch.Tensor | None = None  # [B] int64: (row, token) of each bad_words ban this step
     ban_ids: torch.Tensor | None = None  # [B] int64
     all_greedy: bool = False
+    any_filter: bool = True  # some random row has top-k, top-p or min-p (False: no sort over the vocabulary)
     max_logprobs: int = -1  # -1: no row wants logprobs; else the largest top-N asked
     grammar: tuple | None = None  # (token bitmask [R, ceil(V/32)] int32, constrained rows): structured outputs
 
@@ -96,6 +97,8 @@ def filter_probs(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p over fp32 logits; returns probabilities (0 where cut)."""
     temp = torch.where(b.temperature > 0, b.temperature, torch.ones_like(b.temperature))
     logits = logits / temp[:, None]
+    if not b.any_filter:
+        return torch.softmax(logits, dim=-1)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
     rank = torch.arange(vocab, device=logits.device)[None, :]

@@ -22,7 +22,7 @@ def _batch(rows: int, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed0=None
     full = lambda v, dt: torch.full((rows,), v, dtype=dt)  # noqa: E731
     return SamplingBatch(full(temperature, torch.float32), full(top_p, torch.float32), full(top_k, torch.int64),
                          full(min_p, torch.float32), torch.arange(rows, dtype=torch.int64) + seed0,
-                         torch.zeros(rows, dtype=torch.int64))
+                         torch.zeros(rows, dtype=torch.int64), any_filter=top_k > 0 or top_p < 1 or min_p > 0)
 
 
 def _expected(logits: torch.Tensor, temperature, top_p, top_k, min_p) -> torch.Tensor:
@@ -75,6 +75,14 @@ def test_sampler_distribution_chi_square(temperature, top_p, top_k, min_p):
     # filter_probs itself agrees with the independent statement
     assert torch.allclose(filter_probs(logits[None], _batch(1, temperature, top_p, top_k, min_p))[0].double(),
                           expect / n, atol=1e-6)
+
+
+def test_rows_without_filters_skip_the_sort_and_get_the_same_probabilities():
+    logits = torch.randn(5, 1000) * 3
+    plain, sorted_path = _batch(5, 0.8), _batch(5, 0.8)
+    sorted_path.any_filter = True
+    assert not plain.any_filter
+    torch.testing.assert_close(filter_probs(logits, plain), filter_probs(logits, sorted_path), atol=1e-7, rtol=1e-5)
 
 
 def test_noise_depends_only_on_seed_position_token():
@@ -170,3 +178,14 @@ def test_one_upload_per_step(tiny_engine, monkeypatch):
         rows = zip((round(t, 6) for t in temps), top_ks, presence or [0.0] * len(temps))
         assert set(rows) <= requested, seen
     assert any(len(t) == 2 for t, _, _ in seen)
+
+
+def test_the_engine_filters_rows_that_ask_for_it_beside_rows_that_do_not(tiny_engine):
+    """top_k=1 (or a tiny top_p) at temperature 1 is greedy, also in a batch with unfiltered random rows."""
+    llm = tiny_engine()
+    prompt = [{"prompt_token_ids": [5, 6, 7, 8, 9]}]
+    greedy = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0].token_ids
+    outs = llm.generate(prompt * 3, [SamplingParams(temperature=1.0, top_k=1, max_tokens=8, ignore_eos=True, seed=1),
+                                     SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=2),
+                                     SamplingParams(temperature=1.0, top_p=1e-6, max_tokens=8, ignore_eos=True, seed=3)])
+    assert outs[0].outputs[0].token_ids == greedy and outs[2].outputs[0].token_ids == greedy
