@@ -69,10 +69,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--sizes", default="128,160,448", help="row counts to capture and check")
-    ap.add_argument("--capture", choices=("alone", "together", "together-own-pool"), default="alone",
-                    help="alone: each size captured by itself in its own pool; together: every size up to the "
-                    "largest captured largest first in the decode graphs' pool, as start-up does (-own-pool: a "
-                    "pool of their own)")
+    ap.add_argument("--capture", choices=("alone", "together", "together-own-pool", "pool-per-size"),
+                    default="alone",
+                    help="alone: each size captured by itself in its own pool, then checked; together: every size up "
+                    "to the largest captured largest first in the decode graphs' pool, as start-up does, then each "
+                    "checked (-own-pool: one pool of their own); pool-per-size: the listed sizes each in a pool of "
+                    "its own, all captured before the checks")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
@@ -83,8 +85,14 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, {args.layers} layers of the 27B shapes, sizes captured {args.capture}",
           flush=True)
     r, sizes = eng.runner, [int(x) for x in args.sizes.split(",")]
-    together = None
-    if args.capture != "alone":
+    together, alone = None, {}
+    if args.capture == "pool-per-size":
+        for t in reversed(sizes):
+            alone[t] = PiecewiseGraphs(r.model, r.cache, r.inputs, t, r.scratch_slot)
+            alone[t].sizes = [t]
+            with r.model.kernels_as_captured():
+                alone[t]._capture_one(t)
+    elif args.capture != "alone":
         pool = r.graphs.pool if args.capture == "together" else None
         together = PiecewiseGraphs(r.model, r.cache, r.inputs, max(sizes), r.scratch_slot, pool=pool)
         with r.model.kernels_as_captured():
@@ -92,7 +100,7 @@ def main() -> None:
                 together._capture_one(t)
         print(f"captured {together.sizes}", flush=True)
     for t in sizes:
-        pg = together
+        pg = together or alone.get(t)
         if pg is None:
             pg = PiecewiseGraphs(r.model, r.cache, r.inputs, t, r.scratch_slot)
             pg.sizes = [t]
