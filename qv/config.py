@@ -112,11 +112,9 @@ class EngineConfig(BaseSettings):
     max_gdn_slots: int = lever(0, "GDN state slots (one per running sequence); 0: max_num_seqs.", ge=0)
     cuda_graphs: bool = lever(True, "Replay captured CUDA graphs for decode steps; a graph that disagrees with the "
                               "eager forward at start-up stops the engine (0: decode runs eagerly).")
-    warm_up: bool = lever(
-        True, "On a GPU, run a few steps of dummy requests at start-up (prompts of 13 to 1,100 tokens, greedy and "
-        "seeded random sampling with logprobs) before serving: Triton compiles each kernel at its first launch of a "
-        "shape class, seconds each on a fresh machine, and a request that needed one would stall every other. Then the "
-        "prefix cache, the statistics and the step cost model are reset. 0: off (the first requests pay the compiles).")
+    warm_up: bool = lever(True, "On a GPU, run dummy requests (13-1,100 prompt tokens, greedy and seeded random, with "
+                          "logprobs) at start-up, so Triton's first-launch compiles (seconds each) stall no request; "
+                          "no trace is left. 0: off.")
     piecewise_graph_max_rows: int = lever(
         0,
         "Steps with prompt rows (and decode steps no decode graph holds) of up to this many rows replay the forward's "
@@ -151,15 +149,15 @@ class EngineConfig(BaseSettings):
     max_step_ms: float = lever(
         0.0,
         "Latency target of a step while sequences decode, in ms (the inter-token latency chats see beside prompts "
-        "and Clef records; vLLM sizes the prefill chunk of a step by a fixed token count, this sizes it by time): "
-        "each step's prompt tokens are chosen so that its predicted time stays under the target, the prediction "
-        "from a cost model the engine fits to its own steps (a fixed part for the weight read plus rows times a cost "
-        "per row by kind: decode, prompt, Clef). Every waiting prompt gets an equal share of a step, at least 16 "
-        "tokens, so records and long prompts never starve; with piecewise CUDA graphs the prompts also take the rows "
-        "up to the step's padded size. With nothing decoding, prompts take the whole max_num_batched_tokens as before. While it is on, it replaces long_prefill_token_threshold and "
-        "max_long_partial_prefills in steps with decodes. 0 (the default): off; at the 64-layer 27B shapes on an H100 "
-        "a step with prompt rows runs eagerly at ~95-110 ms whatever its size, so a target below that leaves prompts "
-        "only the floor (docs/BENCHMARKS.md). The same GPU-independent: max_step_decode_ratio.", ge=0)
+        "and Clef records; vLLM sizes the prefill chunk by a token count, this by time): each step's prompt tokens "
+        "keep its predicted time under the target, predicted by a cost model fitted to the engine's own steps (a "
+        "fixed part plus rows times a cost per kind: decode, prompt, Clef). Every waiting prompt gets an equal share, "
+        "at least 16 tokens, so records and long prompts never starve, and with piecewise CUDA graphs the rows up to "
+        "the step's padded size; with nothing decoding, prompts take max_num_batched_tokens. While on, it replaces "
+        "long_prefill_token_threshold and max_long_partial_prefills in steps with decodes. 0 (the default): off; at "
+        "the 64-layer 27B shapes on an H100 an eager step with prompt rows takes ~95-110 ms whatever its size, so a "
+        "target below that leaves prompts only the floor (docs/BENCHMARKS.md). GPU-independent: max_step_decode_ratio.",
+        ge=0)
     max_step_decode_ratio: float = lever(
         0.0,
         "The latency target of max_step_ms as a multiple of the predicted decode-only step of the same decoding rows "
