@@ -112,9 +112,8 @@ class EngineConfig(BaseSettings):
     max_gdn_slots: int = lever(0, "GDN state slots (one per running sequence); 0: max_num_seqs.", ge=0)
     cuda_graphs: bool = lever(True, "Replay captured CUDA graphs for decode steps; a graph that disagrees with the "
                               "eager forward at start-up stops the engine (0: decode runs eagerly).")
-    warm_up: bool = lever(True, "On a GPU, run dummy requests (13-1,100 prompt tokens, greedy and seeded random, with "
-                          "logprobs) at start-up, so Triton's first-launch compiles (seconds each) stall no request; "
-                          "no trace is left. 0: off.")
+    warm_up: bool = lever(True, "On a GPU, run dummy requests at start-up so that Triton's first-launch compiles "
+                          "(seconds each) stall no request; they leave no trace. 0: off.")
     piecewise_graph_max_rows: int = lever(
         0,
         "Steps with prompt rows (and decode steps no decode graph holds) of up to this many rows replay the forward's "
@@ -159,11 +158,9 @@ class EngineConfig(BaseSettings):
         "target below that leaves prompts only the floor (docs/BENCHMARKS.md). GPU-independent: max_step_decode_ratio.",
         ge=0)
     max_step_decode_ratio: float = lever(
-        0.0,
-        "The latency target of max_step_ms as a multiple of the predicted decode-only step of the same decoding rows "
-        "(2.0: chats beside prompts see at most about twice their inter-token latency alone), from the same fitted "
-        "cost model, so one value holds on any GPU and at any decode batch. 0: off. A max_step_ms set replaces it "
-        "(setting both is refused); a value at or below 1 leaves no room but the per-prompt floor.", ge=0)
+        0.0, "The latency target of max_step_ms as a multiple of the predicted decode-only step of the same decoding "
+        "rows (2.0: chats beside prompts see at most about twice their inter-token latency alone), so one value holds "
+        "on any GPU and batch. 0: off. Setting both is refused; at or below 1 only the per-prompt floor is left.", ge=0)
     # -- sparse attention (long contexts; off: exact attention) ---------------------------------
     sparse_prefill: bool = lever(
         False, "Prompt chunks attend only to the key blocks that hold the target share of each query tile's softmax "
