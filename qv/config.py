@@ -119,8 +119,8 @@ class EngineConfig(BaseSettings):
         "Steps with prompt rows (and decode steps no decode graph holds) of up to this many rows replay the forward's "
         "token-wise parts from CUDA graphs captured per row count, with attention and the GDN recurrence run eagerly "
         "between them (vLLM's piecewise CUDA graphs, max_cudagraph_capture_size; 512 is the intended setting); "
-        "larger steps run eagerly. Needs cuda_graphs; one rank. 0 (default): off, because on the H100 the start-up "
-        "check still finds some sizes' replays 0.7-1.3% from the eager forward (docs/BENCHMARKS.md).", ge=0)
+        "larger steps run eagerly. Needs cuda_graphs; one rank. 0 (default): off until the start-up check has passed "
+        "at 512 rows and 64 layers on a GPU (an earlier version failed it; docs/BENCHMARKS.md).", ge=0)
     async_scheduling: bool = lever(
         True,
         "Overlap the host work of a decode step with the GPU's: the next step is scheduled and launched before the "

@@ -144,8 +144,8 @@ class LLMEngine:
                                                    deltas=not cfg.clef_delta_host)
                 self.scheduler.row_buckets = tuple(self.runner.pieces.sizes)  # a step target fills its bucket
         else:
-            log.info("decode%s runs eagerly: %s", " and every step with prompt rows" if cfg.piecewise_graph_max_rows else "",
-                     why_eager)
+            also = " and every step with prompt rows" if cfg.piecewise_graph_max_rows else ""
+            log.info("decode%s runs eagerly: %s", also, why_eager)
         self.requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
         self._rng = random.Random(cfg.seed)
