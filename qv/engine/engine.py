@@ -174,7 +174,8 @@ class LLMEngine:
         kernels they launch are compiled before serving (Triton compiles at a kernel's first launch
         of each shape class; a request that met one would stall every other): one prompt per row
         range the linears switch kernels at (13, 29, 61, 300, 1,100 tokens, as far as the limits
-        allow), alternately greedy and n=2 seeded random sampling, each with logprobs. Leaves no
+        allow), alternately greedy and n=2 seeded random sampling, each with logprobs, then one under a
+        JSON grammar (the token-mask kernel; with xgrammar installed). Leaves no
         trace: the prefix cache, the statistics and the step cost model are reset, and the seeds
         are the requests' own, so the engine's random stream is untouched."""
         words = self.tokenizer.encode("The quick brown fox jumps over the lazy dog. ", add_special_tokens=False) or [0]
@@ -190,11 +191,26 @@ class LLMEngine:
             self.add_request(f"qv-warm-up-{i}", ids, params)
             while self.has_unfinished_requests():
                 self.step()
+        grammar = self._warm_up_grammar()
+        if grammar is not None:  # the token-mask kernel, and the grammar compiler's worker processes
+            params = SamplingParams(temperature=0.0, max_tokens=3, seed=0, grammar=grammar)
+            self.add_request("qv-warm-up-grammar", (words * 13)[:13], params)
+            while self.has_unfinished_requests():
+                self.step()
         self.reset_prefix_cache()
         self.step_timer.model.reset()
         self._forget_counters()
-        log.info("warmed up: %d dummy requests of %s prompt tokens in %.1f s", len(lengths), lengths,
-                 time.perf_counter() - t0)
+        log.info("warmed up: %d dummy requests of %s prompt tokens%s in %.1f s", len(lengths), lengths,
+                 " and one under a JSON grammar" if grammar is not None else "", time.perf_counter() - t0)
+
+    def _warm_up_grammar(self) -> Grammar | None:
+        """A JSON-object grammar for the warm-up's constrained request; None without xgrammar (structured
+        outputs are then refused per request)."""
+        try:
+            import xgrammar  # noqa: F401
+        except ImportError:
+            return None
+        return self.compile_grammar("json_object", "")
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (nothing to do at one rank); the engine takes no steps after."""

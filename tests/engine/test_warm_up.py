@@ -25,8 +25,9 @@ def test_warm_up_leaves_no_trace(tiny_engine, caplog):
     with caplog.at_level(logging.INFO, logger="qv"):
         warm.engine.warm_up()
     assert "warmed up: 5 dummy requests of [13, 29, 61, 300, 1100] prompt tokens" not in caplog.text  # 1,100 > 512
-    assert "warmed up: 4 dummy requests of [13, 29, 61, 300] prompt tokens" in caplog.text
+    assert "warmed up: 4 dummy requests of [13, 29, 61, 300] prompt tokens and one under a JSON grammar" in caplog.text
     eng = warm.engine
+    assert eng.structured.compiler is not None  # the grammar request ran: its compiler's workers are up
     assert not eng.has_unfinished_requests() and not eng.requests
     assert eng.stats.prompt_tokens == 0 and eng.stats.generation_tokens == 0
     assert eng.stats.prefix_cache_queries == 0 and eng.stats.prefix_cache_hits == 0
