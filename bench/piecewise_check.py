@@ -1,10 +1,14 @@
 """Where a piecewise CUDA graph replay (qv/engine/piecewise_graphs.py) departs from the eager forward, on
-the GPU at the 27B's layer shapes with random GPTQ-Int8 weights: per row count, the eager forward run
-twice (is the forward itself deterministic?), the pieces run eagerly between the cores (is the split
-faithful?), then replayed (does capture change a kernel?), and per piece the buffers where the replay
-and the eager pieces first differ.
+the GPU at the 27B's layer shapes with random GPTQ-Int8 weights: per row count, the replay (first and
+unsynchronized, as the start-up check runs it), the eager forward twice (is the forward deterministic?),
+the pieces run eagerly between the cores twice (is the split faithful?), the replay again piece by piece;
+where any pair differs, per piece the buffers where the replays and the eager pieces first differ.
 
     python bench/piecewise_check.py --layers 4 --sizes 128,160,448
+    python bench/piecewise_check.py --layers 64 --clef --capture together --sizes 96,448 --poison
+    # as the engine's start-up does it (bench/clef.py's levers, a server's memory plan, no step run before):
+    python bench/piecewise_check.py --layers 64 --clef --capture together --sizes all --no-warm-up \
+        --lever max_num_batched_tokens=8192 --lever max_model_len=1088 --lever kv_cache_bytes=0
 """
 
 from __future__ import annotations
@@ -21,14 +25,45 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "engine")
 
 from shapes_27b import write_27b_config  # noqa: E402
 
+from qv.bench.clef_folder import add_clef  # noqa: E402
 from qv.config import EngineConfig  # noqa: E402
-from qv.engine.cuda_graphs import replay_error  # noqa: E402
+from qv.engine.cuda_graphs import REPLAY_BOUND, replay_error  # noqa: E402
 from qv.engine.engine import LLMEngine  # noqa: E402
-from qv.engine.piecewise_graphs import PiecewiseGraphs  # noqa: E402
+from qv.engine.piecewise_graphs import ROW_BUCKETS, PiecewiseGraphs  # noqa: E402
 
 
-def check(eng: LLMEngine, pg: PiecewiseGraphs, t: int) -> None:
-    """Size t of pg (captured already): the forward, the eager pieces and the replay, compared."""
+def poisoned_forward(eng: LLMEngine, pg: PiecewiseGraphs, t: int, clean: torch.Tensor) -> None:
+    """The eager forward again with the allocator's free memory NaN first (a kernel that reads memory its
+    tensors never wrote then gives NaN or other values), layer by layer against a clean run."""
+    model, r = eng.runner.model, eng.runner
+
+    def layers(poison_first: bool) -> list[torch.Tensor]:
+        out = []
+        h, residual = model.embed(pg.ids[:t]), None
+        batch = pg._check_inputs(t)
+        for layer in model.layers:
+            if poison_first:
+                free = torch.cuda.mem_get_info()[0]
+                junk = torch.full(((min(free // 2, 8 << 30)) // 2,), float("nan"), dtype=torch.bfloat16,
+                                  device=model.device)
+                del junk  # its block stays in the allocator's cache: the layer's fresh tensors are carved from it
+            h, residual = layer(h, residual, pg.positions[:t], batch, r.cache)
+            out.append(torch.cat([h.float(), residual.float()], -1).clone())
+        out.append(model.final_norm(h, residual).float().clone())
+        return out
+
+    a, b = layers(False), layers(True)
+    torch.cuda.synchronize()
+    first = next((i for i, (x, y) in enumerate(zip(a, b)) if not torch.equal(x, y)), None)
+    print(f"{t} rows: forward layer by layer vs forward {replay_error(a[-1], clean.float()):.2e}; with NaN-filled "
+          f"free memory {replay_error(b[-1], a[-1]):.2e} (NaN rows {int(b[-1].isnan().any(-1).sum())}), first "
+          f"differing layer: {first if first is None or first == len(model.layers) else (first, model.layers[first].kind)}",
+          flush=True)
+
+
+def check(eng: LLMEngine, pg: PiecewiseGraphs, t: int, poison: bool = False) -> None:
+    """Size t of pg (captured already): the forward, the eager pieces and the replay, compared (poison: also
+    with NaN in the allocator's free memory and in the static buffers past row t)."""
     model = eng.runner.model
     r = eng.runner
     snaps: dict[tuple[str, int], dict] = {}
@@ -42,17 +77,34 @@ def check(eng: LLMEngine, pg: PiecewiseGraphs, t: int) -> None:
         return piece
 
     with model.kernels_as_captured():
+        # the replay first and unsynchronized, as the start-up check runs it (a first run of some kernel at this
+        # size, or a race that per-piece synchronization would hide, shows here)
+        g = pg._cores_and_pieces(t, pg._check_inputs(t), lambda i: pg.graphs[t][i].replay()).clone()
         e1 = model.forward(pg.ids[:t], pg.positions[:t], pg._check_inputs(t), r.cache).clone()
         e2 = model.forward(pg.ids[:t], pg.positions[:t], pg._check_inputs(t), r.cache).clone()
         u = pg._cores_and_pieces(t, pg._check_inputs(t), snapshot("eager")).clone()
         u2 = pg._cores_and_pieces(t, pg._check_inputs(t), snapshot("eager2")).clone()
-        g = pg._cores_and_pieces(t, pg._check_inputs(t), snapshot("replay")).clone()
+        g2 = pg._cores_and_pieces(t, pg._check_inputs(t), snapshot("replay")).clone()
         torch.cuda.synchronize()
-    print(f"{t} rows: forward vs forward {replay_error(e2, e1):.2e}, pieces eagerly twice {replay_error(u2, u):.2e}, "
-          f"pieces run eagerly vs forward "
-          f"{replay_error(u, e1):.2e}, replay vs pieces run eagerly {replay_error(g, u):.2e}, replay vs forward "
-          f"{replay_error(g, e1):.2e}", flush=True)
-    for other, what in (("eager2", "eager pieces run again"), ("replay", "replay")):
+        if poison:
+            poisoned_forward(eng, pg, t, e1)
+            with torch.inference_mode():  # the buffers are inference tensors
+                for buf in list(pg.buffers.values()) + list(pg.core_out.values()):
+                    if buf.is_floating_point():
+                        buf[t:].fill_(float("nan"))
+            u3 = pg._cores_and_pieces(t, pg._check_inputs(t), snapshot("eager-poisoned")).clone()
+            torch.cuda.synchronize()
+            print(f"{t} rows: pieces with NaN past row {t} vs pieces {replay_error(u3, u):.2e} "
+                  f"(NaN rows: {int(u3.isnan().any(-1).sum())})", flush=True)
+    worst = max(replay_error(x, y) for x, y in ((g, e1), (e2, e1), (u, e1), (u2, u), (g, u), (g2, g)))
+    print(f"{t} rows: {'AGREE' if worst <= REPLAY_BOUND else 'DIFFER'}; replay vs forward {replay_error(g, e1):.2e}, "
+          f"forward vs forward {replay_error(e2, e1):.2e}, pieces run eagerly vs forward {replay_error(u, e1):.2e}, "
+          f"pieces eagerly twice {replay_error(u2, u):.2e}, replay vs pieces run eagerly {replay_error(g, u):.2e}, "
+          f"replay piece by piece (synchronized) vs replay {replay_error(g2, g):.2e}", flush=True)
+    if worst <= REPLAY_BOUND and not poison:
+        return
+    others = (("eager2", "eager pieces run again"), ("replay", "replay"))
+    for other, what in others + ((("eager-poisoned", "pieces with NaN past the rows"),) if poison else ()):
         print(f"  {what} vs the eager pieces (core_out: the core before the piece):", flush=True)
         for i in range(len(model.layers) + 1):
             a, b = snaps[("eager", i)], snaps[(other, i)]
@@ -68,23 +120,44 @@ def check(eng: LLMEngine, pg: PiecewiseGraphs, t: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--sizes", default="128,160,448", help="row counts to capture and check")
+    ap.add_argument("--sizes", default="128,160,448",
+                    help="row counts to capture and check, or 'all': every bucket up to 512, checked smallest first "
+                    "as start-up does")
     ap.add_argument("--capture", choices=("alone", "together", "together-own-pool", "pool-per-size"),
                     default="alone",
                     help="alone: each size captured by itself in its own pool, then checked; together: every size up "
                     "to the largest captured largest first in the decode graphs' pool, as start-up does, then each "
                     "checked (-own-pool: one pool of their own); pool-per-size: the listed sizes each in a pool of "
                     "its own, all captured before the checks")
+    ap.add_argument("--clef", action="store_true",
+                    help="with a random Clef folder (LoRA + deabl deltas on the last 3/8 of the layers, 4 slots): "
+                    "its linears run unfused with the grouped delta launches, as bench/clef.py's engine does")
+    ap.add_argument("--poison", action="store_true",
+                    help="also: the forward with NaN-filled free memory, layer by layer, and the eager pieces with "
+                    "NaN in the static buffers past the step's rows (a kernel reading memory it should not)")
+    ap.add_argument("--lever", action="append", default=[], metavar="NAME=VALUE",
+                    help="an engine lever over this script's defaults (repeatable), e.g. kv_cache_bytes=0 for the "
+                    "memory plan of a server")
+    ap.add_argument("--no-warm-up", action="store_true",
+                    help="capture and check before the engine has run any step, as start-up does (the engine's "
+                    "warm-up runs after its graphs)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     folder = write_27b_config(Path(tempfile.mkdtemp(prefix="qv-pieces-")), args.layers, 4096)
-    eng = LLMEngine(EngineConfig.from_env(
-        environ={}, model=folder, device="cuda", dtype="bfloat16", load_format="random", quantization="gptq-int8",
-        kv_dtype="int8", max_model_len=4096, max_num_seqs=64, kv_cache_bytes=1 << 30, piecewise_graph_max_rows=0))
-    print(f"{torch.cuda.get_device_name()}, {args.layers} layers of the 27B shapes, sizes captured {args.capture}",
-          flush=True)
-    r, sizes = eng.runner, [int(x) for x in args.sizes.split(",")]
+    clef = {}
+    if args.clef:
+        folder = str(add_clef(Path(folder), "27b"))
+        clef = dict(clef_slots=4, clef_nmax=1024)
+    levers = dict(device="cuda", dtype="bfloat16", load_format="random", quantization="gptq-int8", kv_dtype="int8",
+                  max_model_len=4096, max_num_seqs=64, kv_cache_bytes=1 << 30, piecewise_graph_max_rows=0,
+                  warm_up=not args.no_warm_up, **clef)
+    levers.update(dict(item.split("=", 1) for item in args.lever))
+    eng = LLMEngine(EngineConfig.from_env(environ={}, model=folder, **levers))
+    print(f"{torch.cuda.get_device_name()}, {args.layers} layers of the 27B shapes{' with Clef' if args.clef else ''}, "
+          f"sizes captured {args.capture}", flush=True)
+    r = eng.runner
+    sizes = ([t for t in ROW_BUCKETS if t <= 512] if args.sizes == "all" else [int(x) for x in args.sizes.split(",")])
     together, alone = None, {}
     if args.capture == "pool-per-size":
         for t in reversed(sizes):
@@ -106,7 +179,7 @@ def main() -> None:
             pg.sizes = [t]
             with r.model.kernels_as_captured():
                 pg._capture_one(t)
-        check(eng, pg, t)
+        check(eng, pg, t, args.poison)
 
 
 if __name__ == "__main__":

@@ -181,9 +181,13 @@ class PiecewiseGraphs:
         hint = HINT
         if not replay_error(replay, eager) <= REPLAY_BOUND:
             # only for the message: the same pieces run eagerly tell a capture that replays other work from a split
-            # that departs from the forward (or a forward that is not deterministic)
-            pieces = self._cores_and_pieces(t, batch, lambda i: self._piece(i, t))
-            hint += f" (the replay vs the same pieces run eagerly: {replay_error(replay, pieces):.1e})"
+            # that departs from the forward; each run again, a replay or a forward that is not deterministic
+            pieces = self._cores_and_pieces(t, batch, lambda i: self._piece(i, t)).clone()
+            again = self.run(t, batch).clone()
+            eager_again = self.model.forward(self.ids[:t], self.positions[:t], batch, self.cache)
+            hint += (f" (the replay vs the same pieces run eagerly: {replay_error(replay, pieces):.1e}; the replay "
+                     f"again vs the first: {replay_error(again, replay):.1e}; the eager forward again vs the first: "
+                     f"{replay_error(eager_again, eager):.1e})")
         return check_replay(t, replay, eager, graph=f"{t}-row piecewise graphs", hint=hint)
 
     # -- steps ---------------------------------------------------------------------------------

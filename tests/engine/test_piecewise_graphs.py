@@ -72,7 +72,8 @@ def test_steps_over_the_largest_size_and_lever_off_run_eagerly(tiny_engine, monk
 def test_a_disagreeing_piece_stops_start_up_naming_its_size(tiny_engine, monkeypatch):
     _as_on_a_gpu(monkeypatch, rule=lambda out: out * 1.01)
     with pytest.raises(StartupError, match=r"16-row piecewise graphs.*QV_PIECEWISE_GRAPH_MAX_ROWS=0 .*"
-                       r"the replay vs the same pieces run eagerly: 1\.0e-02"):  # the capture, not the split
+                       r"the replay vs the same pieces run eagerly: 1\.0e-02; the replay again vs the first: "
+                       r"0\.0e\+00; the eager forward again vs the first: 0\.0e\+00"):  # the capture, not the split
         tiny_engine(**LEVERS)
 
 
