@@ -205,12 +205,16 @@ class LLMEngine:
 
     def _warm_up_grammar(self) -> Grammar | None:
         """A JSON-object grammar for the warm-up's constrained request; None without xgrammar (structured
-        outputs are then refused per request)."""
+        outputs are then refused per request) or where the compile fails (logged: each request says why)."""
         try:
             import xgrammar  # noqa: F401
         except ImportError:
             return None
-        return self.compile_grammar("json_object", "")
+        try:
+            return self.compile_grammar("json_object", "")
+        except Exception as exc:  # the engine serves without structured outputs rather than not at all
+            log.warning("warm-up: no grammar-constrained request (%s: %s)", type(exc).__name__, exc)
+            return None
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (nothing to do at one rank); the engine takes no steps after."""

@@ -46,3 +46,21 @@ def test_warm_up_forgets_its_drafts(tiny_engine):
     assert (s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens) == (0, 0, 0)
     llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert llm.engine.stats.spec_num_drafts > 0  # the counters still count
+
+
+def test_warm_up_without_a_grammar_compiler_still_warms_the_rest(tiny_engine, monkeypatch, caplog):
+    """A grammar compile that fails at warm-up (here: its worker processes cannot start) is logged and skipped:
+    the engine still warms up and serves unconstrained requests."""
+    llm = tiny_engine(max_model_len=512, max_num_batched_tokens=512)
+    eng = llm.engine
+
+    def broken(*args, **kwargs):
+        raise OSError("no processes here")
+
+    monkeypatch.setattr(eng.structured, "compile", broken)
+    with caplog.at_level(logging.INFO, logger="qv"):
+        eng.warm_up()
+    assert "warm-up: no grammar-constrained request (OSError: no processes here)" in caplog.text
+    assert "warmed up: 4 dummy requests of [13, 29, 61, 300] prompt tokens in" in caplog.text
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 3
