@@ -57,13 +57,13 @@ add_clef(write_preset('27b', '/tmp/qv-hostile27'), '27b')"
           --counts 16,6,3 --step-targets ${MIX27_TARGETS:-2x,2.5x,30ms} --profile-mixed ;;
     pieces27)  # why the piecewise graphs' start-up check fails in the engine (a bf16 KV cache) and not outside it (int8):
                # the prefill attention's TMA path at chunks of several key tiles, then the check as start-up runs it,
-               # with and without those TMA copies
+               # with plain loads (the default now) and with those TMA copies
         run attn_tma 90 python3 -m pytest -q -m gpu tests/oracles/test_paged_attention.py -k under_the_cudnn \
           -p no:cacheprovider -rfE
-        for no_tma in "" --no-attention-tma; do
-          run pieces27${no_tma:+-no-tma} ${PIECES27_S:-170} python3 bench/piecewise_check.py --layers 64 --clef \
+        for tma in "" --attention-tma; do
+          run pieces27${tma:+-tma} ${PIECES27_S:-170} python3 bench/piecewise_check.py --layers 64 --clef \
             --capture together --sizes all --no-warm-up --lever kv_dtype=auto --lever max_num_batched_tokens=8192 \
-            --lever max_model_len=1088 --lever kv_cache_bytes=0 $no_tma
+            --lever max_model_len=1088 --lever kv_cache_bytes=0 $tma
         done ;;
     soak27)  # issue 33's load run: 64 clients (chats, streamed chats, records, 10% hang-ups) for SOAK27_S seconds.
              # It outlasts one device call (10 min with the start), so it runs detached; `soak27wait` in the next call

@@ -7,7 +7,7 @@ where any pair differs, per piece the buffers where the replays and the eager pi
     python bench/piecewise_check.py --layers 4 --sizes 128,160,448
     python bench/piecewise_check.py --layers 64 --clef --capture together --sizes 96,448 --poison
     # as the engine's start-up does it (bench/clef.py's levers: a 16-bit KV cache, a server's memory plan, no
-    # step run before); --no-attention-tma: the same without the prefill attention's TMA copies
+    # step run before); --attention-tma: with the prefill attention's TMA copies (the default until then)
     python bench/piecewise_check.py --layers 64 --clef --capture together --sizes all --no-warm-up \
         --lever kv_dtype=auto --lever max_num_batched_tokens=8192 --lever max_model_len=1088 --lever kv_cache_bytes=0
 """
@@ -142,16 +142,15 @@ def main() -> None:
     ap.add_argument("--no-warm-up", action="store_true",
                     help="capture and check before the engine has run any step, as start-up does (the engine's "
                     "warm-up runs after its graphs)")
-    ap.add_argument("--no-attention-tma", action="store_true",
-                    help="the prefill attention kernel loads a 16-bit cache's chunk keys with plain loads instead of "
-                    "TMA bulk copies (the suspect where the start-up check failed: 16-bit caches, sizes past one key "
-                    "tile)")
+    ap.add_argument("--attention-tma", action="store_true",
+                    help="the prefill attention kernel loads a 16-bit cache's chunk keys by TMA bulk copies (sm_90+), "
+                    "the default before the start-up check failed with 16-bit caches at sizes past one key tile")
     args = ap.parse_args()
-    if args.no_attention_tma:
+    if args.attention_tma:
         import qv.kernels.paged_attention.triton as attention_kernels
 
         config = attention_kernels.attn_config
-        attention_kernels.attn_config = lambda *a: dict(config(*a), tma=False)
+        attention_kernels.attn_config = lambda *a: dict(config(*a), tma=True)
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     folder = write_27b_config(Path(tempfile.mkdtemp(prefix="qv-pieces-")), args.layers, 4096)

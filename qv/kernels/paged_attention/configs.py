@@ -27,11 +27,11 @@ def attn_config(device, dtype, d, rep, decode, max_q, n_seq, hkv):
                     num_warps=4, num_stages=(3 if long_splits else 4) if wide else 2)
     if not wide:  # fp32 runs its dots on FMA units (ieee): small tiles
         return dict(BLOCK_M=max(m_floor, 32 if d > 128 else 64), BLOCK_N=32, num_warps=4, num_stages=1)
-    # Hopper+: the chunk's new keys by TMA bulk copies, faster than per-thread loads at long chunks
-    tma = torch.cuda.get_device_capability(device)[0] >= 9
+    # The chunk's new keys by plain loads: TMA copies (config tma=True, sm_90+) gained 5% at 8K-row chunks, which
+    # cuDNN takes now, and are the suspect where the piecewise graphs' start-up check failed (docs/BENCHMARKS.md)
     if d <= 64:
-        return dict(BLOCK_M=max(m_floor, 128), BLOCK_N=64, num_warps=4, num_stages=3, tma=tma)
-    return dict(BLOCK_M=max(m_floor, 128), BLOCK_N=64, num_warps=8, num_stages=3 if d <= 128 else 2, tma=tma)
+        return dict(BLOCK_M=max(m_floor, 128), BLOCK_N=64, num_warps=4, num_stages=3)
+    return dict(BLOCK_M=max(m_floor, 128), BLOCK_N=64, num_warps=8, num_stages=3 if d <= 128 else 2)
 
 
 def decode_config(device, dtype, d, rep, max_q, n_seq, hkv):
