@@ -20,9 +20,9 @@ does nothing). A step of n rows replays the smallest size t >= n: rows n..t are 
 token 0 at position 0) that the token-wise pieces compute and nothing reads.
 
 At start-up every size is checked once as the decode graphs are (qv/engine/cuda_graphs.py): captured on
-inert rows, replayed on t rows of sequences from position 0 against the eager forward on the same
-buffers, same kernels; a disagreement or a failed capture stops start-up with a StartupError naming the
-size."""
+inert rows, replayed on t rows of sequences from position 0 (their keys in the cache's first blocks,
+free then) against the eager forward on the same buffers, same kernels; a disagreement or a failed
+capture stops start-up with a StartupError naming the size."""
 
 from __future__ import annotations
 
@@ -150,8 +150,10 @@ class PiecewiseGraphs:
         self.graphs[t] = graphs
 
     def _check_inputs(self, t: int) -> StepBatch:
-        """t rows as sequences from position 0 (as long as max_model_len allows) on the step's fields, inert:
-        no KV writes, GDN states in the scratch slot; token ids other than a capture's zeros."""
+        """t rows as sequences from position 0 (as long as max_model_len allows) on the step's fields: their
+        keys written to the cache's first blocks (free at start-up: no sequence reads a block it did not write),
+        so attention runs over real keys, from the pages where the kernel reads them there (an int8 cache);
+        GDN states in the scratch slot; token ids other than a capture's zeros."""
         f, dev = self.inputs.device_fields, self.ids.device
         rows = torch.arange(t, device=dev)
         n = -(-t // self.seq_rows)
@@ -159,14 +161,21 @@ class PiecewiseGraphs:
         cu[-1] = t
         self.ids[:t] = (rows * 7919 + 13) % self.model.cfg.vocab_size
         self.positions[:t] = rows % self.seq_rows
-        f["slot_mapping"][:t] = -1
         f["seq_lens"][:n] = (cu[1:] - cu[:-1]).to(f["seq_lens"].dtype)
         f["state_slots"][:n] = self.scratch_slot
         f["has_initial_state"][:n] = False
+        bs = self.cache.block_size
+        width = -(-min(t, self.seq_rows) // bs)
         f["block_tables"][:n] = 0
+        if n * width <= self.cache.num_blocks:
+            blocks = torch.arange(n * width, device=dev).view(n, width)
+            f["block_tables"][:n, :width] = blocks.to(f["block_tables"].dtype)
+            pos = self.positions[:t].long()
+            f["slot_mapping"][:t] = blocks[rows // self.seq_rows, pos // bs] * bs + pos % bs
+        else:  # a cache too small to hold them (tiny test caches): no KV writes, attention over block 0
+            f["slot_mapping"][:t] = -1
         if self.inputs.capacity.delta_slots:
             f["delta_slot_start"].zero_()  # every slot empty
-        width = -(-min(t, self.seq_rows) // self.cache.block_size)
         return StepBatch(cu, min(t, self.seq_rows),
                          AttentionMeta(f["slot_mapping"][:t], f["block_tables"][:n, :width], f["seq_lens"][:n],
                                        min(t, self.seq_rows)),

@@ -94,3 +94,16 @@ def test_a_step_target_fills_the_rows_up_to_the_graphs_size(tiny_engine, monkeyp
     mixed = [(n, t) for n, t in runs if n > 1]
     assert sum(n - 1 for n, _ in mixed) == 200, mixed  # every prompt token, one decode row a step beside them
     assert all(n == t == 32 for n, t in mixed[:-1]) and mixed[-1][0] <= 32, mixed
+
+
+def test_the_start_up_check_attends_over_keys_it_wrote(tiny_engine, monkeypatch):
+    """The check's sequences write their keys to the cache's first blocks (free at start-up), so attention runs
+    over real keys, from the pages where a kernel reads them there (an int8 cache), not over an empty block 0."""
+    _as_on_a_gpu(monkeypatch)
+    llm = tiny_engine(**LEVERS)
+    cache = llm.engine.runner.cache
+    used = -(-llm.engine.runner.pieces.sizes[-1] // cache.block_size)  # the largest size's blocks (one sequence)
+    for kv in cache.kv.values():
+        written = kv.k[:used].flatten(1).abs().sum(-1)
+        assert bool((written > 0).all()), written  # every block of the largest check holds keys
+        assert not kv.k[used:].any()  # and nothing past them
