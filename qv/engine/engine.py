@@ -175,9 +175,9 @@ class LLMEngine:
         of each shape class; a request that met one would stall every other): one prompt per row
         range the linears switch kernels at (13, 29, 61, 300, 1,100 tokens, as far as the limits
         allow), alternately greedy and n=2 seeded random sampling, each with logprobs, then one under a
-        JSON grammar (the token-mask kernel; with xgrammar installed). Leaves no
-        trace: the prefix cache, the statistics and the step cost model are reset, and the seeds
-        are the requests' own, so the engine's random stream is untouched."""
+        JSON grammar (the token-mask kernel; with xgrammar installed). Leaves no trace: the prefix
+        cache, the statistics and the step cost model are reset, and the seeds are the requests' own,
+        so the engine's random stream is untouched."""
         words = self.tokenizer.encode("The quick brown fox jumps over the lazy dog. ", add_special_tokens=False) or [0]
         room = min(self.max_model_len - 3, self.cfg.max_num_batched_tokens,
                    self.blocks.capacity(True) * self.blocks.block_size // 4)
