@@ -183,20 +183,19 @@ class LLMEngine:
                    self.blocks.capacity(True) * self.blocks.block_size // 4)
         lengths = [n for n in (13, 29, 61, 300, 1100) if n <= room]
         t0 = time.perf_counter()
-        for i, n in enumerate(lengths):
-            ids = (words * (n // len(words) + 1))[:n]
-            random_rows = i % 2 == 1
-            params = SamplingParams(n=2 if random_rows else 1, temperature=1.0 if random_rows else 0.0, seed=i,
-                                    max_tokens=3, ignore_eos=True, logprobs=min(20, self.cfg.max_logprobs))
-            self.add_request(f"qv-warm-up-{i}", ids, params)
+
+        def run(name: str, n: int, params: SamplingParams) -> None:
+            self.add_request(f"qv-warm-up-{name}", (words * (n // len(words) + 1))[:n], params)
             while self.has_unfinished_requests():
                 self.step()
+
+        for i, n in enumerate(lengths):
+            random_rows = i % 2 == 1
+            run(str(i), n, SamplingParams(n=2 if random_rows else 1, temperature=1.0 if random_rows else 0.0, seed=i,
+                                          max_tokens=3, ignore_eos=True, logprobs=min(20, self.cfg.max_logprobs)))
         grammar = self._warm_up_grammar()
         if grammar is not None:  # the token-mask kernel, and the grammar compiler's worker processes
-            params = SamplingParams(temperature=0.0, max_tokens=3, seed=0, grammar=grammar)
-            self.add_request("qv-warm-up-grammar", (words * 13)[:13], params)
-            while self.has_unfinished_requests():
-                self.step()
+            run("grammar", 13, SamplingParams(temperature=0.0, max_tokens=3, seed=0, grammar=grammar))
         self.reset_prefix_cache()
         self.step_timer.model.reset()
         self._forget_counters()
@@ -207,11 +206,9 @@ class LLMEngine:
         """A JSON-object grammar for the warm-up's constrained request; None without xgrammar (structured
         outputs are then refused per request) or where the compile fails (logged: each request says why)."""
         try:
-            import xgrammar  # noqa: F401
+            return self.compile_grammar("json_object", "")
         except ImportError:
             return None
-        try:
-            return self.compile_grammar("json_object", "")
         except Exception as exc:  # the engine serves without structured outputs rather than not at all
             log.warning("warm-up: no grammar-constrained request (%s: %s)", type(exc).__name__, exc)
             return None
