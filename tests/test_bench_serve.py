@@ -34,6 +34,7 @@ def test_bench_serve_reports_a_complete_table_and_json(tmp_path, capsys):
         assert stats["p50"] <= stats["p95"] <= stats["p99"], (key, stats)
     counts = report["requests"]
     assert counts["chats"] > 0 and counts["streamed"] > 0 and counts["records"] > 0, counts
+    assert counts["hung_up"] > 0, counts  # seed 7 draws hang-ups among the first streamed chats
     assert report["output_tok_s"] > 0 and report["prompt_tok_s"] > 0 and report["records_s"] > 0
     server = report["server"]
     assert set(server) == {"preemptions", "queue_time_mean_ms", "requests_finished", "prompt_tokens",
@@ -46,6 +47,43 @@ def test_bench_serve_reports_a_complete_table_and_json(tmp_path, capsys):
     memory = report["memory"]
     assert memory["rss_settled_mib"] > 50 and memory["rss_end_mib"] > 50 and isinstance(memory["rss_change"], float)
     assert memory["device_settled_mib"] == memory["device_end_mib"] == 0 and memory["device_change"] is None  # CPU
+
+
+def _sse_client(events: list[dict]):
+    import httpx
+
+    body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, text=body,
+                                                                   headers={"content-type": "text/event-stream"}))
+    return httpx.AsyncClient(transport=transport, base_url="http://qv")
+
+
+@pytest.mark.parametrize("hang_at, hung_up", [(None, 0), (2, 1)])
+def test_streamed_tokens_count_by_their_ids_even_when_they_decode_to_no_text(hang_at, hung_up):
+    """Random weights emit ids that the embedded tokenizer decodes to nothing: the chunks still carry token_ids,
+    and the latencies and the hang-up follow those tokens (counting only chunks with text saw none of them)."""
+    import asyncio
+
+    from qv.bench.serve import _Driver
+
+    events = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+              {"choices": [{"index": 0, "delta": {}, "token_ids": [5]}]},
+              {"choices": [{"index": 0, "delta": {"content": ""}, "token_ids": [6, 7]}]},
+              {"choices": [{"index": 0, "delta": {}, "token_ids": [8], "finish_reason": "length"}]},
+              {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 4}}]
+
+    async def run():
+        async with _sse_client(events) as client:
+            driver = _Driver(client, ServeSpec(chats=1, records=0), "m")
+            await driver._streamed_chat(hang_at)
+            return driver.tally
+
+    tally = asyncio.run(run())
+    assert tally.counts["errors"] == 0, tally.error_samples
+    assert tally.counts["hung_up"] == hung_up
+    assert len(tally.ttft) == 1 and len(tally.itl) == (1 if hang_at else 2)
+    assert tally.counts["output_tokens"] == (3 if hang_at else 4)
+    assert tally.counts["streamed"] == (0 if hang_at else 1)
 
 
 def test_memory_change_is_relative_to_where_it_settled():

@@ -119,8 +119,8 @@ class _Driver:
     def _chat_body(self, stream: bool) -> dict:
         body = {"model": self.model, "messages": [{"role": "user", "content": self._words(self.spec.prompt_len)}],
                 "max_tokens": self.spec.output_len, "ignore_eos": True, "temperature": 0.0, "stream": stream}
-        if stream:
-            body["stream_options"] = {"include_usage": True}
+        if stream:  # token ids in every chunk: tokens that decode to no text (random weights) still count
+            body["stream_options"], body["return_token_ids"] = {"include_usage": True}, True
         return body
 
     async def _chat(self) -> None:
@@ -134,7 +134,7 @@ class _Driver:
 
     async def _streamed_chat(self, hang_at: int | None) -> None:
         t0 = time.perf_counter()
-        last, chunks, usage, ttft, gaps = None, 0, None, None, []
+        last, tokens, usage, ttft, gaps = None, 0, None, None, []
         async with self.client.stream("POST", "/v1/chat/completions", json=self._chat_body(True)) as r:
             if r.status_code != 200:
                 return self.tally.error(f"streamed chat: HTTP {r.status_code}: {(await r.aread()).decode()}")
@@ -145,22 +145,23 @@ class _Driver:
                 if "error" in event:
                     return self.tally.error(f"streamed chat: {event['error']}")
                 usage = event.get("usage") or usage
-                if not any(c.get("delta", {}).get("content") for c in event.get("choices", ())):
+                new = sum(len(c.get("token_ids") or ()) for c in event.get("choices", ()))
+                if not new:
                     continue
                 now = time.perf_counter()
                 if ttft is None:
                     ttft = now - t0
                 else:
                     gaps.append(now - last)
-                last, chunks = now, chunks + 1
-                if hang_at is not None and chunks >= hang_at:  # leaving the block closes the connection
+                last, tokens = now, tokens + new
+                if hang_at is not None and tokens >= hang_at:  # leaving the block closes the connection
                     self.tally.counts["hung_up"] += 1
                     break
         if ttft is not None:  # a hung-up stream's latencies up to the hang-up are real
             self.tally.ttft.append(ttft)
             self.tally.itl.extend(gaps)
-        if hang_at is not None and chunks >= hang_at:
-            self.tally.counts["output_tokens"] += chunks
+        if hang_at is not None and tokens >= hang_at:
+            self.tally.counts["output_tokens"] += tokens
             return
         if usage is None:
             return self.tally.error("streamed chat: the stream ended without a usage chunk")
