@@ -10,6 +10,8 @@ where any pair differs, per piece the buffers where the replays and the eager pi
     # step run before); --attention-tma: with the prefill attention's TMA copies (the default until then)
     python bench/piecewise_check.py --layers 64 --clef --capture together --sizes all --no-warm-up \
         --lever kv_dtype=auto --lever max_num_batched_tokens=8192 --lever max_model_len=1088 --lever kv_cache_bytes=0
+    # is the eager forward itself deterministic there (20 more runs a size), with the GEMM's tiles by TMA or not
+    python bench/piecewise_check.py ... --repeat 20 [--gemm-plain-loads]
 """
 
 from __future__ import annotations
@@ -62,9 +64,27 @@ def poisoned_forward(eng: LLMEngine, pg: PiecewiseGraphs, t: int, clean: torch.T
           flush=True)
 
 
-def check(eng: LLMEngine, pg: PiecewiseGraphs, t: int, poison: bool = False) -> None:
+def repeat_forward(eng: LLMEngine, pg: PiecewiseGraphs, t: int, n: int, first: torch.Tensor) -> None:
+    """The eager forward n more times, every other one synchronized before it starts: how often and how far it
+    departs from the first (a deterministic forward never does; a race shows as a rate)."""
+    model = eng.runner.model
+    errors = []
+    with model.kernels_as_captured():
+        for k in range(n):
+            if k % 2:
+                torch.cuda.synchronize()
+            e = model.forward(pg.ids[:t], pg.positions[:t], pg._check_inputs(t), eng.runner.cache)
+            errors.append(replay_error(e, first))
+    torch.cuda.synchronize()
+    differ = [f"{x:.1e}" for x in errors if x > 0]
+    print(f"{t} rows: {len(differ)} of {n} more eager forwards differ from the first"
+          f"{': ' + ', '.join(differ) if differ else ''}", flush=True)
+
+
+def check(eng: LLMEngine, pg: PiecewiseGraphs, t: int, poison: bool = False, repeat: int = 0) -> None:
     """Size t of pg (captured already): the forward, the eager pieces and the replay, compared (poison: also
-    with NaN in the allocator's free memory and in the static buffers past row t)."""
+    with NaN in the allocator's free memory and in the static buffers past row t; repeat: that many more eager
+    forwards against the first, and no per-piece detail)."""
     model = eng.runner.model
     r = eng.runner
     snaps: dict[tuple[str, int], dict] = {}
@@ -73,6 +93,8 @@ def check(eng: LLMEngine, pg: PiecewiseGraphs, t: int, poison: bool = False) -> 
         def piece(i: int) -> None:
             pg._piece(i, t) if tag.startswith("eager") else pg.graphs[t][i].replay()
             torch.cuda.synchronize()
+            if repeat:  # no per-piece detail: its copies filled a server's memory plan
+                return
             snaps[(tag, i)] = {k: v[:t].float().clone() for k, v in pg.buffers.items()}
             snaps[(tag, i)].update({("core_out", kind): v[:t].float().clone() for kind, v in pg.core_out.items()})
         return piece
@@ -102,6 +124,8 @@ def check(eng: LLMEngine, pg: PiecewiseGraphs, t: int, poison: bool = False) -> 
           f"forward vs forward {replay_error(e2, e1):.2e}, pieces run eagerly vs forward {replay_error(u, e1):.2e}, "
           f"pieces eagerly twice {replay_error(u2, u):.2e}, replay vs pieces run eagerly {replay_error(g, u):.2e}, "
           f"replay piece by piece (synchronized) vs replay {replay_error(g2, g):.2e}", flush=True)
+    if repeat:
+        return repeat_forward(eng, pg, t, repeat, e1)
     if worst <= REPLAY_BOUND and not poison:
         return
     others = (("eager2", "eager pieces run again"), ("replay", "replay"))
@@ -145,7 +169,17 @@ def main() -> None:
     ap.add_argument("--attention-tma", action="store_true",
                     help="the prefill attention kernel loads a 16-bit cache's chunk keys by TMA bulk copies (sm_90+), "
                     "the default before the start-up check failed with 16-bit caches at sizes past one key tile")
+    ap.add_argument("--gemm-plain-loads", action="store_true",
+                    help="the tensor-core GPTQ GEMM (16-511 rows) loads its tiles by plain loads, not TMA bulk copies")
+    ap.add_argument("--repeat", type=int, default=0, metavar="N",
+                    help="per size, N more eager forwards against the first (every other one after a synchronize), "
+                    "instead of the per-piece detail")
     args = ap.parse_args()
+    if args.gemm_plain_loads:
+        import qv.kernels.linear.triton as linear_kernels
+
+        tiles = linear_kernels.tc_config
+        linear_kernels.tc_config = lambda *a: dict(tiles(*a), tma=False)
     if args.attention_tma:
         import qv.kernels.paged_attention.triton as attention_kernels
 
@@ -188,7 +222,7 @@ def main() -> None:
             pg.sizes = [t]
             with r.model.kernels_as_captured():
                 pg._capture_one(t)
-        check(eng, pg, t, args.poison)
+        check(eng, pg, t, args.poison, args.repeat)
 
 
 if __name__ == "__main__":

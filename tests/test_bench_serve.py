@@ -13,7 +13,7 @@ from qv.cli import main
 LATENCIES = ("ttft_ms", "itl_ms", "chat_e2e_ms", "record_e2e_ms")
 ROWS = ("chat TTFT", "chat ITL", "chat end-to-end", "record end-to-end", "output tok/s", "prompt tok/s", "records/s",
         "errors", "server: preemptions", "server: mean queue time", "server: requests finished",
-        "server RSS: settled -> end", "greedy probes identical before and after")
+        "server RSS: settled -> end", "server RSS over the load", "greedy probes identical before and after")
 
 
 def test_bench_serve_reports_a_complete_table_and_json(tmp_path, capsys):
@@ -47,6 +47,8 @@ def test_bench_serve_reports_a_complete_table_and_json(tmp_path, capsys):
     memory = report["memory"]
     assert memory["rss_settled_mib"] > 50 and memory["rss_end_mib"] > 50 and isinstance(memory["rss_change"], float)
     assert memory["device_settled_mib"] == memory["device_end_mib"] == 0 and memory["device_change"] is None  # CPU
+    times = [t for t, _, _ in memory["samples"]]
+    assert times and times == sorted(times) and all(rss > 50 for _, rss, _ in memory["samples"]), memory["samples"]
 
 
 def _sse_client(events: list[dict]):

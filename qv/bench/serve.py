@@ -9,7 +9,8 @@ words). Closed loop by default (each client sends its next request when the last
 request rate, arrivals are Poisson and `concurrency` caps the requests in flight. The report is one
 markdown table and a JSON record: TTFT, ITL and end-to-end percentiles, output, prompt and record
 throughput, errors, and the deltas of the server's own /metrics over the run. For soaks it also reports the
-server's RSS and device memory where they settled (`settle_s` into the load) against the end, and whether
+server's RSS and device memory where they settled (the first of 16 scrapes over the load at or after `settle_s`)
+against the end, the RSS of every scrape (flat or climbing), and whether
 fixed greedy probe chats, sent to the idle server before the load and after the drain, answer the same.
 
     report = asyncio.run(drive(url, ServeSpec(...)))   # against a running server
@@ -42,6 +43,7 @@ SERVER_METRICS = ("vllm:num_preemptions_total", "vllm:request_queue_time_seconds
                   "vllm:admission_rejections_total", "vllm:request_success_total")
 # the server's memory as /metrics tells it: prometheus-client's process collector and qv's device gauge
 MEMORY_METRICS = {"rss": "process_resident_memory_bytes", "device": "qv:device_memory_reserved_bytes"}
+MEMORY_SAMPLES = 16  # memory scrapes over the load (the JSON's memory.samples; the table shows them)
 PERCENTILES = (50, 95, 99)
 DRAIN_S = 120.0  # the longest a request still in flight at the end of the run is waited for
 
@@ -238,11 +240,17 @@ async def drive(url: str, spec: ServeSpec, api_key: str | None = None) -> dict:
         else:
             work = [driver.closed_loop("chat", end) for _ in range(spec.chats)]
             work += [driver.closed_loop("record", end) for _ in range(spec.records)]
-        settled = asyncio.create_task(_memory_after(client, spec.settle_s or spec.duration_s / 4))
+        samples: list[tuple[float, dict]] = []
+        sampler = asyncio.create_task(_sample_memory(client, t0, spec.duration_s / MEMORY_SAMPLES, samples))
         await asyncio.wait_for(asyncio.gather(*work), spec.duration_s + DRAIN_S)
         elapsed = time.perf_counter() - t0
+        sampler.cancel()
         after = await _scrape(client, SERVER_METRICS + tuple(MEMORY_METRICS.values()))
-        memory = _memory_change(await settled, after)
+        settle_s = spec.settle_s or spec.duration_s / 4
+        settled = next((m for t, m in samples if t >= settle_s), after)
+        memory = _memory_change(settled, after)
+        memory["samples"] = [[round(t, 1)] + [None if m[n] is None else round(m[n] / 2**20, 1)
+                                              for n in MEMORY_METRICS.values()] for t, m in samples]
         probes_after = await _probe_answers(client, model, spec, "after")
     report = _report(url, spec, model, driver.tally, elapsed, before, after)
     mismatched = [i for i, (a, b) in enumerate(zip(probes_before, probes_after)) if a != b]
@@ -281,9 +289,12 @@ async def _scrape(client, names) -> dict[str, float | None]:
     return out
 
 
-async def _memory_after(client, delay_s: float) -> dict[str, float | None]:
-    await asyncio.sleep(delay_s)
-    return await _scrape(client, MEMORY_METRICS.values())
+async def _sample_memory(client, t0: float, every_s: float, into: list) -> None:
+    """(seconds into the load, the memory scrape) every every_s seconds until cancelled: where the server's
+    memory settled, and whether it then stays flat or keeps climbing."""
+    while True:
+        into.append((time.perf_counter() - t0, await _scrape(client, MEMORY_METRICS.values())))
+        await asyncio.sleep(every_s)
 
 
 def _memory_change(settled: dict, end: dict) -> dict:
@@ -355,6 +366,9 @@ def serve_markdown(report: dict) -> str:
             change = "" if mem[f"{key}_change"] is None else f" ({100 * mem[f'{key}_change']:+.1f}%)"
             scalars += ((f"{name}: settled -> end (MiB)",
                          f"{mem[f'{key}_settled_mib']:.0f} -> {mem[f'{key}_end_mib']:.0f}{change}"),)
+    if mem.get("samples"):
+        scalars += (("server RSS over the load (MiB, every ~1/16 of it)",
+                     " ".join("?" if r is None else f"{r:.0f}" for _, r, _ in mem["samples"])),)
     scalars += (("greedy probes identical before and after",
                  f"{'yes' if probes['identical'] else 'no: ' + str(probes['mismatched'])} ({probes['n']})"),)
     lines += [f"| {name} | | {value} | | | |" for name, value in scalars]
