@@ -176,12 +176,12 @@ def main() -> None:
                     "instead of the per-piece detail")
     args = ap.parse_args()
     if args.gemm_plain_loads:
-        import qv.kernels.linear.triton as linear_kernels
+        linear_kernels = __import__("importlib").import_module("qv.kernels.linear.triton")
 
         tiles = linear_kernels.tc_config
         linear_kernels.tc_config = lambda *a: dict(tiles(*a), tma=False)
     if args.attention_tma:
-        import qv.kernels.paged_attention.triton as attention_kernels
+        attention_kernels = __import__("importlib").import_module("qv.kernels.paged_attention.triton")
 
         config = attention_kernels.attn_config
         attention_kernels.attn_config = lambda *a: dict(config(*a), tma=True)

@@ -46,7 +46,8 @@ SMALL = {"s16": cfg(16, 128, 128, 4, 4, 2), "s16n256": cfg(16, 256, 128, 4, 4, 2
 MID = {"m128w4": cfg(128, 128, 64, 4, 4), "w128x128": cfg(128, 128, 64, 8, 4, SWAP=True),
        "w64x128": cfg(128, 64, 64, 4, 4, SWAP=True), "w128x64": cfg(64, 128, 64, 8, 4, SWAP=True),
        "w128x256": cfg(256, 128, 64, 8, 3, SWAP=True), "w128x128k128": cfg(128, 128, 128, 8, 3, SWAP=True),
-       "w128x128bf": cfg(128, 128, 64, 8, 4, SWAP=True, f16=False), "w64x128k128": cfg(128, 64, 128, 4, 3, SWAP=True)}
+       "w128x128bf": cfg(128, 128, 64, 8, 4, SWAP=True, f16=False),
+       "w128x128ptr": cfg(128, 128, 64, 8, 4, SWAP=True, tma=False), "w64x128k128": cfg(128, 64, 128, 4, 3, SWAP=True)}
 LARGE = {"l256": cfg(256, 128, 64, 8, 3), "w128x256": cfg(256, 128, 64, 8, 3, SWAP=True),
          "w256x128": cfg(128, 256, 64, 8, 3, SWAP=True), "w128x128": cfg(128, 128, 64, 8, 4, SWAP=True),
          "w128x256bf": cfg(256, 128, 64, 8, 3, SWAP=True, f16=False), "w128x256g16": cfg(256, 128, 64, 8, 3,

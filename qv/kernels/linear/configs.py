@@ -19,17 +19,18 @@ CUDA_GEMV_ROWS = 8
 
 
 # sm_90 from this many rows: the weight dequantized in L2-sized column chunks, each multiplied by cuBLAS
-# (triton.dequant_matmul); below, the tensor-core GEMM (triton_gemm.py): where the five 27B linears together
-# ran faster (docs/BENCHMARKS.md has the sweep).
-# Re-measure: python bench/prefill_sweep.py --only gemm
-CHUNKED_ROWS = 512
+# (triton.dequant_matmul); below, the tensor-core GEMM (triton_gemm.py). Its 128 x 128 tiles (65-511 rows) ran
+# faster, but inside the 64-layer 27B forward under a server's memory plan their TMA loads gave other bits on 6 of
+# 48 reruns at 160-256 rows (plain loads: 0 of 72, but 2.6x slower; the chunked path beat them at 448 rows).
+# Re-measure: python bench/prefill_sweep.py --only gemm; python bench/piecewise_check.py ... --repeat 16
+CHUNKED_ROWS = 65
 
 
 def gemv_kind(device, m, dtype):
     """Default kernel by rows. On sm_90, where it was measured: the raw-CUDA GEMV up to CUDA_GEMV_ROWS ("cuda",
     cuda_sm90.py; where it does not apply, "fma" at M = 1 and its Triton twin "mma" in triton_gemv.py, the
-    next best there), then the tensor-core GEMM ("tc", triton_gemm.py), then from CHUNKED_ROWS the chunked
-    dequantization ahead of cuBLAS ("chunked"). Other GPUs keep the older kernels: "fma" (CUDA cores) at
+    next best there), then the tensor-core GEMM ("tc", triton_gemm.py) up to 64 rows, then from CHUNKED_ROWS the
+    chunked dequantization ahead of cuBLAS ("chunked"). Other GPUs keep the older kernels: "fma" (CUDA cores) at
     M = 1 and "dot" (gptq_matmul_kernel) above. Re-measure: python bench/kernels.py --sweep gemv;
     python bench/prefill_sweep.py --only gemm"""
     if dtype in (torch.float16, torch.bfloat16) and device.type == "cuda" and \
@@ -41,7 +42,8 @@ def gemv_kind(device, m, dtype):
 def tc_config(device, m):
     """triton_gemm.gemm's tiles by rows, all with the weight as the A operand (SWAP): BLOCK_N weight rows
     (output columns) by BLOCK_M activation rows. Decode batches stream the codes with split K over two
-    rounds of the SMs; prompt chunks take 128 x 128 tiles. Re-measure: python bench/prefill_sweep.py --only gemm"""
+    rounds of the SMs; more rows take 128 x 128 tiles where a config asks for "tc" (by default they go chunked:
+    CHUNKED_ROWS). Re-measure: python bench/prefill_sweep.py --only gemm"""
     if interpreting(device):
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, STAGES=1, SWAP=True, waves=2)
     if m <= 16:

@@ -1,5 +1,6 @@
-"""GPTQ-int8 GEMM on tensor cores for decode batches and prompt chunks (M > 8 rows on sm_90): the codes are
-converted in registers and fed to tl.dot (wgmma on Hopper), never written back as a dequantized weight.
+"""GPTQ-int8 GEMM on tensor cores for decode batches and short prompt chunks (9-64 rows on sm_90 by default;
+configs.CHUNKED_ROWS says why not more): the codes are converted in registers and fed to tl.dot (wgmma on
+Hopper), never written back as a dequantized weight.
 
 Per K tile: uint8 codes [BK, BN] -> fp16 1024 + c by byte permutes (codes_f16), minus 1024 + z (exact:
 |c - z| < 256), times the group's scale in the MMA's dtype. With fp16 activations (bf16 rows are scaled
