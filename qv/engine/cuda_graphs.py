@@ -11,7 +11,8 @@ shapes may depend only on values fixed at capture (B, max_query_len 1, max_seq_l
 so the attention kernels early-exit per row on the device's seq_lens.
 
 At start-up, once every size is captured, each graph is replayed on inputs other than the capture's
-(token ids, positions, per-row seq_lens) and compared with the eager forward on the same buffers,
+(token ids, positions, per-row seq_lens; the sequences' pages hold seeded random keys, written to the
+cache's first blocks while they are free) and compared with the eager forward on the same buffers,
 run with the same kernels (the model's kernels_as_captured: eagerly, small calls would otherwise
 take their Triton twins, whose rounding differs). A graph that disagrees, or a capture that fails,
 stops start-up with a StartupError naming the batch size; QV_CUDA_GRAPHS=0 runs decode eagerly
@@ -145,6 +146,7 @@ class DecodeGraphs:
         with self.model.kernels_as_captured():  # the warm-ups and the checks run what the captures run
             for b in reversed(self.sizes):
                 self._guarded(b, "capturing", self._capture_one)
+            self._write_check_keys()
             for b in self.sizes:
                 self.errors[b] = self._guarded(b, "checking", self._check)
         log.info("%s steps replay CUDA graphs for batch sizes 1..%d (%s; worst replay vs eager error %.1e)%s",
@@ -207,6 +209,34 @@ class DecodeGraphs:
                                    f"{b} sequences' drafts. {EAGER_HINT}.")
         return err
 
+    def _check_width(self, b: int) -> int:
+        """Blocks each of the check's b sequences attends over (its keys' pages), or 0 where the cache cannot
+        hold them all (tiny test caches: the sequences then attend over block 0)."""
+        if self.cache is None or not self.cache.kv:
+            return 0
+        longest = max((7 * i) % max(1, self.max_seq_len - self.q) for i in range(b)) + self.q
+        width = -(-longest // self.cache.block_size)
+        fits = b * width <= self.cache.num_blocks and width <= self.block_tables.shape[1]
+        return width if fits else 0
+
+    def _write_check_keys(self) -> None:
+        """Seeded random keys and values in the cache blocks the largest size's check attends over (free at
+        start-up: a sequence reads only blocks it wrote), so the check compares attention over real keys
+        rather than over an all-zero block."""
+        n = self.sizes[-1] * self._check_width(self.sizes[-1])
+        if not n:
+            return
+        gen = torch.Generator(device=self.ids.device).manual_seed(0)
+        for kv in self.cache.kv.values():
+            for x in (kv.k, kv.v):
+                if x.dtype == torch.int8:
+                    x[:n] = torch.randint(-127, 128, x[:n].shape, generator=gen, device=x.device, dtype=x.dtype)
+                else:
+                    x[:n] = torch.randn(x[:n].shape, generator=gen, device=x.device, dtype=torch.float32).to(x.dtype)
+            for scale in (kv.k_scale, kv.v_scale):
+                if scale is not None:
+                    scale[:n] = torch.rand(scale[:n].shape, generator=gen, device=scale.device) * 0.02 + 1e-3
+
     def _fill_check_inputs(self, b: int) -> None:
         q, t = self.q, b * self.q
         rows = torch.arange(t, device=self.ids.device)
@@ -215,11 +245,16 @@ class DecodeGraphs:
         self.positions[:t] = base + rows % q
         self.seq_lens[:b] = (base[::q] + q).to(torch.int32)  # each sequence attends over a different length
         self.next_ids[:t] = (rows * 104729 + 7) % self.model.cfg.vocab_size
+        width = self._check_width(b)
+        if width:  # each sequence its own pages, holding _write_check_keys' keys
+            tables = torch.arange(b * width, device=self.ids.device).view(b, width)
+            self.block_tables[:b, :width] = tables.to(self.block_tables.dtype)
 
     def replay_and_eager(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch-b graph's replay and the eager forward on the same buffers, holding inputs other than
-        the capture's (zeros, length 1) so that a value the graph froze at capture shows. The rows stay
-        inert: no KV writes (slot -1), GDN state in the scratch slot, never read."""
+        the capture's (zeros, length 1) so that a value the graph froze at capture shows, attending over
+        _write_check_keys' keys. The rows stay inert: no KV writes (slot -1), GDN state in the scratch slot,
+        never read."""
         self._fill_check_inputs(b)
         graph, out = self.graphs[b]
         graph.replay()
@@ -252,6 +287,7 @@ class DecodeGraphs:
         self.positions[:t] = 0
         self.next_ids[:t] = 0
         self.seq_lens[:n] = 1
+        self.block_tables[:n] = 0
         self.state_slots[:n] = self.scratch_slot
         self.has_init[:n] = False
         self.draft_rows.zero_()

@@ -162,6 +162,25 @@ def test_faithful_graphs_decode_as_the_eager_engine(tiny_engine, monkeypatch, no
     assert replays == [3] * 5  # every step after the prefill: 3 rows, replayed from the batch-4 graph
 
 
+def test_the_start_up_check_attends_over_keys(tiny_engine, monkeypatch, no_cuda_sync):
+    """The check's sequences attend over pages of seeded random keys (the cache's first blocks, free at start-up),
+    not over an all-zero block 0: a graph whose attention read nothing would have passed the check."""
+    seen = []
+    _as_on_a_gpu(monkeypatch, lambda now, captured: now)
+    eager = DecodeGraphs._eager
+    monkeypatch.setattr(DecodeGraphs, "_eager", lambda self, b: seen.append(
+        (b, self.block_tables[:b].clone(), self.seq_lens[:b].clone())) or eager(self, b))
+    llm = tiny_engine(**TINY_LEVERS)
+    graphs, cache = llm.engine.runner.graphs, llm.engine.runner.cache
+    b, tables, lens = max((s for s in seen if int(s[2].max()) > 1), key=lambda s: s[0])  # the largest size's check
+    width = -(-int(lens.max()) // cache.block_size)
+    assert tables[:, :width].flatten().tolist() == list(range(b * width))  # each sequence its own pages
+    for kv in cache.kv.values():
+        assert bool((kv.k[:b * width].flatten(1).abs().sum(-1) > 0).all())  # every page holds keys
+        assert not kv.k[b * width:].any()  # and nothing past them
+    assert not graphs.block_tables.any() and int(graphs.seq_lens.max()) == 1  # inert again after the check
+
+
 def test_qv_serve_exits_with_the_message(monkeypatch):
     from qv.engine import async_engine as engine_module
     from qv.server.app import serve
