@@ -175,9 +175,10 @@ class LLMEngine:
         of each shape class; a request that met one would stall every other): one prompt per row
         range the linears switch kernels at (13, 29, 61, 300, 1,100 tokens, as far as the limits
         allow), alternately greedy and n=2 seeded random sampling, each with logprobs, then one under a
-        JSON grammar (the token-mask kernel; with xgrammar installed). Leaves no trace: the prefix
-        cache, the statistics and the step cost model are reset, and the seeds are the requests' own,
-        so the engine's random stream is untouched."""
+        JSON grammar (the token-mask kernel; with xgrammar installed) and, with a Clef head, one record
+        (its delta rows and the joint head). Leaves no trace: the prefix cache, the statistics and the
+        step cost model are reset, and the seeds are the requests' own, so the engine's random stream
+        is untouched."""
         words = self.tokenizer.encode("The quick brown fox jumps over the lazy dog. ", add_special_tokens=False) or [0]
         room = min(self.max_model_len - 3, self.cfg.max_num_batched_tokens,
                    self.blocks.capacity(True) * self.blocks.block_size // 4)
@@ -196,11 +197,27 @@ class LLMEngine:
         grammar = self._warm_up_grammar()
         if grammar is not None:  # the token-mask kernel, and the grammar compiler's worker processes
             run("grammar", 13, SamplingParams(temperature=0.0, max_tokens=3, seed=0, grammar=grammar))
+        if self.clef is not None:  # a record's rows: the grouped deltas, the head fed per chunk
+            self.add_clef("qv-warm-up-clef", self._warm_up_record())
+            while self.has_unfinished_requests():
+                self.step()
         self.reset_prefix_cache()
         self.step_timer.model.reset()
         self._forget_counters()
-        log.info("warmed up: %d dummy requests of %s prompt tokens%s in %.1f s", len(lengths), lengths,
-                 " and one under a JSON grammar" if grammar is not None else "", time.perf_counter() - t0)
+        log.info("warmed up: %d dummy requests of %s prompt tokens%s%s in %.1f s", len(lengths), lengths,
+                 " and one under a JSON grammar" if grammar is not None else "",
+                 " and one Clef record" if self.clef is not None else "", time.perf_counter() - t0)
+
+    def _warm_up_record(self):
+        """A two-question Clef record of a few hundred tokens (its state cut where the cap or a quarter of the
+        KV cache says), run in chunks of the step budget like any record."""
+        from qv.clef.request import encode_request
+
+        body = {"model": "clef", "state": "The quick brown fox jumps over the lazy dog. " * 25,
+                "questions": {"fox": {"type": "choice", "criteria": {"yes": "it jumps", "no": None}},
+                              "dog": {"type": "choice", "criteria": {"lazy": None, "busy": None}}}}
+        room = self.blocks.capacity(True) * self.blocks.block_size // 4
+        return encode_request(self.tokenizer, body, min(self.clef.cap, room, 1024), cap_name=self.clef.cap_name)
 
     def _warm_up_grammar(self) -> Grammar | None:
         """A JSON-object grammar for the warm-up's constrained request; None without xgrammar (structured

@@ -105,6 +105,25 @@ def test_mixed_batches_through_the_engine(tiny_engine, clef_dirs, alone, records
     assert st.prompt_tokens == sum(map(len, chats.values())) + sum(r.num_tokens for r in records.values())
 
 
+def test_warm_up_runs_a_record_and_leaves_no_trace(tiny_engine, clef_dirs, alone, records, caplog):
+    """Start-up's warm-up (LLMEngine.warm_up, called directly: the engine calls it on CUDA) runs one Clef
+    record through the delta rows and the head; then statistics are zero and answers equal a cold engine's."""
+    import logging
+
+    eng = make_engine(tiny_engine, clef_dirs["adapters"], max_num_batched_tokens=256)
+    added = []
+    add = eng.add_clef
+    eng.add_clef = lambda rid, rec: added.append(rec.num_tokens) or add(rid, rec)
+    with caplog.at_level(logging.INFO, logger="qv"):
+        eng.warm_up()
+    assert "and one Clef record in" in caplog.text
+    assert len(added) == 1 and 256 < added[0] <= 1024, added  # more than one 256-token chunk
+    assert not eng.has_unfinished_requests() and not eng.requests
+    assert eng.stats.prompt_tokens == 0 and eng.stats.generation_tokens == 0
+    warm, cold = run(eng, records), run(alone, records)
+    assert max(max_dp(warm[r].clef.probabilities, cold[r].clef.probabilities) for r in records) <= BOUND
+
+
 @pytest.mark.parametrize("delta_host", [False, True])
 def test_records_replay_piecewise_graphs(tiny_engine, clef_dirs, alone, records, monkeypatch, delta_host):
     """With piecewise graphs (their capture faked on the CPU: tests/graph_fakes.py), steps with records' rows
