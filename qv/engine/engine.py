@@ -197,8 +197,9 @@ class LLMEngine:
         grammar = self._warm_up_grammar()
         if grammar is not None:  # the token-mask kernel, and the grammar compiler's worker processes
             run("grammar", 13, SamplingParams(temperature=0.0, max_tokens=3, seed=0, grammar=grammar))
-        if self.clef is not None:  # a record's rows: the grouped deltas, the head fed per chunk
-            self.add_clef("qv-warm-up-clef", self._warm_up_record())
+        record = self._warm_up_record() if self.clef is not None else None
+        if record is not None:  # a record's rows: the grouped deltas, the head fed per chunk
+            self.add_clef("qv-warm-up-clef", record)
             while self.has_unfinished_requests():
                 self.step()
         self.reset_prefix_cache()
@@ -206,18 +207,23 @@ class LLMEngine:
         self._forget_counters()
         log.info("warmed up: %d dummy requests of %s prompt tokens%s%s in %.1f s", len(lengths), lengths,
                  " and one under a JSON grammar" if grammar is not None else "",
-                 " and one Clef record" if self.clef is not None else "", time.perf_counter() - t0)
+                 " and one Clef record" if record is not None else "", time.perf_counter() - t0)
 
     def _warm_up_record(self):
         """A two-question Clef record of a few hundred tokens (its state cut where the cap or a quarter of the
-        KV cache says), run in chunks of the step budget like any record."""
-        from qv.clef.request import encode_request
+        KV cache says), run in chunks of the step budget like any record; None (logged) where even its
+        questions do not fit."""
+        from qv.clef.request import ClefRequestError, encode_request
 
         body = {"model": "clef", "state": "The quick brown fox jumps over the lazy dog. " * 25,
                 "questions": {"fox": {"type": "choice", "criteria": {"yes": "it jumps", "no": None}},
                               "dog": {"type": "choice", "criteria": {"lazy": None, "busy": None}}}}
         room = self.blocks.capacity(True) * self.blocks.block_size // 4
-        return encode_request(self.tokenizer, body, min(self.clef.cap, room, 1024), cap_name=self.clef.cap_name)
+        try:
+            return encode_request(self.tokenizer, body, min(self.clef.cap, room, 1024), cap_name=self.clef.cap_name)
+        except ClefRequestError as exc:
+            log.warning("warm-up: no Clef record (%s)", exc)
+            return None
 
     def _warm_up_grammar(self) -> Grammar | None:
         """A JSON-object grammar for the warm-up's constrained request; None without xgrammar (structured

@@ -124,6 +124,19 @@ def test_warm_up_runs_a_record_and_leaves_no_trace(tiny_engine, clef_dirs, alone
     assert max(max_dp(warm[r].clef.probabilities, cold[r].clef.probabilities) for r in records) <= BOUND
 
 
+def test_warm_up_skips_a_record_whose_questions_do_not_fit(tiny_engine, clef_dirs, caplog):
+    """A Clef cap under the record's template and questions: the warm-up logs why and runs the rest."""
+    import logging
+
+    eng = make_engine(tiny_engine, clef_dirs["adapters"], max_model_len=512, max_num_batched_tokens=256,
+                      clef_nmax=300)
+    with caplog.at_level(logging.INFO, logger="qv"):
+        eng.warm_up()
+    assert "warm-up: no Clef record (record too long" in caplog.text
+    assert "warmed up: 3 dummy requests" in caplog.text and "Clef record in" not in caplog.text  # 300 > 256
+    assert not eng.has_unfinished_requests()
+
+
 @pytest.mark.parametrize("delta_host", [False, True])
 def test_records_replay_piecewise_graphs(tiny_engine, clef_dirs, alone, records, monkeypatch, delta_host):
     """With piecewise graphs (their capture faked on the CPU: tests/graph_fakes.py), steps with records' rows
