@@ -10,13 +10,15 @@ where any pair differs, per piece the buffers where the replays and the eager pi
     # step run before); --attention-tma: with the prefill attention's TMA copies (the default until then)
     python bench/piecewise_check.py --layers 64 --clef --capture together --sizes all --no-warm-up \
         --lever kv_dtype=auto --lever max_num_batched_tokens=8192 --lever max_model_len=1088 --lever kv_cache_bytes=0
-    # is the eager forward itself deterministic there (20 more runs a size), with the GEMM's tiles by TMA or not
-    python bench/piecewise_check.py ... --repeat 20 [--gemm-plain-loads]
+    # is the eager forward itself deterministic there (20 more runs a size); with the 128 x 128 GEMM tiles at
+    # 65-511 rows as before (--chunked-rows 512), by TMA or by plain loads
+    python bench/piecewise_check.py ... --repeat 20 --chunked-rows 512 [--gemm tma=False]
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import sys
 import tempfile
 from pathlib import Path
@@ -169,17 +171,25 @@ def main() -> None:
     ap.add_argument("--attention-tma", action="store_true",
                     help="the prefill attention kernel loads a 16-bit cache's chunk keys by TMA bulk copies (sm_90+), "
                     "the default before the start-up check failed with 16-bit caches at sizes past one key tile")
-    ap.add_argument("--gemm-plain-loads", action="store_true",
-                    help="the tensor-core GPTQ GEMM (16-511 rows) loads its tiles by plain loads, not TMA bulk copies")
+    ap.add_argument("--gemm", action="append", default=[], metavar="KEY=VALUE",
+                    help="a setting of the tensor-core GPTQ GEMM's tiles over configs.tc_config's (repeatable), e.g. "
+                    "tma=False (plain loads, not TMA bulk copies), STAGES=3, SWAP=False")
+    ap.add_argument("--chunked-rows", type=int, default=None, metavar="N",
+                    help="rows from which the linears take the chunked dequantization + cuBLAS (configs.CHUNKED_ROWS; "
+                    "512 brings back the 128 x 128 tensor-core tiles at 65-511 rows, which raced there with TMA)")
     ap.add_argument("--repeat", type=int, default=0, metavar="N",
                     help="per size, N more eager forwards against the first (every other one after a synchronize), "
                     "instead of the per-piece detail")
     args = ap.parse_args()
-    if args.gemm_plain_loads:
+    if args.gemm:
         linear_kernels = __import__("importlib").import_module("qv.kernels.linear.triton")
-
-        tiles = linear_kernels.tc_config
-        linear_kernels.tc_config = lambda *a: dict(tiles(*a), tma=False)
+        tiles, settings = linear_kernels.tc_config, {}
+        for item in args.gemm:
+            key, value = item.split("=", 1)
+            settings[key] = ast.literal_eval(value)
+        linear_kernels.tc_config = lambda *a: dict(tiles(*a), **settings)
+    if args.chunked_rows is not None:
+        __import__("importlib").import_module("qv.kernels.linear.configs").CHUNKED_ROWS = args.chunked_rows
     if args.attention_tma:
         attention_kernels = __import__("importlib").import_module("qv.kernels.paged_attention.triton")
 
