@@ -180,15 +180,18 @@ class LLMEngine:
         step cost model are reset, and the seeds are the requests' own, so the engine's random stream
         is untouched."""
         words = self.tokenizer.encode("The quick brown fox jumps over the lazy dog. ", add_special_tokens=False) or [0]
-        room = min(self.max_model_len - 3, self.cfg.max_num_batched_tokens,
-                   self.blocks.capacity(True) * self.blocks.block_size // 4)
+        kv_room = self.blocks.capacity(True) * self.blocks.block_size // 4
+        room = min(self.max_model_len - 3, self.cfg.max_num_batched_tokens, kv_room)
         lengths = [n for n in (13, 29, 61, 300, 1100) if n <= room]
         t0 = time.perf_counter()
 
-        def run(name: str, n: int, params: SamplingParams) -> None:
-            self.add_request(f"qv-warm-up-{name}", (words * (n // len(words) + 1))[:n], params)
+        def to_the_end() -> None:
             while self.has_unfinished_requests():
                 self.step()
+
+        def run(name: str, n: int, params: SamplingParams) -> None:
+            self.add_request(f"qv-warm-up-{name}", (words * (n // len(words) + 1))[:n], params)
+            to_the_end()
 
         for i, n in enumerate(lengths):
             random_rows = i % 2 == 1
@@ -197,11 +200,10 @@ class LLMEngine:
         grammar = self._warm_up_grammar()
         if grammar is not None:  # the token-mask kernel, and the grammar compiler's worker processes
             run("grammar", 13, SamplingParams(temperature=0.0, max_tokens=3, seed=0, grammar=grammar))
-        record = self._warm_up_record() if self.clef is not None else None
+        record = self._warm_up_record(kv_room) if self.clef is not None else None
         if record is not None:  # a record's rows: the grouped deltas, the head fed per chunk
             self.add_clef("qv-warm-up-clef", record)
-            while self.has_unfinished_requests():
-                self.step()
+            to_the_end()
         self.reset_prefix_cache()
         self.step_timer.model.reset()
         self._forget_counters()
@@ -209,18 +211,18 @@ class LLMEngine:
                  " and one under a JSON grammar" if grammar is not None else "",
                  " and one Clef record" if record is not None else "", time.perf_counter() - t0)
 
-    def _warm_up_record(self):
-        """A two-question Clef record of a few hundred tokens (its state cut where the cap or a quarter of the
-        KV cache says), run in chunks of the step budget like any record; None (logged) where even its
+    def _warm_up_record(self, kv_room: int):
+        """A two-question Clef record of a few hundred tokens (its state cut where the cap or kv_room, a quarter
+        of the KV cache, says), run in chunks of the step budget like any record; None (logged) where even its
         questions do not fit."""
         from qv.clef.request import ClefRequestError, encode_request
 
         body = {"model": "clef", "state": "The quick brown fox jumps over the lazy dog. " * 25,
                 "questions": {"fox": {"type": "choice", "criteria": {"yes": "it jumps", "no": None}},
                               "dog": {"type": "choice", "criteria": {"lazy": None, "busy": None}}}}
-        room = self.blocks.capacity(True) * self.blocks.block_size // 4
         try:
-            return encode_request(self.tokenizer, body, min(self.clef.cap, room, 1024), cap_name=self.clef.cap_name)
+            return encode_request(self.tokenizer, body, min(self.clef.cap, kv_room, 1024),
+                                  cap_name=self.clef.cap_name)
         except ClefRequestError as exc:
             log.warning("warm-up: no Clef record (%s)", exc)
             return None
