@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib
 import sys
 import tempfile
 from pathlib import Path
@@ -64,6 +65,13 @@ def poisoned_forward(eng: LLMEngine, pg: PiecewiseGraphs, t: int, clean: torch.T
           f"free memory {replay_error(b[-1], a[-1]):.2e} (NaN rows {int(b[-1].isnan().any(-1).sum())}), first "
           f"differing layer: {first if first is None or first == len(model.layers) else (first, model.layers[first].kind)}",
           flush=True)
+
+
+def override_config(module: str, name: str, settings: dict) -> None:
+    """The config function `name` of a kernel module (as the module calls it) with `settings` over its own."""
+    kernels = importlib.import_module(module)  # by module path: the kernel packages' names shadow attribute access
+    config = getattr(kernels, name)
+    setattr(kernels, name, lambda *a: dict(config(*a), **settings))
 
 
 def repeat_forward(eng: LLMEngine, pg: PiecewiseGraphs, t: int, n: int, first: torch.Tensor) -> None:
@@ -182,19 +190,12 @@ def main() -> None:
                     "instead of the per-piece detail")
     args = ap.parse_args()
     if args.gemm:
-        linear_kernels = __import__("importlib").import_module("qv.kernels.linear.triton")
-        tiles, settings = linear_kernels.tc_config, {}
-        for item in args.gemm:
-            key, value = item.split("=", 1)
-            settings[key] = ast.literal_eval(value)
-        linear_kernels.tc_config = lambda *a: dict(tiles(*a), **settings)
+        settings = {key: ast.literal_eval(value) for key, value in (item.split("=", 1) for item in args.gemm)}
+        override_config("qv.kernels.linear.triton", "tc_config", settings)
     if args.chunked_rows is not None:
-        __import__("importlib").import_module("qv.kernels.linear.configs").CHUNKED_ROWS = args.chunked_rows
+        importlib.import_module("qv.kernels.linear.configs").CHUNKED_ROWS = args.chunked_rows
     if args.attention_tma:
-        attention_kernels = __import__("importlib").import_module("qv.kernels.paged_attention.triton")
-
-        config = attention_kernels.attn_config
-        attention_kernels.attn_config = lambda *a: dict(config(*a), tma=True)
+        override_config("qv.kernels.paged_attention.triton", "attn_config", {"tma": True})
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     folder = write_27b_config(Path(tempfile.mkdtemp(prefix="qv-pieces-")), args.layers, 4096)
