@@ -57,8 +57,9 @@ add_clef(write_preset('27b', '/tmp/qv-hostile27'), '27b')"
           --counts 16,6,3 --step-targets ${MIX27_TARGETS:-2x,2.5x,30ms} --profile-mixed ;;
     pieces27)  # the piecewise graphs' start-up check as the engine's start-up runs it (64 layers, Clef, bench/clef.py's
                # levers: a server's memory plan, no warm-up) with a bf16 and an int8 cache, and each size's eager forward
-               # 16 more times (a race shows as a rate: the TMA GEMM tiles' gave 6 of 48 at 160-256 rows)
-        for kv in auto int8; do
+               # 16 more times (a race shows as a rate: the TMA GEMM tiles' gave 6 of 48 at 160-256 rows); PIECES27_KV="int8"
+               # runs one cache dtype
+        for kv in ${PIECES27_KV:-auto int8}; do
           run pieces27-$kv ${PIECES27_S:-200} python3 bench/piecewise_check.py --layers 64 --clef --capture together \
             --sizes all --no-warm-up --lever max_num_batched_tokens=8192 --lever max_model_len=1088 --lever kv_cache_bytes=0 \
             --lever kv_dtype=$kv --repeat 16; done ;;
