@@ -194,12 +194,32 @@ def cudnn_or_stand_in(monkeypatch):
     (torch.float16, torch.float16, [37, 20], [0, 30], dict(min_rows=30, piece_tokens=16, grain=16, bucket=8)),
     (torch.bfloat16, torch.bfloat16, [24], [40], dict(min_rows=16, piece_tokens=1024, grain=8, bucket=32)),
     (torch.bfloat16, torch.int8, [19], [64], dict(min_rows=16, piece_tokens=64, grain=16, bucket=1)),  # one piece
+    # 7 grains of prefix with pieces of 4: spans of 4, 2 and 1 grains, merged in fp32
+    (torch.bfloat16, torch.int8, [20], [137], dict(min_rows=16, piece_tokens=64, grain=16, bucket=8)),
 ])
 def test_paged_attention_cudnn_prefill(cudnn_or_stand_in, act_dtype, kv_dtype, q_lens, ctx, config):
     """Long chunks through cuDNN over pieces of the cache dequantized to a workspace, against the fp32
     reference over the same cache; the output starts poisoned."""
     torch.manual_seed(5)
     _case(act_dtype, kv_dtype, 2, 3, 64, q_lens, ctx, new_kv=True, config=dict(prefill="cudnn", **config))
+
+
+def test_key_pieces_cover_the_prefix_in_few_sizes():
+    """Every prefix of up to 200 grains is covered once, in order, by pieces whose sizes come from
+    key_piece_sizes (6 sizes for the 27B's 32K pieces of 1,024-key grains, against 32 with pieces of any size)."""
+    from qv.kernels.paged_attention import sdpa_prefill
+
+    for piece_tokens, grain in ((32768, 1024), (48, 16), (64, 16), (16, 16)):
+        sizes = set(sdpa_prefill.key_piece_sizes(piece_tokens, grain))
+        seen = set()
+        for whole in range(0, 200 * grain, grain):
+            spans = sdpa_prefill.key_pieces(whole, piece_tokens, grain)
+            bounds = [0] + [b for _, b in spans]
+            assert [(a, b) for a, b in spans] == list(zip(bounds, bounds[1:])) and bounds[-1] == whole
+            seen |= {b - a for a, b in spans}
+            assert max((b - a for a, b in spans), default=0) <= max(piece_tokens // grain * grain, grain)
+        assert seen == sizes, (piece_tokens, grain)
+    assert len(sdpa_prefill.key_piece_sizes(32768)) == 6
 
 
 @pytest.mark.gpu

@@ -110,10 +110,11 @@ def chunk_attention(q, k_cache, v_cache, k_scale, v_scale, table, kv_len, scale,
     """out [L, Hq, D] = causal attention of one sequence's L chunk rows q (positions kv_len - L ..) over its
     kv_len cached keys, through cuDNN (fp16 for an int8 cache, else the cache's dtype).
 
-    cuDNN builds an execution plan for every new shape (costing more than a short chunk's attention), so the
-    calls take few shapes: the prefix's first keys in whole `grain`s go in pieces of at most piece_tokens (a multiple of
-    grain) without a mask; the last e = prefix % grain prefix keys and the chunk's own keys go in one causal
-    call, square, behind e discarded query rows (row i sees keys up to i, so the chunk's rows see those e keys
+    cuDNN builds an execution plan for every new shape (costing more than a short chunk's attention) and torch keeps
+    each for the process's life, so the calls take few shapes: the prefix's first keys in whole `grain`s go without
+    a mask in pieces of piece_tokens (a multiple of grain) or a power of two grains under it (key_pieces); the last
+    e = prefix % grain prefix keys and the chunk's own keys go in one causal call, square, behind e discarded query
+    rows (row i sees keys up to i, so the chunk's rows see those e keys
     and their own causally), padded to a multiple of `bucket` rows with zero queries and zero keys at the
     end (no real row reaches them). Every call has that padded row count. k_new/v_new [L, Hkv, D]: the
     chunk's own keys as written, used as they are where the cache holds them unchanged (a 16-bit cache)."""
@@ -123,7 +124,7 @@ def chunk_attention(q, k_cache, v_cache, k_scale, v_scale, table, kv_len, scale,
     e = prefix % grain
     whole = prefix - e
     rows = -(-(e + L) // bucket) * bucket
-    piece = min(piece_tokens // grain * grain, whole)
+    piece = min(piece_tokens // grain * grain, whole)  # the workspace's rows for a piece
     # int8 codes times their scales keep fp16's 10 mantissa bits (as the Triton kernels' fp16 dots do)
     dt = torch.float16 if k_cache.dtype == torch.int8 else k_cache.dtype
     ws = torch.empty((2, max(piece, rows), hkv, d), dtype=dt, device=q.device)
@@ -137,36 +138,55 @@ def chunk_attention(q, k_cache, v_cache, k_scale, v_scale, table, kv_len, scale,
         gather_kv(k_cache, v_cache, k_scale, v_scale, table, whole, kv_len, ws[0], ws[1])
     ws[:, e + L:rows] = 0
     acc, lse = cudnn_attention(qp, ws[0, :rows], ws[1, :rows], scale, True)
-    starts = list(range(0, whole, piece)) if piece else []
-    if not starts:
+    spans = key_pieces(whole, piece_tokens, grain)
+    if not spans:
         out.copy_(acc[e:e + L])
         return out
-    if len(starts) > 1:  # a running result that is merged again stays in fp32
+    if len(spans) > 1:  # a running result that is merged again stays in fp32
         acc = acc.float()
-    for i, a in enumerate(starts):
-        b = min(a + piece, whole)
+    for i, (a, b) in enumerate(spans):
         gather_kv(k_cache, v_cache, k_scale, v_scale, table, a, b, ws[0], ws[1])
         o, lse_p = cudnn_attention(qp, ws[0, : b - a], ws[1, : b - a], scale, False)
-        if i < len(starts) - 1:
+        if i < len(spans) - 1:
             lse = merge(acc, lse, o, lse_p, acc, True)
         else:
             merge(acc[e:e + L], lse[:, e:e + L], o[e:e + L], lse_p[:, e:e + L], out, False)
     return out
 
 
+def key_pieces(whole: int, piece_tokens: int, grain: int = KEY_GRAIN) -> list[tuple[int, int]]:
+    """The spans [a, b) the first `whole` prefix keys (a multiple of grain) are attended in: pieces of
+    piece_tokens // grain grains while that many are left, then the binary digits of the rest, largest first.
+    Any prefix takes piece sizes from one short list (key_piece_sizes), so cuDNN plans few shapes, at most
+    log2(piece_tokens // grain) more calls than pieces of any size would take."""
+    cap = max(1, piece_tokens // grain)
+    spans, a, left = [], 0, whole // grain
+    while left:
+        n = cap if left >= cap else 1 << (left.bit_length() - 1)
+        spans.append((a, a + n * grain))
+        a, left = a + n * grain, left - n
+    return spans
+
+
+def key_piece_sizes(piece_tokens: int, grain: int = KEY_GRAIN) -> list[int]:
+    """Every key count a piece of key_pieces can have."""
+    cap = max(1, piece_tokens // grain)
+    return [n * grain for n in sorted({cap} | {1 << i for i in range(cap.bit_length()) if 1 << i < cap})]
+
+
 def warm_plans(device, dtype, hq: int, hkv: int, d: int, chunk_rows: int, piece_tokens: int, kv_int8: bool) -> int:
     """Has cuDNN plan every shape a full chunk of chunk_rows rows meets while a long prompt is prefilled (its
-    causal call, and each prefix piece of 1..piece_tokens keys in whole grains), so that no request pays for
-    them. Returns how many shapes were planned."""
+    causal call, and each piece size of key_pieces), so that no request pays for them. Returns how many shapes
+    were planned."""
     dt = torch.float16 if kv_int8 else dtype
     rows = -(-chunk_rows // ROW_BUCKET) * ROW_BUCKET
-    piece = piece_tokens // KEY_GRAIN * KEY_GRAIN
+    sizes = key_piece_sizes(piece_tokens)
     q = torch.zeros((rows, hq, d), dtype=dt, device=device)
-    kv = torch.zeros((max(rows, piece), hkv, d), dtype=dt, device=device)
+    kv = torch.zeros((max(rows, sizes[-1]), hkv, d), dtype=dt, device=device)
     cudnn_attention(q, kv[:rows], kv[:rows], d ** -0.5, True)
-    for keys in range(KEY_GRAIN, piece + 1, KEY_GRAIN):
+    for keys in sizes:
         cudnn_attention(q, kv[:keys], kv[:keys], d ** -0.5, False)
-    return 1 + piece // KEY_GRAIN
+    return 1 + len(sizes)
 
 
 def workspace_bytes(piece_tokens: int, chunk_rows: int, hq: int, hkv: int, d: int) -> int:
