@@ -3,11 +3,14 @@ latency target (`max_step_ms`).
 
 A step's time is modelled as a fixed part (reading the weights once, launches) plus rows times a
 per-row cost by kind: decode rows (one token, or a verification's k+1), chat prompt rows and Clef
-record rows (which also run the low-rank deltas). `StepCostModel` fits the four numbers by
-exponentially-weighted least squares over recent steps (in relative error), pulled towards a prior where the steps seen
-say nothing (a direction no recent step varied). `StepTimer` feeds it: a step's time is from its
-launch, or from the previous step's results if later (the device runs steps one after another), to
-its results on the host.
+record rows (which also run the low-rank deltas), plus a fixed part of its own for a step with any prompt
+rows (decode-only steps replay one CUDA graph; a step with prompt rows runs attention and the GDN
+recurrence eagerly between pieces, or the whole forward eagerly). Without that jump a fit can only explain
+the first prompt row's cost by a huge per-row cost, and plans the floor forever. `StepCostModel` fits the
+five numbers by exponentially-weighted least squares over recent steps (in relative error), pulled towards
+a prior where the steps seen say nothing (a direction no recent step varied). `StepTimer` feeds it: a
+step's time is from its launch, or from the previous step's results if later (the device runs steps one
+after another), to its results on the host.
 
 `plan_prompt_tokens` is the pure planning rule the scheduler calls while sequences decode: every
 waiting prompt gets the same number of tokens (shorter prompts take what they need and leave the
@@ -25,9 +28,10 @@ import numpy as np
 from qv.engine.prefix_cache import is_isolated
 
 MIN_PROMPT_SHARE = 16  # tokens every waiting prompt gets each step, even when decodes alone pass the target
-HALF_LIFE_STEPS = 64  # a step's weight in the fit halves after this many newer steps
+HALF_LIFE_STEPS = 64  # an observation's weight in its fit halves after this many newer ones of its kind
 PRIOR_STEPS = 2.0  # the prior counts as this many steps of a typical shape
-TYPICAL_ROWS = (1.0, 8.0, 256.0, 256.0)  # the scale of each feature (fixed, decode, prompt, Clef) in the prior
+TYPICAL_DECODE_ROWS = 8.0  # the scale of a decode-only step's rows in the prior
+TYPICAL_PROMPT_ROWS = 256.0  # the scale of a step's prompt (or Clef) rows in the prior
 WARM_STEPS = 16  # before this many steps an observation is taken as it is
 OUTLIER_FACTOR = 4.0  # afterwards, a step is counted as at most this times its prediction (a compile, a GC pause)
 REFERENCE_MS = 10.0  # a step of this time weighs 1 in the fit; others by (REFERENCE_MS / ms)^2 (relative errors)
@@ -36,27 +40,53 @@ MIN_WEIGHED_MS = 0.5  # shorter steps weigh as one of this time: a clock tick mu
 
 @dataclass(frozen=True)
 class StepCost:
-    """Milliseconds of a step: fixed + rows of each kind times their per-row cost."""
+    """Milliseconds of a step: fixed + rows of each kind times their per-row cost, + prompt_step_ms if it has
+    prompt or Clef rows."""
 
     fixed_ms: float
     decode_row_ms: float
     prompt_row_ms: float
     clef_row_ms: float
+    prompt_step_ms: float = 0.0
 
     def predict(self, decode_rows: int, prompt_rows: int = 0, clef_rows: int = 0) -> float:
         return (self.fixed_ms + decode_rows * self.decode_row_ms + prompt_rows * self.prompt_row_ms
-                + clef_rows * self.clef_row_ms)
-
-    def as_array(self) -> np.ndarray:
-        return np.array([self.fixed_ms, self.decode_row_ms, self.prompt_row_ms, self.clef_row_ms])
+                + clef_rows * self.clef_row_ms + (self.prompt_step_ms if prompt_rows + clef_rows else 0.0))
 
 
 # the 27B GPTQ-Int8 model on one H100 (the whole-model bench): a start until the engine's own steps say better
-DEFAULT_PRIOR = StepCost(fixed_ms=12.0, decode_row_ms=0.3, prompt_row_ms=0.1, clef_row_ms=0.15)
+DEFAULT_PRIOR = StepCost(fixed_ms=12.0, decode_row_ms=0.3, prompt_row_ms=0.1, clef_row_ms=0.15, prompt_step_ms=10.0)
+
+
+class _WeightedFit:
+    """x . theta ~ ms over recent observations: exponentially-weighted least squares in relative error, pulled
+    towards `prior` in the directions the observations leave open, no coefficient below zero."""
+
+    def __init__(self, prior: np.ndarray, typical: np.ndarray, decay: float):
+        """typical: one typical observation's x per coefficient (rows; the diagonal is the coefficient's own
+        feature); each coefficient's prior weighs as much as PRIOR_STEPS such observations."""
+        self.prior, self.decay = prior, decay
+        weights = (REFERENCE_MS / np.maximum(typical @ prior, 1e-3)) ** 2
+        self.ridge = PRIOR_STEPS * np.diag(weights * np.square(np.diag(typical)))
+        self.gram = np.zeros((len(prior), len(prior)))  # sum of decayed w x x^T
+        self.moment = np.zeros(len(prior))  # sum of decayed w x ms
+        self.theta = prior
+
+    def observe(self, x: np.ndarray, ms: float, step_ms: float) -> None:
+        """ms: what x accounts for; step_ms: the whole step's time, which sets the weight (relative errors: a
+        long prefill step's noise must not swamp the fixed cost of a decode step)."""
+        weight = (REFERENCE_MS / max(step_ms, MIN_WEIGHED_MS)) ** 2
+        self.gram = self.decay * self.gram + weight * np.outer(x, x)
+        self.moment = self.decay * self.moment + weight * ms * x
+        self.theta = _solve_nonnegative(self.gram + self.ridge, self.moment + self.ridge @ self.prior)
 
 
 class StepCostModel:
-    """The step cost fitted to recent steps (exponentially-weighted least squares with a prior)."""
+    """The step cost fitted to recent steps, in two parts that each forget only with steps of their own kind: the
+    decode-only step (fixed + decode rows) from decode-only steps, and what prompt rows add (the jump, prompt
+    and Clef rows) from the other steps, over the decode-only part's prediction for their decode rows. A long
+    stretch of records beside chats (no decode-only step) thus keeps the decode-only step the ratio target
+    multiplies, and a steady batch keeps its split between fixed and per-row costs from the prior."""
 
     def __init__(self, prior: StepCost = DEFAULT_PRIOR, half_life_steps: float = HALF_LIFE_STEPS):
         self.prior = prior
@@ -65,31 +95,40 @@ class StepCostModel:
 
     def reset(self) -> None:
         """Forget the steps seen (start-up's warm-up steps, which include compiles): the prior again."""
-        prior = self.prior
-        # each coefficient's prior weighs as much as PRIOR_STEPS steps of that feature's typical rows would
-        typical = np.diag(TYPICAL_ROWS)
-        typical[1:, 0] = 1.0
-        weights = (REFERENCE_MS / np.maximum(typical @ prior.as_array(), 1e-3)) ** 2
-        self.ridge = PRIOR_STEPS * np.diag(weights * np.square(TYPICAL_ROWS))
-        self.gram = np.zeros((4, 4))  # sum of decayed x x^T
-        self.moment = np.zeros(4)  # sum of decayed x * ms
+        p, rows = self.prior, TYPICAL_PROMPT_ROWS
+        self.decode = _WeightedFit(np.array([p.fixed_ms, p.decode_row_ms]),
+                                   np.array([[1.0, 0.0], [1.0, TYPICAL_DECODE_ROWS]]), self.decay)
+        self.prompt = _WeightedFit(np.array([p.prompt_step_ms, p.prompt_row_ms, p.clef_row_ms]),
+                                   np.array([[1.0, rows, 0.0], [1.0, rows, 0.0], [1.0, 0.0, rows]]), self.decay)
         self.num_steps = 0
-        self.cost = prior
+        self.cost = p
 
     def observe(self, decode_rows: int, prompt_rows: int, clef_rows: int, ms: float) -> None:
         if decode_rows + prompt_rows + clef_rows == 0 or not np.isfinite(ms) or ms < 0:
             return
         if self.num_steps >= WARM_STEPS:
             ms = min(ms, OUTLIER_FACTOR * self.cost.predict(decode_rows, prompt_rows, clef_rows))
-        x = np.array([1.0, decode_rows, prompt_rows, clef_rows])
-        # relative errors: a long prefill step's noise must not swamp the fixed cost of a decode step
-        weight = (REFERENCE_MS / max(ms, MIN_WEIGHED_MS)) ** 2
-        self.gram = self.decay * self.gram + weight * np.outer(x, x)
-        self.moment = self.decay * self.moment + weight * ms * x
+        if prompt_rows + clef_rows:
+            self.prompt.observe(np.array([1.0, prompt_rows, clef_rows]), ms - self.cost.predict(decode_rows), ms)
+        else:
+            self.decode.observe(np.array([1.0, decode_rows]), ms, ms)
         self.num_steps += 1
-        theta = np.linalg.solve(self.gram + self.ridge, self.moment + self.ridge @ self.prior.as_array())
-        # a negative cost is the fit's noise, not a step that gets faster with more rows
-        self.cost = StepCost(*(float(v) for v in np.maximum(theta, 0.0)))
+        self.cost = StepCost(*(float(v) for v in self.decode.theta),
+                             *(float(v) for v in self.prompt.theta[1:]), float(self.prompt.theta[0]))
+
+
+def _solve_nonnegative(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The least-squares solution of the normal equations a x = b with no cost below zero (a negative cost is
+    the fit's noise, not a step that gets faster with more rows): the most negative coefficient is held at zero
+    and the rest solved again. Clamping after one solve breaks the fit wherever features move together (a
+    steady batch of decodes), where one coefficient's excess is another's deficit."""
+    free = np.ones(len(b), dtype=bool)
+    while True:
+        x = np.zeros(len(b))
+        x[free] = np.linalg.solve(a[np.ix_(free, free)], b[free])
+        if (x >= 0).all():
+            return x
+        free[np.argmin(x)] = False
 
 
 def plan_prompt_tokens(cost: StepCost, target_ms: float, decode_rows: int, prompts: list[tuple[int, bool]],
@@ -104,7 +143,7 @@ def plan_prompt_tokens(cost: StepCost, target_ms: float, decode_rows: int, promp
         return []
     floor_share = max(1, min(min_share, budget // len(prompts)))
     row_ms = [cost.clef_row_ms if clef else cost.prompt_row_ms for _, clef in prompts]
-    spare_ms = target_ms - cost.predict(decode_rows)
+    spare_ms = target_ms - cost.predict(decode_rows) - cost.prompt_step_ms
 
     def fits(t: int) -> bool:
         taken = [min(left, t) for left, _ in prompts]
