@@ -129,7 +129,8 @@ def profile_mixed(eng: LLMEngine, record, chats: int, chat_prompt: int) -> str:
     from qv.bench.profile import profile_markdown, profile_steps
 
     rng = random.Random(3)
-    params = SamplingParams(temperature=0.0, max_tokens=4096, ignore_eos=True)
+    # chats that outlast the profile, within the model length the record lengths set
+    params = SamplingParams(temperature=0.0, max_tokens=min(4096, eng.max_model_len - chat_prompt), ignore_eos=True)
     out = []
     for kind in ("clef", "chat"):
         for i in range(chats):
@@ -143,7 +144,7 @@ def profile_mixed(eng: LLMEngine, record, chats: int, chat_prompt: int) -> str:
                             SamplingParams(temperature=0.0, max_tokens=1))
         for _ in range(3):
             eng.step()
-        p = profile_steps(eng.step, 5, torch.device("cuda"))
+        p = profile_steps(eng.step, 5, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
         out.append(profile_markdown(f"{chats} chats decoding beside a {kind} prefill, per step", p))
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             for _ in range(5):
