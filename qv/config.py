@@ -119,8 +119,8 @@ class EngineConfig(BaseSettings):
         "Steps with prompt rows (and decode steps no decode graph holds) of up to this many rows replay the forward's "
         "token-wise parts from CUDA graphs captured per row count, with attention and the GDN recurrence run eagerly "
         "between them (vLLM's piecewise CUDA graphs, max_cudagraph_capture_size; 512 is the intended setting); "
-        "larger steps run eagerly. Needs cuda_graphs; one rank. 0 (default): off until the start-up check has passed "
-        "at 512 rows and 64 layers on a GPU (an earlier version failed it; docs/BENCHMARKS.md).", ge=0)
+        "larger steps run eagerly. Needs cuda_graphs, one rank; pays with a step target (max_step_ms); checked "
+        "against eager at start-up (passed: 512 rows, 64 layers, H100). 0 (default): off (docs/BENCHMARKS.md).", ge=0)
     async_scheduling: bool = lever(
         True,
         "Overlap the host work of a decode step with the GPU's: the next step is scheduled and launched before the "
@@ -150,13 +150,13 @@ class EngineConfig(BaseSettings):
         "Latency target of a step while sequences decode, in ms (the inter-token latency chats see beside prompts "
         "and Clef records; vLLM sizes the prefill chunk by a token count, this by time): each step's prompt tokens "
         "keep its predicted time under the target, predicted by a cost model fitted to the engine's own steps (a "
-        "fixed part plus rows times a cost per kind: decode, prompt, Clef, and a jump for a step with prompt rows). "
-        "Every waiting prompt gets an equal share, "
-        "at least 16 tokens, so records and long prompts never starve, and with piecewise CUDA graphs the rows up to "
-        "the step's padded size; with nothing decoding, prompts take max_num_batched_tokens. While on, it replaces "
-        "long_prefill_token_threshold and max_long_partial_prefills in steps with decodes. 0 (the default): off; at "
-        "the 64-layer 27B shapes on an H100 an eager step with prompt rows takes ~95-110 ms whatever its size, so a "
-        "target below that leaves prompts only the floor (docs/BENCHMARKS.md). GPU-independent: max_step_decode_ratio.",
+        "fixed part, a jump for a step with prompt rows, rows times a cost per kind). Every waiting prompt gets an "
+        "equal share, at least 16 tokens, so records and long prompts never starve, and with piecewise CUDA graphs the "
+        "rows up to the step's padded size; with nothing decoding, prompts take max_num_batched_tokens. While on, it "
+        "replaces long_prefill_token_threshold and max_long_partial_prefills in steps with decodes. 0 (the default): "
+        "off; at the 64-layer 27B shapes on an H100 a step with prompt rows takes ~80 ms (piecewise graphs) to ~110 "
+        "(eager) whatever its size, so a target below that leaves prompts only the floor (docs/BENCHMARKS.md). "
+        "GPU-independent: max_step_decode_ratio.",
         ge=0)
     max_step_decode_ratio: float = lever(
         0.0, "The latency target of max_step_ms as a multiple of the predicted decode-only step of the same decoding "
