@@ -51,10 +51,11 @@ add_clef(write_preset('27b', '/tmp/qv-hostile27'), '27b')"
           ${HOSTILE27_K:+-k $HOSTILE27_K} -s -p no:cacheprovider -rfE --durations=5 ;;
     mix27)  # issue 33 at the full 64 layers: the grouped delta beside its GEMM; records beside chats under each step
             # target (MIX27_TARGETS, bench/clef.py's --step-targets) in one model load, a mixed step profiled under the first;
-            # MIX27_LEVERS="--lever piecewise_graph_max_rows=512" runs it with the piecewise graphs
+            # MIX27_LEVERS="--lever piecewise_graph_max_rows=512" runs it with the piecewise graphs (any bench/clef.py
+            # options, last, so "--lengths 1024 --counts 16" overrides the three lengths)
         run grouped ${GROUPED_S:-90} python3 bench/grouped_delta.py
-        run mix27 ${MIX27_S:-420} python3 bench/clef.py --presets 27b --load-format random --layers-27b 0 ${MIX27_LEVERS:-} \
-          --counts 16,6,3 --step-targets ${MIX27_TARGETS:-2x,2.5x,30ms} --profile-mixed ;;
+        run mix27 ${MIX27_S:-420} python3 bench/clef.py --presets 27b --load-format random --layers-27b 0 \
+          --counts 16,6,3 --step-targets ${MIX27_TARGETS:-2x,2.5x,30ms} --profile-mixed ${MIX27_LEVERS:-} ;;
     pieces27)  # the piecewise graphs' start-up check as the engine's start-up runs it (64 layers, Clef, bench/clef.py's
                # levers: a server's memory plan, no warm-up) with a bf16 and an int8 cache, and each size's eager forward
                # 16 more times (a race shows as a rate: the TMA GEMM tiles' gave 6 of 48 at 160-256 rows); PIECES27_KV="int8"
