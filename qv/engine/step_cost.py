@@ -113,8 +113,9 @@ class StepCostModel:
         else:
             self.decode.observe(np.array([1.0, decode_rows]), ms, ms)
         self.num_steps += 1
-        self.cost = StepCost(*(float(v) for v in self.decode.theta),
-                             *(float(v) for v in self.prompt.theta[1:]), float(self.prompt.theta[0]))
+        fixed, decode_row = self.decode.theta
+        jump, prompt_row, clef_row = self.prompt.theta
+        self.cost = StepCost(float(fixed), float(decode_row), float(prompt_row), float(clef_row), float(jump))
 
 
 def _solve_nonnegative(a: np.ndarray, b: np.ndarray) -> np.ndarray:

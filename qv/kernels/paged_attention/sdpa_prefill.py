@@ -114,10 +114,10 @@ def chunk_attention(q, k_cache, v_cache, k_scale, v_scale, table, kv_len, scale,
     each for the process's life, so the calls take few shapes: the prefix's first keys in whole `grain`s go without
     a mask in pieces of piece_tokens (a multiple of grain) or a power of two grains under it (key_pieces); the last
     e = prefix % grain prefix keys and the chunk's own keys go in one causal call, square, behind e discarded query
-    rows (row i sees keys up to i, so the chunk's rows see those e keys
-    and their own causally), padded to a multiple of `bucket` rows with zero queries and zero keys at the
-    end (no real row reaches them). Every call has that padded row count. k_new/v_new [L, Hkv, D]: the
-    chunk's own keys as written, used as they are where the cache holds them unchanged (a 16-bit cache)."""
+    rows (row i sees keys up to i, so the chunk's rows see those e keys and their own causally), padded to a
+    multiple of `bucket` rows with zero queries and zero keys at the end (no real row reaches them). Every call
+    has that padded row count. k_new/v_new [L, Hkv, D]: the chunk's own keys as written, used as they are where
+    the cache holds them unchanged (a 16-bit cache)."""
     L = q.shape[0]
     hq, hkv, d = q.shape[1], k_cache.shape[2], k_cache.shape[3]
     prefix = kv_len - L
