@@ -75,15 +75,16 @@ def prefill_workspace_bytes(cfg: ModelConfig, chunk_rows: int) -> int:
 
 def warm_prefill_attention(cfg: ModelConfig, chunk_rows: int, device: torch.device, dtype: torch.dtype,
                            kv_dtype: torch.dtype) -> int:
-    """Where prompt chunks run through cuDNN, its plans for a full chunk's shapes are built now rather than by
-    the first long prompts (qv/kernels/paged_attention/sdpa_prefill.py: warm_plans). Returns the shapes planned."""
+    """Where prompt chunks run through cuDNN, its plans for every shape a chunk can meet are built now rather than
+    by requests (qv/kernels/paged_attention/sdpa_prefill.py: warm_plans). Returns the shapes planned."""
     from qv.kernels.paged_attention import sdpa_prefill
-    from qv.kernels.paged_attention.configs import CUDNN_PIECE_TOKENS, prefill_kind
+    from qv.kernels.paged_attention.configs import CUDNN_MIN_ROWS, CUDNN_PIECE_TOKENS, prefill_kind
 
     if not cfg.attention_layer_ids or prefill_kind(device, chunk_rows, dtype, kv_dtype) != "cudnn":
         return 0
     return sdpa_prefill.warm_plans(device, dtype, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                                   chunk_rows, CUDNN_PIECE_TOKENS, kv_dtype == torch.int8)
+                                   chunk_rows, CUDNN_PIECE_TOKENS, kv_dtype == torch.int8,
+                                   min(CUDNN_MIN_ROWS, chunk_rows))
 
 
 def gdn_bytes_per_slot(cfg: ModelConfig, conv_dtype: torch.dtype, state_dtype: torch.dtype) -> int:

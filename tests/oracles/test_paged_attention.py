@@ -222,6 +222,33 @@ def test_key_pieces_cover_the_prefix_in_few_sizes():
     assert len(sdpa_prefill.key_piece_sizes(32768)) == 6
 
 
+def test_warm_plans_cover_every_shape_a_chunk_meets(monkeypatch):
+    """Every cuDNN call chunk_attention makes for chunks of min_rows .. chunk_rows rows over any prefix (small grains
+    and buckets, so all cases run) has a shape warm_plans planned: no plan is built, and no host memory is added, after
+    start-up. The kernels around the calls are replaced by recorders (only shapes are checked)."""
+    from qv.kernels.paged_attention import sdpa_prefill
+
+    grain, bucket, piece_tokens, min_rows, chunk_rows, hq, hkv, d = 16, 8, 64, 20, 100, 2, 1, 4
+    shapes = []
+    monkeypatch.setattr(sdpa_prefill, "cudnn_attention", lambda q, k, v, scale, causal: (
+        shapes.append((q.shape[0], k.shape[0], causal)) or (torch.zeros_like(q), torch.zeros(q.shape[1], q.shape[0]))))
+    monkeypatch.setattr(sdpa_prefill, "gather_kv", lambda *a: None)
+    monkeypatch.setattr(sdpa_prefill, "merge", lambda a, la, b, lb, out, want_lse: la)
+    planned = sdpa_prefill.warm_plans(torch.device("cpu"), torch.float32, hq, hkv, d, chunk_rows, piece_tokens, False,
+                                      min_rows, grain, bucket)
+    warm = set(shapes)
+    calls = 1 + len(sdpa_prefill.key_piece_sizes(piece_tokens, grain))  # a row count's causal call and its pieces
+    assert planned == len(warm) == len(sdpa_prefill.row_counts(chunk_rows, min_rows, grain, bucket)) * calls
+    shapes.clear()
+    cache = torch.zeros(1, 16, hkv, d)
+    for length in range(min_rows, chunk_rows + 1):
+        for prefix in range(0, 7 * grain + 1, 3):
+            q = torch.zeros(length, hq, d)
+            sdpa_prefill.chunk_attention(q, cache, cache, None, None, None, prefix + length, 1.0, torch.empty_like(q),
+                                         piece_tokens, grain=grain, bucket=bucket)
+    assert set(shapes) <= warm and {r for r, _, _ in shapes} == {r for r, _, _ in warm}
+
+
 @pytest.mark.gpu
 def test_paged_attention_cudnn_real_shapes(cudnn_or_stand_in):
     """27B heads (24 query, 4 KV, d 256), an int8 cache: a 700-row chunk over 3,000 cached keys (two 1,024-key

@@ -174,19 +174,28 @@ def key_piece_sizes(piece_tokens: int, grain: int = KEY_GRAIN) -> list[int]:
     return [n * grain for n in sorted({cap} | {1 << i for i in range(cap.bit_length()) if 1 << i < cap})]
 
 
-def warm_plans(device, dtype, hq: int, hkv: int, d: int, chunk_rows: int, piece_tokens: int, kv_int8: bool) -> int:
-    """Has cuDNN plan every shape a full chunk of chunk_rows rows meets while a long prompt is prefilled (its
-    causal call, and each piece size of key_pieces), so that no request pays for them. Returns how many shapes
-    were planned."""
+def row_counts(chunk_rows: int, min_rows: int, grain: int = KEY_GRAIN, bucket: int = ROW_BUCKET) -> list[int]:
+    """Every padded row count chunk_attention gives a chunk of min_rows .. chunk_rows rows: the chunk behind up
+    to grain - 1 prefix rows, to a multiple of bucket."""
+    lo, hi = -(-min_rows // bucket), -(-(chunk_rows + grain - 1) // bucket)
+    return [n * bucket for n in range(max(1, lo), hi + 1)]
+
+
+def warm_plans(device, dtype, hq: int, hkv: int, d: int, chunk_rows: int, piece_tokens: int, kv_int8: bool,
+               min_rows: int, grain: int = KEY_GRAIN, bucket: int = ROW_BUCKET) -> int:
+    """Has cuDNN plan every shape a chunk of min_rows .. chunk_rows rows can meet (each padded row count's causal
+    call, and its call with each piece size of key_pieces), so that no request pays for a plan and the server's
+    memory stops growing once it has started (each plan holds ~1.4 MiB of host memory for the process's life:
+    bench/cudnn_plans.py). Returns how many shapes were planned."""
     dt = torch.float16 if kv_int8 else dtype
-    rows = -(-chunk_rows // ROW_BUCKET) * ROW_BUCKET
-    sizes = key_piece_sizes(piece_tokens)
-    q = torch.zeros((rows, hq, d), dtype=dt, device=device)
-    kv = torch.zeros((max(rows, sizes[-1]), hkv, d), dtype=dt, device=device)
-    cudnn_attention(q, kv[:rows], kv[:rows], d ** -0.5, True)
-    for keys in sizes:
-        cudnn_attention(q, kv[:keys], kv[:keys], d ** -0.5, False)
-    return 1 + len(sizes)
+    counts, sizes = row_counts(chunk_rows, min_rows, grain, bucket), key_piece_sizes(piece_tokens, grain)
+    q = torch.zeros((counts[-1], hq, d), dtype=dt, device=device)
+    kv = torch.zeros((max(counts[-1], sizes[-1]), hkv, d), dtype=dt, device=device)
+    for rows in counts:
+        cudnn_attention(q[:rows], kv[:rows], kv[:rows], d ** -0.5, True)
+        for keys in sizes:
+            cudnn_attention(q[:rows], kv[:keys], kv[:keys], d ** -0.5, False)
+    return len(counts) * (1 + len(sizes))
 
 
 def workspace_bytes(piece_tokens: int, chunk_rows: int, hq: int, hkv: int, d: int) -> int:
