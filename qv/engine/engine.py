@@ -35,6 +35,7 @@ from qv.engine.step_cost import StepCostModel, StepTimer
 from qv.engine.step_inputs import StepCapacity
 from qv.engine.step_speculation import SpeculationSteps
 from qv.engine.step_structured import StructuredOutputs
+from qv.kernels.grouped_delta.configs import MANY_ROWS
 
 log = logging.getLogger("qv")
 
@@ -176,7 +177,7 @@ class LLMEngine:
         range the linears switch kernels at (13, 29, 61, 300, 1,100 tokens, as far as the limits
         allow), alternately greedy and n=2 seeded random sampling, each with logprobs, then one under a
         JSON grammar (the token-mask kernel; with xgrammar installed) and, with a Clef head, one record
-        (its delta rows and the joint head). Leaves no trace: the prefix cache, the statistics and the
+        (its delta rows and the joint head) twice: in small chunks, as beside decodes, and in whole ones. Leaves no trace: the prefix cache, the statistics and the
         step cost model are reset, and the seeds are the requests' own, so the engine's random stream
         is untouched."""
         words = self.tokenizer.encode("The quick brown fox jumps over the lazy dog. ", add_special_tokens=False) or [0]
@@ -202,6 +203,15 @@ class LLMEngine:
             run("grammar", 13, SamplingParams(temperature=0.0, max_tokens=3, seed=0, grammar=grammar))
         record = self._warm_up_record(kv_room) if self.clef is not None else None
         if record is not None:  # a record's rows: the grouped deltas, the head fed per chunk
+            budget = self.scheduler.max_num_batched_tokens
+            # first in the small chunks a step target gives records beside decodes (the grouped deltas' few-row
+            # blocks, under MANY_ROWS a slot), then in the full budget's
+            self.scheduler.max_num_batched_tokens = min(budget, MANY_ROWS // 2)
+            try:
+                self.add_clef("qv-warm-up-clef-small-chunks", record)
+                to_the_end()
+            finally:
+                self.scheduler.max_num_batched_tokens = budget
             self.add_clef("qv-warm-up-clef", record)
             to_the_end()
         self.reset_prefix_cache()
@@ -209,7 +219,7 @@ class LLMEngine:
         self._forget_counters()
         log.info("warmed up: %d dummy requests of %s prompt tokens%s%s in %.1f s", len(lengths), lengths,
                  " and one under a JSON grammar" if grammar is not None else "",
-                 " and one Clef record" if record is not None else "", time.perf_counter() - t0)
+                 " and one Clef record (twice)" if record is not None else "", time.perf_counter() - t0)
 
     def _warm_up_record(self, kv_room: int):
         """A two-question Clef record of a few hundred tokens (its state cut where the cap or kv_room, a quarter

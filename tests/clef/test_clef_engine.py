@@ -107,17 +107,24 @@ def test_mixed_batches_through_the_engine(tiny_engine, clef_dirs, alone, records
 
 def test_warm_up_runs_a_record_and_leaves_no_trace(tiny_engine, clef_dirs, alone, records, caplog):
     """Start-up's warm-up (LLMEngine.warm_up, called directly: the engine calls it on CUDA) runs one Clef
-    record through the delta rows and the head; then statistics are zero and answers equal a cold engine's."""
+    record through the delta rows and the head, in chunks of under MANY_ROWS rows (as a step target makes them
+    beside decodes: the grouped deltas' few-row kernels) and of the whole budget; then statistics are zero and
+    answers equal a cold engine's."""
     import logging
 
+    from qv.kernels.grouped_delta.configs import MANY_ROWS
+
     eng = make_engine(tiny_engine, clef_dirs["adapters"], max_num_batched_tokens=256)
-    added = []
-    add = eng.add_clef
+    added, chunks = [], []
+    add, execute = eng.add_clef, eng.runner.execute
     eng.add_clef = lambda rid, rec: added.append(rec.num_tokens) or add(rid, rec)
+    eng.runner.execute = lambda plan: chunks.extend(
+        n for seq, n in plan.scheduled if seq.request_id.startswith("qv-warm-up-clef")) or execute(plan)
     with caplog.at_level(logging.INFO, logger="qv"):
         eng.warm_up()
-    assert "and one Clef record in" in caplog.text
-    assert len(added) == 1 and 256 < added[0] <= 1024, added  # more than one 256-token chunk
+    assert "and one Clef record (twice) in" in caplog.text
+    assert len(added) == 2 and added[0] == added[1] and 256 < added[0] <= 1024, added  # more than one 256-token chunk
+    assert max(chunks) == 256 and max(chunks[:added[0] // (MANY_ROWS // 2)]) == MANY_ROWS // 2, chunks
     assert not eng.has_unfinished_requests() and not eng.requests
     assert eng.stats.prompt_tokens == 0 and eng.stats.generation_tokens == 0
     warm, cold = run(eng, records), run(alone, records)
