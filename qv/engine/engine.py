@@ -35,9 +35,10 @@ from qv.engine.step_cost import StepCostModel, StepTimer
 from qv.engine.step_inputs import StepCapacity
 from qv.engine.step_speculation import SpeculationSteps
 from qv.engine.step_structured import StructuredOutputs
-from qv.kernels.grouped_delta.configs import MANY_ROWS
 
 log = logging.getLogger("qv")
+# a warm-up record's chunks beside decodes: under the grouped deltas' MANY_ROWS (128) a slot, their few-row blocks
+WARM_UP_SMALL_CHUNK = 64
 
 
 @dataclass
@@ -103,7 +104,8 @@ class LLMEngine:
                 log.info("async scheduling is off with speculative decoding: each step needs the last one's drafts")
                 self._async = False
         scratch_slot = parts.cache.num_slots - 1  # never handed out (qv/engine/build.py)
-        self.step_timer = StepTimer(StepCostModel())  # the step cost max_step_ms plans with, fitted to these steps
+        # the step cost max_step_ms plans with, fitted to these steps; small steps stay within the linears' few-row edge
+        self.step_timer = StepTimer(StepCostModel(row_limit=parts.model.linear_row_limit()))
         self.scheduler = Scheduler(self.blocks, GDNStatePool(scratch_slot), cfg.max_num_seqs,
                                    cfg.max_num_batched_tokens, lookahead=lookahead,
                                    prefix_cache=self.prefix_cache,
@@ -204,9 +206,8 @@ class LLMEngine:
         record = self._warm_up_record(kv_room) if self.clef is not None else None
         if record is not None:  # a record's rows: the grouped deltas, the head fed per chunk
             budget = self.scheduler.max_num_batched_tokens
-            # first in the small chunks a step target gives records beside decodes (the grouped deltas' few-row
-            # blocks, under MANY_ROWS a slot), then in the full budget's
-            self.scheduler.max_num_batched_tokens = min(budget, MANY_ROWS // 2)
+            # first in the small chunks a step target gives records beside decodes, then in the full budget's
+            self.scheduler.max_num_batched_tokens = min(budget, WARM_UP_SMALL_CHUNK)
             try:
                 self.add_clef("qv-warm-up-clef-small-chunks", record)
                 to_the_end()

@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from qv import kernels as K
 from qv.kernels.cuda_build import same_kernels_as_capture
-from qv.kernels.linear import GPTQWeight
+from qv.kernels.linear import GPTQWeight, few_row_limit
 from qv.model.batch import StepBatch
 from qv.model.cache import HybridCache
 from qv.model.layers import MLP, FusedLinear, GatedAttention, GatedDeltaNet, Linear
@@ -102,6 +102,12 @@ class Qwen3_5TextModel:
     def final_norm(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         out, _ = K.rms_norm(h, self.norm, self.cfg.rms_norm_eps, residual)
         return out
+
+    def linear_row_limit(self) -> int | None:
+        """The most rows the decoder's linears take on their few-row kernels (qv.kernels.linear.few_row_limit, by
+        the first MLP's down projection: the largest, in the checkpoint's main format); None where there is no such
+        edge."""
+        return few_row_limit(self.layers[0].mlp.down.weight, self.device, self.dtype) if self.layers else None
 
     @torch.inference_mode()
     def kernels_as_captured(self):

@@ -112,6 +112,7 @@ def test_warm_up_runs_a_record_and_leaves_no_trace(tiny_engine, clef_dirs, alone
     answers equal a cold engine's."""
     import logging
 
+    from qv.engine.engine import WARM_UP_SMALL_CHUNK
     from qv.kernels.grouped_delta.configs import MANY_ROWS
 
     eng = make_engine(tiny_engine, clef_dirs["adapters"], max_num_batched_tokens=256)
@@ -124,7 +125,8 @@ def test_warm_up_runs_a_record_and_leaves_no_trace(tiny_engine, clef_dirs, alone
         eng.warm_up()
     assert "and one Clef record (twice) in" in caplog.text
     assert len(added) == 2 and added[0] == added[1] and 256 < added[0] <= 1024, added  # more than one 256-token chunk
-    assert max(chunks) == 256 and max(chunks[:added[0] // (MANY_ROWS // 2)]) == MANY_ROWS // 2, chunks
+    assert WARM_UP_SMALL_CHUNK < MANY_ROWS and max(chunks) == 256, chunks
+    assert max(chunks[:added[0] // WARM_UP_SMALL_CHUNK]) == WARM_UP_SMALL_CHUNK, chunks
     assert not eng.has_unfinished_requests() and not eng.requests
     assert eng.stats.prompt_tokens == 0 and eng.stats.generation_tokens == 0
     warm, cold = run(eng, records), run(alone, records)

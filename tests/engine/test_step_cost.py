@@ -5,6 +5,7 @@ model's predictions, not against a clock."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -13,7 +14,7 @@ from qv.engine.kv_cache import KVBlockPool
 from qv.engine.scheduler import Scheduler
 from qv.engine.sequence import Sequence
 from qv.engine.state_pool import GDNStatePool
-from qv.engine.step_cost import MIN_PROMPT_SHARE, StepCost, StepCostModel, plan_prompt_tokens
+from qv.engine.step_cost import DEFAULT_PRIOR, MIN_PROMPT_SHARE, StepCost, StepCostModel, plan_prompt_tokens
 
 COST = StepCost(fixed_ms=10.0, decode_row_ms=0.5, prompt_row_ms=0.05, clef_row_ms=0.1)
 BUDGET = 2048
@@ -238,3 +239,60 @@ def test_planning_from_its_own_steps_meets_a_ratio_target_over_a_jump(truth):
             assert tokens == pytest.approx(ideal, rel=0.1), (step, model.cost)
             assert model.cost.predict(decodes) == pytest.approx(truth.predict(decodes), rel=0.05), (step, model.cost)
 
+
+
+def test_small_steps_stay_within_the_linears_few_row_edge():
+    """Past row_limit (64 on sm_90: the GPTQ linear dequantizes each whole weight ahead of cuBLAS) a step costs
+    wide_step_ms more. Floor shares that would carry a step past it shrink to fit (a token each at least); a
+    step past it is planned only where it fits the target, jump included, with more tokens; the graphs' buckets
+    are filled up to the edge, not past it."""
+    cost = StepCost(fixed_ms=0.0, decode_row_ms=1.0, prompt_row_ms=1.0, clef_row_ms=1.0, wide_step_ms=30.0,
+                    row_limit=64)
+    records = [(1000, True)] * 4
+    # 6 decodes, a target under any step with prompt rows: 4 x 16 floor shares would make 70 rows; 4 x 14 fit
+    assert plan_prompt_tokens(cost, 0.0, 6, records, 8192) == [14] * 4
+    assert plan_prompt_tokens(cost, 0.0, 6, records, 8192, row_buckets=(16, 32, 48, 96)) == [11, 11, 10, 10]
+    assert plan_prompt_tokens(cost, 0.0, 62, records, 8192) == [1, 1, 1, 1]  # more prompts than rows left
+    assert plan_prompt_tokens(cost, 0.0, 70, records, 8192) == [16] * 4  # the decodes are past it already
+    # under the edge 56 rows at most; past it (6 + 30 + 4 x 40 = 196 ms) 160: the larger
+    assert plan_prompt_tokens(cost, 196.0, 6, records, 8192) == [40] * 4
+    assert plan_prompt_tokens(cost, 80.0, 6, records, 8192) == [14] * 4  # past it 11 each would fit: not the floor
+    assert plan_prompt_tokens(replace(cost, row_limit=None), 0.0, 6, records, 8192) == [16] * 4  # no edge
+
+
+def test_the_cost_model_learns_the_jump_past_the_row_limit():
+    """From a prior jump of 5 ms to the truth's 30 (the prior's pull leaves it within 15%); seeded 2% noise."""
+    rng = random.Random(12)
+    truth = StepCost(fixed_ms=14.0, decode_row_ms=0.05, prompt_row_ms=0.03, clef_row_ms=0.05, prompt_step_ms=3.0,
+                     wide_step_ms=30.0, row_limit=64)
+    model = StepCostModel(prior=replace(DEFAULT_PRIOR, wide_step_ms=5.0), row_limit=64)
+    for step in range(400):  # one decode-only step in 4, as chats beside records and between them
+        d = rng.randrange(1, 16)
+        rows = (d, 0, 0 if step % 4 == 0 else rng.choice([rng.randrange(1, 64 - d), rng.randrange(64, 1024)]))
+        model.observe(*rows, truth.predict(*rows) * rng.uniform(0.98, 1.02))
+    assert model.cost.row_limit == 64 and model.cost.wide_step_ms == pytest.approx(30.0, rel=0.15), model.cost
+    for rows in [(6, 0, 0), (6, 0, 58), (6, 0, 59), (6, 0, 300), (1, 0, 1000)]:
+        assert model.cost.predict(*rows) == pytest.approx(truth.predict(*rows), rel=0.08), rows
+
+
+def test_planning_from_its_own_steps_keeps_mixed_steps_within_the_row_limit():
+    """The 27B on an H100 as profiled: a step past 64 rows costs ~30 ms more (the chunked dequantization). 6 decodes
+    beside 4 records under 2.5x the decode-only step, planned from the model and learned from the steps planned
+    (one decode-only step in 8), settle on steps of at most 64 rows that the truth puts under the target; with no
+    edge the 16-token floor makes 70 rows, each step past the target. Seeded noise of 3%."""
+    truth = StepCost(fixed_ms=13.0, decode_row_ms=0.15, prompt_row_ms=0.05, clef_row_ms=0.08, prompt_step_ms=5.0,
+                     wide_step_ms=30.0, row_limit=64)
+    for row_limit in (64, None):
+        rng, model, decodes = random.Random(6), StepCostModel(row_limit=row_limit), 6
+        for step in range(400):
+            if step % 8 == 0:
+                model.observe(decodes, 0, 0, truth.predict(decodes) * rng.uniform(0.97, 1.03))
+                continue
+            target = 2.5 * model.cost.predict(decodes)
+            tokens = plan_prompt_tokens(model.cost, target, decodes, [(10**6, True)] * 4, 8192)
+            ms = truth.predict(decodes, 0, sum(tokens))
+            model.observe(decodes, 0, sum(tokens), ms * rng.uniform(0.97, 1.03))
+        if row_limit:
+            assert decodes + sum(tokens) <= 64 and ms <= 2.5 * truth.predict(decodes), (tokens, ms, model.cost)
+        else:
+            assert tokens == [MIN_PROMPT_SHARE] * 4 and ms > 2.5 * truth.predict(decodes), (tokens, ms, model.cost)

@@ -194,6 +194,24 @@ def test_gptq_rows_dispatch_gpu(m):
     _case(torch.bfloat16, m, 1000, 5120, 128, act_order=True)
 
 
+def test_few_row_limit_names_the_row_where_the_chunked_path_starts(monkeypatch):
+    """The step planner's edge (few_row_limit): the last row count before gemv_kind says "chunked", for GPTQ weights
+    on the Triton backend of a GPU whose dispatch has that band; None for dense weights, the CPU, other chains."""
+    from qv.kernels.linear import configs, few_row_limit
+
+    w = gptq_weight(45, 96, 32, True, False, torch.bfloat16)
+    assert few_row_limit(w, torch.device("cpu"), torch.bfloat16) is None
+    monkeypatch.setattr("qv.kernels.registry.chain_for", lambda device: ("triton", "reference"))
+    monkeypatch.setattr(configs, "gemv_kind", lambda device, m, dtype: "chunked" if m >= 65 else "tc")
+    cuda = torch.device("cuda")
+    assert few_row_limit(w, cuda, torch.bfloat16) == configs.CHUNKED_ROWS - 1 == 64
+    assert few_row_limit(torch.zeros(45, 96), cuda, torch.bfloat16) is None
+    monkeypatch.setattr(configs, "gemv_kind", lambda device, m, dtype: "dot")
+    assert few_row_limit(w, cuda, torch.bfloat16) is None
+    monkeypatch.setattr("qv.kernels.registry.chain_for", lambda device: ("sm70", "triton", "reference"))
+    assert few_row_limit(w, cuda, torch.bfloat16) is None
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_gptq_large_m_real_shapes(dtype):

@@ -196,6 +196,19 @@ def on_rows(x: torch.Tensor, n: int, run, row_align: int = 1) -> torch.Tensor:
     return out.view(*shape[:-1], n)
 
 
+def few_row_limit(weight, device: torch.device, dtype: torch.dtype) -> int | None:
+    """The most rows the linear of `weight` takes on its few-row kernels where one more row switches it to the
+    chunked dequantization ahead of cuBLAS (GPTQ weights, the Triton backend on sm_90: configs.CHUNKED_ROWS), whose
+    every call writes and reads a whole 16-bit copy of the weight: a 64-layer 27B step's linears go from ~14 ms
+    to ~47 ms there (H100); None where there is no such edge. A step planner keeps small steps within it."""
+    from qv.kernels.linear.configs import CHUNKED_ROWS, gemv_kind
+    from qv.kernels.registry import chain_for
+
+    if not isinstance(weight, GPTQWeight) or device.type != "cuda" or chain_for(device)[0] != "triton":
+        return None
+    return CHUNKED_ROWS - 1 if gemv_kind(device, CHUNKED_ROWS, dtype) == "chunked" else None
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor | GPTQWeight | FP8Weight | W12Weight,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T (+ bias). x [T, K]; weight dense [N, K], GPTQWeight (K x N codes), FP8Weight ([N, K] e4m3 with
