@@ -179,9 +179,9 @@ class LLMEngine:
         range the linears switch kernels at (13, 29, 61, 300, 1,100 tokens, as far as the limits
         allow), alternately greedy and n=2 seeded random sampling, each with logprobs, then one under a
         JSON grammar (the token-mask kernel; with xgrammar installed) and, with a Clef head, one record
-        (its delta rows and the joint head) twice: in small chunks, as beside decodes, and in whole ones. Leaves no trace: the prefix cache, the statistics and the
-        step cost model are reset, and the seeds are the requests' own, so the engine's random stream
-        is untouched."""
+        (its delta rows and the joint head) twice: in small chunks, as beside decodes, and in whole ones.
+        Leaves no trace: the prefix cache, the statistics and the step cost model are reset, and the seeds
+        are the requests' own, so the engine's random stream is untouched."""
         words = self.tokenizer.encode("The quick brown fox jumps over the lazy dog. ", add_special_tokens=False) or [0]
         kv_room = self.blocks.capacity(True) * self.blocks.block_size // 4
         room = min(self.max_model_len - 3, self.cfg.max_num_batched_tokens, kv_room)
