@@ -10,6 +10,15 @@ import triton
 import triton.language as tl
 
 
+def jit_per_step(*counts: str):
+    """triton.jit for a kernel that takes counts which change from step to step (rows, sequences, positions):
+    Triton compiles a variant per class of each integer argument (equal to 1, a multiple of 16, other), so a
+    step whose counts meet a new class of classes would stall on a compile (a second or more) in the middle of
+    serving and keep one more module in host memory; these arguments are left unspecialized (they bound masks
+    and searches, where the classes buy nothing)."""
+    return triton.jit(do_not_specialize=list(counts))
+
+
 def next_pow2(n: int, floor: int = 1) -> int:
     """The smallest power of two >= max(n, floor)."""
     return triton.next_power_of_2(max(int(n), int(floor), 1))

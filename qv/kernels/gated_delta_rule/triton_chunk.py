@@ -29,7 +29,7 @@ from qv.kernels.gated_delta_rule.configs import (OUT_MAXNREG, OUT_WARPS, SCAN_PR
                                                  scan_warps)
 from qv.kernels.gated_delta_rule.triton_prep import _chunk_of_tile, chunk_prep, chunk_prep_split
 from qv.kernels.gated_delta_rule.triton_recurrent import gdn_recurrent, load_state, store_state
-from qv.kernels.triton_utils import interpreting, next_pow2
+from qv.kernels.triton_utils import interpreting, jit_per_step, next_pow2
 
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
@@ -153,7 +153,7 @@ def gdn_chunk_scan_kernel(
                 stride_ch, INT16)
 
 
-@triton.jit
+@jit_per_step("B")
 def gdn_chunk_out_kernel(
     q_ptr, k_ptr, u_ptr, gc_ptr, rk_ptr, h_ptr, o_ptr, cu_ptr, B, scale, DK, DV, HV,
     stride_qt, stride_qh, stride_ut, stride_uh, stride_ot, stride_oh, stride_hn, stride_hh, stride_hk,

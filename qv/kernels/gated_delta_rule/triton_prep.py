@@ -21,7 +21,7 @@ import triton.language as tl
 
 from qv.kernels.gated_delta_rule.configs import FUSED_PREP_WARPS, SOLVE_BK, SOLVE_STAGES, SOLVE_WARPS, WY_WARPS
 from qv.kernels.gated_delta_rule.triton_recurrent import gdn_gate
-from qv.kernels.triton_utils import find_seq, next_pow2
+from qv.kernels.triton_utils import find_seq, jit_per_step, next_pow2
 
 
 @triton.jit
@@ -159,7 +159,7 @@ def _store_rows(p, rows, m, stride_t, b_x):
     tl.store(p + rows[:, None] * stride_t, b_x.to(p.dtype.element_ty), mask=m[:, None])
 
 
-@triton.jit
+@jit_per_step("B")
 def gdn_chunk_prep_kernel(
     k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, gc_ptr, rk_ptr, cu_ptr, B, DK, DV, HV,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt, stride_wt, stride_wh, stride_ut, stride_uh,
@@ -254,7 +254,7 @@ def _block_row(b_1, b_2, b_3, b_4):
     return tl.reshape(tl.permute(x, (0, 3, 2, 1)), (bs, 4 * bs))
 
 
-@triton.jit
+@jit_per_step("B")
 def gdn_chunk_solve_kernel(
     k_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, t_ptr, gc_ptr, rk_ptr, cu_ptr, B, DK, HV,
     stride_kt, stride_kh, stride_at, stride_bt, stride_tt, stride_th,
@@ -341,7 +341,7 @@ def gdn_chunk_solve_kernel(
     _store_block(p_t, rows4, m4, stride_tt, _block_row(T41, T42, T43, T44))
 
 
-@triton.jit
+@jit_per_step("B")
 def gdn_chunk_wy_kernel(
     k_ptr, v_ptr, b_ptr, t_ptr, gc_ptr, rk_ptr, w_ptr, u_ptr, cu_ptr, B, DK, DV, HV,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_bt, stride_tt, stride_th, stride_wt, stride_wh,

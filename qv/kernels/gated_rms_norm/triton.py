@@ -6,10 +6,10 @@ import torch
 import triton
 import triton.language as tl
 
-from qv.kernels.triton_utils import row_blocks, rows2d
+from qv.kernels.triton_utils import jit_per_step, row_blocks, rows2d
 
 
-@triton.jit
+@jit_per_step("N")
 def gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, y_ptr, N, D, stride_x, stride_z, stride_y, eps,
                           BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     o_r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)

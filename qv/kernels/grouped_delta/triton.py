@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from qv.kernels.triton_utils import jit_per_step
+
 from qv.kernels.grouped_delta.configs import FEW, MANY, MANY_ROWS, NO_DOT
 
 
@@ -39,7 +41,7 @@ def _mm(a, b, IEEE: tl.constexpr, DOT: tl.constexpr):
     return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
 
 
-@triton.jit
+@jit_per_step("num_rows")
 def shrink_kernel(t_ptr, x_ptr, rows_ptr, slot_start_ptr, a_ptr, scale_ptr, slot_rows_ptr, num_rows, K,
                   stride_t, stride_x, stride_a, M1,
                   HAS_SLOTS: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr,
@@ -67,7 +69,7 @@ def shrink_kernel(t_ptr, x_ptr, rows_ptr, slot_start_ptr, a_ptr, scale_ptr, slot
                  mask=m_m[:, None] & m_j[None, :])
 
 
-@triton.jit
+@jit_per_step("num_rows")
 def expand_kernel(y_ptr, t_ptr, rows_ptr, slot_start_ptr, b_ptr, b_off_ptr, col_ptr, width_ptr, slot_rows_ptr,
                   member_cols_ptr, num_rows, N, stride_y, stride_t,
                   HAS_SLOTS: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr, MEMBERS: tl.constexpr,

@@ -17,14 +17,14 @@ import torch
 import triton
 import triton.language as tl
 
-from qv.kernels.triton_utils import next_pow2
+from qv.kernels.triton_utils import jit_per_step, next_pow2
 
 # keys the prefix pieces come in multiples of, and rows the calls are padded to: few shapes, few cuDNN plans
 KEY_GRAIN = 1024
 ROW_BUCKET = 256
 
 
-@triton.jit
+@jit_per_step("T0", "T1")
 def gather_kv_kernel(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, wk_ptr, wv_ptr, T0, T1, BS,
                      stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, stride_wt, stride_wh,
                      D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr):
@@ -49,7 +49,7 @@ def gather_kv_kernel(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, wk_ptr, wv_ptr, T0, T
     tl.store(wv_ptr + dst, b_v.to(wv_ptr.dtype.element_ty), mask=m)
 
 
-@triton.jit
+@jit_per_step("L")
 def merge_kernel(a_ptr, la_ptr, b_ptr, lb_ptr, o_ptr, lo_ptr, L, stride_at, stride_ah, stride_bt, stride_bh,
                  stride_ot, stride_oh, stride_lh, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
                  STORE_LSE: tl.constexpr):

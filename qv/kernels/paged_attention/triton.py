@@ -24,7 +24,7 @@ from qv.kernels.paged_attention.configs import (CUDNN_MIN_ROWS, CUDNN_PIECE_TOKE
 from qv.kernels.paged_attention.cuda_sm90 import decode_cuda
 from qv.kernels.paged_attention.triton_decode import (LOG2E, decode_attention, kv_codes, split_length,
                                                       split_outputs)
-from qv.kernels.triton_utils import find_seq, interpreting, next_pow2, num_sms
+from qv.kernels.triton_utils import find_seq, interpreting, jit_per_step, next_pow2, num_sms
 
 
 @triton.jit
@@ -130,7 +130,7 @@ def _attn_span(acc, m_i, l_i, b_q, qpos, lo, hi, free, kv_len, b, kvh, kv_start,
     return acc, m_i, l_i
 
 
-@triton.jit
+@jit_per_step("B", "T")
 def attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, lse_ptr, bt_ptr, cu_q_ptr, kv_len_ptr, kn_ptr, vn_ptr,
     qk_scale, B, T, HQ,
@@ -220,7 +220,7 @@ def attn_fwd_kernel(
         tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=m_q)
 
 
-@triton.jit
+@jit_per_step("B", "T")
 def attn_reduce_kernel(po_ptr, lse_ptr, o_ptr, cu_q_ptr, kv_len_ptr, B, T, HQ, stride_ot, stride_oh, SPLIT_LEN,
                        D: tl.constexpr, BLOCK_D: tl.constexpr):
     """Combines the split partials of one (token, head): split s holds keys s*SPLIT_LEN.. and is
@@ -376,7 +376,9 @@ def cudnn_prefill(q, k_cache, v_cache, block_tables, cu_q, seq_lens, scale, k_sc
         s, e = run[0], run[-1] + 1
         r = rows_of(s, e)
         if r.start < r.stop:  # a run of decodes and short chunks (sequences with no rows this step are skipped)
-            out[r] = attention(q[r], k_cache, v_cache, k_scale, v_scale, block_tables[s:e], cu_q[s:e + 1] - cu[s],
-                               seq_lens[s:e], scale, True, True, max(cu[i + 1] - cu[i] for i in run),
-                               max(lens[s:e]), dict(config), *new(r))
+            # fresh copies of the run's slices: pointers 16-byte aligned whatever s is (Triton compiles a variant per
+            # pointer alignment, as per integer class: qv.kernels.triton_utils.jit_per_step)
+            out[r] = attention(q[r], k_cache, v_cache, k_scale, v_scale, block_tables[s:e].clone(),
+                               cu_q[s:e + 1] - cu[s], seq_lens[s:e].clone(), scale, True, True,
+                               max(cu[i + 1] - cu[i] for i in run), max(lens[s:e]), dict(config), *new(r))
     return out

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qv.kernels.triton_utils import find_seq, interpreting, next_pow2, num_sms
+from qv.kernels.triton_utils import find_seq, interpreting, jit_per_step, next_pow2, num_sms
 
 
 LOG2E = 1.4426950408889634
@@ -103,7 +103,7 @@ def _decode_tile_step(b_q, b_k, b_v, b_ks, b_vs, n, k_end, qpos, acc, m_i, l_i, 
     return acc, m_new, l_i
 
 
-@triton.jit
+@jit_per_step("T")
 def paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, lse_ptr, bt_ptr, cu_q_ptr, kv_len_ptr,
     qk_scale, T, HQ, stride_qt, stride_qh, stride_ot, stride_oh, stride_os,
@@ -188,7 +188,7 @@ def paged_decode_kernel(
         tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=m_q)
 
 
-@triton.jit
+@jit_per_step("B", "T", "N_SPLITS")
 def decode_reduce_kernel(po_ptr, lse_ptr, o_ptr, cu_q_ptr, kv_len_ptr, B, T, HQ, stride_ot, stride_oh, SPLIT_LEN,
                          N_SPLITS, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
     """Combines the split partials of one (token, head, BLOCK_D slice of the head dim), BLOCK_S splits

@@ -7,10 +7,10 @@ import torch
 import triton
 import triton.language as tl
 
-from qv.kernels.triton_utils import row_blocks, rows2d
+from qv.kernels.triton_utils import jit_per_step, row_blocks, rows2d
 
 
-@triton.jit
+@jit_per_step("N")
 def rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, N, D, stride_x, stride_r, stride_y, stride_s, eps,
                     HAS_RESIDUAL: tl.constexpr, ZERO_CENTERED: tl.constexpr,
                     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
