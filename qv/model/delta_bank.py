@@ -10,6 +10,8 @@ the Linear is fused."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -127,13 +129,19 @@ class DeltaBank:
     def view(self, device: torch.device) -> DeltaBankView:
         if self._view is None:
             self._view = DeltaBankView(self.a, self.b, self.b_off, self.col, self.width, self.scale, self.slot_rows,
-                                       self.member_cols_t, max(self.rank_rows, default=0))
+                                       self.member_cols_t, max(self.rank_rows, default=0), self.b_align)
         v = self._view
         if v.a.device == device:
             return v
         move = lambda t: t.to(device, non_blocking=True)  # noqa: E731 - pinned host deltas, streamed for this use
         return DeltaBankView(move(v.a), move(v.b), move(v.b_off), move(v.col), move(v.width), move(v.scale),
-                             move(v.slot_rows), move(v.member_cols), v.max_slot_rank)
+                             move(v.slot_rows), move(v.member_cols), v.max_slot_rank, v.b_align)
+
+    @property
+    def b_align(self) -> int:
+        """The largest power of two up to 8 dividing every member's width and every slot's B base: then it divides
+        every rank row's b_off, col and width (write lays a slot's B columns out back to back from its base)."""
+        return math.gcd(8, *map(int, self.member_sizes), *map(int, self.b_base))  # a divisor of 8: 1, 2, 4 or 8
 
     def apply(self, y: torch.Tensor, x: torch.Tensor, delta_rows: torch.Tensor | DeltaGroups) -> torch.Tensor:
         """y += each delta row's slot delta (a plain row tensor: every row runs slot 0, Clef's)."""

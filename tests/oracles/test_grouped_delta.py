@@ -13,10 +13,11 @@ from qv.model.delta_bank import DeltaBank
 from util import assert_close
 
 
-def _bank(dtype, k, members, slots):
-    """slots: per slot a list of (member, rank) modules; capacity for the largest."""
+def _bank(dtype, k, members, slots, aligned=False):
+    """slots: per slot a list of (member, rank) modules; capacity for the largest (aligned: B capacities a multiple
+    of 8, so with members of multiples of 8 the expand loads B 8 elements at once)."""
     cap_rows = max(sum(r for _, r in mods) for mods in slots) + 3
-    cap_b = max(sum(r * members[m] for m, r in mods) for mods in slots) + 5
+    cap_b = max(sum(r * members[m] for m, r in mods) for mods in slots) + (8 if aligned else 5)
     bank = DeltaBank(k, members, [cap_rows] * len(slots), [cap_b] * len(slots), dtype, DEV)
     for s, mods in enumerate(slots):
         bank.write(s, [(m, randn(r, k, dtype=dtype), randn(members[m], r, dtype=dtype), 0.5 + 0.25 * i)
@@ -83,6 +84,30 @@ def test_grouped_delta_many_rows(dtype):
     _check(dtype, bank, len(slot_of_row), slot_of_row, 3)
 
 
+@pytest.mark.parametrize("aligned", [False, True])
+def test_grouped_delta_aligned_bank(aligned):
+    """Members and B capacities of multiples of 8: the expand takes the bank's b_align (8) as a load-width hint; the
+    same slots with a 5-element slack (b_align 1) take none. Both against the reference."""
+    bank = _bank(torch.bfloat16, 32, [48, 16], [[(0, 9), (1, 9), (0, 1)], [(1, 3)]], aligned=aligned)
+    assert bank.b_align == (8 if aligned else 1)
+    _check(torch.bfloat16, bank, 11, [0, 1, -1, 0, 0, 1, 0, -1, 0, 0, 1], 2)
+
+
+def test_b_align_divides_every_offset_column_and_width():
+    """b_align is a promise the expand kernel relies on (a wrong one reads misaligned memory): over random members,
+    capacities and slot contents, it divides every rank row's b_off, col and width."""
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(40):
+        pick = lambda *choices: choices[int(torch.randint(len(choices), (1,), generator=gen))]  # noqa: E731
+        members = [pick(8, 16, 24, 40, 12, 6, 33) for _ in range(pick(1, 2, 3))]
+        slots = [[(m, pick(1, 3, 8)) for m in range(len(members)) if pick(True, False)] for _ in range(pick(1, 2, 3))]
+        slots = [mods or [(0, 1)] for mods in slots]
+        bank = _bank(torch.float32, 8, members, slots, aligned=pick(True, False))
+        rows = int(bank.row_base[-1])
+        for t in (bank.b_off[:rows], bank.col[:rows], bank.width[:rows]):
+            assert (t.cpu() % bank.b_align == 0).all(), (members, slots, bank.b_align)
+
+
 def test_grouped_delta_plain_rows_run_slot_zero():
     bank = _bank(torch.float32, 24, [19, 6], [[(0, 3), (1, 2)], [(1, 4)]])
     y, x = randn(9, 25), randn(9, 24)
@@ -111,6 +136,7 @@ def test_grouped_delta_real_shapes(rows_per_slot):
     """27B gate_up (two members of 17408) with Clef's rank 256 + deabl and two rank-64 adapters."""
     members = [17408, 17408]
     slots = [[(0, 256), (1, 256), (0, 1), (1, 1)], [(0, 64), (1, 64)], [(1, 64)]]
-    bank = _bank(torch.bfloat16, 5120, members, slots)
+    bank = _bank(torch.bfloat16, 5120, members, slots, aligned=True)
+    assert bank.b_align == 8
     slot_of_row = [i % 4 - 1 for i in range(4 * rows_per_slot)]
     _check(torch.bfloat16, bank, len(slot_of_row), slot_of_row, 3)

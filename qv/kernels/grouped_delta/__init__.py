@@ -30,6 +30,7 @@ class DeltaBankView:
     slot_rows: torch.Tensor  # [S, M+1] int32: rank rows of member m of slot s = [slot_rows[s, m], slot_rows[s, m+1])
     member_cols: torch.Tensor  # [M+1] int32: output columns of member m = [member_cols[m], member_cols[m+1])
     max_slot_rank: int  # the most rank rows any slot may hold (the shrink's output width)
+    b_align: int = 1  # a power of two (<= 8) dividing every b_off, col and width: B loads that wide
 
 
 @dataclass(frozen=True)

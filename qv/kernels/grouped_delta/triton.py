@@ -73,7 +73,7 @@ def shrink_kernel(t_ptr, x_ptr, rows_ptr, slot_start_ptr, a_ptr, scale_ptr, slot
 def expand_kernel(y_ptr, t_ptr, rows_ptr, slot_start_ptr, b_ptr, b_off_ptr, col_ptr, width_ptr, slot_rows_ptr,
                   member_cols_ptr, num_rows, N, stride_y, stride_t,
                   HAS_SLOTS: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr, MEMBERS: tl.constexpr,
-                  BM: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr):
+                  BM: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, ALIGN: tl.constexpr):
     s = tl.program_id(1)
     r0, r1 = _slot_rows(slot_start_ptr, s, num_rows, HAS_SLOTS)
     m0 = r0 + tl.program_id(0) * BM
@@ -100,6 +100,10 @@ def expand_kernel(y_ptr, t_ptr, rows_ptr, slot_start_ptr, b_ptr, b_off_ptr, col_
             off = tl.load(b_off_ptr + o_j, mask=m_j, other=0)
             c = tl.load(col_ptr + o_j, mask=m_j, other=0)
             w = tl.load(width_ptr + o_j, mask=m_j, other=0)
+            if ALIGN > 1:  # the bank says so (DeltaBankView.b_align): each B row's load goes ALIGN elements at once
+                off = tl.multiple_of(off, ALIGN)
+                c = tl.multiple_of(c, ALIGN)
+                w = tl.multiple_of(w, ALIGN)
             rel = o_n[None, :] - c[:, None]
             m_b = m_j[:, None] & (rel >= 0) & (rel < w[:, None])
             b_b = tl.load(b_ptr + off[:, None] + rel, mask=m_b, other=0.)
@@ -136,5 +140,6 @@ def grouped_delta(y, x, rows, slot_start, max_rows, bank, dot: bool = True):
         m1, HAS_SLOTS=has_slots, IEEE=ieee, DOT=dot, BM=bm, BR=br, BK=bk)
     expand_kernel[(row_blocks, slots, triton.cdiv(n, bn))](
         y, t, rows, ss, bank.b, bank.b_off, bank.col, bank.width, bank.slot_rows, bank.member_cols, num_rows, n,
-        y.stride(0), t.stride(0), HAS_SLOTS=has_slots, IEEE=ieee, DOT=dot, MEMBERS=m1 - 1, BM=bm, BR=br, BN=bn)
+        y.stride(0), t.stride(0), HAS_SLOTS=has_slots, IEEE=ieee, DOT=dot, MEMBERS=m1 - 1, BM=bm, BR=br, BN=bn,
+        ALIGN=bank.b_align)
     return y
