@@ -150,12 +150,12 @@ class EngineConfig(BaseSettings):
         "Latency target of a step while sequences decode, in ms (the inter-token latency chats see beside prompts "
         "and Clef records; vLLM sizes the prefill chunk by a token count, this by time): each step's prompt tokens "
         "keep its predicted time under the target, predicted by a cost model fitted to the engine's own steps (a "
-        "fixed part, a jump for a step with prompt rows, rows times a cost per kind). Every waiting prompt gets an "
-        "equal share, at least 16 tokens, so records and long prompts never starve, and with piecewise CUDA graphs the "
-        "rows up to the step's padded size; with nothing decoding, prompts take max_num_batched_tokens. While on, it "
-        "replaces long_prefill_token_threshold and max_long_partial_prefills in steps with decodes. 0 (the default): "
-        "off; at the 64-layer 27B shapes on an H100 a step with prompt rows takes ~80 ms (piecewise graphs) to ~110 "
-        "(eager) whatever its size, so a target below that leaves prompts only the floor (docs/BENCHMARKS.md). "
+        "fixed part, jumps for prompt rows and past the linears' few-row edge, rows times a cost per kind). Every "
+        "waiting prompt gets an equal share, at least 16 tokens (fewer, 1 at least, to stay within that edge), so "
+        "records never starve, and with piecewise graphs the rows up to the step's padded size; with nothing decoding, "
+        "prompts take max_num_batched_tokens. While on, it replaces long_prefill_token_threshold and "
+        "max_long_partial_prefills in steps with decodes. 0 (the default): off; at the 64-layer 27B shapes on an H100 "
+        "a mixed step with Clef rows took 75 ms of GPU time past the 64-row edge (docs/BENCHMARKS.md). "
         "GPU-independent: max_step_decode_ratio.",
         ge=0)
     max_step_decode_ratio: float = lever(
