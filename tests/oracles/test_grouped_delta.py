@@ -84,6 +84,18 @@ def test_grouped_delta_many_rows(dtype):
     _check(dtype, bank, len(slot_of_row), slot_of_row, 3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [130, 150])
+def test_grouped_delta_shrink_split_over_k(dtype, k):
+    """Few rows a slot and K past one block: the shrink splits K over programs (configs.shrink_splits; two parts
+    under the interpreter, the last one short) whose partial t the expand sums."""
+    from qv.kernels.grouped_delta.configs import FEW, shrink_splits
+
+    assert shrink_splits(9, k, FEW[2], torch.device("cpu")) == 2
+    bank = _bank(dtype, k, [40, 24], [[(0, 7), (1, 7), (0, 1)], [(1, 33)]])
+    _check(dtype, bank, 12, [0, 1, -1, 0, 0, 1, 1, 0, -1, 1, 0, 0], 2)
+
+
 @pytest.mark.parametrize("aligned", [False, True])
 def test_grouped_delta_aligned_bank(aligned):
     """Members and B capacities of multiples of 8: the expand takes the bank's b_align (8) as a load-width hint; the

@@ -1,6 +1,8 @@
 """Triton grouped low-rank delta: one shrink launch (t = (x A^T) * scale for every slot's rows and rank
 rows) and one expand launch (y += t B^T), each over (row block, slot, rank or column block). Programs
-of a slot past its rows exit at once, so the grid may be sized by bounds (CUDA graphs)."""
+of a slot past its rows exit at once, so the grid may be sized by bounds (CUDA graphs). Few rows a slot
+split the shrink's K over more programs (each a partial t, summed by the expand as it loads t: no atomics,
+the same bits every run)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import triton.language as tl
 
 from qv.kernels.triton_utils import jit_per_step
 
-from qv.kernels.grouped_delta.configs import FEW, MANY, MANY_ROWS, NO_DOT
+from qv.kernels.grouped_delta.configs import FEW, MANY, MANY_ROWS, NO_DOT, shrink_splits
 
 
 @triton.jit
@@ -43,21 +45,25 @@ def _mm(a, b, IEEE: tl.constexpr, DOT: tl.constexpr):
 
 @jit_per_step("num_rows")
 def shrink_kernel(t_ptr, x_ptr, rows_ptr, slot_start_ptr, a_ptr, scale_ptr, slot_rows_ptr, num_rows, K,
-                  stride_t, stride_x, stride_a, M1,
+                  stride_t, stride_x, stride_a, M1, stride_split, K_SPLIT,
                   HAS_SLOTS: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr,
-                  BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
+                  BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, SPLITS: tl.constexpr):
+    """Grid axis 2: rank block x split; split p sums K from p * K_SPLIT into partial p of t (K_SPLIT a multiple
+    of BK)."""
     s = tl.program_id(1)
     r0, r1 = _slot_rows(slot_start_ptr, s, num_rows, HAS_SLOTS)
     m0 = r0 + tl.program_id(0) * BM
     lo = tl.load(slot_rows_ptr + s * M1)
     hi = tl.load(slot_rows_ptr + s * M1 + M1 - 1)
-    j0 = lo + tl.program_id(2) * BR
+    j0 = lo + (tl.program_id(2) // SPLITS) * BR
+    split = tl.program_id(2) % SPLITS
     if (m0 < r1) & (j0 < hi):
         o_m, m_m, row = _row_tile(rows_ptr, m0, r1, BM)
         o_j = j0 + tl.arange(0, BR)
         m_j = o_j < hi
         acc = tl.zeros([BM, BR], dtype=tl.float32)
-        for k0 in range(0, K, BK):
+        k_lo = split * K_SPLIT
+        for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BK):
             o_k = k0 + tl.arange(0, BK)
             m_k = o_k < K
             b_x = tl.load(x_ptr + row[:, None] * stride_x + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.)
@@ -65,15 +71,15 @@ def shrink_kernel(t_ptr, x_ptr, rows_ptr, slot_start_ptr, a_ptr, scale_ptr, slot
                           mask=m_j[:, None] & m_k[None, :], other=0.)
             acc += _mm(b_x, tl.trans(b_a), IEEE, DOT)
         acc *= tl.load(scale_ptr + o_j, mask=m_j, other=0.)[None, :]
-        tl.store(t_ptr + o_m[:, None].to(tl.int64) * stride_t + (o_j - lo)[None, :], acc,
+        tl.store(t_ptr + split * stride_split + o_m[:, None].to(tl.int64) * stride_t + (o_j - lo)[None, :], acc,
                  mask=m_m[:, None] & m_j[None, :])
 
 
 @jit_per_step("num_rows")
 def expand_kernel(y_ptr, t_ptr, rows_ptr, slot_start_ptr, b_ptr, b_off_ptr, col_ptr, width_ptr, slot_rows_ptr,
-                  member_cols_ptr, num_rows, N, stride_y, stride_t,
+                  member_cols_ptr, num_rows, N, stride_y, stride_t, stride_split,
                   HAS_SLOTS: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr, MEMBERS: tl.constexpr,
-                  BM: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, ALIGN: tl.constexpr):
+                  BM: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, ALIGN: tl.constexpr, SPLITS: tl.constexpr):
     s = tl.program_id(1)
     r0, r1 = _slot_rows(slot_start_ptr, s, num_rows, HAS_SLOTS)
     m0 = r0 + tl.program_id(0) * BM
@@ -95,8 +101,11 @@ def expand_kernel(y_ptr, t_ptr, rows_ptr, slot_start_ptr, b_ptr, b_off_ptr, col_
         for j0 in range(j_lo, j_hi, BR):
             o_j = j0 + tl.arange(0, BR)
             m_j = o_j < j_hi
-            b_t = tl.load(t_ptr + o_m[:, None].to(tl.int64) * stride_t + (o_j - lo)[None, :],
-                          mask=m_m[:, None] & m_j[None, :], other=0.)
+            p_t = t_ptr + o_m[:, None].to(tl.int64) * stride_t + (o_j - lo)[None, :]
+            m_t = m_m[:, None] & m_j[None, :]
+            b_t = tl.load(p_t, mask=m_t, other=0.)
+            for split in tl.static_range(1, SPLITS):  # the shrink's partials over K, in a fixed order
+                b_t += tl.load(p_t + split * stride_split, mask=m_t, other=0.)
             off = tl.load(b_off_ptr + o_j, mask=m_j, other=0)
             c = tl.load(col_ptr + o_j, mask=m_j, other=0)
             w = tl.load(width_ptr + o_j, mask=m_j, other=0)
@@ -133,13 +142,15 @@ def grouped_delta(y, x, rows, slot_start, max_rows, bank, dot: bool = True):
     ieee = x.dtype == torch.float32
     m1 = bank.slot_rows.shape[1]
     bm, br, bk, bn = (MANY if max_rows >= MANY_ROWS else FEW) if dot else NO_DOT
-    t = torch.empty(num_rows, bank.max_slot_rank, dtype=torch.float32, device=x.device)
+    splits = shrink_splits(max_rows, k, bk, x.device) if dot else 1
+    k_split = triton.cdiv(triton.cdiv(k, splits), bk) * bk
+    t = torch.empty(splits, num_rows, bank.max_slot_rank, dtype=torch.float32, device=x.device)
     row_blocks = triton.cdiv(max_rows, bm)  # grid axis 0: a slot's row blocks run side by side, sharing A/B tiles
-    shrink_kernel[(row_blocks, slots, triton.cdiv(bank.max_slot_rank, br))](
-        t, x, rows, ss, bank.a, bank.scale, bank.slot_rows, num_rows, k, t.stride(0), x.stride(0), bank.a.stride(0),
-        m1, HAS_SLOTS=has_slots, IEEE=ieee, DOT=dot, BM=bm, BR=br, BK=bk)
+    shrink_kernel[(row_blocks, slots, triton.cdiv(bank.max_slot_rank, br) * splits)](
+        t, x, rows, ss, bank.a, bank.scale, bank.slot_rows, num_rows, k, t.stride(1), x.stride(0), bank.a.stride(0),
+        m1, t.stride(0), k_split, HAS_SLOTS=has_slots, IEEE=ieee, DOT=dot, BM=bm, BR=br, BK=bk, SPLITS=splits)
     expand_kernel[(row_blocks, slots, triton.cdiv(n, bn))](
         y, t, rows, ss, bank.b, bank.b_off, bank.col, bank.width, bank.slot_rows, bank.member_cols, num_rows, n,
-        y.stride(0), t.stride(0), HAS_SLOTS=has_slots, IEEE=ieee, DOT=dot, MEMBERS=m1 - 1, BM=bm, BR=br, BN=bn,
-        ALIGN=bank.b_align)
+        y.stride(0), t.stride(1), t.stride(0), HAS_SLOTS=has_slots, IEEE=ieee, DOT=dot, MEMBERS=m1 - 1, BM=bm,
+        BR=br, BN=bn, ALIGN=bank.b_align, SPLITS=splits)
     return y
