@@ -3,7 +3,7 @@
 beside the bf16 GEMM of the same linear and the deltas' own FLOP and byte floors measured in the same
 run. Says what a Clef or adapter row costs over its base GEMM (issue 33: rows cost their FLOPs).
 
-    python bench/grouped_delta.py [--rows 8,256,2048] [--adapters 0,3]
+    python bench/grouped_delta.py [--rows 8,64,256,2048] [--adapters 0,3]
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def bank_for(k: int, members: list[int], adapters: int) -> DeltaBank:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", default="8,256,2048", help="rows per slot")
+    ap.add_argument("--rows", default="8,64,256,2048", help="rows per slot (64: a mixed step's records under a target)")
     ap.add_argument("--adapters", default="0,3", help="LoRA adapter slots beside Clef's, each with --rows rows")
     args = ap.parse_args()
     c = ceilings()
