@@ -172,13 +172,13 @@ def plan_prompt_tokens(cost: StepCost, target_ms: float, decode_rows: int, promp
         return _shares(cost, target_ms, decode_rows, prompts, budget, min_share, row_buckets, wide=limit is not None)
     # prompts past the room under the edge go past it, a token each
     room = min(budget, max(limit - decode_rows, len(prompts)))
-    narrow = _shares(cost, target_ms, decode_rows, prompts, room, min_share,
+    within = _shares(cost, target_ms, decode_rows, prompts, room, min_share,
                      tuple(b for b in row_buckets if b <= limit), wide=False)
-    wide = _shares(cost, target_ms, decode_rows, prompts, budget, min_share, row_buckets, wide=True)
-    if sum(wide) > sum(narrow) and decode_rows + sum(wide) > limit and \
-            cost.predict(decode_rows, *_split(wide, prompts)) <= target_ms:
-        return wide
-    return narrow
+    past = _shares(cost, target_ms, decode_rows, prompts, budget, min_share, row_buckets, wide=True)
+    if sum(past) > sum(within) and decode_rows + sum(past) > limit and \
+            cost.predict(decode_rows, *_split(past, prompts)) <= target_ms:
+        return past
+    return within
 
 
 def _split(tokens: list[int], prompts: list[tuple[int, bool]]) -> tuple[int, int]:

@@ -10,9 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from qv.kernels.triton_utils import jit_per_step
-
 from qv.kernels.grouped_delta.configs import FEW, MANY, MANY_ROWS, NO_DOT, shrink_splits
+from qv.kernels.triton_utils import jit_per_step
 
 
 @triton.jit
