@@ -4,6 +4,7 @@ table and the JSON record are complete. No timing assertions: the numbers are wh
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -47,8 +48,16 @@ def test_bench_serve_reports_a_complete_table_and_json(tmp_path, capsys):
     memory = report["memory"]
     assert memory["rss_settled_mib"] > 50 and memory["rss_end_mib"] > 50 and isinstance(memory["rss_change"], float)
     assert memory["device_settled_mib"] == memory["device_end_mib"] == 0 and memory["device_change"] is None  # CPU
-    times = [t for t, _, _ in memory["samples"]]
-    assert times and times == sorted(times) and all(rss > 50 for _, rss, _ in memory["samples"]), memory["samples"]
+    assert memory["device_used_settled_mib"] == memory["device_used_end_mib"] == 0
+    assert memory["kernels_settled"] == memory["kernels_end"] == 0  # the interpreter compiles nothing
+    if Path("/proc/self/status").exists():  # Linux splits the RSS; the parts add up to at most the whole
+        for at in ("settled", "end"):
+            anon, file, rss = (memory[f"{k}_{at}_mib"] for k in ("rss_anon", "rss_file", "rss"))
+            assert anon > 50 and file > 0 and anon + file <= 1.05 * rss, memory  # scraped apart
+    assert memory["sample_columns"] == ["s", "rss", "rss_anon", "rss_file", "device", "device_used", "kernels"]
+    times = [row[0] for row in memory["samples"]]
+    assert times and times == sorted(times) and all(row[1] > 50 for row in memory["samples"]), memory["samples"]
+    assert all(len(row) == 7 for row in memory["samples"]), memory["samples"]
 
 
 def _sse_client(events: list[dict]):
@@ -89,12 +98,16 @@ def test_streamed_tokens_count_by_their_ids_even_when_they_decode_to_no_text(han
 
 
 def test_memory_change_is_relative_to_where_it_settled():
-    from qv.bench.serve import MEMORY_METRICS, _memory_change
+    from qv.bench.serve import KERNELS_METRIC, MEMORY_METRICS, _memory_change
 
     rss, device = MEMORY_METRICS["rss"], MEMORY_METRICS["device"]
-    got = _memory_change({rss: 100 * 2**20, device: None}, {rss: 104 * 2**20, device: 5.0})
+    got = _memory_change({rss: 100 * 2**20, device: None, KERNELS_METRIC: 40.0},
+                         {rss: 104 * 2**20, device: 5.0, KERNELS_METRIC: 43.0})
     assert got == {"rss_settled_mib": 100.0, "rss_end_mib": 104.0, "rss_change": 0.04,
-                   "device_settled_mib": None, "device_end_mib": 5.0 / 2**20, "device_change": None}
+                   "device_settled_mib": None, "device_end_mib": 5.0 / 2**20, "device_change": None,
+                   **{f"{k}_{at}": None for k in ("rss_anon", "rss_file", "device_used")
+                      for at in ("settled_mib", "end_mib", "change")},
+                   "kernels_settled": 40.0, "kernels_end": 43.0}
 
 
 @pytest.mark.parametrize("kw, says", [({"chats": 0, "records": 0}, "at least one"),

@@ -9,8 +9,9 @@ words). Closed loop by default (each client sends its next request when the last
 request rate, arrivals are Poisson and `concurrency` caps the requests in flight. The report is one
 markdown table and a JSON record: TTFT, ITL and end-to-end percentiles, output, prompt and record
 throughput, errors, and the deltas of the server's own /metrics over the run. For soaks it also reports the
-server's RSS and device memory where they settled (the first of 16 scrapes over the load at or after `settle_s`)
-against the end, the RSS of every scrape (flat or climbing), and whether
+server's RSS (and its anonymous and file-backed parts), device memory (torch's and the driver's count) and
+compiled Triton kernel variants where they settled (the first of 16 scrapes over the load at or after
+`settle_s`) against the end, the RSS of every scrape (flat or climbing), and whether
 fixed greedy probe chats, sent to the idle server before the load and after the drain, answer the same.
 
     report = asyncio.run(drive(url, ServeSpec(...)))   # against a running server
@@ -41,8 +42,13 @@ QUESTIONS = {"outage": {"type": "noul", "instructions": "Is a service down?"},
 SERVER_METRICS = ("vllm:num_preemptions_total", "vllm:request_queue_time_seconds_sum",
                   "vllm:request_queue_time_seconds_count", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
                   "vllm:admission_rejections_total", "vllm:request_success_total")
-# the server's memory as /metrics tells it: prometheus-client's process collector and qv's device gauge
-MEMORY_METRICS = {"rss": "process_resident_memory_bytes", "device": "qv:device_memory_reserved_bytes"}
+# the server's memory as /metrics tells it: prometheus-client's process collector (RSS) and qv's gauges (RSS by
+# kind, device memory as torch's allocator and as the driver count it)
+MEMORY_METRICS = {"rss": "process_resident_memory_bytes", "rss_anon": "qv:process_resident_anon_bytes",
+                  "rss_file": "qv:process_resident_file_bytes", "device": "qv:device_memory_reserved_bytes",
+                  "device_used": "qv:device_memory_used_bytes"}
+KERNELS_METRIC = "qv:triton_kernel_variants"  # compiled Triton kernels: growth under load means compiles in steps
+SAMPLE_COLUMNS = ("s", *MEMORY_METRICS, "kernels")  # a memory sample: seconds into the load, MiB, kernel variants
 MEMORY_SAMPLES = 16  # memory scrapes over the load (the JSON's memory.samples; the table shows them)
 PERCENTILES = (50, 95, 99)
 DRAIN_S = 120.0  # the longest a request still in flight at the end of the run is waited for
@@ -245,12 +251,14 @@ async def drive(url: str, spec: ServeSpec, api_key: str | None = None) -> dict:
         await asyncio.wait_for(asyncio.gather(*work), spec.duration_s + DRAIN_S)
         elapsed = time.perf_counter() - t0
         sampler.cancel()
-        after = await _scrape(client, SERVER_METRICS + tuple(MEMORY_METRICS.values()))
+        after = await _scrape(client, SERVER_METRICS + tuple(MEMORY_METRICS.values()) + (KERNELS_METRIC,))
         settle_s = spec.settle_s or spec.duration_s / 4
         settled = next((m for t, m in samples if t >= settle_s), after)
         memory = _memory_change(settled, after)
+        memory["sample_columns"] = list(SAMPLE_COLUMNS)
         memory["samples"] = [[round(t, 1)] + [None if m[n] is None else round(m[n] / 2**20, 1)
-                                              for n in MEMORY_METRICS.values()] for t, m in samples]
+                                              for n in MEMORY_METRICS.values()] + [m[KERNELS_METRIC]]
+                             for t, m in samples]
         probes_after = await _probe_answers(client, model, spec, "after")
     report = _report(url, spec, model, driver.tally, elapsed, before, after)
     mismatched = [i for i, (a, b) in enumerate(zip(probes_before, probes_after)) if a != b]
@@ -293,19 +301,21 @@ async def _sample_memory(client, t0: float, every_s: float, into: list) -> None:
     """(seconds into the load, the memory scrape) every every_s seconds until cancelled: where the server's
     memory settled, and whether it then stays flat or keeps climbing."""
     while True:
-        into.append((time.perf_counter() - t0, await _scrape(client, MEMORY_METRICS.values())))
+        into.append((time.perf_counter() - t0, await _scrape(client, (*MEMORY_METRICS.values(), KERNELS_METRIC))))
         await asyncio.sleep(every_s)
 
 
 def _memory_change(settled: dict, end: dict) -> dict:
-    """MiB where memory settled and at the end, and the relative change (None where the server does not say);
-    settled and end: scrapes holding MEMORY_METRICS' names."""
+    """MiB where memory settled and at the end, and the relative change (None where the server does not say),
+    and the compiled kernel variants then and at the end; settled and end: scrapes holding MEMORY_METRICS' names
+    (and KERNELS_METRIC's, where scraped)."""
     out = {}
     for key, name in MEMORY_METRICS.items():
-        a, b = settled[name], end[name]
+        a, b = settled.get(name), end.get(name)
         out[f"{key}_settled_mib"] = None if a is None else a / 2**20
         out[f"{key}_end_mib"] = None if b is None else b / 2**20
         out[f"{key}_change"] = (b - a) / a if a and b is not None else None
+    out["kernels_settled"], out["kernels_end"] = settled.get(KERNELS_METRIC), end.get(KERNELS_METRIC)
     return out
 
 
@@ -361,14 +371,20 @@ def serve_markdown(report: dict) -> str:
                ("server: requests finished", f"{srv['requests_finished']:.0f}"),
                ("server: admission rejections", f"{srv['admission_rejections']:.0f}"))
     mem, probes = report["memory"], report["probes"]
-    for key, name in (("rss", "server RSS"), ("device", "server device memory")):
-        if mem[f"{key}_settled_mib"] is not None and mem[f"{key}_end_mib"] is not None:
+    for key, name in (("rss", "server RSS"), ("rss_anon", "server RSS, anonymous"),
+                      ("rss_file", "server RSS, file-backed"), ("device", "server device memory (torch)"),
+                      ("device_used", "device memory in use (driver)")):
+        if mem.get(f"{key}_settled_mib") is not None and mem.get(f"{key}_end_mib") is not None:
             change = "" if mem[f"{key}_change"] is None else f" ({100 * mem[f'{key}_change']:+.1f}%)"
             scalars += ((f"{name}: settled -> end (MiB)",
                          f"{mem[f'{key}_settled_mib']:.0f} -> {mem[f'{key}_end_mib']:.0f}{change}"),)
+    if mem.get("kernels_settled") is not None and mem.get("kernels_end") is not None:
+        scalars += (("server: compiled Triton kernel variants, settled -> end",
+                     f"{mem['kernels_settled']:.0f} -> {mem['kernels_end']:.0f}"),)
     if mem.get("samples"):
+        rss = SAMPLE_COLUMNS.index("rss")
         scalars += (("server RSS over the load (MiB, every ~1/16 of it)",
-                     " ".join("?" if r is None else f"{r:.0f}" for _, r, _ in mem["samples"])),)
+                     " ".join("?" if row[rss] is None else f"{row[rss]:.0f}" for row in mem["samples"])),)
     scalars += (("greedy probes identical before and after",
                  f"{'yes' if probes['identical'] else 'no: ' + str(probes['mismatched'])} ({probes['n']})"),)
     lines += [f"| {name} | | {value} | | | |" for name, value in scalars]

@@ -4,6 +4,7 @@ sequence search of the attention and chunked-GDN kernels."""
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 import triton
@@ -17,6 +18,21 @@ def jit_per_step(*counts: str):
     serving and keep one more module in host memory; these arguments are left unspecialized (they bound masks
     and searches, where the classes buy nothing)."""
     return triton.jit(do_not_specialize=list(counts))
+
+
+def compiled_variants() -> dict[str, int]:
+    """Compiled variants of each of qv's Triton kernels the process has launched, by module.name (all devices):
+    a count that grows while serving means kernels compiling inside steps."""
+    from triton.runtime.jit import JITFunction
+
+    out = {}
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("qv.kernels") or module is None:
+            continue
+        for attr, fn in list(vars(module).items()):
+            if isinstance(fn, JITFunction) and hasattr(fn, "device_caches"):
+                out[f"{name}.{attr}"] = sum(len(caches[0]) for caches in list(fn.device_caches.values()))
+    return out
 
 
 def next_pow2(n: int, floor: int = 1) -> int:

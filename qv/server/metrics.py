@@ -5,7 +5,9 @@ Gauges and engine-wide counters (tokens, preemptions, prefix cache, finished req
 from `engine.stats()` at scrape time by a collector, so they never drift from the engine. Per-request
 latency histograms are observed by the server as each request's outputs arrive. Each app has its
 own registry, so several servers can live in one process (tests). qv's own gauges, under `qv:`, say
-whether decode steps replay CUDA graphs (`qv:cuda_graphs_enabled`) and for which batch sizes.
+whether decode steps replay CUDA graphs (`qv:cuda_graphs_enabled`) and for which batch sizes, and what a
+soak watches: device memory (torch's and the driver's count), resident memory split into anonymous and
+file-backed, and the compiled Triton kernel variants.
 
 Every `vllm:` name vLLM's Grafana dashboard queries is here with vLLM's type and labels, the legacy
 ones as aliases vLLM keeps (`vllm:gpu_cache_usage_perc` of `vllm:kv_cache_usage_perc`,
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 from prometheus_client import (CollectorRegistry, Counter, GCCollector, Histogram,
                                PlatformCollector, ProcessCollector, generate_latest)
@@ -62,6 +65,32 @@ def _device_memory_reserved() -> float:
     return float(sum(torch.cuda.memory_reserved(i) for i in range(torch.cuda.device_count())))
 
 
+def _device_memory_used() -> float:
+    """Bytes in use on this process's GPUs as the driver counts them (every process's, and what torch's allocator
+    does not see: CUDA contexts, lazily loaded kernel modules, library workspaces)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return 0.0
+    return float(sum(total - free for free, total in map(torch.cuda.mem_get_info, range(torch.cuda.device_count()))))
+
+
+def resident_memory_split(status: str | None = None) -> dict[str, float]:
+    """The process's resident memory by kind from /proc/self/status (Linux), in bytes: anonymous (heaps, arenas,
+    pinned buffers) and file-backed (pages of mapped libraries, such as the kernels a CUDA library loads on first
+    use); {} where the system does not say."""
+    if status is None:
+        try:
+            status = Path("/proc/self/status").read_text()
+        except OSError:
+            return {}
+    out = {}
+    for line in status.splitlines():
+        key, _, value = line.partition(":")
+        if key in ("RssAnon", "RssFile") and value.split() and value.split()[-1] == "kB":
+            out[key.removeprefix("Rss").lower()] = 1024.0 * float(value.split()[0])
+    return out
+
+
 class _EngineCollector:
     def __init__(self, engine, labels: tuple[str, str], cache_config: dict[str, str]):
         self.engine, self.labels, self.cache_config = engine, labels, cache_config
@@ -84,6 +113,14 @@ class _EngineCollector:
         yield gauge("qv:device_memory_reserved_bytes", "Device memory torch's caching allocator holds in this "
                     "process, over its GPUs (0 without one; tensor-parallel workers not included).",
                     _device_memory_reserved())
+        yield gauge("qv:device_memory_used_bytes", "Device memory in use as the driver counts it, over this "
+                    "process's GPUs (every process's use of them; 0 without one).", _device_memory_used())
+        for kind, value in resident_memory_split().items():
+            yield gauge(f"qv:process_resident_{kind}_bytes", f"Resident memory of this process that is {kind} "
+                        "(/proc/self/status; process_resident_memory_bytes is their sum with shared memory).", value)
+        if hasattr(self.engine, "kernel_variants"):
+            yield gauge("qv:triton_kernel_variants", "Compiled variants of qv's Triton kernels in this process "
+                        "(growth after the warm-up: compiles inside steps).", self.engine.kernel_variants())
         yield gauge("vllm:num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting)
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache block usage (1 = full).", s.kv_cache_usage)
         yield gauge("vllm:gpu_cache_usage_perc", "KV-cache block usage (1 = full); vLLM's legacy name of "

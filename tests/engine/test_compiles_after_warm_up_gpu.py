@@ -6,25 +6,11 @@ change from step to step unspecialized (qv.kernels.triton_utils.jit_per_step).""
 from __future__ import annotations
 
 import random
-import sys
 
 import pytest
 
 from qv import SamplingParams
-
-
-def _variants() -> dict[str, int]:
-    """Compiled variants of every Triton kernel of qv, by name (all devices)."""
-    from triton.runtime.jit import JITFunction
-
-    out = {}
-    for name, module in list(sys.modules.items()):
-        if not name.startswith("qv.kernels") or module is None:
-            continue
-        for attr, fn in vars(module).items():
-            if isinstance(fn, JITFunction) and hasattr(fn, "device_caches"):
-                out[f"{name}.{attr}"] = sum(len(caches[0]) for caches in fn.device_caches.values())
-    return out
+from qv.kernels.triton_utils import compiled_variants
 
 
 @pytest.mark.gpu
@@ -32,7 +18,7 @@ def test_steps_of_new_shapes_after_warm_up_compile_nothing(tiny_engine):
     """1 to 20 sequences at once, prompts of 1 to 300 tokens (chunks beside decodes, rows and sequence counts of
     every class), greedy: no kernel gains a compiled variant after the engine's warm-up."""
     llm = tiny_engine(max_model_len=1024, max_num_batched_tokens=512)  # warmed up at start on CUDA
-    before = _variants()
+    before = compiled_variants()
     assert sum(before.values()) > 0, "no compiled Triton kernel seen: the count would prove nothing"
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
@@ -40,5 +26,5 @@ def test_steps_of_new_shapes_after_warm_up_compile_nothing(tiny_engine):
         prompts = [{"prompt_token_ids": [rng.randrange(3, 200) for _ in range(rng.choice([1, 16, 17, 64, 100, 300]))]}
                    for _ in range(n)]
         llm.generate(prompts, params)
-    grown = {name: (before.get(name, 0), count) for name, count in _variants().items() if count > before.get(name, 0)}
+    grown = {name: (before.get(name, 0), count) for name, count in compiled_variants().items() if count > before.get(name, 0)}
     assert not grown, f"kernels compiled after the warm-up (variants before, after): {grown}"

@@ -1,0 +1,33 @@
+"""The count of compiled Triton kernel variants the server exports (qv:triton_kernel_variants), and the
+process memory split beside it: what a soak reads to tell compiles inside steps from other growth."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+from triton.runtime.jit import JITFunction
+
+from qv.kernels.triton_utils import compiled_variants
+from qv.server.metrics import resident_memory_split
+
+
+def _kernel(x_ptr, n):
+    pass
+
+
+def test_compiled_variants_counts_each_kernel_of_qv_on_every_device(monkeypatch):
+    ours, theirs = JITFunction(_kernel), JITFunction(_kernel)
+    ours.device_caches = {0: ({"a": 1, "b": 2}, {}), 1: ({"c": 3}, {})}  # (kernel cache, ...) per device
+    theirs.device_caches = {0: ({"d": 4}, {})}
+    monkeypatch.setitem(sys.modules, "qv.kernels.fake_op", types.SimpleNamespace(fake=ours, helper=len))
+    monkeypatch.setitem(sys.modules, "elsewhere.op", types.SimpleNamespace(fake=theirs))
+    got = compiled_variants()
+    assert got["qv.kernels.fake_op.fake"] == 3
+    assert not any(name.startswith("elsewhere") for name in got)  # only qv's kernels count
+
+
+def test_resident_memory_split_reads_anonymous_and_file_backed_pages():
+    status = "Name:\tpython\nVmRSS:\t  300 kB\nRssAnon:\t  200 kB\nRssFile:\t   96 kB\nRssShmem:\t    4 kB\n"
+    assert resident_memory_split(status) == {"anon": 200 * 1024.0, "file": 96 * 1024.0}
+    assert resident_memory_split("Name:\tpython\n") == {}  # a system that does not say: nothing, not zeros
