@@ -3,7 +3,7 @@
 #   bash bench/gpu_all.sh SECTION...    sections: tests oracles sm70 specgpu newgpu (side by side: sm70 oracles,
 #   speculation and prompt-logprob GPU tests, graphs, the sm70 engine) engine spec spec27 ngram27 prefix
 #   prefix27 clef clef27 clefmix mix27 soak27 soak27wait pieces27 kernels bench27 fp8_27 w12_27 top1 plp mask hostile27
-#   cutlass nocompile
+#   cutlass nocompile rssprobe
 # BENCH_KERNELS_ARGS passes options to bench/kernels.py (e.g. "--only attn,gdn --sweep attn,gdn");
 # BENCH27_ARGS to `qv bench --preset 27b` (e.g. "--prefill-lengths 32768 --profile").
 # The pytest sections run with OMP_NUM_THREADS=${PYTEST_THREADS:-4}: host-side fits (the MTP head's) crawl when
@@ -78,6 +78,7 @@ add_clef(write_preset('27b', '/tmp/qv-hostile27'), '27b')"
     nocompile)  # serving compiles no Triton kernel after the warm-up; the grouped deltas' GPU oracles (aligned B loads)
         run nocompile ${NOCOMPILE_S:-150} env OMP_NUM_THREADS=${PYTEST_THREADS:-4} python3 -m pytest -q -m gpu \
           tests/engine/test_compiles_after_warm_up_gpu.py tests/oracles/test_grouped_delta.py -p no:cacheprovider -rfE ;;
+    rssprobe) run rssprobe ${RSSPROBE_S:-120} python3 bench/rss_probe.py ;;  # which suspect grows a server's anonymous RSS
     cutlass) run cutlass ${CUTLASS_S:-400} python3 bench/cutlass_probe.py --build-dir /tmp/qv-cutlass ;;  # needs the nvidia-cutlass wheel
     top1) run top1 60 python3 bench/lm_head_top1.py ;;
     mask) run mask 90 python3 bench/structured_mask.py --json "$out/mask.json" ;;

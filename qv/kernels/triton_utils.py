@@ -20,9 +20,8 @@ def jit_per_step(*counts: str):
     return triton.jit(do_not_specialize=list(counts))
 
 
-def compiled_variants() -> dict[str, int]:
-    """Compiled variants of each of qv's Triton kernels the process has launched, by module.name (all devices):
-    a count that grows while serving means kernels compiling inside steps."""
+def jit_kernels() -> dict:
+    """qv's Triton kernels the process has imported, by module.name (launched or not)."""
     from triton.runtime.jit import JITFunction
 
     out = {}
@@ -31,8 +30,21 @@ def compiled_variants() -> dict[str, int]:
             continue
         for attr, fn in list(vars(module).items()):
             if isinstance(fn, JITFunction) and hasattr(fn, "device_caches"):
-                out[f"{name}.{attr}"] = sum(len(caches[0]) for caches in list(fn.device_caches.values()))
+                out[f"{name}.{attr}"] = fn
     return out
+
+
+def variant_keys(fn) -> list[str]:
+    """The specialization keys of a Triton kernel's compiled variants, oldest first, over every device (each
+    names the argument classes and constexprs it was compiled for)."""
+    return [str(key) for caches in list(fn.device_caches.values()) for key in list(caches[0])]
+
+
+def compiled_variants() -> dict[str, int]:
+    """Compiled variants of each of qv's Triton kernels, by module.name (all devices): a count that grows while
+    serving means kernels compiling inside steps."""
+    return {name: sum(len(caches[0]) for caches in list(fn.device_caches.values()))
+            for name, fn in jit_kernels().items()}
 
 
 def next_pow2(n: int, floor: int = 1) -> int:

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from qv import SamplingParams
-from qv.kernels.triton_utils import compiled_variants
+from qv.kernels.triton_utils import compiled_variants, jit_kernels, variant_keys
 
 
 @pytest.mark.gpu
@@ -19,6 +19,7 @@ def test_steps_of_new_shapes_after_warm_up_compile_nothing(tiny_engine):
     every class), greedy: no kernel gains a compiled variant after the engine's warm-up."""
     llm = tiny_engine(max_model_len=1024, max_num_batched_tokens=512)  # warmed up at start on CUDA
     before = compiled_variants()
+    keys_before = {name: set(variant_keys(fn)) for name, fn in jit_kernels().items()}
     assert sum(before.values()) > 0, "no compiled Triton kernel seen: the count would prove nothing"
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
@@ -27,4 +28,6 @@ def test_steps_of_new_shapes_after_warm_up_compile_nothing(tiny_engine):
                    for _ in range(n)]
         llm.generate(prompts, params)
     grown = {name: (before.get(name, 0), count) for name, count in compiled_variants().items() if count > before.get(name, 0)}
-    assert not grown, f"kernels compiled after the warm-up (variants before, after): {grown}"
+    new_keys = {name: [k for k in variant_keys(fn) if k not in keys_before.get(name, ())]
+                for name, fn in jit_kernels().items() if name in grown}
+    assert not grown, f"kernels compiled after the warm-up (variants before, after): {grown}; new keys: {new_keys}"

@@ -42,7 +42,7 @@ def _mm(a, b, IEEE: tl.constexpr, DOT: tl.constexpr):
     return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
 
 
-@jit_per_step("num_rows")
+@jit_per_step("num_rows", "stride_split")  # stride_split: rows x rank
 def shrink_kernel(t_ptr, x_ptr, rows_ptr, slot_start_ptr, a_ptr, scale_ptr, slot_rows_ptr, num_rows, K,
                   stride_t, stride_x, stride_a, M1, stride_split, K_SPLIT,
                   HAS_SLOTS: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr,
@@ -74,7 +74,7 @@ def shrink_kernel(t_ptr, x_ptr, rows_ptr, slot_start_ptr, a_ptr, scale_ptr, slot
                  mask=m_m[:, None] & m_j[None, :])
 
 
-@jit_per_step("num_rows")
+@jit_per_step("num_rows", "stride_split")
 def expand_kernel(y_ptr, t_ptr, rows_ptr, slot_start_ptr, b_ptr, b_off_ptr, col_ptr, width_ptr, slot_rows_ptr,
                   member_cols_ptr, num_rows, N, stride_y, stride_t, stride_split,
                   HAS_SLOTS: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr, MEMBERS: tl.constexpr,
