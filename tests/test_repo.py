@@ -36,8 +36,8 @@ ALLOWED = {
 # the server parses Clef decisions and formats their answers with qv.clef itself; the rest of qv.clef (head,
 # adapters, the record encoder's internals) is the engine's
 SERVER_CLEF_MODULES = {"qv.clef.request", "qv.clef.answers", "qv.clef.limits"}
-# the engine reaches kernels only to sample and to choose kernels at start-up
-ENGINE_KERNEL_USERS = {"sampler.py", "build.py"}
+# the engine reaches kernels only to sample, to choose kernels at start-up and to see them compile after it
+ENGINE_KERNEL_USERS = {"sampler.py", "build.py", "compile_watch.py"}
 SOFT_LINES, HARD_LINES, MAX_FUNCTION_LINES = 400, 600, 100
 # files allowed past the hard limit, with the reason
 SIZE_EXCEPTIONS: dict[str, str] = {}

@@ -15,6 +15,7 @@ from qv.config import EngineConfig
 from qv.engine.bad_words import depends_on_output
 from qv.engine.build import build_engine_parts
 from qv.engine.clef_rows import clef_sequence, make_clef_rows
+from qv.engine.compile_watch import CompileWatch
 from qv.engine.cuda_graphs import eager_reason
 from qv.engine.detokenizer import IncrementalDetokenizer
 from qv.engine.kv_cache import KVBlockPool
@@ -64,6 +65,7 @@ class EngineStats:
     spec_num_accepted_tokens_per_pos: list[int] | None = None
     cuda_graph_sizes: tuple[int, ...] = ()  # decode batch sizes replayed from CUDA graphs (empty: eager)
     async_steps: int = 0  # steps launched before the previous step's tokens reached the host (async scheduling)
+    kernel_compiles: int = 0  # Triton kernel variants compiled inside steps after the warm-up (each logged)
 
 
 @dataclass
@@ -155,8 +157,10 @@ class LLMEngine:
         self.stats = self._fresh_stats()
         self._steps = 0
         self._inflight: StepHandle | None = None  # the step launched but not yet applied (async only)
+        self._compiles: CompileWatch | None = None
         if cfg.warm_up and parts.model.device.type == "cuda":
             self.warm_up()
+            self._compiles = CompileWatch()
 
     def _forget_counters(self) -> None:
         """Every counter the statistics read, from zero (after the warm-up's dummy requests)."""
@@ -545,6 +549,8 @@ class LLMEngine:
         s.kv_cache_usage = self.blocks.usage
         s.num_preemptions = self.scheduler.num_preemptions
         s.num_deferred_readmissions = self.scheduler.num_deferred_readmissions
+        if self._compiles is not None:
+            s.kernel_compiles += self._compiles.check()
         for f in self.features:  # speculation's counters
             f.report(s)
         if self.prefix_cache:
