@@ -30,4 +30,6 @@ def test_steps_of_new_shapes_after_warm_up_compile_nothing(tiny_engine):
     grown = {name: (before.get(name, 0), count) for name, count in compiled_variants().items() if count > before.get(name, 0)}
     new_keys = {name: [k for k in variant_keys(fn) if k not in keys_before.get(name, ())]
                 for name, fn in jit_kernels().items() if name in grown}
-    assert not grown, f"kernels compiled after the warm-up (variants before, after): {grown}; new keys: {new_keys}"
+    old_keys = {name: sorted(keys_before.get(name, ())) for name in grown}
+    assert not grown, (f"kernels compiled after the warm-up (variants before, after): {grown}; new keys: {new_keys}; "
+                       f"the keys compiled before: {old_keys}")
