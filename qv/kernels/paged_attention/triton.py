@@ -130,7 +130,8 @@ def _attn_span(acc, m_i, l_i, b_q, qpos, lo, hi, free, kv_len, b, kvh, kv_start,
     return acc, m_i, l_i
 
 
-@jit_per_step("B", "T", "SPLIT_LEN")  # SPLIT_LEN: the longest context where one split takes all
+# SPLIT_LEN: the longest context where one split takes all; stride_bt: the step's block table width
+@jit_per_step("B", "T", "SPLIT_LEN", "stride_bt")
 def attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, lse_ptr, bt_ptr, cu_q_ptr, kv_len_ptr, kn_ptr, vn_ptr,
     qk_scale, B, T, HQ,

@@ -103,7 +103,7 @@ def _decode_tile_step(b_q, b_k, b_v, b_ks, b_vs, n, k_end, qpos, acc, m_i, l_i, 
     return acc, m_new, l_i
 
 
-@jit_per_step("T")
+@jit_per_step("T", "stride_bt")  # stride_bt: the step's block table width (eager decode steps)
 def paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, lse_ptr, bt_ptr, cu_q_ptr, kv_len_ptr,
     qk_scale, T, HQ, stride_qt, stride_qh, stride_ot, stride_oh, stride_os,
