@@ -155,7 +155,7 @@ class EngineConfig(BaseSettings):
         "records never starve, and with piecewise graphs the rows up to the step's padded size; with nothing decoding, "
         "prompts take max_num_batched_tokens. While on, it replaces long_prefill_token_threshold and "
         "max_long_partial_prefills in steps with decodes. 0 (the default): off; at the 64-layer 27B shapes on an H100 "
-        "a mixed step with Clef rows took 75 ms of GPU time past the 64-row edge (docs/BENCHMARKS.md). "
+        "2.5x a decode step gave chats 2.6x their ITL but records 0.13x their rate alone (docs/BENCHMARKS.md). "
         "GPU-independent: max_step_decode_ratio.",
         ge=0)
     max_step_decode_ratio: float = lever(
