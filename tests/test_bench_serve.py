@@ -49,12 +49,12 @@ def test_bench_serve_reports_a_complete_table_and_json(tmp_path, capsys):
     assert memory["rss_settled_mib"] > 50 and memory["rss_end_mib"] > 50 and isinstance(memory["rss_change"], float)
     assert memory["device_settled_mib"] == memory["device_end_mib"] == 0 and memory["device_change"] is None  # CPU
     assert memory["device_used_settled_mib"] == memory["device_used_end_mib"] == 0
-    assert memory["kernels_settled"] == memory["kernels_end"] == 0  # the interpreter compiles nothing
+    assert memory["compiles_settled"] == memory["compiles_end"] == 0  # no warm-up on the CPU: nothing watched
     if Path("/proc/self/status").exists():  # Linux splits the RSS; the parts add up to at most the whole
         for at in ("settled", "end"):
             anon, file, rss = (memory[f"{k}_{at}_mib"] for k in ("rss_anon", "rss_file", "rss"))
             assert anon > 50 and file > 0 and anon + file <= 1.05 * rss, memory  # scraped apart
-    assert memory["sample_columns"] == ["s", "rss", "rss_anon", "rss_file", "device", "device_used", "kernels"]
+    assert memory["sample_columns"] == ["s", "rss", "rss_anon", "rss_file", "device", "device_used", "compiles"]
     times = [row[0] for row in memory["samples"]]
     assert times and times == sorted(times) and all(row[1] > 50 for row in memory["samples"]), memory["samples"]
     assert all(len(row) == 7 for row in memory["samples"]), memory["samples"]
@@ -107,7 +107,7 @@ def test_memory_change_is_relative_to_where_it_settled():
                    "device_settled_mib": None, "device_end_mib": 5.0 / 2**20, "device_change": None,
                    **{f"{k}_{at}": None for k in ("rss_anon", "rss_file", "device_used")
                       for at in ("settled_mib", "end_mib", "change")},
-                   "kernels_settled": 40.0, "kernels_end": 43.0}
+                   "compiles_settled": 40.0, "compiles_end": 43.0}
 
 
 @pytest.mark.parametrize("kw, says", [({"chats": 0, "records": 0}, "at least one"),

@@ -1,5 +1,6 @@
-"""The count of compiled Triton kernel variants the server exports (qv:triton_kernel_variants), and the
-process memory split beside it: what a soak reads to tell compiles inside steps from other growth."""
+"""Compiled Triton kernel variants and the engine's watch that counts and names those compiled inside steps
+(the server's qv:kernel_compiles), and the process memory split beside it: what a soak reads to tell compiles
+inside steps from other growth."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ request rate, arrivals are Poisson and `concurrency` caps the requests in flight
 markdown table and a JSON record: TTFT, ITL and end-to-end percentiles, output, prompt and record
 throughput, errors, and the deltas of the server's own /metrics over the run. For soaks it also reports the
 server's RSS (and its anonymous and file-backed parts), device memory (torch's and the driver's count) and
-compiled Triton kernel variants where they settled (the first of 16 scrapes over the load at or after
+the Triton kernels compiled inside steps where they settled (the first of 16 scrapes over the load at or after
 `settle_s`) against the end, the RSS of every scrape (flat or climbing), and whether
 fixed greedy probe chats, sent to the idle server before the load and after the drain, answer the same.
 
@@ -47,8 +47,8 @@ SERVER_METRICS = ("vllm:num_preemptions_total", "vllm:request_queue_time_seconds
 MEMORY_METRICS = {"rss": "process_resident_memory_bytes", "rss_anon": "qv:process_resident_anon_bytes",
                   "rss_file": "qv:process_resident_file_bytes", "device": "qv:device_memory_reserved_bytes",
                   "device_used": "qv:device_memory_used_bytes"}
-KERNELS_METRIC = "qv:triton_kernel_variants"  # compiled Triton kernels: growth under load means compiles in steps
-SAMPLE_COLUMNS = ("s", *MEMORY_METRICS, "kernels")  # a memory sample: seconds into the load, MiB, kernel variants
+KERNELS_METRIC = "qv:kernel_compiles_total"  # Triton kernels compiled inside steps after the warm-up
+SAMPLE_COLUMNS = ("s", *MEMORY_METRICS, "compiles")  # a memory sample: seconds into the load, MiB, compiles
 MEMORY_SAMPLES = 16  # memory scrapes over the load (the JSON's memory.samples; the table shows them)
 PERCENTILES = (50, 95, 99)
 DRAIN_S = 120.0  # the longest a request still in flight at the end of the run is waited for
@@ -307,7 +307,7 @@ async def _sample_memory(client, t0: float, every_s: float, into: list) -> None:
 
 def _memory_change(settled: dict, end: dict) -> dict:
     """MiB where memory settled and at the end, and the relative change (None where the server does not say),
-    and the compiled kernel variants then and at the end; settled and end: scrapes holding MEMORY_METRICS' names
+    and the kernels compiled inside steps by then and by the end; settled and end: scrapes holding MEMORY_METRICS' names
     (and KERNELS_METRIC's, where scraped)."""
     out = {}
     for key, name in MEMORY_METRICS.items():
@@ -315,7 +315,7 @@ def _memory_change(settled: dict, end: dict) -> dict:
         out[f"{key}_settled_mib"] = None if a is None else a / 2**20
         out[f"{key}_end_mib"] = None if b is None else b / 2**20
         out[f"{key}_change"] = (b - a) / a if a and b is not None else None
-    out["kernels_settled"], out["kernels_end"] = settled.get(KERNELS_METRIC), end.get(KERNELS_METRIC)
+    out["compiles_settled"], out["compiles_end"] = settled.get(KERNELS_METRIC), end.get(KERNELS_METRIC)
     return out
 
 
@@ -378,9 +378,9 @@ def serve_markdown(report: dict) -> str:
             change = "" if mem[f"{key}_change"] is None else f" ({100 * mem[f'{key}_change']:+.1f}%)"
             scalars += ((f"{name}: settled -> end (MiB)",
                          f"{mem[f'{key}_settled_mib']:.0f} -> {mem[f'{key}_end_mib']:.0f}{change}"),)
-    if mem.get("kernels_settled") is not None and mem.get("kernels_end") is not None:
-        scalars += (("server: compiled Triton kernel variants, settled -> end",
-                     f"{mem['kernels_settled']:.0f} -> {mem['kernels_end']:.0f}"),)
+    if mem.get("compiles_settled") is not None and mem.get("compiles_end") is not None:
+        scalars += (("server: kernels compiled inside steps, settled -> end",
+                     f"{mem['compiles_settled']:.0f} -> {mem['compiles_end']:.0f}"),)
     if mem.get("samples"):
         rss = SAMPLE_COLUMNS.index("rss")
         scalars += (("server RSS over the load (MiB, every ~1/16 of it)",

@@ -13,7 +13,6 @@ import threading
 from dataclasses import dataclass
 
 from qv.config import EngineConfig
-from qv.engine.build import compiled_kernel_variants
 from qv.engine.clef_rows import ClefResult
 from qv.engine.engine import EngineStats, LLMEngine
 from qv.engine.multimodal import MultimodalPrompt
@@ -98,11 +97,6 @@ class AsyncLLMEngine:
 
     def stats(self) -> EngineStats:
         return self.engine.stats
-
-    def kernel_variants(self) -> int:
-        """Compiled Triton kernel variants so far (qv.engine.build.compiled_kernel_variants; safe off the engine
-        thread: it only counts)."""
-        return compiled_kernel_variants()
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> CheckedRequest:
         """LLMEngine.check_request (pure: safe off the engine thread)."""

@@ -20,7 +20,6 @@ from qv.engine.memory_plan import MemoryPlan
 from qv.engine.prefix_cache import PrefixPlan, plan_prefix_cache
 from qv.engine.tensor_parallel import TPDriver, check_levers, rank_device
 from qv.kernels.paged_attention.sparse import SparsePolicy
-from qv.kernels.triton_utils import compiled_variants
 from qv.model.cache import (KV_DTYPES, STATE_DTYPES, HybridCache, allocate_cache, gdn_bytes_per_slot,
                             kv_bytes_per_block, prefill_workspace_bytes, warm_prefill_attention)
 from qv.model.parallel import TPGroup
@@ -54,12 +53,6 @@ class EngineParts:
     memory_plan: MemoryPlan | None = None
     media_off: str | None = None  # why images and videos are off (None: on)
     tp: TPDriver | None = None  # the tensor-parallel workers (tensor_parallel_size > 1)
-
-
-def compiled_kernel_variants() -> int:
-    """Compiled variants of qv's Triton kernels in this process so far (0 under the interpreter): after the
-    warm-up it should not grow, since a compile inside a step stalls every request."""
-    return sum(compiled_variants().values())
 
 
 def default_model_dir(state_dir: str = "") -> Path:

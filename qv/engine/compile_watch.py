@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from qv.kernels.triton_utils import jit_kernels, variant_keys
+from qv.kernels.triton_utils import jit_kernels, variant_count, variant_keys
 
 log = logging.getLogger("qv.engine")
 
@@ -30,11 +30,7 @@ class CompileWatch:
         for name, fn in jit_kernels().items():
             if name not in self.kernels:
                 self.kernels[name] = fn
-                self.seen[name] = self._count(fn) if first else 0
-
-    @staticmethod
-    def _count(fn) -> int:
-        return sum(len(caches[0]) for caches in list(fn.device_caches.values()))
+                self.seen[name] = variant_count(fn) if first else 0
 
     def check(self) -> int:
         """Variants compiled since the last look (each logged with its kernel and key), looking every `every` calls."""
@@ -45,7 +41,7 @@ class CompileWatch:
             self._rescan()
         new = 0
         for name, fn in self.kernels.items():
-            count = self._count(fn)
+            count = variant_count(fn)
             if count > self.seen[name]:
                 keys = variant_keys(fn)[self.seen[name] - count:]
                 log.warning("Triton compiled %d variant(s) of %s inside a step after the warm-up (the warm-up never "

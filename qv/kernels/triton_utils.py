@@ -40,11 +40,15 @@ def variant_keys(fn) -> list[str]:
     return [str(key) for caches in list(fn.device_caches.values()) for key in list(caches[0])]
 
 
+def variant_count(fn) -> int:
+    """Compiled variants of one Triton kernel, over every device."""
+    return sum(len(caches[0]) for caches in list(fn.device_caches.values()))
+
+
 def compiled_variants() -> dict[str, int]:
     """Compiled variants of each of qv's Triton kernels, by module.name (all devices): a count that grows while
     serving means kernels compiling inside steps."""
-    return {name: sum(len(caches[0]) for caches in list(fn.device_caches.values()))
-            for name, fn in jit_kernels().items()}
+    return {name: variant_count(fn) for name, fn in jit_kernels().items()}
 
 
 def next_pow2(n: int, floor: int = 1) -> int:

@@ -7,7 +7,7 @@ latency histograms are observed by the server as each request's outputs arrive. 
 own registry, so several servers can live in one process (tests). qv's own gauges, under `qv:`, say
 whether decode steps replay CUDA graphs (`qv:cuda_graphs_enabled`) and for which batch sizes, and what a
 soak watches: device memory (torch's and the driver's count), resident memory split into anonymous and
-file-backed, and the compiled Triton kernel variants.
+file-backed, and the Triton kernels compiled inside steps after the warm-up.
 
 Every `vllm:` name vLLM's Grafana dashboard queries is here with vLLM's type and labels, the legacy
 ones as aliases vLLM keeps (`vllm:gpu_cache_usage_perc` of `vllm:kv_cache_usage_perc`,
@@ -118,9 +118,6 @@ class _EngineCollector:
         for kind, value in resident_memory_split().items():
             yield gauge(f"qv:process_resident_{kind}_bytes", f"Resident memory of this process that is {kind} "
                         "(/proc/self/status; process_resident_memory_bytes is their sum with shared memory).", value)
-        if hasattr(self.engine, "kernel_variants"):
-            yield gauge("qv:triton_kernel_variants", "Compiled variants of qv's Triton kernels in this process "
-                        "(growth after the warm-up: compiles inside steps).", self.engine.kernel_variants())
         yield gauge("vllm:num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting)
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache block usage (1 = full).", s.kv_cache_usage)
         yield gauge("vllm:gpu_cache_usage_perc", "KV-cache block usage (1 = full); vLLM's legacy name of "
@@ -136,6 +133,8 @@ class _EngineCollector:
         info.add_metric([*self.cache_config.values(), str(s.num_gpu_blocks), self.labels[1]], 1)
         yield info
         yield counter("vllm:num_preemptions", "Preemptions (recompute).", s.num_preemptions)
+        yield counter("qv:kernel_compiles", "Triton kernel variants compiled inside steps after the start-up's warm-up "
+                      "(each stalls every request; the log names it).", getattr(s, "kernel_compiles", 0))
         yield counter("qv:num_deferred_readmissions", "Preempted requests past max_preemptions held back until their "
                       "full length fits beside the running ones.", getattr(s, "num_deferred_readmissions", 0))
         yield counter("vllm:prompt_tokens", "Prefill tokens processed.", s.prompt_tokens)
