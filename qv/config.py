@@ -126,7 +126,7 @@ class EngineConfig(BaseSettings):
         "Overlap the host work of a decode step with the GPU's: the next step is scheduled and launched before the "
         "last one's tokens reach the host (their ids go from the device into the next step's inputs; the row of a "
         "sequence that stopped is dropped). Tokens, text and finish reasons are the synchronous engine's, logprobs "
-        "too up to fp32 rounding where the batches differ; with speculative decoding, Clef records, images/videos, "
+        "and Clef answers too up to fp32 rounding where the batches differ; with speculative decoding, images/videos, "
         "penalties, or a plan that could preempt, a step waits for the last one's tokens (0: every step waits).")
     long_prefill_token_threshold: int = lever(
         0,

@@ -101,7 +101,9 @@ class ClefRows(StepFeature):
     def num_pending(self) -> int:
         return len(self.pending)
 
-    # -- StepFeature: admission before the plan, answers after the forward, synchronous while records run
+    # -- StepFeature: admission before the plan, answers after the forward. Records never hold the next step (async
+    # scheduling): they sample nothing, their head reads its rows at the launch (stream-ordered), and a finished
+    # record's answers are read after its last chunk's forward, before the next plan
     num_queued = num_pending
 
     def before_plan(self, scheduler) -> list[str]:
@@ -109,9 +111,6 @@ class ClefRows(StepFeature):
 
     def after_forward(self, scheduled, scheduler) -> list[str]:
         return self.finish_ready(scheduled, scheduler)
-
-    def holds_next_step(self, scheduler) -> bool:
-        return bool(self.pending) or any(not j.seq.finished for j in self.active)
 
     def finished_output(self, request_id: str) -> dict:
         return {"clef": self.pop_result(request_id)}

@@ -470,7 +470,7 @@ class LLMEngine:
         results); otherwise the exclusions, one a line:"""
         s = self.scheduler
         if any(f.holds_next_step(s) for f in self.features):
-            return False  # Clef records (admission, head rows, answers) and images/videos stay synchronous
+            return False  # images/videos stay synchronous
         going_on = set(self._continuing(h))
         if any(self.structured.constrains(q) for q in going_on):
             return False  # structured outputs: the next mask needs this step's tokens in the matcher

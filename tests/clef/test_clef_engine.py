@@ -105,6 +105,43 @@ def test_mixed_batches_through_the_engine(tiny_engine, clef_dirs, alone, records
     assert st.prompt_tokens == sum(map(len, chats.values())) + sum(r.num_tokens for r in records.values())
 
 
+def test_records_beside_chats_run_async_as_they_run_sync(tiny_engine, clef_dirs, records):
+    """Async scheduling keeps running while records prefill beside decoding chats: steps with record rows launch
+    before the last step is collected, the chats' tokens equal the synchronous engine's and the records' answers
+    its answers (fp32 reorderings only)."""
+    rng = random.Random(11)
+    chats = {f"c{j}": [rng.randrange(3, 250) for _ in range(rng.randint(5, 40))] for j in range(3)}
+    out, overlapped = {}, {}
+    for mode in (False, True):  # small chunks: each record takes several steps beside the chats' decodes
+        eng = make_engine(tiny_engine, clef_dirs["adapters"], async_scheduling=mode, max_num_batched_tokens=96)
+        runner, in_flight, launches = eng.runner, [0], []
+        execute, collect = runner.execute, runner.collect
+
+        def spied_execute(plan, execute=execute, in_flight=in_flight, launches=launches, eng=eng):
+            launches.append((in_flight[0], any(eng.clef.owns(q) for q, _ in plan.scheduled)))
+            in_flight[0] += 1
+            return execute(plan)
+
+        def spied_collect(h, collect=collect, in_flight=in_flight):
+            in_flight[0] -= 1
+            return collect(h)
+
+        runner.execute, runner.collect = spied_execute, spied_collect
+        out[mode] = run(eng, records, chats)
+        overlapped[mode] = sum(1 for busy, has_record in launches if busy and has_record)
+    assert overlapped[False] == 0 and overlapped[True] > 0, overlapped  # record steps launched over another
+    for rid in chats:
+        assert out[True][rid].outputs[0].token_ids == out[False][rid].outputs[0].token_ids, rid
+    worst = 0.0
+    for rid in records:
+        got, ref = out[True][rid].clef, out[False][rid].clef
+        worst = max(worst, max_dp(got.probabilities, ref.probabilities))
+        assert [a.get("choice") for a in got.answers.values()] == [a.get("choice") for a in ref.answers.values()]
+        assert out[True][rid].outputs[0].finish_reason == "stop"
+    print(f"\nasync vs sync: {overlapped[True]} record steps launched over another, Clef max |dp| {worst:.1e}")
+    assert worst <= BOUND
+
+
 def test_warm_up_runs_a_record_and_leaves_no_trace(tiny_engine, clef_dirs, alone, records, caplog):
     """Start-up's warm-up (LLMEngine.warm_up, called directly: the engine calls it on CUDA) runs one Clef
     record through the delta rows and the head, in chunks of under MANY_ROWS rows (as a step target makes them
@@ -229,9 +266,11 @@ def test_clef_slots_bound_records_in_flight(tiny_engine, clef_dirs, records):
     for rid, rec in records.items():
         eng.add_clef(rid, rec)
     assert eng.stats.num_waiting == 4  # admitted from the next step on, at most two at a time
-    eng.step()
+    # (async scheduling: this call may launch a second step, and a record's answers come right after its last
+    # chunk's launch, so one may finish here already)
+    early = {o.request_id: o for o in eng.step() if o.finished}
     assert len(eng.clef.pending) == 2 and eng.stats.num_waiting >= 2  # two wait for a Clef slot
-    done = run(eng, {})
+    done = {**early, **run(eng, {})}
     assert sorted(done) == sorted(records) and all(o.clef is not None for o in done.values())
     assert max(seen) == 2 and eng.stats.num_waiting == 0
 
@@ -263,7 +302,9 @@ def test_abort_frees_running_and_queued_records(tiny_engine, clef_dirs, records)
     assert eng.blocks.num_free < free
     assert eng.abort_request("r1").outputs[0].finish_reason == "abort"  # waiting for a Clef slot
     assert eng.abort_request("r0").outputs[0].finish_reason == "abort"  # mid-prefill
-    assert not eng.has_unfinished_requests() and eng.blocks.num_free == free
+    while eng.has_unfinished_requests():  # async scheduling: the step in flight is collected (its rows dropped)
+        assert not eng.step()
+    assert eng.blocks.num_free == free
     assert not eng.clef.jobs and not eng.clef.pending and eng.stats.num_waiting == 0
     with pytest.raises(InvalidRequestError, match="no Clef decisions"):
         make_engine(tiny_engine, clef_dirs["adapters"], clef=False).add_clef("x", records["r0"])
