@@ -17,7 +17,6 @@ class CompileWatch:
     def __init__(self, every: int = 16):
         """every: look at each call's kernels only every this many calls (~60 us a look over qv's kernels)."""
         self.every, self._calls = every, 0
-        self._modules = -1
         self.kernels: dict = {}
         self.seen: dict[str, int] = {}
         self.num_compiles = 0  # variants compiled since the watch began

@@ -550,7 +550,8 @@ class LLMEngine:
         s.num_preemptions = self.scheduler.num_preemptions
         s.num_deferred_readmissions = self.scheduler.num_deferred_readmissions
         if self._compiles is not None:
-            s.kernel_compiles += self._compiles.check()
+            self._compiles.check()
+            s.kernel_compiles = self._compiles.num_compiles
         for f in self.features:  # speculation's counters
             f.report(s)
         if self.prefix_cache:

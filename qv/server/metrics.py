@@ -58,20 +58,24 @@ def step_token_histogram(name: str, doc: str, labels: list[str], step_tokens: di
     return h
 
 
-def _device_memory_reserved() -> float:
+def _cuda_devices():
+    """(torch.cuda, its device indices) where this process has started CUDA, else None."""
     torch = sys.modules.get("torch")  # never imported here: a server that has not loaded a model must not load it
     if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
-        return 0.0
-    return float(sum(torch.cuda.memory_reserved(i) for i in range(torch.cuda.device_count())))
+        return None
+    return torch.cuda, range(torch.cuda.device_count())
+
+
+def _device_memory_reserved() -> float:
+    cuda = _cuda_devices()
+    return 0.0 if cuda is None else float(sum(map(cuda[0].memory_reserved, cuda[1])))
 
 
 def _device_memory_used() -> float:
     """Bytes in use on this process's GPUs as the driver counts them (every process's, and what torch's allocator
     does not see: CUDA contexts, lazily loaded kernel modules, library workspaces)."""
-    torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
-        return 0.0
-    return float(sum(total - free for free, total in map(torch.cuda.mem_get_info, range(torch.cuda.device_count()))))
+    cuda = _cuda_devices()
+    return 0.0 if cuda is None else float(sum(total - free for free, total in map(cuda[0].mem_get_info, cuda[1])))
 
 
 def resident_memory_split(status: str | None = None) -> dict[str, float]:
