@@ -15,7 +15,7 @@ log = logging.getLogger("qv.engine")
 
 class CompileWatch:
     def __init__(self, every: int = 16):
-        """every: look at each call's kernels only every this many calls (~60 us a look over qv's kernels)."""
+        """every: look only every this many calls (a look counts the variants of every qv kernel)."""
         self.every, self._calls = every, 0
         self.kernels: dict = {}
         self.seen: dict[str, int] = {}
